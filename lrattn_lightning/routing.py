@@ -1,0 +1,271 @@
+"""Depth routing, the readable reference implementation (SPEC §2-3, §7).
+
+A decoder with L layers has M = 2L residual-writing sublayers. o_0 is the embedding, o_i what
+sublayer i writes. Read site j (0..2L) forms the hidden state that feeds sublayer j+1 (site 2L
+feeds the final norm and the head). With attention residuals, site j >= 1 owns a static
+pseudo-query q_j and reads
+
+    k_i      = RMSNorm(key_i)                   per depth head, parameter-free (key_norm: rms)
+    logit_i  = s * <q_j, k_i> + beta * log(c_i)  c_i: outputs summarised by source i
+    alpha_j  = softmax_i(logit)                  over sources i in S_j, float32
+    h_j      = sum_i alpha_{j,i} v_i             values are always the full d-dim sources
+
+Full routing: S_j = {o_0 .. o_j}. Block routing: S_j = {o_0, completed block summaries,
+the partial block if non-empty}; a summary over c outputs has value (sum o_i) / c^a.
+Keys: value (k = v), sliced (k = v[..., -r:]), projected (extra output rows of the sublayer),
+value_projected (Linear(RMSNorm(v))). Summary keys are derived from the summary value when the
+key comes from the value, else they are (sum k_i) / c^a of the members' keys.
+
+Shape legend: S sources, B batch, T tokens, D = d_model, R = key width r, M = depth heads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lrattn_lightning.config import ModelConfig
+
+RMS_EPS = 1e-6
+
+
+def rms_norm(x: Tensor) -> Tensor:
+    """Parameter-free RMSNorm over the last dimension."""
+    return F.rms_norm(x, (x.shape[-1],), eps=RMS_EPS)
+
+
+def head_rms_norm(x_R: Tensor, heads: int) -> Tensor:
+    """RMSNorm of each of `heads` equal slices of the last dimension; same shape out."""
+    if heads == 1:
+        return rms_norm(x_R)
+    return rms_norm(x_R.unflatten(-1, (heads, -1))).flatten(-2)
+
+
+def depth_read(
+    values: Tensor,
+    keys: Tensor,
+    query: Tensor,
+    *,
+    bias: Tensor | None = None,
+    scale: float = 1.0,
+    key_norm: bool = True,
+    heads: int = 1,
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """One read over stacked sources.
+
+    values [S, B, T, D], keys [S, B, T, R], query [R] or [M, R/M], bias [S] or None -> [B, T, D]
+    (and the weights alpha [S, B, T, M] in float32 when return_weights).
+    """
+    S, B, T, D = values.shape
+    R = keys.shape[-1]
+    if R % heads or D % heads:
+        raise ValueError(f"key width {R} and value width {D} must be divisible by heads={heads}")
+    keys_SBTMr = keys.unflatten(-1, (heads, R // heads))
+    if key_norm:
+        keys_SBTMr = rms_norm(keys_SBTMr)
+    query_Mr = query.reshape(heads, R // heads)
+    logits_SBTM = torch.einsum("sbtmr,mr->sbtm", keys_SBTMr.float(), query_Mr.float()) * scale
+    if bias is not None:
+        logits_SBTM = logits_SBTM + bias.float().view(S, 1, 1, 1)
+    alpha_SBTM = logits_SBTM.softmax(dim=0)
+    values_SBTMd = values.unflatten(-1, (heads, D // heads))
+    out_BTD = torch.einsum("sbtm,sbtmd->btmd", alpha_SBTM.to(values.dtype), values_SBTMd).flatten(-2)
+    return (out_BTD, alpha_SBTM) if return_weights else out_BTD
+
+
+def causal_mean(x_BTD: Tensor) -> Tensor:
+    """Running mean over positions <= t (keeps the gated residual causal)."""
+    T = x_BTD.shape[1]
+    counts = torch.arange(1, T + 1, device=x_BTD.device, dtype=torch.float32).view(1, T, 1)
+    return (x_BTD.float().cumsum(dim=1) / counts).to(x_BTD.dtype)
+
+
+@dataclass
+class RoutingState:
+    """Everything one forward pass has written so far."""
+
+    stream: Tensor | None = None  # residual/gated: the running hidden state
+    values: list[Tensor] = field(default_factory=list)  # attnres: completed sources [B, T, D]
+    keys: list[Tensor] = field(default_factory=list)  # their keys, already normalised [B, T, R]
+    counts: list[int] = field(default_factory=list)  # outputs each completed source summarises
+    partial_value: Tensor | None = None  # block routing: running sum of the current block
+    partial_key: Tensor | None = None  # ... and of its carried keys (projected key sources)
+    partial_count: int = 0
+    weights: list[Tensor] | None = None  # per site j=1..2L: alpha [S_j, B, T, M] when recording
+
+
+class DepthRouter(nn.Module):
+    """Owns the routing parameters (queries, key projections, gates) and the read/write rules."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        s, a = cfg.size, cfg.ablation
+        self.kind = a.routing
+        self.d = s.d_model
+        self.n_sublayers = s.n_sublayers
+        self.std = s.init_std
+        if self.kind == "gated":
+            self.gate_q = nn.ModuleList(nn.Linear(self.d, self.d, bias=False) for _ in range(self.n_sublayers))
+            self.gate_k = nn.ModuleList(nn.Linear(self.d, self.d, bias=False) for _ in range(self.n_sublayers))
+        if self.kind != "attnres":
+            return
+        self.rank = cfg.key_dim
+        self.heads = a.depth_heads
+        self.scale = cfg.logit_scale
+        self.key_source = a.key_source
+        self.embedding_key = a.embedding_key
+        self.key_norm = a.key_norm == "rms"
+        self.query_norm = a.query_norm
+        self.query_init = a.query_init
+        self.summary_exponent = a.summary_exponent
+        self.count_prior = float(a.count_prior)
+        self.block_ends = frozenset(cfg.block_ends())
+        self.carries_keys = a.key_source in ("projected", "value_projected", "value_projected_shared")
+        self.queries = nn.Parameter(torch.zeros(self.n_sublayers, self.rank))  # site j uses row j-1
+        emb_proj = a.embedding_key in ("projected", "projected_plus_static")
+        if a.key_source == "projected" and emb_proj:
+            self.embedding_key_proj = nn.Linear(self.d, self.rank, bias=False)
+        if a.embedding_key in ("static", "projected_plus_static"):
+            self.embedding_key_static = nn.Parameter(torch.zeros(self.rank))
+        if a.key_source == "value_projected":
+            # one projection per sublayer, plus the embedding's own when it is projected
+            self.value_key_proj = nn.ModuleList(
+                nn.Linear(self.d, self.rank, bias=False) for _ in range(self.n_sublayers + int(emb_proj))
+            )
+        self.first_projected_source = 0 if emb_proj else 1
+        if a.key_source == "value_projected_shared":
+            self.value_key_proj = nn.ModuleList([nn.Linear(self.d, self.rank, bias=False)])
+
+    def reset_parameters(self) -> None:
+        """SPEC init: queries zero (or N(0, std)), key projections and static keys N(0, std), gates orthogonal."""
+        if self.kind == "gated":
+            for lin in [*self.gate_q, *self.gate_k]:
+                if not lin.weight.is_meta:
+                    nn.init.orthogonal_(lin.weight)
+            return
+        if self.kind != "attnres":
+            return
+        if self.query_init == "zero":
+            nn.init.zeros_(self.queries)
+        else:
+            nn.init.normal_(self.queries, std=self.std)
+        for name, p in self.named_parameters():
+            if name != "queries":
+                nn.init.normal_(p, std=self.std)
+
+    # ---- sources -------------------------------------------------------------------------------
+    def _value_key(self, value_BTD: Tensor) -> Tensor:
+        """Key derived from a value (key_source value / sliced)."""
+        return value_BTD if self.key_source == "value" else value_BTD[..., -self.rank :]
+
+    def _projected_value_key(self, value_BTD: Tensor, index: int) -> Tensor:
+        """value_projected keys: Linear(RMSNorm(v)); index 0 is the embedding, i the sublayer."""
+        if self.key_source == "value_projected_shared":
+            proj = self.value_key_proj[0]
+        else:
+            proj = self.value_key_proj[index - self.first_projected_source]
+        return proj(rms_norm(value_BTD))
+
+    def _embedding_key(self, emb_BTD: Tensor) -> Tensor:
+        if not self.carries_keys:
+            return self._value_key(emb_BTD)
+        parts = []
+        if self.embedding_key in ("projected", "projected_plus_static"):
+            if self.key_source == "projected":
+                parts.append(self.embedding_key_proj(emb_BTD))
+            else:
+                parts.append(self._projected_value_key(emb_BTD, 0))
+        if self.embedding_key in ("static", "projected_plus_static"):
+            parts.append(self.embedding_key_static.to(emb_BTD.dtype).expand(*emb_BTD.shape[:-1], self.rank))
+        return sum(parts[1:], parts[0])
+
+    def _norm_key(self, key_BTR: Tensor) -> Tensor:
+        return head_rms_norm(key_BTR, self.heads) if self.key_norm else key_BTR
+
+    def _summary(self, total: Tensor, count: int) -> Tensor:
+        a = self.summary_exponent
+        return total if a == 0.0 else total / (count**a)
+
+    # ---- the forward-pass protocol: start, then read(j) / write(i) alternately ----------------------
+    def start(self, emb_BTD: Tensor, record: bool = False) -> RoutingState:
+        state = RoutingState(weights=[] if record else None)
+        if self.kind != "attnres":
+            state.stream = emb_BTD
+            return state
+        state.values.append(emb_BTD)
+        state.keys.append(self._norm_key(self._embedding_key(emb_BTD)))
+        state.counts.append(1)
+        return state
+
+    def write(self, state: RoutingState, i: int, out_BTE: Tensor) -> None:
+        """Record sublayer i's raw output ([B, T, D] or [B, T, D + r] for P-LR)."""
+        value_BTD = out_BTE[..., : self.d]
+        if self.kind == "residual":
+            state.stream = state.stream + value_BTD
+            return
+        if self.kind == "gated":
+            x, fx = state.stream, value_BTD
+            gate_logit = (self.gate_q[i - 1](causal_mean(x)) * self.gate_k[i - 1](causal_mean(fx))).sum(-1, keepdim=True)
+            g = torch.sigmoid(gate_logit.float() / math.sqrt(self.d)).to(x.dtype)
+            state.stream = g * x + (1 - g) * fx
+            return
+        key_BTR = None
+        if self.key_source == "projected":
+            key_BTR = out_BTE[..., self.d :]
+        elif self.carries_keys:
+            key_BTR = self._projected_value_key(value_BTD, i)
+        if not self.block_ends:  # full routing: every output is its own source
+            state.values.append(value_BTD)
+            state.keys.append(self._norm_key(key_BTR if key_BTR is not None else self._value_key(value_BTD)))
+            state.counts.append(1)
+            return
+        if state.partial_count == 0:
+            state.partial_value, state.partial_key = value_BTD, key_BTR
+        else:
+            state.partial_value = state.partial_value + value_BTD
+            if key_BTR is not None:
+                state.partial_key = state.partial_key + key_BTR
+        state.partial_count += 1
+        if i in self.block_ends:  # the block is complete: summarise it once, normalise its key once
+            value, key = self._partial_source(state)
+            state.values.append(value)
+            state.keys.append(self._norm_key(key))
+            state.counts.append(state.partial_count)
+            state.partial_value, state.partial_key, state.partial_count = None, None, 0
+
+    def _partial_source(self, state: RoutingState) -> tuple[Tensor, Tensor]:
+        c = state.partial_count
+        value = self._summary(state.partial_value, c)
+        key = self._summary(state.partial_key, c) if self.carries_keys else self._value_key(value)
+        return value, key
+
+    def read(self, state: RoutingState, j: int) -> Tensor:
+        """Hidden state at read site j (0..2L) -> [B, T, D]."""
+        if self.kind != "attnres":
+            return state.stream
+        if j == 0:
+            return state.values[0]
+        values, keys, counts = list(state.values), list(state.keys), list(state.counts)
+        if state.partial_count:
+            value, key = self._partial_source(state)
+            values.append(value)
+            keys.append(self._norm_key(key))
+            counts.append(state.partial_count)
+        query = self.queries[j - 1]
+        if self.query_norm:
+            query = head_rms_norm(query, self.heads)
+        bias = None
+        if self.count_prior != 0.0:
+            bias = self.count_prior * torch.log(torch.tensor(counts, dtype=torch.float32, device=query.device))
+        out, alpha = depth_read(
+            torch.stack(values), torch.stack(keys), query,
+            bias=bias, scale=self.scale, key_norm=False, heads=self.heads, return_weights=True,
+        )
+        if state.weights is not None:
+            state.weights.append(alpha.detach())
+        return out
