@@ -1,12 +1,180 @@
-"""The `lrattn` entry point."""
+"""The `lrattn` entry point.
+
+    lrattn fit|validate|test --size NAME --ablation NAME [--config experiments/X.yaml] [--trainer.* ...]
+    lrattn prepare [--source stdlib-docs] [--tokenizer byte] [--out data/...]
+    lrattn demo                      the README's main job: prepare + a short CPU training run
+    lrattn list                      the registry's sizes and ablations with params and added FLOPs
+
+fit/validate/test are LightningCLI subcommands: the architecture comes only from the registry
+(`--size`, `--ablation`); recipes in experiments/ hold the training knobs.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import MLFlowLogger
+
+from lrattn_lightning.data import TokenDataModule
+from lrattn_lightning.lit_module import LRAttnModule, NonFiniteLossError
+
+LOCAL_TRACKING_URI = "sqlite:///mlflow.db"
 
 
+class UsageError(ValueError):
+    """Bad command-line input, reported as one line before any work starts."""
+
+
+def resolve_tracking_uri(flag: str | None, fallback_local: bool) -> str:
+    """--tracking_uri, else $MLFLOW_TRACKING_URI, else the local sqlite store; servers are probed first."""
+    uri = flag or os.environ.get("MLFLOW_TRACKING_URI") or LOCAL_TRACKING_URI
+    if uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5) as response:
+                response.read()
+        except OSError as err:
+            if fallback_local:
+                print(f"[lrattn] MLflow server {uri} unreachable ({err}); logging to {LOCAL_TRACKING_URI} instead",
+                      file=sys.stderr)
+                return LOCAL_TRACKING_URI
+            raise UsageError(
+                f"MLflow server {uri} is unreachable ({err}). Start it, fix --tracking_uri/MLFLOW_TRACKING_URI, "
+                "or pass --mlflow_fallback_local true to log to the local sqlite store."
+            ) from err
+    return uri
+
+
+def artifact_location(uri: str) -> str | None:
+    """Local stores keep artifacts in ./mlartifacts beside the database; servers decide themselves."""
+    if uri.startswith("sqlite:///"):
+        db = Path(uri[len("sqlite:///"):]).resolve()
+        return (db.parent / "mlartifacts").as_uri()
+    return None
+
+
+class MLflowSaveConfig(SaveConfigCallback):
+    """Logs the resolved config.yaml to the MLflow run (the stock callback needs a log_dir)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, save_to_log_dir=False, **kwargs)
+
+    def save_config(self, trainer, pl_module, stage: str) -> None:
+        if isinstance(trainer.logger, MLFlowLogger):
+            text = self.parser.dump(self.config, skip_none=False)
+            trainer.logger.experiment.log_text(trainer.logger.run_id, text, "config.yaml")
+
+
+class FinalCheckpoint(Callback):
+    """Writes last.ckpt when training ends, so the final weights exist whatever the interval."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+class LRAttnCLI(LightningCLI):
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        return {"fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"},
+                "validate": {"model", "dataloaders", "datamodule"},
+                "test": {"model", "dataloaders", "datamodule"}}
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_argument("--size", type=str, default="small", help="registry size name (`lrattn list`)")
+        parser.add_argument("--ablation", type=str, default="baseline", help="registry ablation name")
+        parser.add_argument("--registry", type=Optional[str], default=None, help="registry.yaml (default: ./registry.yaml)")
+        parser.add_argument("--experiment", type=str, default="lrattn", help="MLflow experiment name")
+        parser.add_argument("--run_name", type=Optional[str], default=None, help="default: SIZE-ABLATION-seedN")
+        parser.add_argument("--runs_dir", type=str, default="runs", help="checkpoints go to RUNS_DIR/EXPERIMENT/RUN_NAME")
+        parser.add_argument("--checkpoint_every", type=int, default=100, help="save last.ckpt every N steps")
+        parser.add_argument("--tracking_uri", type=Optional[str], default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
+        parser.add_argument("--mlflow_fallback_local", type=bool, default=False, help="log locally if the server is down")
+        parser.link_arguments("size", "model.size")
+        parser.link_arguments("ablation", "model.ablation")
+        parser.link_arguments("registry", "model.registry")
+
+    # ---- checks before any work ----------------------------------------------------------------
+    def before_instantiate_classes(self) -> None:
+        from lrattn_lightning.registry import load_registry
+
+        cfg = self.config[self.subcommand]
+        reg = load_registry(cfg.registry)
+        model_cfg = reg.model(cfg.size, cfg.ablation)  # unknown names list the closest ones
+        if cfg.data.seq_len is None:
+            cfg.data.seq_len = model_cfg.size.seq_len
+        elif cfg.data.seq_len > model_cfg.size.seq_len:
+            raise UsageError(f"--data.seq_len={cfg.data.seq_len} exceeds seq_len={model_cfg.size.seq_len} of size "
+                             f"'{cfg.size}'; use a shorter window or a larger size")
+        TokenDataModule.check(cfg.data.data_dir, model_cfg.size, cfg.data.seq_len)
+        seed = cfg.seed_everything if isinstance(cfg.seed_everything, int) else 0
+        cfg.run_name = cfg.run_name or f"{cfg.size}-{cfg.ablation}-seed{seed}"
+        self.run_dir = Path(cfg.runs_dir) / cfg.experiment / cfg.run_name
+        ckpt_dir = self.run_dir / "checkpoints"
+        ckpt_path = cfg.get("ckpt_path")
+        self.resume_run_id = None
+        if self.subcommand == "fit":
+            if ckpt_path is None and ckpt_dir.exists() and any(ckpt_dir.glob("*.ckpt")):
+                raise UsageError(f"{ckpt_dir} already holds checkpoints of run '{cfg.run_name}'; resume with "
+                                 "--ckpt_path last, or start a new run with --run_name NAME")
+            if ckpt_path == "last":
+                if not (ckpt_dir / "last.ckpt").exists():
+                    raise UsageError(f"--ckpt_path last: no {ckpt_dir / 'last.ckpt'}; check --run_name/--experiment")
+                ckpt_path = str(ckpt_dir / "last.ckpt")
+            if ckpt_path:
+                self.resume_run_id = _checkpoint_run_id(ckpt_path)
+        if cfg.trainer.logger is None:
+            self.tracking_uri = resolve_tracking_uri(cfg.tracking_uri, cfg.mlflow_fallback_local)
+
+    def instantiate_trainer(self, **kwargs: Any):
+        cfg = self.config[self.subcommand]
+        trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        callbacks = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
+        if trainer_config.get("logger") is None:
+            trainer_config["logger"] = MLFlowLogger(
+                experiment_name=cfg.experiment, run_name=cfg.run_name, tracking_uri=self.tracking_uri,
+                run_id=self.resume_run_id, artifact_location=artifact_location(self.tracking_uri),
+            )
+        ckpt_dir = self.run_dir / "checkpoints"
+        if self.subcommand == "fit":
+            callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step{step:06d}", auto_insert_metric_name=False,
+                                             every_n_train_steps=cfg.checkpoint_every, save_top_k=0, save_last=True))
+            callbacks.append(FinalCheckpoint(ckpt_dir / "last.ckpt"))
+        trainer_config.setdefault("default_root_dir", str(self.run_dir))
+        if trainer_config.get("default_root_dir") is None:
+            trainer_config["default_root_dir"] = str(self.run_dir)
+        return self._instantiate_trainer(trainer_config, callbacks)
+
+
+def _checkpoint_run_id(path: str) -> str | None:
+    import torch
+
+    if not Path(path).exists():
+        raise UsageError(f"--ckpt_path {path}: no such file")
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    return (ckpt.get("mlflow") or {}).get("run_id")
+
+
+def run_lightning(argv: list[str]) -> LRAttnCLI:
+    return LRAttnCLI(
+        LRAttnModule,
+        TokenDataModule,
+        args=argv,
+        seed_everything_default=0,
+        save_config_callback=MLflowSaveConfig,
+        trainer_defaults={"gradient_clip_val": 1.0, "log_every_n_steps": 10},
+    )
+
+
+# ---- the non-Lightning subcommands --------------------------------------------------------------
 def _list(argv: list[str]) -> int:
     from lrattn_lightning.accounting import added_flops_percent, count_params
     from lrattn_lightning.registry import load_registry
@@ -28,51 +196,52 @@ def _list(argv: list[str]) -> int:
     return 0
 
 
-def _smoke(argv: list[str]) -> int:
-    import torch
+def _prepare(argv: list[str]) -> int:
+    from lrattn_lightning import data
 
-    from lrattn_lightning.decoder import build_decoder
-    from lrattn_lightning.registry import load_registry
+    return data.prepare_main(argv)
 
-    parser = argparse.ArgumentParser(prog="lrattn demo", description="Forward/backward smoke run of a small model.")
+
+def _demo(argv: list[str]) -> int:
+    """The README's main job: prepare the embedded corpus, train `small` briefly, point at MLflow."""
+    parser = argparse.ArgumentParser(prog="lrattn demo", description=_demo.__doc__)
+    parser.add_argument("--ablation", default="s-lr-block-n8-r64")
     parser.add_argument("--size", default="small")
-    parser.add_argument("--ablations", default="baseline,attnres-block-n8,p-lr-block-n8-r32,s-lr-block-n8-r64")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=8)
-    args = parser.parse_args(argv)
-    reg = load_registry()
-    size = reg.size(args.size)
-    pairs = [reg.model(args.size, name) for name in args.ablations.split(",")]  # validate all first
-    times = {}
-    for cfg in pairs:
-        torch.manual_seed(0)
-        model = build_decoder(cfg)
-        idx = torch.randint(0, size.vocab_size, (args.batch_size, size.seq_len + 1))
-        steps = []
-        for _ in range(args.steps + 1):
-            t0 = time.perf_counter()
-            logits = model(idx[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten())
-            loss.backward()
-            steps.append(time.perf_counter() - t0)
-        times[cfg.ablation.name] = sorted(steps[1:])[len(steps[1:]) // 2]
-        print(f"{cfg.ablation.name:24s} loss {loss.item():.4f}  fwd+bwd {times[cfg.ablation.name] * 1e3:7.1f} ms")
-    base = times.get("baseline")
-    if base:
-        for name, t in times.items():
-            print(f"{name:24s} ratio to baseline {t / base:.3f}")
+    parser.add_argument("--data", default="data/stdlib-docs-byte")
+    args, rest = parser.parse_known_args(argv)
+    if not Path(args.data, "meta.json").exists():
+        _prepare(["--source", "stdlib-docs", "--tokenizer", "byte", "--out", args.data])
+    cli = run_lightning(["fit", "--config", "experiments/cpu-demo.yaml", "--size", args.size,
+                         "--ablation", args.ablation, "--data.data_dir", args.data, *rest])
+    logger = cli.trainer.logger
+    metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("val/")}
+    print("\n[lrattn demo] finished:", ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())))
+    if isinstance(logger, MLFlowLogger):
+        print(f"[lrattn demo] MLflow run {logger.run_id} in experiment '{cli.config.fit.experiment}'")
+        print(f"[lrattn demo] open the UI:  .venv/bin/mlflow ui --backend-store-uri {logger._tracking_uri}")
+        print("[lrattn demo] then browse http://127.0.0.1:5000 and pick the run named "
+              f"'{cli.config.fit.run_name}'")
     return 0
 
 
-COMMANDS = {"list": _list, "demo": _smoke}
+COMMANDS = {"list": _list, "prepare": _prepare, "demo": _demo}
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in COMMANDS:
-        print(f"usage: lrattn {{{','.join(COMMANDS)}}} [...]", file=sys.stderr)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if argv and argv[0] in COMMANDS:
+            return COMMANDS[argv[0]](argv[1:])
+        run_lightning(argv)
+        return 0
+    except (UsageError, ValueError, FileNotFoundError) as err:
+        if os.environ.get("LRATTN_DEBUG"):
+            raise
+        print(f"lrattn: error: {err}", file=sys.stderr)
         return 2
-    return COMMANDS[argv[0]](argv[1:])
+    except NonFiniteLossError as err:
+        print(f"lrattn: training stopped: {err}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":
