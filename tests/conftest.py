@@ -69,6 +69,36 @@ def tokens(vocab: int, batch: int = 2, length: int = 8, seed: int = 1) -> torch.
     return torch.randint(0, vocab, (batch, length), generator=g)
 
 
+@dataclasses.dataclass
+class Trace:
+    emb: torch.Tensor  # o_0 [B, T, D]
+    inputs: list[torch.Tensor]  # RMSNorm(h_j) fed to sublayer j + 1, j = 0..2L-1
+    outputs: list[torch.Tensor]  # o_1 .. o_2L as the sublayers return them ([B, T, D] or [B, T, D + r])
+    final: torch.Tensor  # RMSNorm(h_2L) fed to the head
+    logits: torch.Tensor
+    routing: list[torch.Tensor] | None  # alpha per site j = 1..2L (attnres only)
+
+
+def capture(model: torch.nn.Module, idx: torch.Tensor) -> Trace:
+    """Run the decoder, recording through module hooks only what flows between its named parts."""
+    emb, inputs, outputs, final = [], [], [], []
+    handles = [model.embed.register_forward_hook(lambda m, a, out: emb.append(out.detach()))]
+
+    def record(module, args, out):
+        inputs.append(args[0].detach())
+        outputs.append(out.detach())
+
+    for layer in model.layers:
+        handles += [layer.attn.register_forward_hook(record), layer.mlp.register_forward_hook(record)]
+    handles.append(model.head.register_forward_pre_hook(lambda m, args: final.append(args[0].detach())))
+    try:
+        out = model(idx, return_routing=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return Trace(emb[0], inputs, outputs, final[0], out.logits.detach(), out.routing)
+
+
 def ref_rms_norm(x: torch.Tensor, eps: float = EPS) -> torch.Tensor:
     """Parameter-free RMSNorm over the last dimension, written out."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)

@@ -10,6 +10,7 @@ from conftest import (
     ATTNRES_ABLATIONS,
     DEEPER,
     EPS,
+    capture,
     randomize_routing,
     ref_head_rms_norm,
     ref_rms_norm,
@@ -133,9 +134,9 @@ def test_full_routing_at_init_averages_every_output(registry):
     cfg = ModelConfig(DEEPER, registry.ablation("attnres-full"))
     model = build_decoder(cfg)
     idx = tokens(DEEPER.vocab_size, 2, 5)
-    emb, _, outputs, final = capture(model, idx)
-    mean = (emb + sum(o for o in outputs)) / (len(outputs) + 1)
-    torch.testing.assert_close(final, ref_rms_norm(mean), atol=1e-5, rtol=1e-5)
+    trace = capture(model, idx)
+    mean = (trace.emb + sum(trace.outputs)) / (len(trace.outputs) + 1)
+    torch.testing.assert_close(trace.final, ref_rms_norm(mean), atol=1e-5, rtol=1e-5)
 
 
 def test_random_queries_do_not_route_uniformly(registry):
@@ -203,27 +204,6 @@ def test_p_lr_keys_are_not_the_value_tails(registry, monkeypatch):
 
 
 # ---- the whole routing rule against an independent reference (SPEC §2-3) ----------------------
-
-
-def capture(model, idx):
-    """Run the decoder and record o_0, the normalised sublayer inputs, the raw outputs and the final read."""
-    emb, inputs, outputs, final = [], [], [], []
-    handles = [model.embed.register_forward_hook(lambda m, a, out: emb.append(out.detach()))]
-
-    def record(module, args, out):
-        inputs.append(args[0].detach())
-        outputs.append(out.detach())
-
-    for layer in model.layers:
-        handles += [layer.attn.register_forward_hook(record), layer.mlp.register_forward_hook(record)]
-    handles.append(model.head.register_forward_pre_hook(lambda m, args: final.append(args[0].detach())))
-    try:
-        out = model(idx, return_routing=True)
-    finally:
-        for h in handles:
-            h.remove()
-    model.last_routing = out.routing
-    return emb[0], inputs, outputs, final[0]
 
 
 def ref_sources(j: int, ends: list[int]) -> list[list[int]]:
@@ -302,16 +282,16 @@ def test_routing_matches_the_spec_reference(registry, name, changes):
     model = build_decoder(cfg)
     randomize_routing(model, std=1.0)
     params = {k: p.detach() for k, p in model.router.named_parameters()}
-    emb, inputs, outputs, final = capture(model, tokens(DEEPER.vocab_size, 2, 6))
+    trace = capture(model, tokens(DEEPER.vocab_size, 2, 6))
     M = DEEPER.n_sublayers
-    assert len(inputs) == len(outputs) == M
-    torch.testing.assert_close(inputs[0].double(), ref_rms_norm(emb.double()), atol=1e-5, rtol=1e-5)  # site 0
+    assert len(trace.inputs) == len(trace.outputs) == M
+    torch.testing.assert_close(trace.inputs[0].double(), ref_rms_norm(trace.emb.double()), atol=1e-5, rtol=1e-5)
     spread = 0.0
     for j in range(1, M + 1):
-        h, alpha = ref_read(cfg, params, emb, outputs[:j], j)
-        read = final if j == M else inputs[j]
+        h, alpha = ref_read(cfg, params, trace.emb, trace.outputs[:j], j)
+        read = trace.final if j == M else trace.inputs[j]
         torch.testing.assert_close(read.double(), ref_rms_norm(h), atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(model.last_routing[j - 1].double(), alpha, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(trace.routing[j - 1].double(), alpha, atol=1e-5, rtol=1e-4)
         spread = max(spread, float(alpha.std(0).max()))
     assert spread > 0.01  # routing is not uniform here
 
