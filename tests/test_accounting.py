@@ -7,7 +7,7 @@ import torch
 from conftest import ALL_ABLATIONS, DEEPER, tiny_config, tokens, variant
 
 from lrattn_lightning.accounting import added_flops_percent, core_flops, count_params, sources_per_site
-from lrattn_lightning.config import ModelConfig
+from lrattn_lightning.config import ModelConfig, fit_to_size
 from lrattn_lightning.decoder import build_decoder
 
 
@@ -25,6 +25,17 @@ def test_every_entry_builds_at_tiny_and_counts_match(registry, name):
     assert count_params(cfg) == real_params(model)
     assert count_params(cfg.size, cfg.ablation) == real_params(model)
     assert model(tokens(cfg.size.vocab_size, 1, 4)).shape == (1, 4, cfg.size.vocab_size)
+
+
+def test_fit_to_size_clips_only_what_does_not_fit(registry, tiny):
+    abl = registry.ablation("s-lr-block-n8-r64")
+    with pytest.raises(ValueError, match="rank"):
+        ModelConfig(tiny, abl)
+    fitted = fit_to_size(abl, tiny)
+    assert (fitted.rank, fitted.blocks, fitted.key_source) == (tiny.d_model, tiny.n_sublayers, "sliced")
+    assert fitted.name != abl.name  # the clipped copy says so
+    fits = registry.ablation("attnres-block-n4")
+    assert fit_to_size(fits, tiny) == fits
 
 
 @pytest.mark.parametrize("size", ["paper-0.5b", "d768"])

@@ -102,6 +102,27 @@ def test_residual_stream_is_the_sum_of_outputs(registry):
     torch.testing.assert_close(trace.final, ref_rms_norm(stream), atol=1e-5, rtol=1e-5)
 
 
+def test_gated_residual_follows_its_formula(registry):
+    """SPEC §7: y = g x + (1 - g) F(x), g = sigmoid(<W_q cummean(x), W_k cummean(F(x))> / sqrt(d)) per token."""
+    model = build_decoder(ModelConfig(DEEPER, registry.ablation("gated-residual")))
+    trace = capture(model, tokens(DEEPER.vocab_size, 2, 6))
+    T, D = trace.emb.shape[1], DEEPER.d_model
+    counts = torch.arange(1, T + 1, dtype=torch.float64)[None, :, None]
+    stream = trace.emb.double()
+    for i, out in enumerate(trace.outputs, start=1):
+        torch.testing.assert_close(trace.inputs[i - 1].double(), ref_rms_norm(stream), atol=1e-5, rtol=1e-5)
+        fx = out.double()
+        wq = model.router.gate_q[i - 1].weight.detach().double()
+        wk = model.router.gate_k[i - 1].weight.detach().double()
+        q = (stream.cumsum(1) / counts) @ wq.T
+        k = (fx.cumsum(1) / counts) @ wk.T
+        g = torch.sigmoid((q * k).sum(-1, keepdim=True) / math.sqrt(D))
+        stream = g * stream + (1 - g) * fx
+    torch.testing.assert_close(trace.final.double(), ref_rms_norm(stream), atol=1e-5, rtol=1e-5)
+    w = model.router.gate_q[0].weight.detach()
+    torch.testing.assert_close(w @ w.T, torch.eye(D), atol=1e-5, rtol=0)  # orthogonal init
+
+
 # ---- mean summaries with count prior 1 equal full routing at init (requirement 4) ---------------
 
 
@@ -174,17 +195,30 @@ def test_gradients_reach_every_parameter(registry, name):
     targets = tokens(cfg.size.vocab_size, 2, 8, seed=2)
     logits = model(idx)
     F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    a = cfg.ablation
     names = [n for n, _ in model.named_parameters()]
-    if cfg.ablation.routing == "attnres":
-        assert "router.queries" in names
-    if cfg.ablation.routing == "gated":
-        assert any(n.startswith("router.gate_q") for n in names) and any(n.startswith("router.gate_k") for n in names)
+    expected = {
+        "router.queries": a.routing == "attnres",
+        "router.gate_q.": a.routing == "gated",
+        "router.gate_k.": a.routing == "gated",
+        "router.embedding_key_static": a.routing == "attnres" and a.embedding_key in ("static", "projected_plus_static"),
+        "router.embedding_key_proj.": a.key_source == "projected" and a.embedding_key != "static",
+        "router.value_key_proj.": a.key_source in ("value_projected", "value_projected_shared"),
+    }
+    for prefix, present in expected.items():
+        assert any(n.startswith(prefix) for n in names) == present, prefix
     for n, p in model.named_parameters():
         assert p.grad is not None, f"{n} gets no gradient"
         assert torch.isfinite(p.grad).all(), n
         assert p.grad.abs().sum() > 0, f"{n} has a zero gradient"
-    if cfg.ablation.routing == "attnres":  # every site's query row, not just the tensor as a whole
+    if a.routing == "attnres":  # every site's query row, not just the tensor as a whole
         assert (model.router.queries.grad.abs().sum(-1) > 0).all()
+    if a.routing == "attnres" and a.key_source == "projected":  # the P-LR key rows of every sublayer
+        D = cfg.size.d_model
+        for layer in model.layers:
+            for lin in (layer.attn.proj, layer.mlp.fc2):
+                assert lin.weight.shape[0] == D + a.rank
+                assert (lin.weight.grad[D:].abs().sum(-1) > 0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
