@@ -1,0 +1,129 @@
+"""Shared fixtures and small independent helpers for the core tests (tiny configs, CPU)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from lrattn_lightning.config import AblationConfig, ModelConfig, SizeConfig, fit_to_size
+from lrattn_lightning.registry import Registry, load_registry
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+REGISTRY_PATH = REPO_ROOT / "registry.yaml"
+EPS = 1e-6  # RMSNorm epsilon of the package (routing.RMS_EPS); the references use the same value
+
+torch.set_num_threads(1)  # the test machine is small and shared; tiny models gain nothing from threads
+
+_REGISTRY = load_registry(REGISTRY_PATH)
+ALL_ABLATIONS = list(_REGISTRY.ablations)
+ATTNRES_ABLATIONS = [n for n, a in _REGISTRY.ablations.items() if a.routing == "attnres"]
+
+# A size with real, uneven blocks: M = 2L = 6 sublayers; e.g. N=4 ends after 2, 3, 5, 6.
+DEEPER = SizeConfig(
+    name="tiny-l3", doc="tests: three layers", n_layers=3, d_model=32, n_heads=4, d_mlp=48,
+    vocab_size=97, seq_len=16,
+)
+
+
+@pytest.fixture(scope="session")
+def registry() -> Registry:
+    return _REGISTRY
+
+
+@pytest.fixture(scope="session")
+def tiny(registry: Registry) -> SizeConfig:
+    return registry.size("tiny")
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def tiny_config(registry: Registry, name: str, size: str | SizeConfig = "tiny") -> ModelConfig:
+    """The registry entry `name` clipped (rank, blocks) so that it builds at `size`."""
+    s = registry.size(size) if isinstance(size, str) else size
+    return ModelConfig(s, fit_to_size(registry.ablation(name), s))
+
+
+def variant(ablation: AblationConfig, **changes) -> AblationConfig:
+    """A validated copy of an ablation with some fields changed."""
+    return dataclasses.replace(ablation, **changes).validate()
+
+
+def randomize_routing(model: torch.nn.Module, std: float = 0.5) -> None:
+    """Give the zero-initialised pseudo-queries (and static keys) random values so routing is not uniform."""
+    router = model.router
+    with torch.no_grad():
+        for name, p in router.named_parameters():
+            if name == "queries" or name.startswith("embedding_key_static"):
+                p.normal_(std=std)
+
+
+def tokens(vocab: int, batch: int = 2, length: int = 8, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g)
+
+
+@dataclasses.dataclass
+class Trace:
+    emb: torch.Tensor  # o_0 [B, T, D]
+    inputs: list[torch.Tensor]  # RMSNorm(h_j) fed to sublayer j + 1, j = 0..2L-1
+    outputs: list[torch.Tensor]  # o_1 .. o_2L as the sublayers return them ([B, T, D] or [B, T, D + r])
+    final: torch.Tensor  # RMSNorm(h_2L) fed to the head
+    logits: torch.Tensor
+    routing: list[torch.Tensor] | None  # alpha per site j = 1..2L (attnres only)
+
+
+def capture(model: torch.nn.Module, idx: torch.Tensor) -> Trace:
+    """Run the decoder, recording through module hooks only what flows between its named parts."""
+    emb, inputs, outputs, final = [], [], [], []
+    handles = [model.embed.register_forward_hook(lambda m, a, out: emb.append(out.detach()))]
+
+    def record(module, args, out):
+        inputs.append(args[0].detach())
+        outputs.append(out.detach())
+
+    for layer in model.layers:
+        handles += [layer.attn.register_forward_hook(record), layer.mlp.register_forward_hook(record)]
+    handles.append(model.head.register_forward_pre_hook(lambda m, args: final.append(args[0].detach())))
+    try:
+        out = model(idx, return_routing=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return Trace(emb[0], inputs, outputs, final[0], out.logits.detach(), out.routing)
+
+
+def ref_rms_norm(x: torch.Tensor, eps: float = EPS) -> torch.Tensor:
+    """Parameter-free RMSNorm over the last dimension, written out."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def ref_head_rms_norm(x: torch.Tensor, heads: int, eps: float = EPS) -> torch.Tensor:
+    shape = x.shape
+    return ref_rms_norm(x.reshape(*shape[:-1], heads, shape[-1] // heads), eps).reshape(shape)
+
+
+@pytest.fixture
+def raw_registry() -> dict:
+    """A small, valid registry as a dict; tests mutate a fresh deep copy."""
+    return copy.deepcopy(
+        {
+            "sizes": {
+                "t": {"doc": "test size", "n_layers": 2, "d_model": 32, "n_heads": 2, "d_mlp": 64,
+                      "vocab_size": 64, "seq_len": 16},
+            },
+            "ablations": {
+                "baseline": {"doc": "residual", "control": None, "routing": "residual"},
+                "full": {"doc": "full AttnRes", "control": "baseline", "routing": "attnres"},
+                "slr": {"doc": "S-LR", "control": "full", "extends": "full", "key_source": "sliced",
+                        "rank": 8, "embedding_key": "sliced"},
+                "slr-block": {"doc": "block S-LR", "extends": "slr", "blocks": 2},
+            },
+        }
+    )

@@ -1,0 +1,242 @@
+"""The decoder: residual routing equals a plain pre-norm Transformer, mean summaries with the count
+prior equal full routing at init, causality, gradients and dtypes for every registry entry."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import (
+    ALL_ABLATIONS,
+    DEEPER,
+    capture,
+    randomize_routing,
+    ref_rms_norm,
+    tiny_config,
+    tokens,
+    variant,
+)
+
+from lrattn_lightning.config import ModelConfig
+from lrattn_lightning.decoder import build_decoder
+
+# ---- an independent plain pre-norm decoder (requirement 2) -------------------------------------
+
+
+def rope_interleaved(x, theta):
+    """x (B, T, H, hd): rotate pairs (x[2i], x[2i+1]) by t * theta^(-2i/hd), as complex numbers."""
+    B, T, H, hd = x.shape
+    freqs = theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    angles = torch.arange(T, dtype=torch.float64)[:, None] * freqs[None, :]  # (T, hd/2)
+    rotation = torch.polar(torch.ones_like(angles), angles)
+    pairs = torch.view_as_complex(x.reshape(B, T, H, hd // 2, 2).contiguous())
+    return torch.view_as_real(pairs * rotation[None, :, None, :]).reshape(B, T, H, hd)
+
+
+def rope_half_split(x, theta):
+    """The other common RoPE layout (GPT-NeoX): pairs (x[i], x[i + hd/2]). Used as a negative control."""
+    hd = x.shape[-1]
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+    perm = torch.stack((x1, x2), dim=-1).flatten(-2)  # interleave, rotate, de-interleave
+    out = rope_interleaved(perm, theta).unflatten(-1, (hd // 2, 2))
+    return torch.cat((out[..., 0], out[..., 1]), dim=-1)
+
+
+def plain_decoder(w, idx, n_layers, n_heads, theta, rope=rope_interleaved):
+    """Pre-norm decoder in float64 from a state_dict: h = h + attn(norm(h)); h = h + mlp(norm(h))."""
+    w = {k: v.double() for k, v in w.items()}
+    B, T = idx.shape
+    x = w["embed.weight"][idx]
+    D = x.shape[-1]
+    hd = D // n_heads
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    for layer in range(n_layers):
+        p = f"layers.{layer}."
+        q, k, v = (ref_rms_norm(x) @ w[p + "attn.qkv.weight"].T).split(D, dim=-1)
+        q, k, v = (t.reshape(B, T, n_heads, hd) for t in (q, k, v))
+        q, k = rope(ref_rms_norm(q), theta), rope(ref_rms_norm(k), theta)  # QK-norm, then RoPE
+        scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(hd)
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        y = torch.einsum("bhts,bshd->bthd", probs, v).reshape(B, T, D)
+        x = x + y @ w[p + "attn.proj.weight"].T
+        a, gate = (ref_rms_norm(x) @ w[p + "mlp.fc1.weight"].T).chunk(2, dim=-1)
+        x = x + (F.silu(gate) * a) @ w[p + "mlp.fc2.weight"].T
+    return ref_rms_norm(x) @ w["head.weight"].T
+
+
+@pytest.mark.parametrize("size", ["tiny", DEEPER])
+def test_residual_routing_equals_a_plain_decoder(registry, size):
+    cfg = tiny_config(registry, "baseline", size)
+    s = cfg.size
+    assert s.rope_theta == 500000.0
+    model = build_decoder(cfg)
+    with torch.no_grad():  # larger weights than the init, so every nonlinearity matters
+        for p in model.parameters():
+            p.normal_(std=0.15)
+    weights = model.state_dict()
+    expected_keys = {"embed.weight", "head.weight"} | {
+        f"layers.{i}.{name}.weight" for i in range(s.n_layers) for name in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
+    }
+    assert set(weights) == expected_keys  # no biases, no norm weights, no routing parameters
+    idx = tokens(s.vocab_size, 2, 16)
+    logits = model(idx)
+    assert logits.dtype == torch.float32
+    ref = plain_decoder(weights, idx, s.n_layers, s.n_heads, s.rope_theta)
+    torch.testing.assert_close(logits.double(), ref, atol=1e-5, rtol=0)
+    # negative controls: the comparison is sensitive to the RoPE layout and theta
+    other_layout = plain_decoder(weights, idx, s.n_layers, s.n_heads, s.rope_theta, rope=rope_half_split)
+    assert (logits.double() - other_layout).abs().max() > 1e-3
+    other_theta = plain_decoder(weights, idx, s.n_layers, s.n_heads, 10000.0)
+    assert (logits.double() - other_theta).abs().max() > 1e-3
+
+
+def test_residual_stream_is_the_sum_of_outputs(registry):
+    model = build_decoder(ModelConfig(DEEPER, registry.ablation("baseline")))
+    trace = capture(model, tokens(DEEPER.vocab_size, 2, 5))
+    stream = trace.emb
+    for j, inp in enumerate(trace.inputs):
+        torch.testing.assert_close(inp, ref_rms_norm(stream), atol=1e-5, rtol=1e-5)
+        stream = stream + trace.outputs[j]
+    torch.testing.assert_close(trace.final, ref_rms_norm(stream), atol=1e-5, rtol=1e-5)
+
+
+def test_gated_residual_follows_its_formula(registry):
+    """SPEC §7: y = g x + (1 - g) F(x), g = sigmoid(<W_q cummean(x), W_k cummean(F(x))> / sqrt(d)) per token."""
+    model = build_decoder(ModelConfig(DEEPER, registry.ablation("gated-residual")))
+    trace = capture(model, tokens(DEEPER.vocab_size, 2, 6))
+    T, D = trace.emb.shape[1], DEEPER.d_model
+    counts = torch.arange(1, T + 1, dtype=torch.float64)[None, :, None]
+    stream = trace.emb.double()
+    for i, out in enumerate(trace.outputs, start=1):
+        torch.testing.assert_close(trace.inputs[i - 1].double(), ref_rms_norm(stream), atol=1e-5, rtol=1e-5)
+        fx = out.double()
+        wq = model.router.gate_q[i - 1].weight.detach().double()
+        wk = model.router.gate_k[i - 1].weight.detach().double()
+        q = (stream.cumsum(1) / counts) @ wq.T
+        k = (fx.cumsum(1) / counts) @ wk.T
+        g = torch.sigmoid((q * k).sum(-1, keepdim=True) / math.sqrt(D))
+        stream = g * stream + (1 - g) * fx
+    torch.testing.assert_close(trace.final.double(), ref_rms_norm(stream), atol=1e-5, rtol=1e-5)
+    w = model.router.gate_q[0].weight.detach()
+    torch.testing.assert_close(w @ w.T, torch.eye(D), atol=1e-5, rtol=0)  # orthogonal init
+
+
+# ---- mean summaries with count prior 1 equal full routing at init (requirement 4) ---------------
+
+
+@pytest.mark.parametrize(
+    "full, block, changes",
+    [
+        ("attnres-full", "attnres-block-n8-refdefault", {"blocks": 2}),
+        ("attnres-full", "attnres-block-n8-refdefault", {"blocks": 4}),  # uneven: ends 2, 3, 5, 6
+        ("attnres-full", "attnres-block-n8-refdefault", {"blocks": 5}),  # ends 2, 3, 4, 5, 6
+        ("s-lr-full-r64", "s-lr-block-n8-r64-refdefault", {"blocks": 3, "rank": 8}),
+        ("s-lr-full-r64", "s-lr-block-n8-r64-refdefault", {"blocks": 4, "rank": 8}),
+        ("s-lr-full-r64", "s-lr-block-size4-r64", {"block_size": 4, "rank": 8, "block_summary": "mean",
+                                                   "count_prior": 1.0}),
+        ("s-lr-full-r64", "s-lr-block-n8-r64-h4", {"blocks": 4, "rank": 8, "block_summary": "mean",
+                                                   "count_prior": 1.0}),
+    ],
+)
+def test_mean_summaries_with_count_prior_equal_full_routing_at_init(registry, full, block, changes):
+    block_abl = variant(registry.ablation(block), **changes)
+    assert (block_abl.block_summary, block_abl.count_prior) == ("mean", 1.0)
+    full_abl = variant(registry.ablation(full), rank=changes.get("rank"), depth_heads=block_abl.depth_heads)
+    full_model = build_decoder(ModelConfig(DEEPER, full_abl))
+    block_model = build_decoder(ModelConfig(DEEPER, block_abl))
+    block_model.load_state_dict(full_model.state_dict())  # same parameters, strict
+    idx = tokens(DEEPER.vocab_size, 2, 8)
+    a, b = capture(full_model, idx), capture(block_model, idx)
+    for x, y in zip([*a.inputs, a.final], [*b.inputs, b.final], strict=True):
+        torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=1e-5)
+    assert len(b.routing[-1]) < len(a.routing[-1])  # the block model really routes over fewer sources
+
+
+@pytest.mark.parametrize("changes", [{"block_summary": "sum", "count_prior": 0.0}, {"block_summary": "sqrt_mean"},
+                                     {"count_prior": 0.0}])
+def test_other_summaries_differ_from_full_routing(registry, changes):
+    """Negative control: raw sums, sqrt means or a missing prior do not reproduce full routing."""
+    full_model = build_decoder(ModelConfig(DEEPER, registry.ablation("attnres-full")))
+    block_abl = variant(registry.ablation("attnres-block-n8-refdefault"), blocks=3, **changes)
+    block_model = build_decoder(ModelConfig(DEEPER, block_abl))
+    block_model.load_state_dict(full_model.state_dict())
+    idx = tokens(DEEPER.vocab_size, 2, 8)
+    assert (block_model(idx) - full_model(idx)).abs().max() > 1e-4
+
+
+# ---- causality, gradients, dtypes for every registry entry (requirements 6-8) ------------------
+
+
+@pytest.mark.parametrize("name", ALL_ABLATIONS)
+def test_causal(registry, name):
+    cfg = tiny_config(registry, name)
+    model = build_decoder(cfg)
+    randomize_routing(model)
+    idx = tokens(cfg.size.vocab_size, 2, 8)
+    with torch.no_grad():
+        logits = model(idx)
+        for t in (0, 3, 6):
+            changed = idx.clone()
+            changed[:, t + 1] = (changed[:, t + 1] + 1) % cfg.size.vocab_size
+            other = model(changed)
+            torch.testing.assert_close(other[:, : t + 1], logits[:, : t + 1], atol=1e-6, rtol=0)
+            assert (other[:, t + 1] - logits[:, t + 1]).abs().max() > 1e-6  # the change is seen where it is
+
+
+@pytest.mark.parametrize("name", ALL_ABLATIONS)
+def test_gradients_reach_every_parameter(registry, name):
+    cfg = tiny_config(registry, name)
+    model = build_decoder(cfg)
+    randomize_routing(model, std=0.1)
+    idx = tokens(cfg.size.vocab_size, 2, 8)
+    targets = tokens(cfg.size.vocab_size, 2, 8, seed=2)
+    logits = model(idx)
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    a = cfg.ablation
+    names = [n for n, _ in model.named_parameters()]
+    expected = {
+        "router.queries": a.routing == "attnres",
+        "router.gate_q.": a.routing == "gated",
+        "router.gate_k.": a.routing == "gated",
+        "router.embedding_key_static": a.routing == "attnres" and a.embedding_key in ("static", "projected_plus_static"),
+        "router.embedding_key_proj.": a.key_source == "projected" and a.embedding_key != "static",
+        "router.value_key_proj.": a.key_source in ("value_projected", "value_projected_shared"),
+    }
+    for prefix, present in expected.items():
+        assert any(n.startswith(prefix) for n in names) == present, prefix
+    for n, p in model.named_parameters():
+        assert p.grad is not None, f"{n} gets no gradient"
+        assert torch.isfinite(p.grad).all(), n
+        assert p.grad.abs().sum() > 0, f"{n} has a zero gradient"
+    if a.routing == "attnres":  # every site's query row, not just the tensor as a whole
+        assert (model.router.queries.grad.abs().sum(-1) > 0).all()
+    if a.routing == "attnres" and a.key_source == "projected":  # the P-LR key rows of every sublayer
+        D = cfg.size.d_model
+        for layer in model.layers:
+            for lin in (layer.attn.proj, layer.mlp.fc2):
+                assert lin.weight.shape[0] == D + a.rank
+                assert (lin.weight.grad[D:].abs().sum(-1) > 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ALL_ABLATIONS)
+def test_forward_in_float32_and_bfloat16(registry, name, dtype):
+    cfg = tiny_config(registry, name)
+    model = build_decoder(cfg)
+    randomize_routing(model, std=0.1)
+    idx = tokens(cfg.size.vocab_size, 2, 8)
+    with torch.no_grad():
+        reference = model(idx)
+        out = model.to(dtype)(idx, return_routing=True)
+    assert out.logits.shape == (2, 8, cfg.size.vocab_size)
+    assert out.logits.dtype == dtype
+    assert torch.isfinite(out.logits).all()
+    tolerance = 1e-6 if dtype == torch.float32 else 0.05 * reference.abs().max().item()
+    torch.testing.assert_close(out.logits.float(), reference, atol=tolerance, rtol=0)
+    if cfg.ablation.routing == "attnres":
+        assert all(alpha.dtype == torch.float32 and torch.isfinite(alpha).all() for alpha in out.routing)
+    else:
+        assert not out.routing  # no routing weights without attention residuals

@@ -1,0 +1,315 @@
+"""Depth routing against independent formulas: depth_read, uniform start, S-LR keys, block sources."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import (
+    ATTNRES_ABLATIONS,
+    DEEPER,
+    EPS,
+    capture,
+    randomize_routing,
+    ref_head_rms_norm,
+    ref_rms_norm,
+    tiny_config,
+    tokens,
+    variant,
+)
+
+from lrattn_lightning import routing
+from lrattn_lightning.accounting import sources_per_site
+from lrattn_lightning.config import ModelConfig
+from lrattn_lightning.decoder import build_decoder
+from lrattn_lightning.routing import depth_read
+
+# ---- depth_read against a float64 loop (requirement 10) ----------------------------------------
+
+
+def ref_depth_read(values, keys, query, bias, scale, key_norm, heads):
+    """One read, written as loops over heads and sources in float64."""
+    v, k, q = values.double(), keys.double(), query.double().reshape(heads, -1)
+    S, B, T, D = v.shape
+    rh, dh = k.shape[-1] // heads, D // heads
+    out = torch.zeros(B, T, D, dtype=torch.float64)
+    alpha = torch.zeros(S, B, T, heads, dtype=torch.float64)
+    for m in range(heads):
+        logits = []
+        for s in range(S):
+            key = k[s, :, :, m * rh : (m + 1) * rh]  # (B, T, rh)
+            if key_norm:
+                key = key / torch.sqrt((key * key).mean(-1, keepdim=True) + EPS)
+            logit = scale * (key * q[m]).sum(-1)  # (B, T)
+            if bias is not None:
+                logit = logit + float(bias[s])
+            logits.append(logit)
+        logits = torch.stack(logits)  # (S, B, T)
+        weights = torch.exp(logits - logits.max(0).values)
+        weights = weights / weights.sum(0)
+        alpha[..., m] = weights
+        for s in range(S):
+            out[:, :, m * dh : (m + 1) * dh] += weights[s, :, :, None] * v[s, :, :, m * dh : (m + 1) * dh]
+    return out, alpha
+
+
+@pytest.mark.parametrize("heads", [1, 4])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("key_norm", [False, True])
+@pytest.mark.parametrize("scale", [1.0, 0.35])
+def test_depth_read_matches_float64_formula(heads, with_bias, key_norm, scale):
+    S, B, T, D, R = 5, 2, 3, 16, 8
+    values = torch.randn(S, B, T, D)
+    keys = torch.randn(S, B, T, R) * 0.7 + 0.1
+    query = torch.randn(R)
+    bias = torch.log(torch.tensor([1.0, 3.0, 2.0, 4.0, 1.0])) if with_bias else None
+    out, alpha = depth_read(values, keys, query, bias=bias, scale=scale, key_norm=key_norm, heads=heads,
+                            return_weights=True)
+    ref_out, ref_alpha = ref_depth_read(values, keys, query, bias, scale, key_norm, heads)
+    assert out.shape == (B, T, D) and out.dtype == torch.float32
+    assert alpha.shape == (S, B, T, heads)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(alpha.double(), ref_alpha, atol=1e-6, rtol=1e-5)
+    assert ref_alpha.std() > 0.05  # the routing is far from uniform, so the comparison means something
+    # without return_weights it is the same output
+    torch.testing.assert_close(
+        depth_read(values, keys, query, bias=bias, scale=scale, key_norm=key_norm, heads=heads), out
+    )
+
+
+def test_depth_read_takes_a_per_head_query():
+    values, keys, query = torch.randn(3, 1, 2, 8), torch.randn(3, 1, 2, 8), torch.randn(4, 2)
+    flat = depth_read(values, keys, query.flatten(), heads=4)
+    torch.testing.assert_close(depth_read(values, keys, query, heads=4), flat)
+    torch.testing.assert_close(flat.double(), ref_depth_read(values, keys, query, None, 1.0, True, 4)[0],
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_depth_read_rejects_indivisible_heads():
+    with pytest.raises(ValueError):
+        depth_read(torch.randn(2, 1, 1, 8), torch.randn(2, 1, 1, 6), torch.randn(6), heads=4)
+
+
+def test_depth_read_softmax_is_float32_for_bfloat16():
+    values, keys, query = torch.randn(4, 1, 3, 8), torch.randn(4, 1, 3, 8), torch.randn(8)
+    out, alpha = depth_read(values.bfloat16(), keys.bfloat16(), query.bfloat16(), return_weights=True)
+    assert out.dtype == torch.bfloat16 and alpha.dtype == torch.float32
+    torch.testing.assert_close(alpha.sum(0), torch.ones(1, 3, 1))
+
+
+# ---- zero queries route uniformly (requirement 3) ----------------------------------------------
+
+UNIFORM_CASES = [
+    ("attnres-full", {}),
+    ("s-lr-full-r64", {"rank": 8}),
+    ("p-lr-full-r32", {"rank": 8}),
+    ("attnres-block-n8", {"blocks": 4}),  # raw sums, ends 2, 3, 5, 6
+    ("s-lr-block-n8-r64", {"blocks": 3, "rank": 8}),
+    ("s-lr-block-n8-r64-h4", {"blocks": 4, "rank": 8}),
+    ("p-lr-block-n8-r32", {"blocks": 4, "rank": 8}),
+    ("s-lr-block-size4-r64", {"rank": 8}),
+]
+
+
+@pytest.mark.parametrize("name, changes", UNIFORM_CASES)
+def test_zero_queries_route_uniformly(registry, name, changes):
+    abl = variant(registry.ablation(name), **changes)
+    assert abl.query_init == "zero" and abl.count_prior == 0.0
+    cfg = ModelConfig(DEEPER, abl)
+    model = build_decoder(cfg)
+    assert torch.count_nonzero(model.router.queries) == 0
+    idx = tokens(DEEPER.vocab_size, 2, 5)
+    out = model(idx, return_routing=True)
+    assert len(out.routing) == DEEPER.n_sublayers  # sites j = 1..2L
+    for j, alpha in enumerate(out.routing, start=1):
+        S = alpha.shape[0]
+        assert alpha.shape == (S, 2, 5, abl.depth_heads)
+        assert S == (j + 1 if not abl.is_block else sources_per_site(cfg)[j - 1])
+        torch.testing.assert_close(alpha, torch.full_like(alpha, 1.0 / S))
+
+
+def test_full_routing_at_init_averages_every_output(registry):
+    """At zero queries, full routing reads the plain mean of o_0 .. o_j (checked on the final read)."""
+    cfg = ModelConfig(DEEPER, registry.ablation("attnres-full"))
+    model = build_decoder(cfg)
+    idx = tokens(DEEPER.vocab_size, 2, 5)
+    trace = capture(model, idx)
+    mean = (trace.emb + sum(trace.outputs)) / (len(trace.outputs) + 1)
+    torch.testing.assert_close(trace.final, ref_rms_norm(mean), atol=1e-5, rtol=1e-5)
+
+
+def test_random_queries_do_not_route_uniformly(registry):
+    model = build_decoder(ModelConfig(DEEPER, registry.ablation("attnres-full")))
+    randomize_routing(model)
+    alpha = model(tokens(DEEPER.vocab_size, 1, 4), return_routing=True).routing[-1]
+    assert (alpha - 1.0 / alpha.shape[0]).abs().max() > 0.01
+
+
+# ---- S-LR keys are the value tails (requirement 5) ---------------------------------------------
+
+SLR_CASES = [
+    ("s-lr-full-r64", {"rank": 8}),
+    ("s-lr-block-n8-r64", {"blocks": 4, "rank": 8}),
+    ("s-lr-block-n8-r64-h4", {"blocks": 3, "rank": 8}),
+    ("s-lr-block-n8-r64-sqrtmean", {"blocks": 4, "rank": 8}),
+    ("s-lr-block-n8-r64-refdefault", {"blocks": 4, "rank": 8}),
+    ("s-lr-block-n8-r64-nokeynorm", {"blocks": 4, "rank": 8}),
+    ("s-lr-block-size4-r64", {"rank": 12}),
+]
+
+
+def spy_depth_read(monkeypatch) -> list:
+    calls = []
+    original = routing.depth_read
+
+    def spy(values, keys, query, **kwargs):
+        calls.append((values.detach().clone(), keys.detach().clone(), kwargs))
+        return original(values, keys, query, **kwargs)
+
+    monkeypatch.setattr(routing, "depth_read", spy)
+    return calls
+
+
+def effective_keys(keys, kwargs, heads):
+    """The keys depth_read routes with: it normalises them itself when called with key_norm=True."""
+    return ref_head_rms_norm(keys, heads) if kwargs.get("key_norm", True) else keys
+
+
+@pytest.mark.parametrize("name, changes", SLR_CASES)
+def test_s_lr_keys_are_the_value_tails(registry, monkeypatch, name, changes):
+    abl = variant(registry.ablation(name), **changes)
+    cfg = ModelConfig(DEEPER, abl)
+    model = build_decoder(cfg)
+    randomize_routing(model)
+    calls = spy_depth_read(monkeypatch)
+    model(tokens(DEEPER.vocab_size, 2, 5))
+    assert len(calls) == DEEPER.n_sublayers, "every read site j >= 1 goes through depth_read"
+    r, heads = abl.rank, abl.depth_heads
+    for values, keys, kwargs in calls:
+        assert keys.shape == (*values.shape[:-1], r)
+        tail = values[..., -r:]  # every source, embedding and block summaries included
+        expected = ref_head_rms_norm(tail, heads) if abl.key_norm == "rms" else tail
+        torch.testing.assert_close(effective_keys(keys, kwargs, heads), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_p_lr_keys_are_not_the_value_tails(registry, monkeypatch):
+    """The same check fails for projected keys: it does discriminate."""
+    cfg = ModelConfig(DEEPER, variant(registry.ablation("p-lr-block-n8-r32"), blocks=4, rank=8))
+    model = build_decoder(cfg)
+    calls = spy_depth_read(monkeypatch)
+    model(tokens(DEEPER.vocab_size, 2, 5))
+    values, keys, kwargs = calls[-1]
+    assert not torch.allclose(effective_keys(keys, kwargs, 1), ref_rms_norm(values[..., -8:]), atol=1e-3)
+
+
+# ---- the whole routing rule against an independent reference (SPEC §2-3) ----------------------
+
+
+def ref_sources(j: int, ends: list[int]) -> list[list[int]]:
+    """Member indices of each source at read site j: [0], completed blocks, the partial block."""
+    if not ends:
+        return [[i] for i in range(j + 1)]
+    sources, start = [[0]], 1
+    for end in ends:
+        if end > j:
+            break
+        sources.append(list(range(start, end + 1)))
+        start = end + 1
+    if start <= j:
+        sources.append(list(range(start, j + 1)))
+    return sources
+
+
+def ref_read(cfg, params, emb, outputs, j):
+    """h_j and alpha_j in float64, from SPEC §2-3."""
+    a, D = cfg.ablation, cfg.size.d_model
+    r, heads = cfg.key_dim, a.depth_heads
+    exponent = {"sum": 0.0, "mean": 1.0, "sqrt_mean": 0.5}[a.block_summary]
+    raw = [emb.double(), *(o.double() for o in outputs)]
+    value = [x[..., :D] for x in raw]
+    if a.key_source == "projected":
+        emb_key = torch.zeros(*emb.shape[:-1], r, dtype=torch.float64)
+        if a.embedding_key in ("projected", "projected_plus_static"):
+            emb_key = emb_key + emb.double() @ params["embedding_key_proj.weight"].double().T
+        if a.embedding_key in ("static", "projected_plus_static"):
+            emb_key = emb_key + params["embedding_key_static"].double()
+        key = [emb_key, *(x[..., D:] for x in raw[1:])]
+    values, keys, counts = [], [], []
+    for members in ref_sources(j, cfg.block_ends()):
+        c = len(members)
+        v = sum(value[i] for i in members) / c**exponent
+        if a.key_source == "value":
+            k = v
+        elif a.key_source == "sliced":
+            k = v[..., -r:]
+        else:
+            k = sum(key[i] for i in members) / c**exponent
+        values.append(v)
+        keys.append(ref_head_rms_norm(k, heads) if a.key_norm == "rms" else k)
+        counts.append(c)
+    q = params["queries"][j - 1].double()
+    if a.query_norm:
+        q = ref_head_rms_norm(q, heads)
+    scale = cfg.logit_scale
+    bias = torch.tensor([a.count_prior * math.log(c) for c in counts], dtype=torch.float64)
+    return ref_depth_read(torch.stack(values), torch.stack(keys), q, bias, scale, False, heads)
+
+
+ROUTING_CASES = [
+    ("attnres-full", {}),
+    ("attnres-block-n8", {"blocks": 4}),
+    ("attnres-block-n8-refdefault", {"blocks": 4}),
+    ("s-lr-full-r64", {"rank": 8}),
+    ("s-lr-block-n8-r64", {"blocks": 4, "rank": 8}),
+    ("s-lr-block-n8-r64-sqrtmean", {"blocks": 3, "rank": 8}),
+    ("s-lr-block-n8-r64-h4", {"blocks": 4, "rank": 8}),
+    ("s-lr-block-size4-r64", {"rank": 8}),
+    ("s-lr-block-n8-r64-nokeynorm", {"blocks": 4, "rank": 8}),
+    ("s-lr-block-n8-r64-qnorm-normal", {"blocks": 4, "rank": 8}),
+    ("s-lr-block-n8-r64-refdefault", {"blocks": 4, "rank": 8}),
+    ("p-lr-full-r32", {"rank": 8}),
+    ("p-lr-block-n8-r32", {"blocks": 4, "rank": 8}),
+    ("p-lr-block-n8-r32-static-embkey", {"blocks": 4, "rank": 8}),
+    ("p-lr-block-n8-r32-projstatic-embkey", {"blocks": 3, "rank": 8}),
+    ("p-lr-block-n8-r32-refdefault", {"blocks": 4, "rank": 8}),
+]
+
+
+@pytest.mark.parametrize("name, changes", ROUTING_CASES)
+def test_routing_matches_the_spec_reference(registry, name, changes):
+    cfg = ModelConfig(DEEPER, variant(registry.ablation(name), **changes))
+    model = build_decoder(cfg)
+    randomize_routing(model, std=1.0)
+    params = {k: p.detach() for k, p in model.router.named_parameters()}
+    trace = capture(model, tokens(DEEPER.vocab_size, 2, 6))
+    M = DEEPER.n_sublayers
+    assert len(trace.inputs) == len(trace.outputs) == M
+    torch.testing.assert_close(trace.inputs[0].double(), ref_rms_norm(trace.emb.double()), atol=1e-5, rtol=1e-5)
+    spread = 0.0
+    for j in range(1, M + 1):
+        h, alpha = ref_read(cfg, params, trace.emb, trace.outputs[:j], j)
+        read = trace.final if j == M else trace.inputs[j]
+        torch.testing.assert_close(read.double(), ref_rms_norm(h), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(trace.routing[j - 1].double(), alpha, atol=1e-5, rtol=1e-4)
+        spread = max(spread, float(alpha.std(0).max()))
+    assert spread > 0.01  # routing is not uniform here
+
+
+def test_reference_sources_layout():
+    assert ref_sources(3, []) == [[0], [1], [2], [3]]
+    assert ref_sources(1, [2, 3, 5, 6]) == [[0], [1]]
+    assert ref_sources(4, [2, 3, 5, 6]) == [[0], [1, 2], [3], [4]]
+    assert ref_sources(6, [2, 3, 5, 6]) == [[0], [1, 2], [3], [4, 5], [6]]
+
+
+@pytest.mark.parametrize("name", ATTNRES_ABLATIONS)
+def test_routing_weights_are_distributions(registry, name):
+    cfg = tiny_config(registry, name)
+    model = build_decoder(cfg)
+    randomize_routing(model)
+    out = model(tokens(cfg.size.vocab_size, 2, 4), return_routing=True)
+    assert [w.shape[0] for w in out.routing] == sources_per_site(cfg)
+    for alpha in out.routing:
+        assert alpha.dtype == torch.float32 and (alpha >= 0).all()
+        torch.testing.assert_close(alpha.sum(0), torch.ones_like(alpha[0]))
