@@ -44,10 +44,12 @@ class KVCache:
 
     keys: list[Tensor | None]
     values: list[Tensor | None]
+    # gated residual only: running sums of each sublayer's x and F(x) (the causal means continue)
+    gate_prefix: list | None = None
 
     @classmethod
     def empty(cls, n_layers: int) -> KVCache:
-        return cls([None] * n_layers, [None] * n_layers)
+        return cls([None] * n_layers, [None] * n_layers, [None] * (2 * n_layers))
 
     @property
     def length(self) -> int:
@@ -137,13 +139,12 @@ class Decoder(nn.Module):
         B, T = idx.shape
         size = self.cfg.size
         start = 0 if cache is None else cache.length
-        if cache is not None and self.router.kind == "gated":
-            raise NotImplementedError("KV-cache decoding of the gated residual needs its running means cached too")
         if start + T > size.seq_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds seq_len={size.seq_len} of size '{size.name}'")
         cos, sin = rope_angles(torch.arange(start, start + T, device=idx.device), size.d_model // size.n_heads, size.rope_theta)
         x = self.embed(idx)  # (B, T, D)
-        state = self.router.start(x, record=return_routing)
+        gate_prefix = cache.gate_prefix if cache is not None else None
+        state = self.router.start(x, record=return_routing, gate_prefix=gate_prefix, prefix_len=start)
         for layer_index, layer in enumerate(self.layers):
             j = 2 * layer_index
             h = self.router.read(state, j)

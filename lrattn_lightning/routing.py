@@ -78,11 +78,17 @@ def depth_read(
     return (out_BTD, alpha_SBTM) if return_weights else out_BTD
 
 
-def causal_mean(x_BTD: Tensor) -> Tensor:
-    """Running mean over positions <= t (keeps the gated residual causal)."""
+def causal_mean(x_BTD: Tensor, prefix: tuple[Tensor, int] | None = None) -> Tensor:
+    """Running mean over positions <= t (keeps the gated residual causal).
+
+    prefix: (sum over earlier positions [B, 1, D] in float32, their count), for incremental decoding.
+    """
     T = x_BTD.shape[1]
+    sums = x_BTD.float().cumsum(dim=1)
     counts = torch.arange(1, T + 1, device=x_BTD.device, dtype=torch.float32).view(1, T, 1)
-    return (x_BTD.float().cumsum(dim=1) / counts).to(x_BTD.dtype)
+    if prefix is not None:
+        sums, counts = sums + prefix[0], counts + prefix[1]
+    return (sums / counts).to(x_BTD.dtype)
 
 
 @dataclass
@@ -97,6 +103,10 @@ class RoutingState:
     partial_key: Tensor | None = None  # ... and of its carried keys (projected key sources)
     partial_count: int = 0
     weights: list[Tensor] | None = None  # per site j=1..2L: alpha [S_j, B, T, M] when recording
+    # incremental decoding of the gated residual: per sublayer, the float32 sums over earlier positions
+    # of x and F(x) ([B, 1, D] each) and how many positions they cover; updated in place
+    gate_prefix: list[tuple[Tensor, Tensor] | None] | None = None
+    prefix_len: int = 0
 
 
 class DepthRouter(nn.Module):
@@ -192,8 +202,10 @@ class DepthRouter(nn.Module):
         return total if a == 0.0 else total / (count**a)
 
     # ---- the forward-pass protocol: start, then read(j) / write(i) alternately ----------------------
-    def start(self, emb_BTD: Tensor, record: bool = False) -> RoutingState:
-        state = RoutingState(weights=[] if record else None)
+    def start(
+        self, emb_BTD: Tensor, record: bool = False, gate_prefix: list | None = None, prefix_len: int = 0
+    ) -> RoutingState:
+        state = RoutingState(weights=[] if record else None, gate_prefix=gate_prefix, prefix_len=prefix_len)
         if self.kind != "attnres":
             state.stream = emb_BTD
             return state
@@ -210,7 +222,8 @@ class DepthRouter(nn.Module):
             return
         if self.kind == "gated":
             x, fx = state.stream, value_BTD
-            gate_logit = (self.gate_q[i - 1](causal_mean(x)) * self.gate_k[i - 1](causal_mean(fx))).sum(-1, keepdim=True)
+            mean_x, mean_fx = self._gate_means(state, i, x, fx)
+            gate_logit = (self.gate_q[i - 1](mean_x) * self.gate_k[i - 1](mean_fx)).sum(-1, keepdim=True)
             g = torch.sigmoid(gate_logit.float() / math.sqrt(self.d)).to(x.dtype)
             state.stream = g * x + (1 - g) * fx
             return
@@ -237,6 +250,20 @@ class DepthRouter(nn.Module):
             state.keys.append(self._norm_key(key))
             state.counts.append(state.partial_count)
             state.partial_value, state.partial_key, state.partial_count = None, None, 0
+
+    @staticmethod
+    def _gate_means(state: RoutingState, i: int, x: Tensor, fx: Tensor) -> tuple[Tensor, Tensor]:
+        """Causal running means of x and F(x), continuing cached sums when decoding incrementally."""
+        if state.gate_prefix is None:
+            return causal_mean(x), causal_mean(fx)
+        prev = state.gate_prefix[i - 1]
+        if prev is None:
+            means = causal_mean(x), causal_mean(fx)
+        else:
+            means = causal_mean(x, (prev[0], state.prefix_len)), causal_mean(fx, (prev[1], state.prefix_len))
+        sums = tuple(t.float().sum(dim=1, keepdim=True) for t in (x, fx))
+        state.gate_prefix[i - 1] = sums if prev is None else (prev[0] + sums[0], prev[1] + sums[1])
+        return means
 
     def _partial_source(self, state: RoutingState) -> tuple[Tensor, Tensor]:
         c = state.partial_count
