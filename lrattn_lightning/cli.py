@@ -35,6 +35,7 @@ class UsageError(ValueError):
 def resolve_tracking_uri(flag: str | None, fallback_local: bool) -> str:
     """--tracking_uri, else $MLFLOW_TRACKING_URI, else the local sqlite store; servers are probed first."""
     uri = flag or os.environ.get("MLFLOW_TRACKING_URI") or LOCAL_TRACKING_URI
+    uri = absolute_sqlite(uri)
     if uri.startswith(("http://", "https://")):
         try:
             with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5) as response:
@@ -43,11 +44,19 @@ def resolve_tracking_uri(flag: str | None, fallback_local: bool) -> str:
             if fallback_local:
                 print(f"[lrattn] MLflow server {uri} unreachable ({err}); logging to {LOCAL_TRACKING_URI} instead",
                       file=sys.stderr)
-                return LOCAL_TRACKING_URI
+                return absolute_sqlite(LOCAL_TRACKING_URI)
             raise UsageError(
                 f"MLflow server {uri} is unreachable ({err}). Start it, fix --tracking_uri/MLFLOW_TRACKING_URI, "
                 "or pass --mlflow_fallback_local true to log to the local sqlite store."
             ) from err
+    return uri
+
+
+def absolute_sqlite(uri: str) -> str:
+    """sqlite:///relative.db -> sqlite:////abs/relative.db (MLflow caches stores by URI, not by cwd)."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        return prefix + str(Path(uri[len(prefix):]).resolve())
     return uri
 
 
@@ -125,12 +134,17 @@ class LRAttnCLI(LightningCLI):
             if ckpt_path is None and ckpt_dir.exists() and any(ckpt_dir.glob("*.ckpt")):
                 raise UsageError(f"{ckpt_dir} already holds checkpoints of run '{cfg.run_name}'; resume with "
                                  "--ckpt_path last, or start a new run with --run_name NAME")
-            if ckpt_path == "last":
-                if not (ckpt_dir / "last.ckpt").exists():
-                    raise UsageError(f"--ckpt_path last: no {ckpt_dir / 'last.ckpt'}; check --run_name/--experiment")
-                ckpt_path = str(ckpt_dir / "last.ckpt")
-            if ckpt_path:
-                self.resume_run_id = _checkpoint_run_id(ckpt_path)
+        if ckpt_path == "last":
+            if not (ckpt_dir / "last.ckpt").exists():
+                raise UsageError(f"--ckpt_path last: no {ckpt_dir / 'last.ckpt'}; check --run_name/--experiment")
+            ckpt_path = cfg.ckpt_path = str(ckpt_dir / "last.ckpt")
+        if ckpt_path:
+            # resuming, validating or testing a checkpoint logs into the MLflow run that trained it
+            self.resume_run_id = _check_checkpoint(ckpt_path, model_cfg)
+            # LightningCLI copies the checkpoint's hyper-parameters into the model config; the
+            # architecture and provenance are re-resolved from the registry (and just checked equal).
+            cfg.model.size, cfg.model.ablation = cfg.size, cfg.ablation
+            cfg.model.model_config = cfg.model.registry_sha256 = cfg.model.git_commit = None
         if cfg.trainer.logger is None:
             self.tracking_uri = resolve_tracking_uri(cfg.tracking_uri, cfg.mlflow_fallback_local)
 
@@ -141,7 +155,7 @@ class LRAttnCLI(LightningCLI):
         if trainer_config.get("logger") is None:
             trainer_config["logger"] = MLFlowLogger(
                 experiment_name=cfg.experiment, run_name=cfg.run_name, tracking_uri=self.tracking_uri,
-                run_id=self.resume_run_id, artifact_location=artifact_location(self.tracking_uri),
+                run_id=self.resume_run_id, artifact_location=artifact_location(self.tracking_uri), synchronous=False,
             )
         ckpt_dir = self.run_dir / "checkpoints"
         if self.subcommand == "fit":
@@ -154,20 +168,38 @@ class LRAttnCLI(LightningCLI):
         return self._instantiate_trainer(trainer_config, callbacks)
 
 
-def _checkpoint_run_id(path: str) -> str | None:
+def _check_checkpoint(path: str, model_cfg) -> str | None:
+    """Fail early if `path` is missing or holds another architecture; return its MLflow run id."""
     import torch
 
-    if not Path(path).exists():
+    if not Path(path).is_file():
         raise UsageError(f"--ckpt_path {path}: no such file")
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    stored = ckpt.get("hyper_parameters", {}).get("model_config")
+    if stored is None:
+        raise UsageError(f"--ckpt_path {path}: not an lrattn_lightning checkpoint (no model_config hyper-parameter)")
+    mine = model_cfg.to_dict()
+    diffs = [f"{part}.{key}: checkpoint {stored[part].get(key)!r} vs --{part} {value!r}"
+             for part in ("size", "ablation") for key, value in mine[part].items()
+             if key != "doc" and _plain(stored[part].get(key)) != _plain(value)]
+    if diffs:
+        raise UsageError(
+            f"--ckpt_path {path} was trained with a different architecture (size '{stored['size']['name']}', ablation "
+            f"'{stored['ablation']['name']}'); pass those names. Differences: " + "; ".join(diffs[:6]))
     return (ckpt.get("mlflow") or {}).get("run_id")
 
 
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
 def run_lightning(argv: list[str]) -> LRAttnCLI:
+    # From the console script the arguments are sys.argv itself, which DDP re-executes in each child.
+    args = None if argv == sys.argv[1:] else argv
     return LRAttnCLI(
         LRAttnModule,
         TokenDataModule,
-        args=argv,
+        args=args,
         seed_everything_default=0,
         save_config_callback=MLflowSaveConfig,
         trainer_defaults={"gradient_clip_val": 1.0, "log_every_n_steps": 10},

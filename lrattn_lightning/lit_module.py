@@ -98,6 +98,9 @@ class LRAttnModule(L.LightningModule):
             cfg = ModelConfig.from_dict(model_config)
             size, ablation = cfg.size.name, cfg.ablation.name
         self.save_hyperparameters(logger=False)
+        # LightningCLI hands save_hyperparameters its own config; the resolved values must win.
+        self.hparams.update(size=size, ablation=ablation, model_config=model_config,
+                            registry_sha256=registry_sha256, git_commit=git_commit)
         self.cfg = cfg
         self.model = build_decoder(cfg)
         self.val_loss = torchmetrics.MeanMetric()

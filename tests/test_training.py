@@ -37,7 +37,7 @@ def tiny_data(tmp_path_factory) -> Path:
     return out
 
 
-def fit_args(data: Path, *extra: str, steps: int = 4, ablation: str = "s-lr-block-n4-r64") -> list[str]:
+def fit_args(data: Path, *extra: str, steps: int = 4, ablation: str = "s-lr-grid-n4-r16") -> list[str]:
     return [
         "fit", "--size", "tiny", "--ablation", ablation, "--registry", REGISTRY,
         "--data.data_dir", str(data), "--data.batch_size", "4",
@@ -73,16 +73,16 @@ def test_fit_logs_everything_to_sqlite_mlflow(tiny_data, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert main(fit_args(tiny_data)) == 0
-    client, run = only_run("sqlite:///mlflow.db")
+    client, run = only_run(f"sqlite:///{tmp_path}/mlflow.db")
     params, metrics, tags = run.data.params, run.data.metrics, run.data.tags
     reg = load_registry(REGISTRY)
-    cfg = reg.model("tiny", "s-lr-block-n4-r64")
-    assert params["ablation"] == "s-lr-block-n4-r64" and params["key_source"] == "sliced"
-    assert params["rank"] == "64" and params["blocks"] == "4" and params["block_summary"] == "sum"
+    cfg = reg.model("tiny", "s-lr-grid-n4-r16")
+    assert params["ablation"] == "s-lr-grid-n4-r16" and params["key_source"] == "sliced"
+    assert params["rank"] == "16" and params["blocks"] == "4" and params["block_summary"] == "sum"
     assert params["key_norm"] == "rms" and params["embedding_key"] == "sliced" and params["d_model"] == "32"
     assert int(params["params"]) == count_params(cfg)
     assert float(params["added_flops_pct"]) == pytest.approx(added_flops_percent(cfg), rel=1e-4)
-    assert tags["ablation"] == "s-lr-block-n4-r64" and tags["control"] == "attnres-block-n4"
+    assert tags["ablation"] == "s-lr-grid-n4-r16" and tags["control"] == "attnres-block-n8"
     assert tags["registry_sha256"] == reg.sha256 and tags["git_commit"]
     for key in ("train/loss", "train/ce", "val/loss", "val/bpb", "train/grad_norm", "train/tokens_per_s",
                 "train/lr_adamw", "train/lr_muon", "routing/site01/entropy", "routing/site04/eff_sources",
@@ -97,8 +97,8 @@ def test_fit_logs_everything_to_sqlite_mlflow(tiny_data, tmp_path, monkeypatch):
     assert heatmap.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "config.yaml" in {a.path for a in client.list_artifacts(run.info.run_id)}
     # the checkpoint describes itself with plain values
-    ckpt = torch.load(tmp_path / "runs/lrattn/tiny-s-lr-block-n4-r64-seed0/checkpoints/last.ckpt", weights_only=True)
-    assert ckpt["hyper_parameters"]["model_config"]["ablation"]["name"] == "s-lr-block-n4-r64"
+    ckpt = torch.load(tmp_path / "runs/lrattn/tiny-s-lr-grid-n4-r16-seed0/checkpoints/last.ckpt", weights_only=True)
+    assert ckpt["hyper_parameters"]["model_config"]["ablation"]["name"] == "s-lr-grid-n4-r16"
     assert ckpt["mlflow"]["run_id"] == run.info.run_id
     assert ckpt["tokenizer"]["kind"] == "byte"
 
@@ -106,7 +106,7 @@ def test_fit_logs_everything_to_sqlite_mlflow(tiny_data, tmp_path, monkeypatch):
 def test_checkpoint_under_other_ablation_is_an_error(tiny_data, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(fit_args(tiny_data, steps=2)) == 0
-    ckpt = tmp_path / "runs/lrattn/tiny-s-lr-block-n4-r64-seed0/checkpoints/last.ckpt"
+    ckpt = tmp_path / "runs/lrattn/tiny-s-lr-grid-n4-r16-seed0/checkpoints/last.ckpt"
     rc = main(fit_args(tiny_data, "--ckpt_path", str(ckpt), "--run_name", "other", steps=3, ablation="baseline"))
     assert rc == 2
     assert "different architecture" in capsys.readouterr().err
@@ -121,12 +121,12 @@ def test_resume_after_sigkill_continues_the_same_loss_sequence(tiny_data, tmp_pa
         "trainer:\n  callbacks:\n    - class_path: run_hooks.KillAtStep\n      init_args: {step: 5}\n")
     killed = cli_subprocess(fit_args(tiny_data, "--experiment", "killed", "--config", "kill.yaml", steps=steps), tmp_path)
     assert killed.returncode == -signal.SIGKILL
-    ckpt_dir = tmp_path / "runs/killed/tiny-s-lr-block-n4-r64-seed0/checkpoints"
+    ckpt_dir = tmp_path / "runs/killed/tiny-s-lr-grid-n4-r16-seed0/checkpoints"
     assert torch.load(ckpt_dir / "last.ckpt", weights_only=True)["global_step"] == 4  # lost at most one interval
     resumed = cli_subprocess(fit_args(tiny_data, "--experiment", "killed", "--ckpt_path", "last", steps=steps), tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    client, run_full = only_run("sqlite:///mlflow.db", "full")
-    _, run_resumed = only_run("sqlite:///mlflow.db", "killed")  # the resumed run logs into the same MLflow run
+    client, run_full = only_run(f"sqlite:///{tmp_path}/mlflow.db", "full")
+    _, run_resumed = only_run(f"sqlite:///{tmp_path}/mlflow.db", "killed")  # the resumed run logs into the same MLflow run
     a = losses_by_step(client, run_full.info.run_id)
     b = losses_by_step(client, run_resumed.info.run_id)
     assert sorted(a) == sorted(b) == list(range(steps))
@@ -140,7 +140,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tiny_data, tmp_path):
     proc = cli_subprocess(fit_args(tiny_data, "--config", "poison.yaml", steps=6), tmp_path)
     assert proc.returncode == 3
     assert "non-finite loss" in proc.stderr and "at step 3" in proc.stderr
-    ckpt = torch.load(tmp_path / "runs/lrattn/tiny-s-lr-block-n4-r64-seed0/checkpoints/last.ckpt", weights_only=True)
+    ckpt = torch.load(tmp_path / "runs/lrattn/tiny-s-lr-grid-n4-r16-seed0/checkpoints/last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 2
     assert all(torch.isfinite(t).all() for t in ckpt["state_dict"].values())
 
@@ -170,8 +170,8 @@ def test_ddp_two_processes_gloo_match_one_process(tmp_path):
     two = cli_subprocess(fit_args(data, *common, "--experiment", "two", "--data.batch_size", "2",
                                   "--trainer.devices", "2", "--trainer.strategy", "ddp", steps=4), tmp_path, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
-    client, r1 = only_run("sqlite:///mlflow.db", "one")
-    _, r2 = only_run("sqlite:///mlflow.db", "two")
+    client, r1 = only_run(f"sqlite:///{tmp_path}/mlflow.db", "one")
+    _, r2 = only_run(f"sqlite:///{tmp_path}/mlflow.db", "two")
     a, b = losses_by_step(client, r1.info.run_id), losses_by_step(client, r2.info.run_id)
     assert sorted(a) == sorted(b) == [0, 1, 2, 3]
     for step in a:
@@ -209,7 +209,7 @@ def test_logs_to_a_real_mlflow_server_over_http(tiny_data, tmp_path):
         proc = cli_subprocess(fit_args(tiny_data, "--tracking_uri", uri, steps=2), tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         client, run = only_run(uri)
-        assert run.data.params["ablation"] == "s-lr-block-n4-r64"
+        assert run.data.params["ablation"] == "s-lr-grid-n4-r16"
         assert "val/loss" in run.data.metrics
         assert "routing/heatmap.png" in {a.path for a in client.list_artifacts(run.info.run_id, "routing")}
         assert not (tmp_path / "mlflow.db").exists()
@@ -269,4 +269,4 @@ def test_unreachable_server_fails_or_falls_back(tiny_data, tmp_path, monkeypatch
     dead = f"http://127.0.0.1:{_free_port()}"
     _fails(tmp_path, monkeypatch, capsys, fit_args(tiny_data, "--tracking_uri", dead), "unreachable", "--mlflow_fallback_local")
     assert main(fit_args(tiny_data, "--tracking_uri", dead, "--mlflow_fallback_local", "true", steps=2)) == 0
-    only_run("sqlite:///mlflow.db")
+    only_run(f"sqlite:///{tmp_path}/mlflow.db")
