@@ -78,13 +78,12 @@ def test_tokenizer_name_errors(tmp_path):
             parse_tokenizer_name(bad)
     with pytest.raises(ValueError, match="not found"):
         load_tokenizer(f"hf:{tmp_path / 'missing.json'}")
-    if "tiktoken" not in sys.modules:
-        (tmp_path / "x.tiktoken").write_text("")
-        try:
-            import tiktoken  # noqa: F401
-        except ImportError:
-            with pytest.raises(ValueError, match="pip install tiktoken"):
-                load_tokenizer(f"tiktoken:{tmp_path / 'x.tiktoken'}")
+    (tmp_path / "x.tiktoken").write_text("")
+    try:
+        import tiktoken  # noqa: F401
+    except ImportError:  # optional: without it the kind fails with the fix, not an ImportError
+        with pytest.raises(ValueError, match="pip install tiktoken"):
+            load_tokenizer(f"tiktoken:{tmp_path / 'x.tiktoken'}")
 
 
 # ---------------------------------------------------------------------------------------------- corpora
@@ -227,6 +226,10 @@ def test_prepare_with_bpe(tmp_path):
     batch = next(iter(dm.train_dataloader()))
     assert batch.shape == (2, 17) and int(batch.max()) < meta["vocab_size"]
     assert dm.tokenizer().decode(batch[0].tolist())
+    # hf:<tokenizer.json>: the user's file is copied in, so the prepared folder stands alone
+    user_file = shutil.copy(tmp_path / "bpe" / "tokenizer.json", tmp_path / "mine.json")
+    meta_hf = D.prepare(out_dir=tmp_path / "hf", tokenizer=f"hf:{user_file}", max_bytes=30_000, cloze_items=10)
+    assert meta_hf["tokenizer"]["file"] == "tokenizer.json" and meta_hf["splits"] == meta["splits"]
 
 
 # ---------------------------------------------------------------------------------------------- DataModule
