@@ -238,7 +238,10 @@ class LRAttnModule(L.LightningModule):
         datamodule = self.trainer.datamodule if self._trainer is not None else None
         meta = getattr(datamodule, "meta", None)
         if isinstance(meta, dict):  # what evaluation needs to rebuild the tokenizer, as plain values
-            checkpoint["tokenizer"] = meta["tokenizer"]
+            spec = dict(meta["tokenizer"])
+            if "file" in spec:  # file-backed tokenizers travel inside the checkpoint
+                spec["content"] = (Path(datamodule.data_dir) / spec["file"]).read_text(encoding="utf-8")
+            checkpoint["tokenizer"] = spec
             checkpoint["data"] = {"data_dir": str(Path(datamodule.data_dir).resolve()), "source": meta.get("source")}
         if isinstance(self.logger, MLFlowLogger):
             checkpoint["mlflow"] = {
