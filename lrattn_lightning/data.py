@@ -697,6 +697,10 @@ class TokenDataModule(L.LightningDataModule):
             self._dataset("val"), batch_size=self.batch_size, num_workers=self.num_workers, collate_fn=collate_windows
         )
 
+    def test_dataloader(self) -> Any:
+        """`lrattn test` scores the held-out split (there is no third split)."""
+        return self.val_dataloader()
+
     def state_dict(self) -> dict[str, Any]:
         """The train loader's position (litdata's own state dict): {'train_loader': ...} or {}."""
         if self._train_loader is not None:

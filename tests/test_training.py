@@ -103,6 +103,21 @@ def test_fit_logs_everything_to_sqlite_mlflow(tiny_data, tmp_path, monkeypatch):
     assert ckpt["tokenizer"]["kind"] == "byte"
 
 
+def test_validate_and_test_a_checkpoint_log_into_its_training_run(tiny_data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(fit_args(tiny_data, steps=2)) == 0
+    ckpt = tmp_path / "runs/lrattn/tiny-s-lr-grid-n4-r16-seed0/checkpoints/last.ckpt"
+    common = ["--size", "tiny", "--ablation", "s-lr-grid-n4-r16", "--registry", REGISTRY, "--data.data_dir", str(tiny_data),
+              "--data.batch_size", "4", "--trainer.limit_val_batches", "3", "--trainer.limit_test_batches", "3",
+              "--trainer.enable_progress_bar", "false", "--ckpt_path", str(ckpt)]
+    assert main(["validate", *common]) == 0
+    assert main(["test", *common]) == 0
+    client, run = only_run(f"sqlite:///{tmp_path}/mlflow.db")  # still one run: the training run
+    history = client.get_metric_history(run.info.run_id, "val/loss")
+    assert len(history) >= 3  # fit's validation, then validate and test
+    assert history[-1].value == pytest.approx(history[-2].value, rel=1e-6)  # same weights, same held-out data
+
+
 def test_checkpoint_under_other_ablation_is_an_error(tiny_data, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(fit_args(tiny_data, steps=2)) == 0
