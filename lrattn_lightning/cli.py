@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
@@ -100,12 +101,12 @@ class LRAttnCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--size", type=str, default="small", help="registry size name (`lrattn list`)")
         parser.add_argument("--ablation", type=str, default="baseline", help="registry ablation name")
-        parser.add_argument("--registry", type=Optional[str], default=None, help="registry.yaml (default: ./registry.yaml)")
+        parser.add_argument("--registry", type=str | None, default=None, help="registry.yaml (default: ./registry.yaml)")
         parser.add_argument("--experiment", type=str, default="lrattn", help="MLflow experiment name")
-        parser.add_argument("--run_name", type=Optional[str], default=None, help="default: SIZE-ABLATION-seedN")
+        parser.add_argument("--run_name", type=str | None, default=None, help="default: SIZE-ABLATION-seedN")
         parser.add_argument("--runs_dir", type=str, default="runs", help="checkpoints go to RUNS_DIR/EXPERIMENT/RUN_NAME")
         parser.add_argument("--checkpoint_every", type=int, default=100, help="save last.ckpt every N steps")
-        parser.add_argument("--tracking_uri", type=Optional[str], default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
+        parser.add_argument("--tracking_uri", type=str | None, default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
         parser.add_argument("--mlflow_fallback_local", type=bool, default=False, help="log locally if the server is down")
         parser.link_arguments("size", "model.size")
         parser.link_arguments("ablation", "model.ablation")
@@ -258,7 +259,10 @@ def _demo(argv: list[str]) -> int:
     args, rest = parser.parse_known_args(argv)
     if not Path(args.data, "meta.json").exists():
         _prepare(["--source", "stdlib-docs", "--tokenizer", "byte", "--out", args.data])
-    cli = run_lightning(["fit", "--config", "experiments/cpu-demo.yaml", "--size", args.size,
+    recipe = Path(__file__).resolve().parent.parent / "experiments" / "cpu-demo.yaml"
+    if not any(a.startswith("--run_name") for a in rest):  # each demo is a new run
+        rest = ["--run_name", f"{args.size}-{args.ablation}-{time.strftime('%Y%m%d-%H%M%S')}", *rest]
+    cli = run_lightning(["fit", "--config", str(recipe), "--size", args.size,
                          "--ablation", args.ablation, "--data.data_dir", args.data, *rest])
     logger = cli.trainer.logger
     metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("val/")}

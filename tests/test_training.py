@@ -172,7 +172,7 @@ def test_ddp_two_processes_gloo_match_one_process(tmp_path):
         side = split_of(f"doc{i:03d}.txt", 0.5)
         if len(picked[side]) < 2:
             picked[side].append(i)
-    for side, ids in picked.items():
+    for ids in picked.values():
         for i in ids:  # 70 chars + EOS = 71 tokens; two documents = 142 tokens = 4 windows of 33
             text = " ".join(words[(i + k) % len(words)] for k in range(20))[:70].ljust(70, ".")
             (corpus / f"doc{i:03d}.txt").write_text(text)
