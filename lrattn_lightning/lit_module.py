@@ -152,6 +152,12 @@ class LRAttnModule(L.LightningModule):
 
     def configure_optimizers(self) -> dict:
         hp = self.hparams
+        strategy = type(self.trainer.strategy).__name__
+        if hp.optimizer == "muon_adamw" and "FSDP" in strategy:
+            raise ValueError(
+                "model.optimizer: Muon orthogonalises whole matrices, which FSDP shards across ranks; "
+                "use --model.optimizer adamw with --trainer.strategy fsdp, or keep Muon with ddp"
+            )
         opt = build_optimizer(
             self.model, kind=hp.optimizer, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
             muon_lr=hp.muon_lr, muon_weight_decay=hp.muon_weight_decay,
