@@ -265,6 +265,7 @@ def test_unknown_task_names_the_task_and_the_closest(trained, tmp_path, capsys, 
     assert built == [True]
     assert "unknown task(s) 'nope'" in eval_error(capsys, "--checkpoint", str(trained["ckpt"]), "--tasks", "lrattn_ppl,nope")
     assert built[1:] == [False, True]  # the local folder first, the defaults only for 'nope'
+    assert "nothing to evaluate" in eval_error(capsys, "--checkpoint", str(trained["ckpt"]), "--tasks", ",")
 
 
 def test_tokenizer_mismatch_and_missing_task_data(trained, tmp_path, capsys):
