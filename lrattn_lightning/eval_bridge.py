@@ -421,6 +421,13 @@ def main(argv: list[str] | None = None) -> int:
     if not names and not args.val_loss:
         raise EvalError(f"nothing to evaluate: --tasks is empty; name tasks or presets ({', '.join(PRESETS)}) "
                         "or pass --val-loss")
+    if not args.no_log:
+        from lrattn_lightning.cli import resolve_tracking_uri
+
+        recorded = (ckpt.mlflow or {}).get("tracking_uri")
+        if recorded and recorded.startswith("sqlite:///") and not Path(recorded[len("sqlite:///"):]).is_file():
+            recorded = None  # a checkpoint copied from another machine: its store is not here
+        args.tracking_uri = resolve_tracking_uri(args.tracking_uri or recorded, False)
     world = args.devices * args.num_nodes
     strategy = "auto" if world == 1 else ("ddp" if own_argv else "ddp_spawn")
     fabric = Fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy)
@@ -464,9 +471,7 @@ def report(ckpt: LoadedCheckpoint, results: dict[str, Any] | None, val: dict[str
               + (f", bpb {val['bpb']:.4f}" if "bpb" in val else ""))
     if args.no_log:
         return eval_metrics(results, val)
-    from lrattn_lightning.cli import resolve_tracking_uri
-
-    uri = resolve_tracking_uri(args.tracking_uri or (ckpt.mlflow or {}).get("tracking_uri"), False)
+    uri = args.tracking_uri  # resolved (and a server probed) before any evaluation started
     client, run_id, created = open_eval_run(ckpt, uri, args.experiment)
     metrics = log_eval(client, run_id, ckpt.global_step, results, val)
     if created:
