@@ -4,6 +4,7 @@
     lrattn prepare [--source stdlib-docs] [--tokenizer byte] [--out data/...]
     lrattn demo                      the README's main job: prepare + a short CPU training run
     lrattn list                      the registry's sizes and ablations with params and added FLOPs
+    lrattn eval --checkpoint CKPT [--tasks local|paper|NAMES]   lm-eval on a checkpoint, logged to MLflow
 
 fit/validate/test are LightningCLI subcommands: the architecture comes only from the registry
 (`--size`, `--ablation`); recipes in experiments/ hold the training knobs.
@@ -275,7 +276,14 @@ def _demo(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"list": _list, "prepare": _prepare, "demo": _demo}
+def _eval(argv: list[str]) -> int:
+    """lm-eval tasks on a checkpoint (Fabric-launched ranks), logged to its training run in MLflow."""
+    from lrattn_lightning import eval_bridge
+
+    return eval_bridge.main(argv)
+
+
+COMMANDS = {"list": _list, "prepare": _prepare, "demo": _demo, "eval": _eval}
 
 
 def main(argv: list[str] | None = None) -> int:
