@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--phase", choices=PHASES, default="train")
     p.add_argument("--mode", choices=(*MODES, "both"), default="eager", help="eager, torch.compile, or both")
     p.add_argument("--impl", choices=("fast", "reference"), default="fast", help="depth-routing code path")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --mode compile")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the size's seq_len)")
     p.add_argument("--prompt-len", type=int, default=16, help="generate: prompt tokens")
@@ -143,7 +144,7 @@ def make_subject(args, reg, ablation: str, mode: str, device, dtype) -> Subject:
             logits = model(x)
             return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
-        loss_fn = torch.compile(loss_of) if mode == "compile" else loss_of
+        loss_fn = torch.compile(loss_of, backend=args.compile_backend) if mode == "compile" else loss_of
         opt = make_optimizer(model)
 
         def step() -> None:
@@ -157,7 +158,7 @@ def make_subject(args, reg, ablation: str, mode: str, device, dtype) -> Subject:
         return Subject(ablation, cfg, model, step, B * T, flops, optimizer=opt)
 
     if args.phase == "forward":
-        fwd = torch.compile(model) if mode == "compile" else model
+        fwd = torch.compile(model, backend=args.compile_backend) if mode == "compile" else model
 
         def step() -> None:
             with torch.inference_mode(), _autocast(device, dtype):
@@ -255,18 +256,32 @@ def measure_peak_memory(subject: Subject, device) -> int:
     return _param_and_state_bytes(subject.model, opt_state) + peak
 
 
-def rss_probe(args, mode: str, ablation: str) -> int:
-    """Peak RSS (bytes) of a fresh process that builds the model and runs warm-up + 2 steps."""
-    argv = [sys.executable, "-m", "lrattn_lightning.bench", "--rss-probe", f"{mode}:{ablation}"]
-    for key in ("size", "phase", "impl", "batch_size", "seq_len", "prompt_len", "new_tokens", "warmup",
-                "dtype", "device", "threads", "seed", "registry"):
+def rss_probes(args, mode: str, ablations: list[str]) -> dict[str, int]:
+    """Peak RSS (bytes) of fresh processes, one per ablation, that build the model and run warm-up + 2
+    steps. They run concurrently (each process's own peak is what is read), after the timing."""
+    env = dict(os.environ)  # the probe imports this very package, wherever it is installed from
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    common = []
+    for key in ("size", "phase", "impl", "compile_backend", "batch_size", "seq_len", "prompt_len", "new_tokens",
+                "warmup", "dtype", "device", "threads", "seed", "registry"):
         value = getattr(args, key)
         if value is not None:
-            argv += [f"--{key.replace('_', '-')}", str(value)]
+            common += [f"--{key.replace('_', '-')}", str(value)]
     if args.fit:
-        argv.append("--fit")
-    out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=os.getcwd())
-    return int(json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_bytes"])
+        common.append("--fit")
+    procs = {
+        name: subprocess.Popen([sys.executable, "-m", "lrattn_lightning.bench", "--rss-probe", f"{mode}:{name}", *common],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for name in ablations
+    }
+    peaks = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate()
+        if proc.returncode:
+            raise RuntimeError(f"RSS probe for {name} failed:\n{err[-2000:]}")
+        peaks[name] = int(json.loads(out.strip().splitlines()[-1])["peak_rss_bytes"])
+    return peaks
 
 
 def _run_rss_probe(args, device, dtype, reg) -> int:
@@ -317,7 +332,7 @@ def run_mode(args, reg, mode: str, names: list[str], device, dtype, peak: float,
     mem = {n: measure_peak_memory(s, device) for n, s in subjects.items()} if "alloc" in memory else {}
     rss = {}
     if "rss" in memory and device.type == "cpu":
-        rss = {n: rss_probe(args, mode, n) for n in subjects}
+        rss = rss_probes(args, mode, list(subjects))
     rows = []
     for name, s in subjects.items():
         median = statistics.median(s.times)
@@ -372,6 +387,7 @@ def run_bench(args) -> dict[str, Any]:
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "command": "lrattn bench " + " ".join(args.argv),
             "size": args.size, "baseline": args.baseline, "phase": args.phase, "impl": args.impl,
+            "compile_backend": args.compile_backend if args.mode != "eager" else None,
             "batch_size": args.batch_size, "seq_len": args.seq_len or size.seq_len,
             "prompt_len": args.prompt_len if args.phase == "generate" else None,
             "new_tokens": args.new_tokens if args.phase == "generate" else None,

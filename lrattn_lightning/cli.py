@@ -64,7 +64,13 @@ def _smoke(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"list": _list, "demo": _smoke}
+def _bench(argv: list[str]) -> int:
+    from lrattn_lightning.bench import main as bench_main  # argument parsing lives in bench.py
+
+    return bench_main(argv)
+
+
+COMMANDS = {"list": _list, "demo": _smoke, "bench": _bench}
 
 
 def main(argv: list[str] | None = None) -> int:
