@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fit", action="store_true",
                    help="clip rank and block count of ablations that do not fit the size (smoke tests only)")
     p.add_argument("--json", default=None, help="output JSON path (default: runs/bench/<size>-<phase>-<time>.json)")
-    p.add_argument("--mlflow", action="store_true", help="log the results to MLflow (MLFLOW_TRACKING_URI or ./mlruns)")
+    p.add_argument("--mlflow", action="store_true",
+                   help="log the results to MLflow (MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
     p.add_argument("--mlflow-experiment", default="lrattn-bench")
     p.add_argument("--rss-probe", default=None, help=argparse.SUPPRESS)  # internal: "<mode>:<ablation>"
     return p
@@ -311,6 +312,14 @@ def _git_commit() -> str | None:
     return None
 
 
+def _quartiles(values: list[float]) -> list[float]:
+    """[p25, p75] of the pairwise ratios: how much the machine's noise moved them."""
+    if len(values) < 2:
+        return [values[0], values[0]]
+    q = statistics.quantiles(values, n=4)
+    return [q[0], q[2]]
+
+
 def run_mode(args, reg, mode: str, names: list[str], device, dtype, peak: float, memory: set[str]) -> list[dict]:
     import torch
 
@@ -342,6 +351,7 @@ def run_mode(args, reg, mode: str, names: list[str], device, dtype, peak: float,
             "median_step_s": median, "step_times_s": s.times,
             "tokens_per_s": s.tokens_per_step / median,
             "ratio_to_baseline": statistics.median(s.ratios),
+            "ratio_quartiles": _quartiles(s.ratios),
             "ratios_per_pair": s.ratios,
             "peak_mem_bytes": mem.get(name), "mem_ratio": None,
             "peak_rss_bytes": rss.get(name), "rss_ratio": None,
@@ -409,7 +419,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"lrattn bench  size={m['size']} phase={m['phase']} impl={m['impl']} dtype={m['dtype']} "
         f"device={m['device_name']} threads={m['threads']} batch={m['batch_size']} seq={m['seq_len']} "
         f"steps={m['steps']} peak={m['peak_flops'] / 1e9:.1f} GFLOP/s ({m['peak_flops_source']})",
-        f"{'mode':8s} {'ablation':28s} {'step ms':>9s} {'tok/s':>9s} {'x base':>7s} {'mem MB':>8s} {'x base':>7s} "
+        f"{'mode':8s} {'ablation':28s} {'step ms':>9s} {'tok/s':>9s} {'x base':>7s} {'p25-p75':>11s} {'mem MB':>8s} {'x base':>7s} "
         f"{'rss MB':>8s} {'x base':>7s} {'GFLOP/s':>8s} {'MFU %':>6s}",
     ]
 
@@ -419,7 +429,8 @@ def format_table(report: dict[str, Any]) -> str:
     for r in report["results"]:
         lines.append(
             f"{r['mode']:8s} {r['ablation']:28s} {r['median_step_s'] * 1e3:9.1f} {r['tokens_per_s']:9.0f} "
-            f"{r['ratio_to_baseline']:7.3f} {num(r['peak_mem_bytes'] and r['peak_mem_bytes'] / 2**20, '8.1f')} "
+            f"{r['ratio_to_baseline']:7.3f} {r['ratio_quartiles'][0]:5.2f}-{r['ratio_quartiles'][1]:<5.2f} "
+            f"{num(r['peak_mem_bytes'] and r['peak_mem_bytes'] / 2**20, '8.1f')} "
             f"{num(r['mem_ratio'], '7.3f')} {num(r['peak_rss_bytes'] and r['peak_rss_bytes'] / 2**20, '8.1f')} "
             f"{num(r['rss_ratio'], '7.3f')} {r['achieved_flops'] / 1e9:8.2f} {100 * r['mfu']:6.2f}"
         )
@@ -430,6 +441,8 @@ def log_mlflow(report: dict[str, Any], experiment: str) -> None:
     import mlflow
 
     m = report["meta"]
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        mlflow.set_tracking_uri("sqlite:///mlflow.db")
     mlflow.set_experiment(experiment)
     with mlflow.start_run(run_name=f"bench-{m['size']}-{m['phase']}-{m['impl']}"):
         mlflow.log_params({k: v for k, v in m.items() if not isinstance(v, list | dict)})

@@ -522,15 +522,24 @@ class FastDepthRouter(DepthRouter):
         state.group, state.group_out, state.group_lse, state.group_alpha = k, out, lse, alpha
 
     def _group_read_functional(self, state: FastRoutingState, S: int, c0: int, c1: int):
-        """Phase 1 in plain tensor ops (for torch.compile): the same outputs as `_GroupRead`."""
+        """Phase 1 in plain tensor ops (for torch.compile): the same outputs as `_GroupRead`.
+
+        The weighted sum is a sum of S terms, not a stacked tensor: Inductor fuses it into one kernel
+        per site, and autograd saves the sources themselves (shared by all groups), not a stack per group.
+        """
         M, G = self.heads, c1 - c0
         B, T, D = state.shape
         N = B * T
-        logits_SNMG = torch.stack([x[..., c0:c1] for x in state.logits[:S]])
+        logits_SNMG = torch.stack([x[..., c0:c1] for x in state.logits[:S]])  # small: [S, N, M, G]
         lse_NMG = torch.logsumexp(logits_SNMG, dim=0)
-        alpha_SNMG = torch.exp(logits_SNMG - lse_NMG)
-        values_SNMd = torch.stack(state.values[:S]).reshape(S, N, M, 1, D // M)
-        # float32 products and sum, as bmm accumulates; Inductor fuses the upcast (no float copy of values)
-        weights = alpha_SNMG.to(values_SNMd.dtype).float().unsqueeze(-1)
-        out = (weights * values_SNMd.float()).sum(0).to(values_SNMd.dtype)  # [N, M, G, dh]
-        return out.transpose(1, 2).reshape(N, G, D).unbind(1), lse_NMG.unbind(-1), alpha_SNMG.detach()
+        # bf16-rounded weights as bmm would use them, float32 products and sums
+        weights_SNMG = torch.exp(logits_SNMG - lse_NMG).to(state.values[0].dtype).float()
+        outs = []
+        for g in range(G):
+            acc = None
+            for s_, v in enumerate(state.values[:S]):
+                term = weights_SNMG[s_, :, :, g, None] * v.reshape(N, M, D // M).float()
+                acc = term if acc is None else acc + term
+            outs.append(acc.to(state.values[0].dtype).view(N, D))
+        alpha_SNMG = torch.exp(logits_SNMG - lse_NMG).detach()
+        return outs, lse_NMG.unbind(-1), alpha_SNMG

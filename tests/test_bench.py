@@ -13,7 +13,7 @@ torch.set_num_threads(1)
 
 ROW_FIELDS = {
     "mode", "ablation", "impl", "median_step_s", "step_times_s", "tokens_per_s", "ratio_to_baseline",
-    "ratios_per_pair", "peak_mem_bytes", "mem_ratio", "peak_rss_bytes", "rss_ratio", "model_flops_per_step",
+    "ratios_per_pair", "ratio_quartiles", "peak_mem_bytes", "mem_ratio", "peak_rss_bytes", "rss_ratio", "model_flops_per_step",
     "achieved_flops", "mfu",
 }
 META_FIELDS = {"date", "command", "size", "baseline", "phase", "impl", "batch_size", "seq_len", "steps", "warmup",
