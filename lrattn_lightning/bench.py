@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype; bfloat16 runs under autocast with float32 parameters")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall-clock time, or this process's CPU time (robust on a shared machine; with one "
+                        "thread it is single-core compute time, with more it sums the threads; CPU device only)")
     p.add_argument("--peak-flops", type=float, default=None, help="device peak FLOP/s for MFU (default: measured)")
     p.add_argument("--memory", default="alloc", help="comma list of alloc, rss (fresh-process peak RSS, CPU), or none")
     p.add_argument("--seed", type=int, default=0)
@@ -199,12 +202,12 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(subject: Subject, device) -> float:
+def timed(subject: Subject, device, clock: Callable[[], float] = time.perf_counter) -> float:
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = clock()
     subject.step()
     _sync(device)
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def measure_peak_flops(device, dtype) -> float:
@@ -328,15 +331,16 @@ def run_mode(args, reg, mode: str, names: list[str], device, dtype, peak: float,
         for _ in range(args.warmup):
             s.step()
     base = subjects[args.baseline]
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for _ in range(args.steps):  # B A1 B A2 ...: each ablation's ratio is against the baseline step just before
         for name in names:
-            t_base = timed(base, device)
+            t_base = timed(base, device, clock)
             base.times.append(t_base)
-            t = timed(subjects[name], device)
+            t = timed(subjects[name], device, clock)
             subjects[name].times.append(t)
             subjects[name].ratios.append(t / t_base)
     if not names:
-        base.times.extend(timed(base, device) for _ in range(args.steps))
+        base.times.extend(timed(base, device, clock) for _ in range(args.steps))
     base.ratios = [1.0] * len(base.times)
     mem = {n: measure_peak_memory(s, device) for n, s in subjects.items()} if "alloc" in memory else {}
     rss = {}
@@ -387,6 +391,8 @@ def run_bench(args) -> dict[str, Any]:
         raise ValueError(f"--memory: unknown {sorted(memory - {'alloc', 'rss'})}; use alloc, rss or none")
     peak_source = "given" if args.peak_flops else f"measured: best {args.dtype} matmul"
     peak = args.peak_flops or measure_peak_flops(device, dtype)
+    if args.clock == "cpu" and device.type != "cpu":
+        raise ValueError("--clock cpu measures this process's CPU time: use it with --device cpu")
     modes = list(MODES) if args.mode == "both" else [args.mode]
     rows = []
     for mode in modes:
@@ -401,7 +407,7 @@ def run_bench(args) -> dict[str, Any]:
             "batch_size": args.batch_size, "seq_len": args.seq_len or size.seq_len,
             "prompt_len": args.prompt_len if args.phase == "generate" else None,
             "new_tokens": args.new_tokens if args.phase == "generate" else None,
-            "steps": args.steps, "warmup": args.warmup, "dtype": args.dtype, "device": str(device),
+            "steps": args.steps, "warmup": args.warmup, "clock": args.clock, "dtype": args.dtype, "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
             "peak_flops": peak, "peak_flops_source": peak_source,
@@ -417,7 +423,7 @@ def format_table(report: dict[str, Any]) -> str:
     m = report["meta"]
     lines = [
         f"lrattn bench  size={m['size']} phase={m['phase']} impl={m['impl']} dtype={m['dtype']} "
-        f"device={m['device_name']} threads={m['threads']} batch={m['batch_size']} seq={m['seq_len']} "
+        f"device={m['device_name']} threads={m['threads']} clock={m['clock']} batch={m['batch_size']} seq={m['seq_len']} "
         f"steps={m['steps']} peak={m['peak_flops'] / 1e9:.1f} GFLOP/s ({m['peak_flops_source']})",
         f"{'mode':8s} {'ablation':28s} {'step ms':>9s} {'tok/s':>9s} {'x base':>7s} {'p25-p75':>11s} {'mem MB':>8s} {'x base':>7s} "
         f"{'rss MB':>8s} {'x base':>7s} {'GFLOP/s':>8s} {'MFU %':>6s}",

@@ -96,11 +96,6 @@ class _SourceBuffers:
             return self.values_SND[s, :, -self.plan.rank :]
         return self.raw_keys_SNR[s]
 
-    def key(self, s: int) -> Tensor:
-        """Source s's normalised key in float32, [N, M, r] (recomputed from the raw key)."""
-        x = self.raw_key(s).float().unflatten(-1, (self.plan.heads, -1))
-        return x * self.rstd_SNM1[s] if self.plan.key_norm else x
-
     def grad_buffers(self) -> tuple[Tensor, Tensor]:
         if self.grad_values_SND is None:
             self.grad_values_SND = torch.empty_like(self.values_SND, dtype=torch.float32)
@@ -127,6 +122,38 @@ def _site_matmul(keys_NMr: Tensor, queries_JMr: Tensor) -> Tensor:
     return torch.bmm(keys_NMr.transpose(0, 1), queries_JMr.permute(1, 2, 0)).transpose(0, 1)
 
 
+def _rstd(x_NMr: Tensor) -> Tensor:
+    """1 / RMS(x) per depth head, [N, M, 1] float32, in one pass over x (a vector norm)."""
+    norm = torch.linalg.vector_norm(x_NMr, dim=-1, keepdim=True, dtype=torch.float32)
+    return (norm.square_().div_(x_NMr.shape[-1]).add_(RMS_EPS)).rsqrt_()
+
+
+def _key_grads(grad_logits_NMJ: Tensor, logits_NMJ: Tensor, x_NMr: Tensor, rstd_NM1: Tensor | None,
+               q_JMr: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Gradients of logit_j = scale rstd <x, q_j> + b (b constant) w.r.t. x [N, M, r] and q [J, M, r].
+
+    With y = rstd x the normalised key: d logit_j / dx = scale rstd (q_j - y <y, q_j> / r), and
+    sum_j g_j scale rstd <y, q_j> ... = (rstd^2 / r) sum_j g_j (logit_j - b) x: the norm's backward
+    needs the logits, not another pass over x. Pass logits without b.
+    """
+    coef = grad_logits_NMJ * scale
+    if rstd_NM1 is not None:
+        coef = coef * rstd_NM1
+    N, M, r = x_NMr.shape
+    if M == 1:
+        c = coef.reshape(N, -1)
+        grad_x = (c @ q_JMr.view(-1, r)).view(N, 1, r)
+        grad_q = (c.t() @ x_NMr.view(N, r)).view(-1, 1, r)
+    else:
+        c_MNJ = coef.transpose(0, 1)
+        grad_x = torch.bmm(c_MNJ, q_JMr.transpose(0, 1)).transpose(0, 1)
+        grad_q = torch.bmm(c_MNJ.transpose(1, 2), x_NMr.transpose(0, 1)).transpose(0, 1)
+    if rstd_NM1 is not None:
+        along_x = (grad_logits_NMJ * logits_NMJ).sum(-1, keepdim=True) * rstd_NM1.square() / r  # [N, M, 1]
+        grad_x = grad_x.addcmul_(x_NMr, along_x, value=-1.0)
+    return grad_x, grad_q
+
+
 class _StoreSource(torch.autograd.Function):
     """Write completed source s (value [B, T, D], carried raw key [B, T, R] or None) -> a token.
 
@@ -144,12 +171,12 @@ class _StoreSource(torch.autograd.Function):
         if key_BTR is not None:
             buffers.raw_keys_SNR[s].copy_(key_BTR.reshape(N, -1))
         x_NMr = buffers.raw_key(s).float().unflatten(-1, (plan.heads, -1))
-        if plan.key_norm:
-            rstd = torch.rsqrt(x_NMr.square().mean(-1, keepdim=True) + RMS_EPS)
-            buffers.rstd_SNM1[s].copy_(rstd)
-            x_NMr = x_NMr * rstd
         c0 = plan.first_column[s]
         logits_NMJ = _site_matmul(x_NMr, queries_JR[c0:].float().unflatten(-1, (plan.heads, -1)))
+        if plan.key_norm:  # <RMSNorm(x), q> = rstd <x, q>: the normalised key is never materialised
+            rstd = _rstd(x_NMr)
+            buffers.rstd_SNM1[s].copy_(rstd)
+            logits_NMJ = logits_NMJ * rstd
         if plan.scale != 1.0:
             logits_NMJ = logits_NMJ * plan.scale
         if plan.log_count_bias[s] != 0.0:
@@ -169,23 +196,14 @@ class _StoreSource(torch.autograd.Function):
         grad_values_SND, grad_logits_SNMJ = buffers.grad_buffers()
         c0 = plan.first_column[s]
         gl_NMJ = grad_logits_SNMJ[s, :, :, c0:]  # every read of source s has written its column by now
-        if plan.scale != 1.0:
-            gl_NMJ = gl_NMJ * plan.scale
+        logits_NMJ = buffers.logits_SNMJ[s, :, :, c0:]
+        if plan.log_count_bias[s] != 0.0:
+            logits_NMJ = logits_NMJ - plan.log_count_bias[s]
         q_JMr = queries_JR[c0:].float().unflatten(-1, (plan.heads, -1))
-        y_NMr = buffers.key(s)
-        N, M, r = y_NMr.shape
-        if M == 1:
-            gl = gl_NMJ.reshape(N, -1)
-            grad_y = (gl @ q_JMr.view(-1, r)).view(N, 1, r)
-            grad_q = gl.t() @ y_NMr.view(N, r)
-        else:
-            gl_MNJ = gl_NMJ.transpose(0, 1)
-            grad_y = torch.bmm(gl_MNJ, q_JMr.transpose(0, 1)).transpose(0, 1)
-            grad_q = torch.bmm(gl_MNJ.transpose(1, 2), y_NMr.transpose(0, 1)).transpose(0, 1)
-        if plan.key_norm:  # d/dx RMSNorm: rstd (dy - y mean(dy y))
-            dot = (grad_y * y_NMr).mean(-1, keepdim=True)
-            grad_y = torch.addcmul(grad_y, y_NMr, dot, value=-1.0).mul_(buffers.rstd_SNM1[s])
-        grad_x = grad_y.flatten(-2)
+        x_NMr = buffers.raw_key(s).float().unflatten(-1, (plan.heads, -1))
+        rstd = buffers.rstd_SNM1[s] if plan.key_norm else None
+        grad_x, grad_q = _key_grads(gl_NMJ, logits_NMJ, x_NMr, rstd, q_JMr, plan.scale)
+        grad_x = grad_x.flatten(-2)
         grad_queries = queries_JR.new_zeros(queries_JR.shape, dtype=torch.float32)
         grad_queries[c0:] = grad_q.reshape(grad_q.shape[0], -1)
         if s >= buffers.grad_rows:  # no read's backward reached this source
@@ -296,27 +314,28 @@ class _PartialRead(torch.autograd.Function):
         M, R = plan.heads, plan.rank
         N, D = out_ND.shape
         raw = key_BTR if key_BTR is not None else (v_BTD if plan.key_from_value == "value" else v_BTD[..., -R:])
-        y_NMr = raw.reshape(N, M, R // M).float()
+        x_NMr = raw.reshape(N, M, R // M).float()
+        logit_NM1 = _site_matmul(x_NMr, queries_JR[j - 1 : j].float().view(1, M, -1))
         rstd = None
         if plan.key_norm:
-            rstd = torch.rsqrt(y_NMr.square().mean(-1, keepdim=True) + RMS_EPS)
-            y_NMr = y_NMr * rstd
-        logit_NM = (y_NMr * queries_JR[j - 1].float().view(M, -1)).sum(-1)
+            rstd = _rstd(x_NMr)
+            logit_NM1 = logit_NM1 * rstd
         if plan.scale != 1.0:
-            logit_NM = logit_NM * plan.scale
+            logit_NM1 = logit_NM1 * plan.scale
+        logit_NM = logit_NM1.view(N, M)
         if plan.count_prior != 0.0:
             logit_NM = logit_NM + plan.count_prior * math.log(count)
         w_NM = torch.sigmoid(logit_NM - lse_NM)
         v_NMd = v_BTD.reshape(N, M, D // M)
         h = torch.lerp(out_ND.view(N, M, D // M), v_NMd, w_NM.unsqueeze(-1).to(v_BTD.dtype))
-        ctx.save_for_backward(v_BTD, key_BTR, queries_JR, alpha_SNM, w_NM, rstd)
+        ctx.save_for_backward(v_BTD, key_BTR, queries_JR, alpha_SNM, w_NM, rstd, logit_NM1)
         ctx.buffers, ctx.j, ctx.where = buffers, j, where
         ctx.mark_non_differentiable(w_NM)
         return h.view(v_BTD.shape), w_NM
 
     @staticmethod
     def backward(ctx, grad_h, _grad_w):
-        v_BTD, key_BTR, queries_JR, alpha_SNM, w_NM, rstd = ctx.saved_tensors
+        v_BTD, key_BTR, queries_JR, alpha_SNM, w_NM, rstd, logit_NM1 = ctx.saved_tensors
         buffers, j = ctx.buffers, ctx.j
         plan = buffers.plan
         M, R = plan.heads, plan.rank
@@ -334,17 +353,12 @@ class _PartialRead(torch.autograd.Function):
         grad_logit = w_NM * (1 - w_NM) * (dot_v - dot_out)  # [N, M]
         # the group's site sees grad out_C = (1 - w) gh: its weights' gradient is this one scaled
         buffers.grad_alpha_stash[ctx.where] = grad_alpha_SNM * (1 - w_NM)
-        # the partial key: l = s <y, q>, y = RMSNorm(x)
+        # the partial key: l = s rstd <x, q_j> + beta log c
         raw = key_BTR if key_BTR is not None else (v_BTD if plan.key_from_value == "value" else v_BTD[..., -R:])
         x_NMr = raw.reshape(N, M, R // M).float()
-        y_NMr = x_NMr * rstd if rstd is not None else x_NMr
-        g = grad_logit * plan.scale if plan.scale != 1.0 else grad_logit
-        q_Mr = queries_JR[j - 1].float().view(M, -1)
-        grad_q = (g.unsqueeze(-1) * y_NMr).sum(0)  # [M, r]
-        grad_y = g.unsqueeze(-1) * q_Mr  # [N, M, r]
-        if rstd is not None:
-            grad_y = rstd * torch.addcmul(grad_y, y_NMr, (grad_y * y_NMr).mean(-1, keepdim=True), value=-1.0)
-        grad_x = grad_y.reshape(N, R)
+        q_1Mr = queries_JR[j - 1 : j].float().view(1, M, -1)
+        grad_x, grad_q = _key_grads(grad_logit.unsqueeze(-1), logit_NM1, x_NMr, rstd, q_1Mr, plan.scale)
+        grad_x = grad_x.reshape(N, R)
         grad_key = None
         if key_BTR is not None:
             grad_key = grad_x.to(key_BTR.dtype).view(key_BTR.shape)

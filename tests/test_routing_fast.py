@@ -99,7 +99,7 @@ def test_fast_matches_reference_float32(name, functional):
     assert grads_f.keys() == grads_r.keys()
     for n, g in grads_r.items():
         scale = g.abs().max().item()  # float32 summation order differs: tolerance relative to the tensor
-        torch.testing.assert_close(grads_f[n], g, rtol=1e-4, atol=1e-5 * scale, msg=lambda m, n=n: f"grad {n}: {m}")
+        torch.testing.assert_close(grads_f[n], g, rtol=1e-4, atol=5e-5 * scale, msg=lambda m, n=n: f"grad {n}: {m}")
     # diagnostics: one alpha [S_j, B, T, M] per site j = 1..2L, sources ordered embedding, blocks, partial
     assert len(routing_f) == len(routing_r) == SIZE.n_sublayers
     for a_f, a_r in zip(routing_f, routing_r, strict=True):
@@ -212,4 +212,4 @@ def test_compiled_training_step_matches_reference():
     (logits.float().square().mean() + logits.float()[..., :3].sum()).backward()
     torch.testing.assert_close(logits.detach(), logits_r, rtol=1e-5, atol=1e-5)
     for n, g in grads_r.items():
-        torch.testing.assert_close(dict(fast.named_parameters())[n].grad, g, rtol=1e-4, atol=1e-5 * g.abs().max().item())
+        torch.testing.assert_close(dict(fast.named_parameters())[n].grad, g, rtol=1e-4, atol=5e-5 * g.abs().max().item())
