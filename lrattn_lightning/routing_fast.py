@@ -142,7 +142,10 @@ def _key_grads(grad_logits_NMJ: Tensor, logits_NMJ: Tensor, x_NMr: Tensor, rstd_
     N, M, r = x_NMr.shape
     if M == 1:
         c = coef.reshape(N, -1)
-        grad_x = (c @ q_JMr.view(-1, r)).view(N, 1, r)
+        if c.shape[1] == 1:  # an outer product: elementwise beats a matmul with inner size 1
+            grad_x = (c * q_JMr.view(1, r)).view(N, 1, r)
+        else:
+            grad_x = (c @ q_JMr.view(-1, r)).view(N, 1, r)
         grad_q = (c.t() @ x_NMr.view(N, r)).view(-1, 1, r)
     else:
         c_MNJ = coef.transpose(0, 1)
@@ -220,10 +223,26 @@ class _StoreSource(torch.autograd.Function):
         return grad_v.to(v_dtype).view(v_shape), grad_key, grad_queries.to(queries_JR.dtype), None
 
 
+# ATen's CPU bmm falls back to a naive loop for tiny matrices (S * G * D < 400): below this source count
+# the weighted sums are done with elementwise ops instead.
+_SMALL_S = 3
+
+
+def _weighted_sum(weights_SN1: Tensor, values_SND: Tensor) -> Tensor:
+    """sum_s w_s v_s -> [N, D] (one head): a bmm over tokens, or elementwise for few sources."""
+    S, N, D = values_SND.shape
+    if S > _SMALL_S:
+        return torch.bmm(weights_SN1.permute(1, 2, 0).contiguous(), values_SND.transpose(0, 1)).view(N, D)
+    out = values_SND[0] * weights_SN1[0]
+    for s in range(1, S):
+        out.addcmul_(values_SND[s], weights_SN1[s])
+    return out
+
+
 def _grad_alpha(values_SND: Tensor, grad_ND: Tensor, heads: int) -> Tensor:
     """<grad, v_s> per token and depth head -> [S, N, M] float32 (one bmm for one head)."""
     S, N, D = values_SND.shape
-    if heads == 1:
+    if heads == 1 and S > _SMALL_S:
         return torch.bmm(grad_ND.view(N, 1, D), values_SND.permute(1, 2, 0)).view(N, S).t().float().unsqueeze(-1)
     prod = values_SND.view(S, N, heads, D // heads) * grad_ND.view(N, heads, D // heads)
     return prod.sum(-1, dtype=torch.float32)
@@ -248,15 +267,15 @@ class _GroupRead(torch.autograd.Function):
         logits_SNMG = buffers.logits_SNMJ[:S, :, :, c0:c1]
         lse_NMG = torch.logsumexp(logits_SNMG, dim=0)
         alpha_SNMG = torch.exp(logits_SNMG - lse_NMG)
-        weights_NGS = alpha_SNMG.to(values_SND.dtype).permute(1, 3, 2, 0)  # [N, G, M, S]
+        weights_SNMG = alpha_SNMG.to(values_SND.dtype)
         if S == 1:  # a softmax over one source: alpha = 1, every site reads the embedding
             outs = [values_SND[0].clone() for _ in range(G)]
         elif M == 1:  # [N, 1, S] @ [N, S, D] per site (the value buffer seen token-major, no copy)
-            v_NSD = values_SND.transpose(0, 1)
-            outs = [torch.bmm(weights_NGS[:, g].contiguous(), v_NSD).view(N, D) for g in range(G)]
+            outs = [_weighted_sum(weights_SNMG[..., g], values_SND) for g in range(G)]
         else:  # [N, M, 1, S] @ [N, M, S, dh] per site; the rare multi-head case pays a copy
             v_NMSd = values_SND.view(S, N, M, D // M).permute(1, 2, 0, 3)
-            outs = [torch.matmul(weights_NGS[:, g, :, None], v_NMSd).reshape(N, D) for g in range(G)]
+            weights_NGMS = weights_SNMG.permute(1, 3, 2, 0)
+            outs = [torch.matmul(weights_NGMS[:, g, :, None], v_NMSd).reshape(N, D) for g in range(G)]
         ctx.save_for_backward(alpha_SNMG)
         ctx.buffers, ctx.k, ctx.c0, ctx.c1, ctx.n_tokens = buffers, k, c0, c1, len(tokens)
         ctx.mark_non_differentiable(alpha_SNMG)
@@ -363,7 +382,7 @@ class _PartialRead(torch.autograd.Function):
         if key_BTR is not None:
             grad_key = grad_x.to(key_BTR.dtype).view(key_BTR.shape)
         elif plan.key_from_value == "value":
-            grad_v = grad_v + grad_x.to(grad_v.dtype)
+            grad_v += grad_x.to(grad_v.dtype)
         else:
             grad_v[:, -R:] += grad_x.to(grad_v.dtype)
         grad_queries = torch.zeros_like(queries_JR, dtype=torch.float32)
