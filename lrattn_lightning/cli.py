@@ -283,7 +283,14 @@ def _eval(argv: list[str]) -> int:
     return eval_bridge.main(argv)
 
 
-COMMANDS = {"list": _list, "prepare": _prepare, "demo": _demo, "eval": _eval}
+def _bench(argv: list[str]) -> int:
+    """Interleaved step-time / memory / MFU benchmark of ablations against baseline."""
+    from lrattn_lightning.bench import main as bench_main  # argument parsing lives in bench.py
+
+    return bench_main(argv)
+
+
+COMMANDS = {"list": _list, "prepare": _prepare, "demo": _demo, "eval": _eval, "bench": _bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,11 @@ from torch import Tensor, nn
 
 from lrattn_lightning.config import AblationConfig, ModelConfig, SizeConfig
 from lrattn_lightning.routing import DepthRouter, rms_norm
+from lrattn_lightning.routing_fast import FastDepthRouter
+
+# How depth routing is computed, apart from what: `reference` is the readable twin (routing.py),
+# `fast` the two-phase buffered path (routing_fast.py). Same parameters, same state_dict keys.
+ROUTER_IMPLS = {"reference": DepthRouter, "fast": FastDepthRouter}
 
 
 def rope_angles(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -112,13 +117,15 @@ class DecoderOutput:
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, impl: str = "fast"):
         super().__init__()
-        self.cfg = cfg
+        if impl not in ROUTER_IMPLS:
+            raise ValueError(f"impl must be one of {list(ROUTER_IMPLS)}, got {impl!r}")
+        self.cfg, self.impl = cfg, impl
         size = cfg.size
         self.embed = nn.Embedding(size.vocab_size, size.d_model)
         self.layers = nn.ModuleList(Layer(size, cfg.extra_out) for _ in range(size.n_layers))
-        self.router = DepthRouter(cfg)
+        self.router = ROUTER_IMPLS[impl](cfg)
         self.head = nn.Linear(size.d_model, size.vocab_size, bias=False)
         self.reset_parameters()
 
@@ -158,7 +165,12 @@ class Decoder(nn.Module):
         return logits
 
 
-def build_decoder(size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None) -> Decoder:
-    """Build the decoder for a (size, ablation) pair; works under `torch.device("meta")`."""
+def build_decoder(
+    size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None, *, impl: str = "fast"
+) -> Decoder:
+    """Build the decoder for a (size, ablation) pair; works under `torch.device("meta")`.
+
+    impl: `fast` or `reference` routing code (a runtime choice, not part of the architecture).
+    """
     cfg = size if isinstance(size, ModelConfig) else ModelConfig(size, ablation)
-    return Decoder(cfg)
+    return Decoder(cfg, impl)

@@ -82,6 +82,7 @@ class LRAttnModule(L.LightningModule):
         final_lr_fraction: float = 0.1,
         z_loss: float = 1e-5,
         compile: bool = False,
+        impl: Literal["fast", "reference"] = "fast",
         routing_diagnostics: bool = True,
         model_config: dict | None = None,
         registry_sha256: str | None = None,
@@ -102,7 +103,7 @@ class LRAttnModule(L.LightningModule):
         self.hparams.update(size=size, ablation=ablation, model_config=model_config,
                             registry_sha256=registry_sha256, git_commit=git_commit)
         self.cfg = cfg
-        self.model = build_decoder(cfg)
+        self.model = build_decoder(cfg, impl=impl)  # how routing is computed; not part of the architecture
         self.val_loss = torchmetrics.MeanMetric()
         self._routing_weights: list[torch.Tensor] | None = None
         self._step_clock: float | None = None

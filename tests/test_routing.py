@@ -180,7 +180,7 @@ def effective_keys(keys, kwargs, heads):
 def test_s_lr_keys_are_the_value_tails(registry, monkeypatch, name, changes):
     abl = variant(registry.ablation(name), **changes)
     cfg = ModelConfig(DEEPER, abl)
-    model = build_decoder(cfg)
+    model = build_decoder(cfg, impl="reference")  # the spy sees the reference path; fast parity: test_routing_fast
     randomize_routing(model)
     calls = spy_depth_read(monkeypatch)
     model(tokens(DEEPER.vocab_size, 2, 5))
@@ -196,7 +196,7 @@ def test_s_lr_keys_are_the_value_tails(registry, monkeypatch, name, changes):
 def test_p_lr_keys_are_not_the_value_tails(registry, monkeypatch):
     """The same check fails for projected keys: it does discriminate."""
     cfg = ModelConfig(DEEPER, variant(registry.ablation("p-lr-block-n8-r32"), blocks=4, rank=8))
-    model = build_decoder(cfg)
+    model = build_decoder(cfg, impl="reference")
     calls = spy_depth_read(monkeypatch)
     model(tokens(DEEPER.vocab_size, 2, 5))
     values, keys, kwargs = calls[-1]

@@ -1,0 +1,87 @@
+"""`lrattn bench` on the tiny size: it runs every phase and mode and writes the JSON it promises."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lrattn_lightning import bench, cli
+
+torch.set_num_threads(1)
+
+ROW_FIELDS = {
+    "mode", "ablation", "impl", "median_step_s", "step_times_s", "tokens_per_s", "ratio_to_baseline",
+    "ratios_per_pair", "ratio_quartiles", "peak_mem_bytes", "mem_ratio", "peak_rss_bytes", "rss_ratio", "model_flops_per_step",
+    "achieved_flops", "mfu",
+}
+META_FIELDS = {"date", "command", "size", "baseline", "phase", "impl", "batch_size", "seq_len", "steps", "warmup",
+               "dtype", "device", "device_name", "threads", "torch", "peak_flops", "peak_flops_source", "memory",
+               "git_commit", "registry_sha256"}
+TINY = ["--size", "tiny", "--fit", "--batch-size", "2", "--seq-len", "16", "--threads", "1", "--device", "cpu"]
+
+
+def _run(tmp_path, *args: str) -> dict:
+    path = tmp_path / "bench.json"
+    assert bench.main([*TINY, "--json", str(path), *args]) == 0
+    report = json.loads(path.read_text())
+    assert META_FIELDS <= report["meta"].keys()
+    for row in report["results"]:
+        assert ROW_FIELDS <= row.keys()
+        assert row["median_step_s"] > 0 and row["tokens_per_s"] > 0
+        assert row["achieved_flops"] > 0 and 0 < row["mfu"] < 1
+    return report
+
+
+def test_train_eager(tmp_path, capsys):
+    report = _run(tmp_path, "--ablations", "s-lr-block-n8-r64,attnres-full", "--steps", "3", "--warmup", "1",
+                  "--peak-flops", "1e11")
+    rows = {r["ablation"]: r for r in report["results"]}
+    assert list(rows) == ["baseline", "s-lr-block-n8-r64", "attnres-full"]
+    base = rows["baseline"]
+    assert base["ratio_to_baseline"] == 1.0 and base["mem_ratio"] == 1.0 and base["peak_rss_bytes"] is None
+    for name in ("s-lr-block-n8-r64", "attnres-full"):
+        row = rows[name]
+        assert len(row["ratios_per_pair"]) == 3 and row["ratio_to_baseline"] > 0
+        assert row["peak_mem_bytes"] > base["peak_mem_bytes"] and row["mem_ratio"] > 1.0  # routing costs memory
+    assert len(base["step_times_s"]) == 2 * 3  # the baseline runs before each ablation in every round
+    assert report["meta"]["peak_flops_source"] == "given" and report["meta"]["peak_flops"] == 1e11
+    table = capsys.readouterr().out
+    assert "s-lr-block-n8-r64" in table and "x base" in table
+
+
+def test_peak_rss_of_a_fresh_process(tmp_path):
+    report = _run(tmp_path, "--ablations", "baseline", "--steps", "1", "--warmup", "1", "--memory", "alloc,rss")
+    (row,) = report["results"]
+    assert row["peak_rss_bytes"] > 50 * 2**20 and row["rss_ratio"] == 1.0  # at least the interpreter and torch
+    assert "RSS" in report["meta"]["memory"]
+
+
+@pytest.mark.parametrize("phase", ["forward", "generate"])
+def test_inference_phases(tmp_path, phase):
+    report = _run(tmp_path, "--phase", phase, "--ablations", "p-lr-block-n8-r32", "--steps", "2", "--warmup", "1",
+                  "--prompt-len", "4", "--new-tokens", "6")
+    assert report["meta"]["phase"] == phase
+    assert [r["ablation"] for r in report["results"]] == ["baseline", "p-lr-block-n8-r32"]
+    if phase == "generate":
+        assert report["results"][0]["tokens_per_s"] == pytest.approx(2 * 6 / report["results"][0]["median_step_s"])
+
+
+def test_compile_mode(tmp_path):
+    """The compiled train step (aot_eager backend: no Inductor codegen, to stay fast)."""
+    report = _run(tmp_path, "--mode", "compile", "--compile-backend", "aot_eager", "--ablations", "baseline",
+                  "--steps", "2", "--warmup", "1")
+    assert [(r["mode"], r["ablation"]) for r in report["results"]] == [("compile", "baseline")]
+    assert report["meta"]["compile_backend"] == "aot_eager"
+
+
+def test_cli_subcommand_and_bad_names(tmp_path):
+    path = tmp_path / "out.json"
+    assert cli.main(["bench", *TINY, "--ablations", "attnres-block-n4", "--steps", "1", "--warmup", "0",
+                     "--memory", "none", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["results"][1]["peak_mem_bytes"] is None
+    with pytest.raises(ValueError, match="no-such-ablation"):
+        bench.main([*TINY, "--ablations", "no-such-ablation", "--json", str(path)])
+    with pytest.raises(ValueError, match="generate"):
+        bench.main([*TINY, "--phase", "generate", "--mode", "compile", "--ablations", "baseline", "--json", str(path)])

@@ -1,0 +1,215 @@
+"""The fast depth-routing path (routing_fast.py) against its readable twin (routing.py).
+
+Both code paths of the fast router are checked in eager mode: the buffered autograd Functions
+(`functional=False`, the eager default) and the plain-tensor path Inductor compiles (`functional=True`).
+Parity covers logits, every parameter gradient and the recorded routing weights, with routing made
+non-uniform (random queries), for every attnres registry entry plus a grid of full/block routing x
+every key source x depth heads 1 and 4 x block summaries and count prior.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lrattn_lightning.config import AblationConfig, ModelConfig, SizeConfig, fit_to_size
+from lrattn_lightning.decoder import KVCache, build_decoder
+from lrattn_lightning.registry import load_registry
+from lrattn_lightning.routing import DepthRouter
+from lrattn_lightning.routing_fast import FastDepthRouter
+
+torch.set_num_threads(1)
+
+REGISTRY = load_registry()
+# three layers: M = 6 sublayers, so block counts give uneven blocks (N=4 ends after 2, 3, 5, 6)
+SIZE = SizeConfig(name="tiny-l3", doc="tests", n_layers=3, d_model=32, n_heads=2, d_mlp=48, vocab_size=97, seq_len=16)
+ATTNRES = [n for n, a in REGISTRY.ablations.items() if a.routing == "attnres"]
+
+_BASE = REGISTRY.ablation("attnres-full")
+_EMBEDDING_KEY = {"value": "value", "sliced": "sliced", "projected": "projected",
+                  "value_projected": "projected", "value_projected_shared": "static"}
+
+
+def _grid() -> dict[str, AblationConfig]:
+    """Full and block routing x every key source x depth heads 1 and 4, with varied summaries and priors."""
+    out = {}
+    for key_source, emb in _EMBEDDING_KEY.items():
+        for blocks in (None, 4):
+            for heads in (1, 4):
+                summary, prior = ("mean", 1.0) if heads == 4 else ("sqrt_mean", 0.0)
+                name = f"grid-{key_source}-{'block' if blocks else 'full'}-h{heads}"
+                out[name] = dataclasses.replace(
+                    _BASE, name=name, key_source=key_source, embedding_key=emb, depth_heads=heads,
+                    rank=None if key_source == "value" else 16, blocks=blocks, block_summary=summary,
+                    count_prior=prior, logit_scale="inv_sqrt_head_dim" if heads == 4 else "none",
+                ).validate()
+    return out
+
+
+GRID = _grid()
+
+
+def _config(name: str) -> ModelConfig:
+    ablation = GRID[name] if name in GRID else fit_to_size(REGISTRY.ablation(name), SIZE)
+    return ModelConfig(SIZE, ablation)
+
+
+def _randomize(model: torch.nn.Module) -> None:
+    """Random queries and static keys, so that routing is far from uniform."""
+    with torch.no_grad():
+        for name, p in model.router.named_parameters():
+            if name == "queries" or "static" in name:
+                p.normal_(std=0.5)
+
+
+def _run(model, idx, *, functional=None, dtype=torch.float32):
+    if functional is not None:
+        model.router.functional = functional
+    model.zero_grad(set_to_none=True)
+    out = model.to(dtype)(idx, return_routing=True)
+    loss = out.logits.float().square().mean() + out.logits.float()[..., :3].sum()
+    loss.backward()
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
+    return out.logits.detach().float(), grads, out.routing
+
+
+def _pair(name: str, dtype=torch.float32):
+    """The reference model and a fast model loaded from its state_dict (the two must be interchangeable)."""
+    cfg = _config(name)
+    torch.manual_seed(0)
+    ref = build_decoder(cfg, impl="reference")
+    _randomize(ref)
+    fast = build_decoder(cfg, impl="fast")
+    fast.load_state_dict(ref.state_dict())  # strict: same parameter names in both impls
+    return ref.to(dtype), fast.to(dtype)
+
+
+IDX = torch.randint(0, SIZE.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["buffered", "functional"])
+@pytest.mark.parametrize("name", ATTNRES + list(GRID))
+def test_fast_matches_reference_float32(name, functional):
+    ref, fast = _pair(name)
+    logits_r, grads_r, routing_r = _run(ref, IDX)
+    logits_f, grads_f, routing_f = _run(fast, IDX, functional=functional)
+    torch.testing.assert_close(logits_f, logits_r, rtol=1e-5, atol=1e-5)
+    assert grads_f.keys() == grads_r.keys()
+    for n, g in grads_r.items():
+        scale = g.abs().max().item()  # float32 summation order differs: tolerance relative to the tensor
+        torch.testing.assert_close(grads_f[n], g, rtol=1e-4, atol=5e-5 * scale, msg=lambda m, n=n: f"grad {n}: {m}")
+    # diagnostics: one alpha [S_j, B, T, M] per site j = 1..2L, sources ordered embedding, blocks, partial
+    assert len(routing_f) == len(routing_r) == SIZE.n_sublayers
+    for a_f, a_r in zip(routing_f, routing_r, strict=True):
+        assert a_f.shape == a_r.shape and not a_f.requires_grad
+        torch.testing.assert_close(a_f, a_r, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a_f.sum(0), torch.ones_like(a_f[0]))
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["buffered", "functional"])
+@pytest.mark.parametrize("name", ["s-lr-block-n8-r64", "p-lr-block-n4-r32", "attnres-full", "attnres-block-n4",
+                                  "vp-lr-block-n8-r32", "grid-sliced-block-h4", "grid-projected-full-h4",
+                                  "s-lr-block-n8-r64-qnorm-normal"])
+def test_fast_matches_reference_bfloat16(name, functional):
+    """In bfloat16 both impls round differently; each must be about as close to the float32 truth."""
+    ref, fast = _pair(name)
+    logits_t, grads_t, _ = _run(ref, IDX)  # float32 truth
+    logits_r, grads_r, _ = _run(ref, IDX, dtype=torch.bfloat16)
+    logits_f, grads_f, _ = _run(fast, IDX, functional=functional, dtype=torch.bfloat16)
+
+    def err(x, truth):
+        return ((x - truth).norm() / (truth.norm() + 1e-12)).item()
+
+    assert err(logits_f, logits_t) <= 2 * err(logits_r, logits_t) + 2e-3
+    for n, g in grads_t.items():
+        assert err(grads_f[n], g) <= 2 * err(grads_r[n], g) + 2e-2, n
+
+
+@pytest.mark.parametrize("name", ["baseline", "gated-residual"])
+def test_non_attnres_routing_is_unchanged(name):
+    ref, fast = _pair(name)
+    torch.testing.assert_close(_run(fast, IDX)[0], _run(ref, IDX)[0], rtol=0, atol=0)
+
+
+def test_fast_is_the_default_and_state_dicts_are_interchangeable():
+    cfg = _config("p-lr-block-n8-r32")
+    fast, ref = build_decoder(cfg), build_decoder(cfg, impl="reference")
+    assert type(fast.router) is FastDepthRouter and type(ref.router) is DepthRouter
+    assert fast.state_dict().keys() == ref.state_dict().keys()
+    ref.load_state_dict(fast.state_dict())
+    with pytest.raises(ValueError, match="impl"):
+        build_decoder(cfg, impl="fused")
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+@pytest.mark.parametrize("name", ["s-lr-block-n8-r64", "p-lr-full-r32", "attnres-block-n4"])
+def test_kv_cache_decoding_matches_full_forward(name, impl):
+    ref, fast = _pair(name)
+    model = fast if impl == "fast" else ref
+    with torch.no_grad():
+        full = model(IDX)
+        cache = KVCache.empty(SIZE.n_layers)
+        steps = [model(IDX[:, :5], cache=cache)]
+        steps += [model(IDX[:, t : t + 1], cache=cache) for t in range(5, IDX.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_inference_mode_forward():
+    ref, fast = _pair("s-lr-block-n8-r64")
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(IDX), ref(IDX), rtol=1e-5, atol=1e-5)
+
+
+def test_buffers_do_not_leak_between_steps():
+    """Two training steps in a row give the same gradients as two fresh models (buffers are per pass)."""
+    _, fast = _pair("s-lr-block-n8-r64")
+    first = _run(fast, IDX)[1]
+    second = _run(fast, IDX)[1]
+    for n, g in first.items():
+        torch.testing.assert_close(second[n], g, rtol=0, atol=0)
+
+
+# ---- torch.compile ----------------------------------------------------------------------------------
+def _signature(a: AblationConfig) -> tuple:
+    """The code path an ablation takes (rank and block count change no control flow)."""
+    return (a.routing, a.key_source, a.embedding_key, a.key_norm, a.query_norm, a.is_block, a.block_summary,
+            a.count_prior != 0, a.depth_heads > 1, a.logit_scale)
+
+
+_BY_SIGNATURE: dict[tuple, str] = {}
+for _name, _ablation in REGISTRY.ablations.items():
+    _BY_SIGNATURE.setdefault(_signature(_ablation), _name)
+
+
+def test_every_ablation_has_a_graph_break_check():
+    assert {_signature(a) for a in REGISTRY.ablations.values()} == set(_BY_SIGNATURE)
+
+
+@pytest.mark.parametrize("name", sorted(_BY_SIGNATURE.values()))
+def test_no_graph_breaks(name):
+    """Dynamo traces the tiny decoder of every ablation (one per code path) into one graph."""
+    import torch._dynamo
+
+    size = REGISTRY.size("tiny")
+    model = build_decoder(ModelConfig(size, fit_to_size(REGISTRY.ablation(name), size)))
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(model)(torch.randint(0, size.vocab_size, (2, 8)))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+def test_compiled_training_step_matches_reference():
+    """Under torch.compile (aot_eager: the graphs AOTAutograd builds, without Inductor codegen) the fast
+    router takes its functional path; values and gradients still match the eager reference. Uneven
+    blocks with partial reads and carried (projected) keys."""
+    ref, fast = _pair("p-lr-block-n4-r32")
+    logits_r, grads_r, _ = _run(ref, IDX)
+    compiled = torch.compile(fast, backend="aot_eager", fullgraph=True)
+    fast.zero_grad(set_to_none=True)
+    logits = compiled(IDX)
+    (logits.float().square().mean() + logits.float()[..., :3].sum()).backward()
+    torch.testing.assert_close(logits.detach(), logits_r, rtol=1e-5, atol=1e-5)
+    for n, g in grads_r.items():
+        torch.testing.assert_close(dict(fast.named_parameters())[n].grad, g, rtol=1e-4, atol=5e-5 * g.abs().max().item())
