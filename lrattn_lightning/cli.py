@@ -28,6 +28,9 @@ from lrattn_lightning.data import TokenDataModule, validate_data_dir
 from lrattn_lightning.lit_module import LRAttnModule, NonFiniteLossError
 
 LOCAL_TRACKING_URI = "sqlite:///mlflow.db"
+# The user's own setting, read once: mlflow.set_tracking_uri() (called by every MLFlowLogger) writes
+# MLFLOW_TRACKING_URI into this process's environment, which must not steer later runs in the same process.
+_USER_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI")
 
 
 class UsageError(ValueError):
@@ -36,7 +39,7 @@ class UsageError(ValueError):
 
 def resolve_tracking_uri(flag: str | None, fallback_local: bool) -> str:
     """--tracking_uri, else $MLFLOW_TRACKING_URI, else the local sqlite store; servers are probed first."""
-    uri = flag or os.environ.get("MLFLOW_TRACKING_URI") or LOCAL_TRACKING_URI
+    uri = flag or _USER_TRACKING_URI or LOCAL_TRACKING_URI
     uri = absolute_sqlite(uri)
     if uri.startswith(("http://", "https://")):
         try:
