@@ -276,6 +276,8 @@ def _demo(argv: list[str]) -> int:
         print(f"[lrattn demo] open the UI:  .venv/bin/mlflow ui --backend-store-uri {logger._tracking_uri}")
         print("[lrattn demo] then browse http://127.0.0.1:5000 and pick the run named "
               f"'{cli.config.fit.run_name}'")
+    ckpt = Path(cli.config.fit.runs_dir) / cli.config.fit.experiment / cli.config.fit.run_name / "checkpoints" / "last.ckpt"
+    print(f"[lrattn demo] checkpoint {ckpt}; score it offline:  .venv/bin/lrattn eval --checkpoint {ckpt} --tasks local")
     return 0
 
 
