@@ -149,6 +149,16 @@ def load_sweep(path: str | Path, registry: Registry | None = None) -> tuple[Swee
     reg = registry or load_registry(reg_path)
 
     grid, listed = _grid_runs(raw, fail), _list_runs(raw.get("runs"), fail)
+    _check_runs(reg, grid, listed, fail)
+    args, env, slurm = _options(raw, fail)
+    return Sweep(name=name, doc=raw["doc"].strip(), path=str(path), recipe=raw["recipe"], experiment=experiment,
+                 runs=tuple(grid + listed), registry=reg_path, args=args, env=env, slurm=slurm), reg
+
+
+def _check_runs(reg: Registry, grid: list[SweepRun], listed: list[SweepRun], fail) -> None:
+    """Every run once, every name known, every (size, ablation) pair buildable."""
+    if not grid and not listed:
+        raise fail("runs", "the sweep names no runs: give sizes + ablations + seeds (a grid) and/or runs (a list)")
     seen: set[SweepRun] = set()
     for where, run in [("sizes x ablations", r) for r in grid] + [(f"runs[{i}]", r) for i, r in enumerate(listed)]:
         if run in seen:
@@ -163,10 +173,10 @@ def load_sweep(path: str | Path, registry: Registry | None = None) -> tuple[Swee
             reg.model(run.size, run.ablation)  # impossible pairs (rank > d, blocks > 2L) name the field
         except ValueError as err:
             raise fail(where, f"size '{run.size}' x ablation '{run.ablation}': {err}") from err
-    runs = grid + listed
-    if not runs:
-        raise fail("runs", "the sweep names no runs: give sizes + ablations + seeds (a grid) and/or runs (a list)")
 
+
+def _options(raw: dict[str, Any], fail) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
+    """The optional sections: args (extra fit flags), env and slurm."""
     args = raw.get("args") or {}
     if not isinstance(args, dict):
         raise fail("args", "must be a mapping of fit flags without dashes, e.g. {trainer.max_steps: 200}")
@@ -189,9 +199,7 @@ def load_sweep(path: str | Path, registry: Registry | None = None) -> tuple[Swee
             raise fail(f"slurm.{key}", f"unknown field; closest: {', '.join(closest_names(str(key), list(_SLURM_FIELDS)))}")
     if "extra" in slurm and not (isinstance(slurm["extra"], list) and all(isinstance(x, str) for x in slurm["extra"])):
         raise fail("slurm.extra", "must be a list of '#SBATCH' option strings such as '--qos=high'")
-    return Sweep(name=name, doc=raw["doc"].strip(), path=str(path), recipe=raw["recipe"], experiment=experiment,
-                 runs=tuple(runs), registry=reg_path, args=dict(args), env={k: str(v) for k, v in env.items()},
-                 slurm=dict(slurm)), reg
+    return dict(args), {k: str(v) for k, v in env.items()}, dict(slurm)
 
 
 def _grid_runs(raw: dict[str, Any], fail) -> list[SweepRun]:
