@@ -5,6 +5,8 @@
     lrattn demo                      the README's main job: prepare + a short CPU training run
     lrattn list                      the registry's sizes and ablations with params and added FLOPs
     lrattn eval --checkpoint CKPT [--tasks local|paper|NAMES]   lm-eval on a checkpoint, logged to MLflow
+    lrattn sweep FILE [--emit commands|slurm]   a list/grid of (size, ablation, seed) runs (sweep.py)
+    lrattn compare --experiment NAME            table, Figure 1, heatmaps, curves from MLflow (compare.py)
 
 fit/validate/test are LightningCLI subcommands: the architecture comes only from the registry
 (`--size`, `--ablation`); recipes in experiments/ hold the training knobs.
@@ -112,6 +114,8 @@ class LRAttnCLI(LightningCLI):
         parser.add_argument("--checkpoint_every", type=int, default=100, help="save last.ckpt every N steps")
         parser.add_argument("--tracking_uri", type=str | None, default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
         parser.add_argument("--mlflow_fallback_local", type=bool, default=False, help="log locally if the server is down")
+        parser.add_argument("--run_tags", type=dict[str, str] | None, default=None,
+                            help='extra MLflow tags of a new run, e.g. \'{"sweep": "cpu-study", "seed": "0"}\'')
         parser.link_arguments("size", "model.size")
         parser.link_arguments("ablation", "model.ablation")
         parser.link_arguments("registry", "model.registry")
@@ -161,6 +165,7 @@ class LRAttnCLI(LightningCLI):
             trainer_config["logger"] = MLFlowLogger(
                 experiment_name=cfg.experiment, run_name=cfg.run_name, tracking_uri=self.tracking_uri,
                 run_id=self.resume_run_id, artifact_location=artifact_location(self.tracking_uri), synchronous=False,
+                tags=dict(cfg.run_tags or {}),  # applied when the run is created; a resumed run keeps its own
             )
         ckpt_dir = self.run_dir / "checkpoints"
         if self.subcommand == "fit":
@@ -295,7 +300,20 @@ def _bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
-COMMANDS = {"list": _list, "prepare": _prepare, "demo": _demo, "eval": _eval, "bench": _bench}
+def _sweep(argv: list[str]) -> int:
+    from lrattn_lightning import sweep
+
+    return sweep.main(argv)
+
+
+def _compare(argv: list[str]) -> int:
+    from lrattn_lightning import compare
+
+    return compare.main(argv)
+
+
+COMMANDS = {"list": _list, "prepare": _prepare, "demo": _demo, "eval": _eval, "bench": _bench,
+            "sweep": _sweep, "compare": _compare}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,236 @@
+"""Sweeps and the comparison report end to end: real `lrattn fit` processes, a real sqlite MLflow store.
+
+One sweep (2 tiny ablations x 2 seeds, 3 steps each) runs once per module; `compare` reads it back,
+a copy of the store is resumed, and bad sweep files fail before any run starts.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from lrattn_lightning.accounting import added_flops_percent, count_params
+from lrattn_lightning.cli import main
+from lrattn_lightning.data import prepare
+from lrattn_lightning.registry import load_registry
+from lrattn_lightning.sweep import load_sweep
+
+REPO = Path(__file__).resolve().parent.parent
+REGISTRY = str(REPO / "registry.yaml")
+ABLATIONS = ["baseline", "s-lr-grid-n4-r16"]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "stdlib-byte"
+    prepare(source="stdlib-docs", out_dir=out, tokenizer="byte", max_documents=80, val_fraction=0.1,
+            cloze_items=0, perplexity_documents=0)
+    return out
+
+
+def write_sweep(folder: Path, data: Path, **changes) -> Path:
+    """A tiny recipe and a sweep file of ABLATIONS x seeds 0, 1 in `folder`; `changes` edit the sweep."""
+    recipe = {
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 3, "val_check_interval": 3,
+                    "limit_val_batches": 2, "num_sanity_val_steps": 0, "log_every_n_steps": 1,
+                    "enable_progress_bar": False, "enable_model_summary": False},
+        "model": {"warmup_steps": 1},
+        "data": {"data_dir": str(data), "batch_size": 2},
+        "checkpoint_every": 2,
+    }
+    (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    sweep = {"name": "two-by-two", "doc": "test sweep", "recipe": "recipe.yaml", "experiment": "sweep-test",
+             "registry": REGISTRY, "sizes": ["tiny"], "ablations": ABLATIONS, "seeds": [0, 1],
+             "env": {"OMP_NUM_THREADS": "1"}, **changes}
+    path = folder / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep, sort_keys=False))
+    return path
+
+
+def sweep_runs(uri: str, experiment: str = "sweep-test") -> list:
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    assert exp is not None
+    return [r for r in client.search_runs([exp.experiment_id]) if "lrattn.summary" not in r.data.tags]
+
+
+def read_csv(path: Path) -> dict[str, dict[str, str]]:
+    with path.open() as f:
+        return {row["ablation"]: row for row in csv.DictReader(f)}
+
+
+@pytest.fixture(scope="module")
+def finished_sweep(data_dir, tmp_path_factory) -> Path:
+    """The sweep, run once: its folder holds mlflow.db, mlartifacts/ and runs/."""
+    folder = tmp_path_factory.mktemp("sweep")
+    sweep_file = write_sweep(folder, data_dir)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(folder)
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        assert main(["sweep", str(sweep_file)]) == 0
+    return folder
+
+
+def test_sweep_lands_every_run_in_sqlite_mlflow(finished_sweep):
+    runs = sweep_runs(f"sqlite:///{finished_sweep}/mlflow.db")
+    seen = sorted((r.data.tags["ablation"], r.data.tags["seed"]) for r in runs)
+    assert seen == [(a, s) for a in ABLATIONS for s in ("0", "1")]
+    for run in runs:
+        tags = run.data.tags
+        assert run.info.status == "FINISHED"
+        assert tags["sweep"] == "two-by-two" and tags["size"] == "tiny"
+        assert run.info.run_name == f"tiny-{tags['ablation']}-seed{tags['seed']}"
+        assert "val/loss" in run.data.metrics
+        ckpt = finished_sweep / "runs/sweep-test" / run.info.run_name / "checkpoints/last.ckpt"
+        assert ckpt.is_file()
+    # seeds differ, so the runs of one ablation differ
+    by = {(r.data.tags["ablation"], r.data.tags["seed"]): r.data.metrics["val/loss"] for r in runs}
+    assert by[("baseline", "0")] != by[("baseline", "1")]
+
+
+def test_compare_reads_the_table_and_figures_back(finished_sweep, monkeypatch, capsys):
+    monkeypatch.chdir(finished_sweep)
+    uri = f"sqlite:///{finished_sweep}/mlflow.db"
+    # downstream scores, as the evaluation logs them onto the training runs, become columns when present
+    for (ablation, seed), acc in {("s-lr-grid-n4-r16", "0"): 0.5, ("s-lr-grid-n4-r16", "1"): 0.7}.items():
+        run = next(r for r in sweep_runs(uri) if (r.data.tags["ablation"], r.data.tags["seed"]) == (ablation, seed))
+        MlflowClient(uri).log_metric(run.info.run_id, "eval/lrattn_cloze/acc", acc)
+    assert main(["compare", "--experiment", "sweep-test", "--tracking_uri", uri, "--out", "report"]) == 0
+    out = finished_sweep / "report"
+    rows = read_csv(out / "table.csv")
+    assert sorted(rows) == sorted(ABLATIONS)
+    # one value checked against the run itself: the S-LR rows' seed-mean val loss and its per-seed values
+    runs = {(r.data.tags["ablation"], r.data.tags["seed"]): r for r in sweep_runs(uri)}
+    slr = rows["s-lr-grid-n4-r16"]
+    losses = [runs[("s-lr-grid-n4-r16", s)].data.metrics["val/loss"] for s in ("0", "1")]
+    assert float(slr["val_loss_mean"]) == pytest.approx(sum(losses) / 2, rel=1e-9)
+    assert [float(v) for v in slr["val_loss_per_seed"].split(";")] == pytest.approx(losses, abs=1e-6)
+    assert slr["n_seeds"] == "2" and slr["seeds"] == "0;1"
+    cfg = load_registry(REGISTRY).model("tiny", "s-lr-grid-n4-r16")
+    assert int(slr["params"]) == count_params(cfg)
+    assert float(slr["added_flops_pct"]) == pytest.approx(added_flops_percent(cfg), rel=1e-4)
+    base = [runs[("baseline", s)].data.metrics["val/loss"] for s in ("0", "1")]
+    assert float(slr["delta_baseline"]) == pytest.approx(sum(losses) / 2 - sum(base) / 2, rel=1e-6)
+    assert 0.0 <= float(slr["p_baseline"]) <= 1.0
+    assert rows["baseline"]["delta_baseline"] == ""  # no difference of the reference to itself
+    assert float(slr["tokens_per_s"]) > 0
+    table_md = (out / "table.md").read_text()
+    assert "| s-lr-grid-n4-r16" in table_md or "| **s-lr-grid-n4-r16**" in table_md
+    assert "2 (0,1)" in table_md
+    assert "lrattn_cloze/acc" in table_md.splitlines()[0] and "0.6000 ± 0.1414" in table_md
+    assert float(slr["eval/lrattn_cloze/acc_mean"]) == pytest.approx(0.6)
+    assert rows["baseline"]["eval/lrattn_cloze/acc_mean"] == ""
+    for stem in ("loss_vs_flops", "training_curves", "routing_heatmaps"):
+        png = (out / f"{stem}.png").read_bytes()
+        assert png[:8] == PNG and len(png) > 5000, stem
+        assert (out / f"{stem}.svg").stat().st_size > 0
+    # everything is also an artifact of the experiment's summary run
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("sweep-test")
+    summary = client.search_runs([exp.experiment_id], "tags.`lrattn.summary` = 'true'")
+    assert len(summary) == 1
+    artifacts = {a.path for a in client.list_artifacts(summary[0].info.run_id, "compare")}
+    assert {"compare/table.md", "compare/table.csv", "compare/loss_vs_flops.png", "compare/report.md"} <= artifacts
+    assert "val loss" in summary[0].data.tags["mlflow.note.content"]
+    # a second compare reuses the summary run and is not read as a training run
+    assert main(["compare", "--experiment", "sweep-test", "--tracking_uri", uri, "--out", "report"]) == 0
+    assert len(client.search_runs([exp.experiment_id], "tags.`lrattn.summary` = 'true'")) == 1
+    assert read_csv(out / "table.csv") == rows
+
+
+def test_resumed_sweep_skips_finished_runs_and_resumes_the_interrupted_one(finished_sweep, tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "copy"
+    shutil.copytree(finished_sweep, folder, ignore=shutil.ignore_patterns("report"))
+    monkeypatch.chdir(folder)
+    uri = f"sqlite:///{folder}/mlflow.db"
+    client = MlflowClient(uri)
+    runs = {r.info.run_name: r for r in sweep_runs(uri)}
+    interrupted = runs["tiny-baseline-seed1"]
+    client.set_terminated(interrupted.info.run_id, "FAILED")  # as if the process had died after its checkpoint
+    capsys.readouterr()
+    assert main(["sweep", "sweep.yaml", "--dry-run", "--tracking_uri", uri]) == 0
+    states = dict(line.split()[::-1] for line in capsys.readouterr().out.splitlines()[1:])
+    assert states == {"tiny-baseline-seed0": "finished", "tiny-baseline-seed1": "resume",
+                      "tiny-s-lr-grid-n4-r16-seed0": "finished", "tiny-s-lr-grid-n4-r16-seed1": "finished"}
+    assert main(["sweep", "sweep.yaml", "--tracking_uri", uri]) == 0
+    out = capsys.readouterr().out
+    assert "3 finished (skipped), 1 to run" in out and "(1/1) tiny-baseline-seed1 (resuming from last.ckpt)" in out
+    after = {r.info.run_name: r for r in sweep_runs(uri)}
+    assert sorted(after) == sorted(runs)  # the resumed run logged into its own MLflow run, no new one
+    assert after["tiny-baseline-seed1"].info.run_id == interrupted.info.run_id
+    assert after["tiny-baseline-seed1"].info.status == "FINISHED"
+    for name in runs:  # the others were not touched
+        if name != "tiny-baseline-seed1":
+            assert after[name].info.end_time == runs[name].info.end_time
+    assert main(["sweep", "sweep.yaml", "--tracking_uri", uri]) == 0
+    assert "4 finished (skipped), 0 to run" in capsys.readouterr().out
+
+
+# ---- bad sweep files fail before any run starts ---------------------------------------------------------
+def _fails(folder: Path, monkeypatch, capsys, sweep_file: Path, *needles: str) -> None:
+    monkeypatch.chdir(folder)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(["sweep", str(sweep_file)]) == 2
+    err = capsys.readouterr().err
+    for needle in needles:
+        assert needle in err, err
+    assert not (folder / "runs").exists() and not (folder / "mlflow.db").exists()
+
+
+def test_unknown_ablation_fails_before_any_run(data_dir, tmp_path, monkeypatch, capsys):
+    path = write_sweep(tmp_path, data_dir, ablations=["baseline", "s-lr-blok-n8-r64"])
+    _fails(tmp_path, monkeypatch, capsys, path, "field 'ablations'", "unknown ablation 's-lr-blok-n8-r64'",
+           "s-lr-block-n8-r64")
+
+
+@pytest.mark.parametrize("changes, needles", [
+    ({"sizes": ["tyni"]}, ("field 'sizes'", "unknown size 'tyni'", "tiny")),
+    ({"seed": [0]}, ("field 'seed'", "unknown field", "seeds")),
+    ({"seeds": None}, ("field 'seeds'", "needs sizes, ablations and seeds")),
+    ({"ablations": ["s-lr-full-r64"]}, ("s-lr-full-r64", "rank")),  # r=64 > d=32 at size tiny
+    ({"recipe": "nope.yaml"}, ("field 'recipe'", "nope.yaml")),
+    ({"runs": [{"size": "tiny", "ablation": "baseline", "seed": 0}]}, ("field 'runs[0]'", "appears twice")),
+    ({"args": {"--trainer.max_steps": 2}}, ("field 'args'", "without dashes")),
+    ({"slurm": {"nodes": 2}}, ("field 'slurm.nodes'", "unknown field")),
+])
+def test_bad_sweep_files_name_the_field(data_dir, tmp_path, monkeypatch, capsys, changes, needles):
+    path = write_sweep(tmp_path, data_dir, **changes)
+    _fails(tmp_path, monkeypatch, capsys, path, *needles)
+
+
+def test_missing_data_fails_before_any_run(tmp_path, monkeypatch, capsys):
+    path = write_sweep(tmp_path, tmp_path / "no-data")
+    _fails(tmp_path, monkeypatch, capsys, path, "lrattn prepare")
+
+
+def test_emit_commands_and_slurm_array(data_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/emit.db"
+    path = write_sweep(tmp_path, data_dir, slurm={"time": "01:00:00", "max_parallel": 2})
+    assert main(["sweep", str(path), "--emit", "commands", "--out", "cmds.sh", "--tracking_uri", uri]) == 0
+    commands = [line for line in (tmp_path / "cmds.sh").read_text().splitlines() if not line.startswith("#")]
+    assert len(commands) == 4 and all(c.startswith("env OMP_NUM_THREADS=1 lrattn fit --config recipe.yaml") for c in commands)
+    assert "--ablation s-lr-grid-n4-r16 --seed_everything 1" in commands[3]
+    assert main(["sweep", str(path), "--emit", "slurm", "--tracking_uri", uri]) == 0
+    script = (tmp_path / "runs/sweep-test/sweep-two-by-two.sbatch").read_text()
+    assert "#SBATCH --array=0-3%2" in script and "#SBATCH --nodes=1" in script
+    assert "#SBATCH --ntasks-per-node=1" in script and "#SBATCH --time=01:00:00" in script
+    assert 'srun lrattn "${ARGS[@]}"' in script and "ARGS+=(--ckpt_path last)" in script
+    assert (tmp_path / "runs/sweep-test/slurm").is_dir()
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    # each array task's arguments parse back to the run's own fit arguments
+    sweep, _ = load_sweep(path)
+    task = subprocess.run(["bash", "-c", script.split('if [[ -f "$CKPT" ]]')[0].split("set -euo pipefail")[1]
+                           + 'printf "%s\\n" "${ARGS[@]}"'], env={"SLURM_ARRAY_TASK_ID": "2", "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True)
+    assert task.stdout.splitlines() == sweep.fit_args(sweep.runs[2], uri)
+    assert json.loads(sweep.fit_args(sweep.runs[2])[sweep.fit_args(sweep.runs[2]).index("--run_tags") + 1]) == \
+        {"sweep": "two-by-two", "seed": "1"}
