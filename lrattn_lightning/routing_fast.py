@@ -3,14 +3,15 @@
 The math is the reference's (routing.py); only the order of work changes.
 
 1. Logits at write time. Queries are static (one learned vector per read site), so the logits of a
-   source against *every* later site can be computed once, when the source is written: one
-   [N, R] @ [R, J] matmul per source. Keys are normalised once and never stacked or re-read by the
-   reads; in backward the key gradients of all sites that read a source are folded in one matmul too.
+   source against *every* later site are computed once, when the source is written: one
+   [N, R] @ [R, J] matmul per source. With key norm, <RMSNorm(x), q> = rstd <x, q>: the normalised
+   key is never materialised, and its backward needs only the stored logits (module helper
+   `_key_grads`). The key gradients of all sites that read a source are folded in one matmul.
 
 2. Two-phase block routing (AttnRes report). The read sites between two block ends form a *group*:
    they all see the same completed sources C (embedding + finished block summaries). Phase 1 runs once
    per group, when its first site is read: a float32 softmax over C for all G sites of the group and
-   the weighted sums for all of them in one bmm over the value buffer:
+   their weighted sums (a bmm over tokens per site, reading the value buffer in place):
 
        out_C[g] = sum_{s in C} alpha_{g,s} v_s        lse_C[g] = logsumexp_{s in C} logit_{g,s}
 
@@ -19,20 +20,21 @@ The math is the reference's (routing.py); only the order of work changes.
 
        w_p = sigmoid(l_p - lse_C)      h_j = out_C + w_p (v_p - out_C)      (per depth head)
 
-   Full routing is block routing with one sublayer per block: the partial source is always empty at a
-   read, every group has one site, and phase 2 is the identity.
+   Its backward needs <grad h, out_C> = sum_s alpha_s <grad h, v_s>: the bmm the group's backward
+   needs anyway, so out_C is not saved and the bmm runs once. Full routing is block routing with one
+   sublayer per block: the partial source is always empty at a read and phase 2 never runs.
 
-3. Completed sources live in buffers allocated once per forward pass (values token-major [N, S_max, D]
-   for the bmm, logits [S_max, N, M, J]), written once: no copying of the growing source list at each
-   read. The buffers are outside autograd. `_StoreSource` writes a source and returns a dependency
-   token; `_GroupRead` takes the tokens of the sources it reads, so autograd runs every read's backward
-   before the store's. In backward the reads accumulate value gradients and logit gradients into
-   buffers, and `_StoreSource.backward` turns them into the source's gradient (through the key norm)
-   and the queries' gradient. Saved for backward: the value buffer once and small float32 tensors
-   (weights, logits, rms factors); keys taken from the value are recomputed, not stored.
+3. Completed sources live in buffers allocated once per forward pass (values [S_max, N, D], logits
+   [S_max, N, M, J]), written once: no stacking or copying of the growing source list at each read.
+   The buffers are outside autograd. `_StoreSource` writes a source and returns a dependency token;
+   `_GroupRead` takes the tokens of the sources it reads, so autograd runs every read's backward before
+   the store's. In backward the reads accumulate value and logit gradients into buffers, and
+   `_StoreSource.backward` turns them into the source's gradient (through the key norm) and the
+   queries'. Saved for backward: the value buffer once, partial values, small float32 tensors.
 
-Under torch.compile the buffers and autograd Functions are replaced by plain tensor ops on the list of
-sources (`functional` path), which Inductor fuses; the logits-at-write-time and two-phase structure stay.
+Under torch.compile the buffers and autograd Functions give way to plain tensor ops (`_read_functional`):
+logits at write time, then one softmax per site over completed + partial sources and the weighted sum as
+a sum of terms, which Inductor fuses into one kernel and whose backward saves each source once.
 
 Shape legend: S sources, J = 2L read sites with queries (site j is column j-1), G sites of a group,
 B batch, T tokens, N = B*T, D = d_model, R = key width r, M = depth heads, r = R/M, dh = D/M.
@@ -494,11 +496,13 @@ class FastDepthRouter(DepthRouter):
             return super().read(state, j)
         if j == 0:
             return state.embedding
+        if self._use_functional():
+            return self._read_functional(state, j)
         k, g = self.site_group[j]
         if state.group != k:
             self._phase_one(state, k)
         B, T, D = state.shape
-        N, M = B * T, self.heads
+        M = self.heads
         out_ND = state.group_out[g]
         alpha_SNM = state.group_alpha[..., g]
         if state.partial_count == 0:
@@ -508,36 +512,18 @@ class FastDepthRouter(DepthRouter):
         # phase 2: merge the partial block p into the group's softmax (online-softmax update)
         c = state.partial_count
         v_p = self._summary(state.partial_value, c)
-        if not self._use_functional():
-            key_p = self._summary(state.partial_key, c) if self.carries_keys else None
-            h, w_NM = _PartialRead.apply(out_ND, state.group_lse[g], v_p, key_p, state.queries, alpha_SNM,
-                                         state.buffers, j, c, (k, g))
-            if state.weights is not None:
-                state.weights.append(torch.cat((alpha_SNM * (1 - w_NM), w_NM[None])).view(-1, B, T, M))
-            return h
-        key = self._summary(state.partial_key, c) if self.carries_keys else self._value_key(v_p)
-        k_p = self._norm_key(key).reshape(N, M, self.rank // M).float()
-        logit_NM = (k_p * state.queries[j - 1].float().view(M, -1)).sum(-1)
-        if self.scale != 1.0:
-            logit_NM = logit_NM * self.scale
-        if self.count_prior != 0.0:
-            logit_NM = logit_NM + self.count_prior * math.log(c)
-        w_NM = torch.sigmoid(logit_NM - state.group_lse[g])
-        h = torch.lerp(out_ND.view(N, M, D // M), v_p.reshape(N, M, D // M), w_NM.unsqueeze(-1).to(v_p.dtype))
+        key_p = self._summary(state.partial_key, c) if self.carries_keys else None
+        h, w_NM = _PartialRead.apply(out_ND, state.group_lse[g], v_p, key_p, state.queries, alpha_SNM,
+                                     state.buffers, j, c, (k, g))
         if state.weights is not None:
-            w = w_NM.detach()
-            state.weights.append(torch.cat((alpha_SNM * (1 - w), w[None])).view(-1, B, T, M))
-        return h.view(B, T, D)
+            state.weights.append(torch.cat((alpha_SNM * (1 - w_NM), w_NM[None])).view(-1, B, T, M))
+        return h
 
     # ---- sources and phase 1 ------------------------------------------------------------------------
     def _store(self, state: FastRoutingState, value: Tensor, key: Tensor | None) -> None:
         if self._use_functional():
             state.values.append(value)
-            k = self._norm_key(key if key is not None else self._value_key(value))
-            N, M = value.shape[0] * value.shape[1], self.heads
-            logits = _site_matmul(k.reshape(N, M, -1).float(), state.queries.float().unflatten(-1, (M, -1)))
-            if self.scale != 1.0:
-                logits = logits * self.scale
+            logits = self._key_logits(key if key is not None else self._value_key(value), state.queries)
             bias = self.plan.log_count_bias[len(state.logits)]
             state.logits.append(logits + bias if bias != 0.0 else logits)
         else:
@@ -546,35 +532,44 @@ class FastDepthRouter(DepthRouter):
     def _phase_one(self, state: FastRoutingState, k: int) -> None:
         sites = self.group_sites[k]
         S, c0, c1 = k + 1, sites[0] - 1, sites[-1]
-        if self._use_functional():
-            out, lse, alpha = self._group_read_functional(state, S, c0, c1)
-        else:
-            if state.buffers.n_stored != S:
-                raise RuntimeError(f"group {k} read with {state.buffers.n_stored} sources stored, expected {S}")
-            outputs = _GroupRead.apply(state.buffers, k, c0, c1, *state.tokens)
-            G = c1 - c0
-            out, lse, alpha = outputs[:G], outputs[G : 2 * G], outputs[-1]
+        if state.buffers.n_stored != S:
+            raise RuntimeError(f"group {k} read with {state.buffers.n_stored} sources stored, expected {S}")
+        outputs = _GroupRead.apply(state.buffers, k, c0, c1, *state.tokens)
+        G = c1 - c0
+        out, lse, alpha = outputs[:G], outputs[G : 2 * G], outputs[-1]
         state.group, state.group_out, state.group_lse, state.group_alpha = k, out, lse, alpha
 
-    def _group_read_functional(self, state: FastRoutingState, S: int, c0: int, c1: int):
-        """Phase 1 in plain tensor ops (for torch.compile): the same outputs as `_GroupRead`.
+    # ---- the functional path (torch.compile) ------------------------------------------------------------
+    def _key_logits(self, key_BTR: Tensor, queries_JR: Tensor) -> Tensor:
+        """s rstd <x, q_j> for every site j -> [N, M, J] float32 (the normalised key is not materialised)."""
+        N, M = key_BTR.shape[0] * key_BTR.shape[1], self.heads
+        x_NMr = key_BTR.reshape(N, M, -1).float()
+        logits = _site_matmul(x_NMr, queries_JR.float().unflatten(-1, (M, -1)))
+        if self.key_norm:
+            logits = logits * torch.rsqrt(x_NMr.square().mean(-1, keepdim=True) + RMS_EPS)
+        return logits * self.scale if self.scale != 1.0 else logits
 
-        The weighted sum is a sum of S terms, not a stacked tensor: Inductor fuses it into one kernel
-        per site, and autograd saves the sources themselves (shared by all groups), not a stack per group.
-        """
-        M, G = self.heads, c1 - c0
+    def _read_functional(self, state: FastRoutingState, j: int) -> Tensor:
+        """Site j in plain tensor ops: one softmax over the completed sources and the partial block, and
+        the weighted sum as a sum of terms (not a stacked tensor): Inductor fuses it into one kernel and
+        autograd saves the sources themselves, which all sites share, not a stack per site."""
         B, T, D = state.shape
-        N = B * T
-        logits_SNMG = torch.stack([x[..., c0:c1] for x in state.logits[:S]])  # small: [S, N, M, G]
-        lse_NMG = torch.logsumexp(logits_SNMG, dim=0)
-        # bf16-rounded weights as bmm would use them, float32 products and sums
-        weights_SNMG = torch.exp(logits_SNMG - lse_NMG).to(state.values[0].dtype).float()
-        outs = []
-        for g in range(G):
-            acc = None
-            for s_, v in enumerate(state.values[:S]):
-                term = weights_SNMG[s_, :, :, g, None] * v.reshape(N, M, D // M).float()
-                acc = term if acc is None else acc + term
-            outs.append(acc.to(state.values[0].dtype).view(N, D))
-        alpha_SNMG = torch.exp(logits_SNMG - lse_NMG).detach()
-        return outs, lse_NMG.unbind(-1), alpha_SNMG
+        N, M = B * T, self.heads
+        values = list(state.values)
+        logits = [x[..., j - 1] for x in state.logits]  # [N, M] each
+        if state.partial_count:
+            c = state.partial_count
+            v_p = self._summary(state.partial_value, c)
+            key = self._summary(state.partial_key, c) if self.carries_keys else self._value_key(v_p)
+            logit = self._key_logits(key, state.queries[j - 1 : j])[..., 0]
+            values.append(v_p)
+            logits.append(logit + self.count_prior * math.log(c) if self.count_prior != 0.0 else logit)
+        alpha_SNM = torch.stack(logits).softmax(dim=0)
+        weights = alpha_SNM.to(values[0].dtype).float().unsqueeze(-1)  # rounded as bmm would use them
+        out = None
+        for s_, v in enumerate(values):
+            term = weights[s_] * v.reshape(N, M, D // M).float()
+            out = term if out is None else out + term
+        if state.weights is not None:
+            state.weights.append(alpha_SNM.detach().view(-1, B, T, M))
+        return out.to(values[0].dtype).view(B, T, D)
