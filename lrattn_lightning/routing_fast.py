@@ -66,6 +66,10 @@ class _Plan:
     count_prior: float = 0.0  # beta
 
 
+# Inference passes with fewer tokens than this (batch x new tokens) take the plain-tensor path.
+FUNCTIONAL_BELOW_TOKENS = 512
+
+
 class _SourceBuffers:
     """The completed sources of one forward pass, outside autograd (see the module docstring)."""
 
@@ -397,6 +401,7 @@ class _PartialRead(torch.autograd.Function):
 class FastRoutingState(RoutingState):
     """RoutingState plus the fast path's buffers and the current group's phase-1 results."""
 
+    functional: bool = False  # this pass takes the plain-tensor path (see FastDepthRouter._use_functional)
     embedding: Tensor | None = None  # site 0 reads it unchanged
     queries: Tensor | None = None  # [J, R], query-normed if configured (computed once per pass)
     buffers: _SourceBuffers | None = None
@@ -442,10 +447,15 @@ class FastDepthRouter(DepthRouter):
             log_count_bias=[self.count_prior * math.log(c) for c in counts], count_prior=self.count_prior,
         )
 
-    def _use_functional(self) -> bool:
+    def _use_functional(self, n_tokens: int) -> bool:
+        """Plain tensor ops under torch.compile (Inductor fuses them) and for small inference passes such
+        as KV-cache decoding (bound by per-op overhead, where fewer Python-level calls win); the buffered
+        Functions otherwise (bound by memory traffic)."""
         if self.functional is not None:
             return self.functional
-        return torch.compiler.is_compiling()
+        if torch.compiler.is_compiling():
+            return True
+        return not torch.is_grad_enabled() and n_tokens < FUNCTIONAL_BELOW_TOKENS
 
     # ---- the forward-pass protocol ----------------------------------------------------------------
     def start(
@@ -458,7 +468,8 @@ class FastDepthRouter(DepthRouter):
         state.shape, state.embedding = (B, T, D), emb_BTD
         state.queries = head_rms_norm(self.queries, self.heads) if self.query_norm else self.queries
         key_BTR = self._embedding_key(emb_BTD) if self.carries_keys else None
-        if not self._use_functional():
+        state.functional = self._use_functional(B * T)
+        if not state.functional:
             key_dtype = emb_BTD.dtype if key_BTR is None else key_BTR.dtype
             state.buffers = _SourceBuffers(
                 self.plan, len(self.group_sites), self.n_sublayers, B * T, D, emb_BTD.dtype, key_dtype, emb_BTD.device
@@ -496,7 +507,7 @@ class FastDepthRouter(DepthRouter):
             return super().read(state, j)
         if j == 0:
             return state.embedding
-        if self._use_functional():
+        if state.functional:
             return self._read_functional(state, j)
         k, g = self.site_group[j]
         if state.group != k:
@@ -521,7 +532,7 @@ class FastDepthRouter(DepthRouter):
 
     # ---- sources and phase 1 ------------------------------------------------------------------------
     def _store(self, state: FastRoutingState, value: Tensor, key: Tensor | None) -> None:
-        if self._use_functional():
+        if state.functional:
             state.values.append(value)
             logits = self._key_logits(key if key is not None else self._value_key(value), state.queries)
             bias = self.plan.log_count_bias[len(state.logits)]

@@ -146,11 +146,14 @@ def test_fast_is_the_default_and_state_dicts_are_interchangeable():
         build_decoder(cfg, impl="fused")
 
 
-@pytest.mark.parametrize("impl", ["fast", "reference"])
+@pytest.mark.parametrize("impl", ["fast-auto", "fast-buffered", "reference"])
 @pytest.mark.parametrize("name", ["s-lr-block-n8-r64", "p-lr-full-r32", "attnres-block-n4"])
 def test_kv_cache_decoding_matches_full_forward(name, impl):
+    """(Small inference passes take the functional path by default; the buffered one is forced too.)"""
     ref, fast = _pair(name)
-    model = fast if impl == "fast" else ref
+    model = ref if impl == "reference" else fast
+    if impl == "fast-buffered":
+        fast.router.functional = False
     with torch.no_grad():
         full = model(IDX)
         cache = KVCache.empty(SIZE.n_layers)
@@ -159,9 +162,20 @@ def test_kv_cache_decoding_matches_full_forward(name, impl):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
-def test_inference_mode_forward():
+def test_path_choice():
+    """Buffered Functions for training and large inference passes, plain tensor ops for small inference
+    passes (decoding is bound by per-op overhead) and under torch.compile."""
+    import lrattn_lightning.routing_fast as rf
+
     ref, fast = _pair("s-lr-block-n8-r64")
+    emb = torch.randn(1, 4, SIZE.d_model)
+    assert not fast.router.start(emb).functional
     with torch.inference_mode():
+        assert fast.router.start(emb).functional
+        big = torch.randn(1, rf.FUNCTIONAL_BELOW_TOKENS, SIZE.d_model)
+        assert not fast.router.start(big).functional
+        torch.testing.assert_close(fast(IDX), ref(IDX), rtol=1e-5, atol=1e-5)
+        fast.router.functional = False
         torch.testing.assert_close(fast(IDX), ref(IDX), rtol=1e-5, atol=1e-5)
 
 
