@@ -227,23 +227,13 @@ class DepthRouter(nn.Module):
             g = torch.sigmoid(gate_logit.float() / math.sqrt(self.d)).to(x.dtype)
             state.stream = g * x + (1 - g) * fx
             return
-        key_BTR = None
-        if self.key_source == "projected":
-            key_BTR = out_BTE[..., self.d :]
-        elif self.carries_keys:
-            key_BTR = self._projected_value_key(value_BTD, i)
+        key_BTR = self._carried_key(out_BTE, value_BTD, i)
         if not self.block_ends:  # full routing: every output is its own source
             state.values.append(value_BTD)
             state.keys.append(self._norm_key(key_BTR if key_BTR is not None else self._value_key(value_BTD)))
             state.counts.append(1)
             return
-        if state.partial_count == 0:
-            state.partial_value, state.partial_key = value_BTD, key_BTR
-        else:
-            state.partial_value = state.partial_value + value_BTD
-            if key_BTR is not None:
-                state.partial_key = state.partial_key + key_BTR
-        state.partial_count += 1
+        self._add_to_partial(state, value_BTD, key_BTR)
         if i in self.block_ends:  # the block is complete: summarise it once, normalise its key once
             value, key = self._partial_source(state)
             state.values.append(value)
@@ -264,6 +254,25 @@ class DepthRouter(nn.Module):
         sums = tuple(t.float().sum(dim=1, keepdim=True) for t in (x, fx))
         state.gate_prefix[i - 1] = sums if prev is None else (prev[0] + sums[0], prev[1] + sums[1])
         return means
+
+    def _carried_key(self, out_BTE: Tensor, value_BTD: Tensor, i: int) -> Tensor | None:
+        """Sublayer i's own key when keys are carried (projected rows or Linear(RMSNorm(v))), else None."""
+        if self.key_source == "projected":
+            return out_BTE[..., self.d :]
+        if self.carries_keys:
+            return self._projected_value_key(value_BTD, i)
+        return None
+
+    @staticmethod
+    def _add_to_partial(state: RoutingState, value_BTD: Tensor, key_BTR: Tensor | None) -> None:
+        """Add one output (and its carried key) to the running sums of the current block."""
+        if state.partial_count == 0:
+            state.partial_value, state.partial_key = value_BTD, key_BTR
+        else:
+            state.partial_value = state.partial_value + value_BTD
+            if key_BTR is not None:
+                state.partial_key = state.partial_key + key_BTR
+        state.partial_count += 1
 
     def _partial_source(self, state: RoutingState) -> tuple[Tensor, Tensor]:
         c = state.partial_count

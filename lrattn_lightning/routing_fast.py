@@ -481,18 +481,8 @@ class FastDepthRouter(DepthRouter):
         if self.kind != "attnres":
             return super().write(state, i, out_BTE)
         value_BTD = out_BTE[..., : self.d]
-        key_BTR = None
-        if self.key_source == "projected":
-            key_BTR = out_BTE[..., self.d :]
-        elif self.carries_keys:
-            key_BTR = self._projected_value_key(value_BTD, i)
-        if state.partial_count == 0:
-            state.partial_value, state.partial_key = value_BTD, key_BTR
-        else:
-            state.partial_value = state.partial_value + value_BTD
-            if key_BTR is not None:
-                state.partial_key = state.partial_key + key_BTR
-        state.partial_count += 1
+        key_BTR = self._carried_key(out_BTE, value_BTD, i)
+        self._add_to_partial(state, value_BTD, key_BTR)
         if i in self.ends:  # the block is complete: summarise it once (count 1: the output itself)
             c = state.partial_count
             value = self._summary(state.partial_value, c) if c > 1 else state.partial_value
