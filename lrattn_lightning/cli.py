@@ -27,7 +27,7 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
 
 from lrattn_lightning.data import TokenDataModule, validate_data_dir
-from lrattn_lightning.lit_module import LRAttnModule, NonFiniteLossError
+from lrattn_lightning.lit_module import LRAttnModule, NonFiniteLossError, architecture_differences
 
 LOCAL_TRACKING_URI = "sqlite:///mlflow.db"
 # The user's own setting, read once: mlflow.set_tracking_uri() (called by every MLFlowLogger) writes
@@ -188,19 +188,12 @@ def _check_checkpoint(path: str, model_cfg) -> str | None:
     stored = ckpt.get("hyper_parameters", {}).get("model_config")
     if stored is None:
         raise UsageError(f"--ckpt_path {path}: not an lrattn_lightning checkpoint (no model_config hyper-parameter)")
-    mine = model_cfg.to_dict()
-    diffs = [f"{part}.{key}: checkpoint {stored[part].get(key)!r} vs --{part} {value!r}"
-             for part in ("size", "ablation") for key, value in mine[part].items()
-             if key != "doc" and _plain(stored[part].get(key)) != _plain(value)]
+    diffs = architecture_differences(stored, model_cfg)
     if diffs:
         raise UsageError(
             f"--ckpt_path {path} was trained with a different architecture (size '{stored['size']['name']}', ablation "
             f"'{stored['ablation']['name']}'); pass those names. Differences: " + "; ".join(diffs[:6]))
     return (ckpt.get("mlflow") or {}).get("run_id")
-
-
-def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
 
 
 def run_lightning(argv: list[str]) -> LRAttnCLI:

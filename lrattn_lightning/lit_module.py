@@ -261,17 +261,22 @@ class LRAttnModule(L.LightningModule):
         stored = checkpoint.get("hyper_parameters", {}).get("model_config")
         if stored is None:
             raise ValueError("checkpoint has no 'model_config' hyper-parameter: it was not written by lrattn_lightning")
-        mine = self.cfg.to_dict()
-        diffs = [
-            f"{part}.{k}: checkpoint {stored[part].get(k)!r} vs now {v!r}"
-            for part in ("size", "ablation") for k, v in mine[part].items()
-            if k != "doc" and _plain(stored[part].get(k)) != _plain(v)
-        ]
+        diffs = architecture_differences(stored, self.cfg)
         if diffs:
             raise ValueError(
                 "checkpoint was trained with a different architecture; pass the same --size/--ablation "
                 f"({stored['size']['name']} / {stored['ablation']['name']}). Differences: " + "; ".join(diffs)
             )
+
+
+def architecture_differences(stored: dict[str, Any], cfg: ModelConfig) -> list[str]:
+    """Fields (docs aside) where a checkpoint's model_config differs from `cfg`, as readable lines."""
+    mine = cfg.to_dict()
+    return [
+        f"{part}.{key}: checkpoint {stored[part].get(key)!r} vs now {value!r}"
+        for part in ("size", "ablation") for key, value in mine[part].items()
+        if key != "doc" and _plain(stored[part].get(key)) != _plain(value)
+    ]
 
 
 def _plain(value: Any) -> Any:
