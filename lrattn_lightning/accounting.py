@@ -3,6 +3,7 @@
     core  = 2 L (4 d^2 + 3 d h)                       2 x non-embedding matmul parameters
     read  = sum_{j=1..2L} |S_j| (2 k + 2 d)           k = d for AttnRes, r for LR; site 0 is free
     proj  = 2 (L r (d + h) + r d)                     P-LR only: the key rows
+          + 2 L r (d + h) + 2L 2r                     gated dynamic query: the query rows, the gating
     added % = 100 (read + proj) / core
 """
 
@@ -41,6 +42,8 @@ def routing_params(size: SizeConfig | ModelConfig, ablation: AblationConfig | No
         n += (M + int(emb_projected)) * r * d
     elif a.key_source == "value_projected_shared":
         n += r * d
+    if a.query == "gated_dynamic":
+        n += L * r * (d + h) + M * a.depth_heads  # the query rows of every output projection, the gates
     return n
 
 
@@ -86,6 +89,8 @@ def added_flops(size: SizeConfig | ModelConfig, ablation: AblationConfig | None 
         proj = 2 * (L * r * (d + h) + (r * d if emb_projected else 0))
     elif a.key_source in ("value_projected", "value_projected_shared"):
         proj = 2 * (M + int(emb_projected)) * r * d
+    if a.query == "gated_dynamic":
+        proj += 2 * L * r * (d + h) + M * 2 * r  # the query rows; q_j + g_j * q_dyn at every site
     return read + proj
 
 

@@ -29,6 +29,12 @@ BlockSummary = Literal["sum", "mean", "sqrt_mean"]
 KeyNorm = Literal["rms", "none"]
 QueryInit = Literal["zero", "normal"]
 LogitScaleName = Literal["none", "inv_sqrt_head_dim"]
+# The pseudo-query of a read site (SPEC §3):
+#   static          a learned vector q_j per site (the paper's recipe)
+#   gated_dynamic   q_j + g_j * q_dyn: q_dyn is emitted as r extra output rows by the most recent
+#                   sublayer (the one just written before site j), g_j a zero-initialised gate per
+#                   depth head (the reference's input-dependent query; documented there as unstable)
+QueryKind = Literal["static", "gated_dynamic"]
 
 SUMMARY_EXPONENT = {"sum": 0.0, "mean": 1.0, "sqrt_mean": 0.5}
 _EMBEDDING_KEYS_FOR = {
@@ -93,6 +99,7 @@ class AblationConfig:
     key_norm: KeyNorm = "rms"
     query_norm: bool = False
     query_init: QueryInit = "zero"
+    query: QueryKind = "static"
     logit_scale: float | LogitScaleName = "none"
     blocks: int | None = None  # block count N; None with block_size None means full routing
     block_size: int | None = None  # sublayers per block, the alternative to `blocks`
@@ -118,6 +125,7 @@ class AblationConfig:
         _check_literal(where, "query_init", self.query_init, QueryInit)
         _check_literal(where, "block_summary", self.block_summary, BlockSummary)
         _check_literal(where, "embedding_key", self.embedding_key, EmbeddingKey)
+        _check_literal(where, "query", self.query, QueryKind)
         if not isinstance(self.query_norm, bool):
             raise config_error(where, "query_norm", f"must be true or false, got {self.query_norm!r}")
         if isinstance(self.logit_scale, str):
@@ -139,6 +147,15 @@ class AblationConfig:
         if self.key_source == "value":
             if self.rank is not None:
                 raise config_error(where, "rank", "key_source 'value' uses the full width d as key; leave rank null")
+            if self.logit_scale != "none":
+                raise config_error(
+                    where, "logit_scale",
+                    f"standard AttnRes (key_source 'value') has no logit scale (s = 1, SPEC §2), got "
+                    f"{self.logit_scale!r}; set logit_scale: none",
+                )
+            if self.query != "static":
+                raise config_error(where, "query", "the gated dynamic query needs low-rank keys; use key_source "
+                                   "projected, sliced or value_projected, or set query: static")
         elif self.rank is None:
             raise config_error(where, "rank", f"key_source '{self.key_source}' needs a rank r")
         if self.rank is not None and self.rank % self.depth_heads:
@@ -170,9 +187,12 @@ class ModelConfig:
 
     @property
     def extra_out(self) -> int:
-        """Extra output rows of each sublayer's output projection (P-LR only)."""
+        """Extra output rows of each sublayer's output projection: r key rows (P-LR), then r query
+        rows (gated dynamic query)."""
         a = self.ablation
-        return a.rank if a.routing == "attnres" and a.key_source == "projected" else 0
+        if a.routing != "attnres":
+            return 0
+        return (a.rank if a.key_source == "projected" else 0) + (a.rank if a.query == "gated_dynamic" else 0)
 
     @property
     def logit_scale(self) -> float:

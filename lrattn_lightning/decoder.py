@@ -24,17 +24,23 @@ ROUTER_IMPLS = {"reference": DepthRouter, "fast": FastDepthRouter}
 
 
 def rope_angles(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos, sin of shape [T, head_dim/2] for interleaved-pair RoPE."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    """cos, sin of shape [T, head_dim/2] (float32) for interleaved-pair RoPE.
+
+    Computed in float32 exactly as the paper's code builds its tables, inv_freq_i = 1 / theta^(2i/hd)
+    and angle = position * inv_freq, so a float64 model rotates by the same (float32-rounded) angles.
+    """
+    exponents = torch.arange(0, head_dim, 2, device=positions.device) / head_dim  # float32
+    inv_freq = 1.0 / (theta ** exponents)
     angles = positions.float()[:, None] * inv_freq[None, :]
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x_BTHd: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) by position-dependent angles."""
-    pairs = x_BTHd.float().unflatten(-1, (-1, 2))  # (B, T, H, d/2, 2)
+    """Rotate pairs (x[2i], x[2i+1]) by position-dependent angles, in promote_types(dtype, float32)."""
+    cdtype = torch.promote_types(x_BTHd.dtype, torch.float32)
+    pairs = x_BTHd.to(cdtype).unflatten(-1, (-1, 2))  # (B, T, H, d/2, 2)
     x0, x1 = pairs.unbind(-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = cos.to(cdtype)[None, :, None, :], sin.to(cdtype)[None, :, None, :]
     rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return rotated.flatten(-2).to(x_BTHd.dtype)
 

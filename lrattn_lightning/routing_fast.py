@@ -36,6 +36,15 @@ Under torch.compile the buffers and autograd Functions give way to plain tensor 
 logits at write time, then one softmax per site over completed + partial sources and the weighted sum as
 a sum of terms, which Inductor fuses into one kernel and whose backward saves each source once.
 
+Precision: logits, softmax weights and gradient accumulators are in the compute dtype
+promote_types(dtype, float32) (float64 for a float64 model); "float32" below means that dtype.
+RMSNorm's eps is finfo(compute dtype).eps. A sliced key of a mean/sqrt-mean block summary is the
+slice of the *raw* sum (as the paper's code forms it); the value buffer holds the summary v / c^a, and
+RMSNorm(c^a x) = x rstd with eps / c^(2a), so such a source's key norm uses that smaller eps.
+
+Repeated backward (retain_graph=True): the accumulators are reset when the embedding's store runs its
+backward, which autograd always runs last (every read depends on it).
+
 Shape legend: S sources, J = 2L read sites with queries (site j is column j-1), G sites of a group,
 B batch, T tokens, N = B*T, D = d_model, R = key width r, M = depth heads, r = R/M, dh = D/M.
 """
@@ -49,7 +58,7 @@ import torch
 from torch import Tensor
 
 from lrattn_lightning.config import ModelConfig
-from lrattn_lightning.routing import RMS_EPS, DepthRouter, RoutingState, head_rms_norm
+from lrattn_lightning.routing import DepthRouter, RoutingState, compute_dtype, head_rms_norm
 
 
 @dataclass
@@ -63,7 +72,13 @@ class _Plan:
     key_from_value: str | None  # "value" | "sliced" | None (keys carried: projected / value_projected)
     first_column: list[int]  # per source: the column (site - 1) of the first site that reads it
     log_count_bias: list[float]  # per source: beta * log(count) (all 0 without a count prior)
+    eps_factor: list[float]  # per source: its key norm's eps / finfo.eps (c^-2a for sliced summaries)
     count_prior: float = 0.0  # beta
+    summary_exponent: float = 0.0  # a
+    sliced_norm: bool = False  # sliced keys with key norm: the eps of a c-output summary is eps c^-2a
+
+    def partial_eps_factor(self, count: int) -> float:
+        return count ** (-2 * self.summary_exponent) if self.sliced_norm else 1.0
 
 
 # Inference passes with fewer tokens than this (batch x new tokens) take the plain-tensor path.
@@ -77,13 +92,15 @@ class _SourceBuffers:
                  key_dtype: torch.dtype, device: torch.device):
         M, R = plan.heads, plan.rank
         self.plan = plan
+        self.cdtype = cdtype = compute_dtype(value_dtype)
+        self.eps = torch.finfo(cdtype).eps
         self.values_SND = torch.empty(n_sources, N, D, dtype=value_dtype, device=device)
-        self.logits_SNMJ = torch.empty(n_sources, N, M, n_sites, dtype=torch.float32, device=device)
+        self.logits_SNMJ = torch.empty(n_sources, N, M, n_sites, dtype=cdtype, device=device)
         # carried keys (P-LR / value_projected) are not a slice of the value: keep the raw key for backward
         self.raw_keys_SNR = None
         if plan.key_from_value is None:
             self.raw_keys_SNR = torch.empty(n_sources, N, R, dtype=key_dtype, device=device)
-        self.rstd_SNM1 = torch.empty(n_sources, N, M, 1, dtype=torch.float32, device=device) if plan.key_norm else None
+        self.rstd_SNM1 = torch.empty(n_sources, N, M, 1, dtype=cdtype, device=device) if plan.key_norm else None
         self.n_stored = 0
         # float32 gradient accumulators, allocated by the first backward. Rows >= grad_rows have not
         # been written yet: a read's backward writes them instead of adding (no zero-fill pass).
@@ -104,9 +121,14 @@ class _SourceBuffers:
 
     def grad_buffers(self) -> tuple[Tensor, Tensor]:
         if self.grad_values_SND is None:
-            self.grad_values_SND = torch.empty_like(self.values_SND, dtype=torch.float32)
+            self.grad_values_SND = torch.empty_like(self.values_SND, dtype=self.cdtype)
             self.grad_logits_SNMJ = torch.zeros_like(self.logits_SNMJ)
         return self.grad_values_SND, self.grad_logits_SNMJ
+
+    def end_backward(self) -> None:
+        """The last store's backward has run: the next backward (retain_graph) starts from scratch."""
+        self.grad_rows = 0
+        self.grad_alpha_stash.clear()
 
     def accumulate_value_grad(self, S: int, weights_SNM1: Tensor, grad_NMd: Tensor) -> None:
         """grad v_s += weights_s * grad for s < S, per depth head (rows not yet written are set, not added)."""
@@ -128,10 +150,10 @@ def _site_matmul(keys_NMr: Tensor, queries_JMr: Tensor) -> Tensor:
     return torch.bmm(keys_NMr.transpose(0, 1), queries_JMr.permute(1, 2, 0)).transpose(0, 1)
 
 
-def _rstd(x_NMr: Tensor) -> Tensor:
-    """1 / RMS(x) per depth head, [N, M, 1] float32, in one pass over x (a vector norm)."""
-    norm = torch.linalg.vector_norm(x_NMr, dim=-1, keepdim=True, dtype=torch.float32)
-    return (norm.square_().div_(x_NMr.shape[-1]).add_(RMS_EPS)).rsqrt_()
+def _rstd(x_NMr: Tensor, eps: float) -> Tensor:
+    """1 / sqrt(mean(x^2) + eps) per depth head, [N, M, 1] in x's dtype, in one pass (a vector norm)."""
+    norm = torch.linalg.vector_norm(x_NMr, dim=-1, keepdim=True)
+    return (norm.square_().div_(x_NMr.shape[-1]).add_(eps)).rsqrt_()
 
 
 def _key_grads(grad_logits_NMJ: Tensor, logits_NMJ: Tensor, x_NMr: Tensor, rstd_NM1: Tensor | None,
@@ -179,11 +201,12 @@ class _StoreSource(torch.autograd.Function):
         buffers.values_SND[s].copy_(value_BTD.reshape(N, D))
         if key_BTR is not None:
             buffers.raw_keys_SNR[s].copy_(key_BTR.reshape(N, -1))
-        x_NMr = buffers.raw_key(s).float().unflatten(-1, (plan.heads, -1))
+        cdtype = buffers.cdtype
+        x_NMr = buffers.raw_key(s).to(cdtype).unflatten(-1, (plan.heads, -1))
         c0 = plan.first_column[s]
-        logits_NMJ = _site_matmul(x_NMr, queries_JR[c0:].float().unflatten(-1, (plan.heads, -1)))
+        logits_NMJ = _site_matmul(x_NMr, queries_JR[c0:].to(cdtype).unflatten(-1, (plan.heads, -1)))
         if plan.key_norm:  # <RMSNorm(x), q> = rstd <x, q>: the normalised key is never materialised
-            rstd = _rstd(x_NMr)
+            rstd = _rstd(x_NMr, buffers.eps * plan.eps_factor[s])
             buffers.rstd_SNM1[s].copy_(rstd)
             logits_NMJ = logits_NMJ * rstd
         if plan.scale != 1.0:
@@ -208,12 +231,12 @@ class _StoreSource(torch.autograd.Function):
         logits_NMJ = buffers.logits_SNMJ[s, :, :, c0:]
         if plan.log_count_bias[s] != 0.0:
             logits_NMJ = logits_NMJ - plan.log_count_bias[s]
-        q_JMr = queries_JR[c0:].float().unflatten(-1, (plan.heads, -1))
-        x_NMr = buffers.raw_key(s).float().unflatten(-1, (plan.heads, -1))
+        q_JMr = queries_JR[c0:].to(buffers.cdtype).unflatten(-1, (plan.heads, -1))
+        x_NMr = buffers.raw_key(s).to(buffers.cdtype).unflatten(-1, (plan.heads, -1))
         rstd = buffers.rstd_SNM1[s] if plan.key_norm else None
         grad_x, grad_q = _key_grads(gl_NMJ, logits_NMJ, x_NMr, rstd, q_JMr, plan.scale)
         grad_x = grad_x.flatten(-2)
-        grad_queries = queries_JR.new_zeros(queries_JR.shape, dtype=torch.float32)
+        grad_queries = queries_JR.new_zeros(queries_JR.shape, dtype=buffers.cdtype)
         grad_queries[c0:] = grad_q.reshape(grad_q.shape[0], -1)
         if s >= buffers.grad_rows:  # no read's backward reached this source
             grad_values_SND[s].zero_()
@@ -226,7 +249,10 @@ class _StoreSource(torch.autograd.Function):
         else:  # sliced: the key is the last R dims of the value
             grad_v[:, -plan.rank :] += grad_x
         v_shape, v_dtype = ctx.value_meta
-        return grad_v.to(v_dtype).view(v_shape), grad_key, grad_queries.to(queries_JR.dtype), None
+        grad_v = grad_v.to(v_dtype).view(v_shape)
+        if s == 0:  # the embedding's store runs last: this backward is complete
+            buffers.end_backward()
+        return grad_v, grad_key, grad_queries.to(queries_JR.dtype), None
 
 
 # ATen's CPU bmm falls back to a naive loop for tiny matrices (S * G * D < 400): below this source count
@@ -246,12 +272,13 @@ def _weighted_sum(weights_SN1: Tensor, values_SND: Tensor) -> Tensor:
 
 
 def _grad_alpha(values_SND: Tensor, grad_ND: Tensor, heads: int) -> Tensor:
-    """<grad, v_s> per token and depth head -> [S, N, M] float32 (one bmm for one head)."""
+    """<grad, v_s> per token and depth head -> [S, N, M] in the compute dtype (one bmm for one head)."""
     S, N, D = values_SND.shape
+    cdtype = compute_dtype(values_SND.dtype)
     if heads == 1 and S > _SMALL_S:
-        return torch.bmm(grad_ND.view(N, 1, D), values_SND.permute(1, 2, 0)).view(N, S).t().float().unsqueeze(-1)
+        return torch.bmm(grad_ND.view(N, 1, D), values_SND.permute(1, 2, 0)).view(N, S).t().to(cdtype).unsqueeze(-1)
     prod = values_SND.view(S, N, heads, D // heads) * grad_ND.view(N, heads, D // heads)
-    return prod.sum(-1, dtype=torch.float32)
+    return prod.sum(-1, dtype=cdtype)
 
 
 class _GroupRead(torch.autograd.Function):
@@ -335,15 +362,15 @@ class _PartialRead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out_ND, lse_NM, v_BTD, key_BTR, queries_JR, alpha_SNM, buffers: _SourceBuffers,
                 j: int, count: int, where: tuple[int, int]):
-        plan = buffers.plan
+        plan, cdtype = buffers.plan, buffers.cdtype
         M, R = plan.heads, plan.rank
         N, D = out_ND.shape
         raw = key_BTR if key_BTR is not None else (v_BTD if plan.key_from_value == "value" else v_BTD[..., -R:])
-        x_NMr = raw.reshape(N, M, R // M).float()
-        logit_NM1 = _site_matmul(x_NMr, queries_JR[j - 1 : j].float().view(1, M, -1))
+        x_NMr = raw.reshape(N, M, R // M).to(cdtype)
+        logit_NM1 = _site_matmul(x_NMr, queries_JR[j - 1 : j].to(cdtype).view(1, M, -1))
         rstd = None
         if plan.key_norm:
-            rstd = _rstd(x_NMr)
+            rstd = _rstd(x_NMr, buffers.eps * plan.partial_eps_factor(count))
             logit_NM1 = logit_NM1 * rstd
         if plan.scale != 1.0:
             logit_NM1 = logit_NM1 * plan.scale
@@ -374,14 +401,14 @@ class _PartialRead(torch.autograd.Function):
         # <gh, v_p - out_C> with <gh, out_C> = sum_s alpha_s <gh, v_s>
         grad_alpha_SNM = _grad_alpha(buffers.values_SND[:S], gh_ND, M)
         dot_out = (alpha_SNM * grad_alpha_SNM).sum(0)
-        dot_v = (gh_NMd * v_BTD.reshape(N, M, D // M)).sum(-1, dtype=torch.float32)
+        dot_v = (gh_NMd * v_BTD.reshape(N, M, D // M)).sum(-1, dtype=buffers.cdtype)
         grad_logit = w_NM * (1 - w_NM) * (dot_v - dot_out)  # [N, M]
         # the group's site sees grad out_C = (1 - w) gh: its weights' gradient is this one scaled
         buffers.grad_alpha_stash[ctx.where] = grad_alpha_SNM * (1 - w_NM)
         # the partial key: l = s rstd <x, q_j> + beta log c
         raw = key_BTR if key_BTR is not None else (v_BTD if plan.key_from_value == "value" else v_BTD[..., -R:])
-        x_NMr = raw.reshape(N, M, R // M).float()
-        q_1Mr = queries_JR[j - 1 : j].float().view(1, M, -1)
+        x_NMr = raw.reshape(N, M, R // M).to(buffers.cdtype)
+        q_1Mr = queries_JR[j - 1 : j].to(buffers.cdtype).view(1, M, -1)
         grad_x, grad_q = _key_grads(grad_logit.unsqueeze(-1), logit_NM1, x_NMr, rstd, q_1Mr, plan.scale)
         grad_x = grad_x.reshape(N, R)
         grad_key = None
@@ -391,7 +418,7 @@ class _PartialRead(torch.autograd.Function):
             grad_v += grad_x.to(grad_v.dtype)
         else:
             grad_v[:, -R:] += grad_x.to(grad_v.dtype)
-        grad_queries = torch.zeros_like(queries_JR, dtype=torch.float32)
+        grad_queries = torch.zeros_like(queries_JR, dtype=buffers.cdtype)
         grad_queries[j - 1] = grad_q.reshape(R)
         return (grad_out, -grad_logit, grad_v.view(v_BTD.shape), grad_key, grad_queries.to(queries_JR.dtype),
                 None, None, None, None, None)
@@ -417,7 +444,8 @@ class FastRoutingState(RoutingState):
 class FastDepthRouter(DepthRouter):
     """DepthRouter computed as in the module docstring; parameters and results are the reference's.
 
-    Residual and gated routing keep the reference code (a plain add and the gate).
+    Residual and gated routing, and the gated dynamic query (per-token queries: logits cannot be
+    computed at write time), keep the readable code.
     """
 
     def __init__(self, cfg: ModelConfig, *, functional: bool | None = None):
@@ -425,7 +453,8 @@ class FastDepthRouter(DepthRouter):
         # functional: None picks the buffered autograd Functions in eager mode and plain tensor ops under
         # torch.compile; True/False forces one (the parity tests run both in eager mode).
         self.functional = functional
-        if self.kind != "attnres":
+        self.readable = self.kind != "attnres" or self.dynamic_query
+        if self.readable:
             return
         M = self.n_sublayers
         ends = cfg.block_ends() or list(range(1, M + 1))  # full routing: every sublayer is a block
@@ -440,11 +469,14 @@ class FastDepthRouter(DepthRouter):
             for g, j in enumerate(sites):
                 self.site_group[j] = (k, g)
         counts = [1] + [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        sliced_norm = self.key_source == "sliced" and self.key_norm
         self.plan = _Plan(
             heads=self.heads, rank=self.rank, scale=self.scale, key_norm=self.key_norm,
             key_from_value=None if self.carries_keys else self.key_source,
             first_column=[max(b, 1) - 1 for b in bounds],
-            log_count_bias=[self.count_prior * math.log(c) for c in counts], count_prior=self.count_prior,
+            log_count_bias=[self.count_prior * math.log(c) for c in counts],
+            eps_factor=[c ** (-2 * self.summary_exponent) if sliced_norm else 1.0 for c in counts],
+            count_prior=self.count_prior, summary_exponent=self.summary_exponent, sliced_norm=sliced_norm,
         )
 
     def _use_functional(self, n_tokens: int) -> bool:
@@ -461,12 +493,15 @@ class FastDepthRouter(DepthRouter):
     def start(
         self, emb_BTD: Tensor, record: bool = False, gate_prefix: list | None = None, prefix_len: int = 0
     ) -> RoutingState:
-        if self.kind != "attnres":
+        if self.readable:
             return super().start(emb_BTD, record, gate_prefix, prefix_len)
         state = FastRoutingState(weights=[] if record else None)
         B, T, D = emb_BTD.shape
         state.shape, state.embedding = (B, T, D), emb_BTD
-        state.queries = head_rms_norm(self.queries, self.heads) if self.query_norm else self.queries
+        queries = self.queries
+        if self.query_norm:
+            queries = head_rms_norm(queries.to(compute_dtype(queries.dtype)), self.heads)
+        state.queries = queries
         key_BTR = self._embedding_key(emb_BTD) if self.carries_keys else None
         state.functional = self._use_functional(B * T)
         if not state.functional:
@@ -478,22 +513,17 @@ class FastDepthRouter(DepthRouter):
         return state
 
     def write(self, state: RoutingState, i: int, out_BTE: Tensor) -> None:
-        if self.kind != "attnres":
+        if self.readable:
             return super().write(state, i, out_BTE)
-        value_BTD = out_BTE[..., : self.d]
-        key_BTR = self._carried_key(out_BTE, value_BTD, i)
-        self._add_to_partial(state, value_BTD, key_BTR)
-        if i in self.ends:  # the block is complete: summarise it once (count 1: the output itself)
-            c = state.partial_count
-            value = self._summary(state.partial_value, c) if c > 1 else state.partial_value
-            key = None
-            if self.carries_keys:
-                key = self._summary(state.partial_key, c) if c > 1 else state.partial_key
-            self._store(state, value, key)
+        value_BTD, key_BTR, _ = self._emitted(out_BTE)
+        self._add_to_partial(state, value_BTD, key_BTR, i)
+        if i in self.ends:  # the block is complete: summarise it once
+            value, key = self._partial_source(state)
+            self._store(state, value, key if self.carries_keys else None)
             state.partial_value, state.partial_key, state.partial_count = None, None, 0
 
     def read(self, state: RoutingState, j: int) -> Tensor:
-        if self.kind != "attnres":
+        if self.readable:
             return super().read(state, j)
         if j == 0:
             return state.embedding
@@ -508,24 +538,25 @@ class FastDepthRouter(DepthRouter):
         alpha_SNM = state.group_alpha[..., g]
         if state.partial_count == 0:
             if state.weights is not None:
-                state.weights.append(alpha_SNM.view(-1, B, T, M))
+                state.weights.append(alpha_SNM.view(-1, B, T, M).float())
             return out_ND.view(B, T, D)
         # phase 2: merge the partial block p into the group's softmax (online-softmax update)
         c = state.partial_count
-        v_p = self._summary(state.partial_value, c)
-        key_p = self._summary(state.partial_key, c) if self.carries_keys else None
-        h, w_NM = _PartialRead.apply(out_ND, state.group_lse[g], v_p, key_p, state.queries, alpha_SNM,
-                                     state.buffers, j, c, (k, g))
+        v_p, key_p = self._partial_source(state)
+        h, w_NM = _PartialRead.apply(out_ND, state.group_lse[g], v_p, key_p if self.carries_keys else None,
+                                     state.queries, alpha_SNM, state.buffers, j, c, (k, g))
         if state.weights is not None:
-            state.weights.append(torch.cat((alpha_SNM * (1 - w_NM), w_NM[None])).view(-1, B, T, M))
+            state.weights.append(torch.cat((alpha_SNM * (1 - w_NM), w_NM[None])).view(-1, B, T, M).float())
         return h
 
     # ---- sources and phase 1 ------------------------------------------------------------------------
     def _store(self, state: FastRoutingState, value: Tensor, key: Tensor | None) -> None:
         if state.functional:
+            s = len(state.logits)
             state.values.append(value)
-            logits = self._key_logits(key if key is not None else self._value_key(value), state.queries)
-            bias = self.plan.log_count_bias[len(state.logits)]
+            eps_factor = self.plan.eps_factor[s]
+            logits = self._key_logits(key if key is not None else self._slice_key(value), state.queries, eps_factor)
+            bias = self.plan.log_count_bias[s]
             state.logits.append(logits + bias if bias != 0.0 else logits)
         else:
             state.tokens.append(_StoreSource.apply(value, key, state.queries, state.buffers))
@@ -541,13 +572,16 @@ class FastDepthRouter(DepthRouter):
         state.group, state.group_out, state.group_lse, state.group_alpha = k, out, lse, alpha
 
     # ---- the functional path (torch.compile) ------------------------------------------------------------
-    def _key_logits(self, key_BTR: Tensor, queries_JR: Tensor) -> Tensor:
-        """s rstd <x, q_j> for every site j -> [N, M, J] float32 (the normalised key is not materialised)."""
+    def _key_logits(self, key_BTR: Tensor, queries_JR: Tensor, eps_factor: float) -> Tensor:
+        """s rstd <x, q_j> for every site j -> [N, M, J] in the compute dtype (the normalised key is not
+        materialised); eps_factor scales the key norm's eps (module docstring: sliced summaries)."""
         N, M = key_BTR.shape[0] * key_BTR.shape[1], self.heads
-        x_NMr = key_BTR.reshape(N, M, -1).float()
-        logits = _site_matmul(x_NMr, queries_JR.float().unflatten(-1, (M, -1)))
+        cdtype = compute_dtype(key_BTR.dtype)
+        x_NMr = key_BTR.reshape(N, M, -1).to(cdtype)
+        logits = _site_matmul(x_NMr, queries_JR.to(cdtype).unflatten(-1, (M, -1)))
         if self.key_norm:
-            logits = logits * torch.rsqrt(x_NMr.square().mean(-1, keepdim=True) + RMS_EPS)
+            eps = torch.finfo(cdtype).eps * eps_factor
+            logits = logits * torch.rsqrt(x_NMr.square().mean(-1, keepdim=True) + eps)
         return logits * self.scale if self.scale != 1.0 else logits
 
     def _read_functional(self, state: FastRoutingState, j: int) -> Tensor:
@@ -560,17 +594,19 @@ class FastDepthRouter(DepthRouter):
         logits = [x[..., j - 1] for x in state.logits]  # [N, M] each
         if state.partial_count:
             c = state.partial_count
-            v_p = self._summary(state.partial_value, c)
-            key = self._summary(state.partial_key, c) if self.carries_keys else self._value_key(v_p)
-            logit = self._key_logits(key, state.queries[j - 1 : j])[..., 0]
+            v_p, key = self._partial_source(state)
+            if not self.carries_keys:
+                key = self._slice_key(v_p)
+            logit = self._key_logits(key, state.queries[j - 1 : j], self.plan.partial_eps_factor(c))[..., 0]
             values.append(v_p)
             logits.append(logit + self.count_prior * math.log(c) if self.count_prior != 0.0 else logit)
         alpha_SNM = torch.stack(logits).softmax(dim=0)
-        weights = alpha_SNM.to(values[0].dtype).float().unsqueeze(-1)  # rounded as bmm would use them
+        cdtype = alpha_SNM.dtype
+        weights = alpha_SNM.to(values[0].dtype).to(cdtype).unsqueeze(-1)  # rounded as bmm would use them
         out = None
         for s_, v in enumerate(values):
-            term = weights[s_] * v.reshape(N, M, D // M).float()
+            term = weights[s_] * v.reshape(N, M, D // M).to(cdtype)
             out = term if out is None else out + term
         if state.weights is not None:
-            state.weights.append(alpha_SNM.detach().view(-1, B, T, M))
+            state.weights.append(alpha_SNM.detach().view(-1, B, T, M).float())
         return out.to(values[0].dtype).view(B, T, D)

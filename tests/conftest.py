@@ -14,7 +14,8 @@ from lrattn_lightning.registry import Registry, load_registry
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REGISTRY_PATH = REPO_ROOT / "registry.yaml"
-EPS = 1e-6  # RMSNorm epsilon of the package (routing.RMS_EPS); the references use the same value
+# RMSNorm epsilon of float32 tensors: torch's default finfo(float32).eps, as in the paper's code
+EPS = torch.finfo(torch.float32).eps
 
 torch.set_num_threads(1)  # the test machine is small and shared; tiny models gain nothing from threads
 
@@ -60,7 +61,7 @@ def randomize_routing(model: torch.nn.Module, std: float = 0.5) -> None:
     router = model.router
     with torch.no_grad():
         for name, p in router.named_parameters():
-            if name == "queries" or name.startswith("embedding_key_static"):
+            if name in ("queries", "query_gates") or name.startswith("embedding_key_static"):
                 p.normal_(std=std)
 
 
@@ -99,12 +100,13 @@ def capture(model: torch.nn.Module, idx: torch.Tensor) -> Trace:
     return Trace(emb[0], inputs, outputs, final[0], out.logits.detach(), out.routing)
 
 
-def ref_rms_norm(x: torch.Tensor, eps: float = EPS) -> torch.Tensor:
-    """Parameter-free RMSNorm over the last dimension, written out."""
+def ref_rms_norm(x: torch.Tensor, eps: float | None = None) -> torch.Tensor:
+    """Parameter-free RMSNorm over the last dimension, written out; eps defaults to finfo(x.dtype).eps."""
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def ref_head_rms_norm(x: torch.Tensor, heads: int, eps: float = EPS) -> torch.Tensor:
+def ref_head_rms_norm(x: torch.Tensor, heads: int, eps: float | None = None) -> torch.Tensor:
     shape = x.shape
     return ref_rms_norm(x.reshape(*shape[:-1], heads, shape[-1] // heads), eps).reshape(shape)
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from conftest import (
     ALL_ABLATIONS,
     DEEPER,
+    EPS,
     capture,
     randomize_routing,
     ref_rms_norm,
@@ -54,16 +55,16 @@ def plain_decoder(w, idx, n_layers, n_heads, theta, rope=rope_interleaved):
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     for layer in range(n_layers):
         p = f"layers.{layer}."
-        q, k, v = (ref_rms_norm(x) @ w[p + "attn.qkv.weight"].T).split(D, dim=-1)
+        q, k, v = (ref_rms_norm(x, EPS) @ w[p + "attn.qkv.weight"].T).split(D, dim=-1)
         q, k, v = (t.reshape(B, T, n_heads, hd) for t in (q, k, v))
-        q, k = rope(ref_rms_norm(q), theta), rope(ref_rms_norm(k), theta)  # QK-norm, then RoPE
+        q, k = rope(ref_rms_norm(q, EPS), theta), rope(ref_rms_norm(k, EPS), theta)  # QK-norm, then RoPE
         scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(hd)
         probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
         y = torch.einsum("bhts,bshd->bthd", probs, v).reshape(B, T, D)
         x = x + y @ w[p + "attn.proj.weight"].T
-        a, gate = (ref_rms_norm(x) @ w[p + "mlp.fc1.weight"].T).chunk(2, dim=-1)
+        a, gate = (ref_rms_norm(x, EPS) @ w[p + "mlp.fc1.weight"].T).chunk(2, dim=-1)
         x = x + (F.silu(gate) * a) @ w[p + "mlp.fc2.weight"].T
-    return ref_rms_norm(x) @ w["head.weight"].T
+    return ref_rms_norm(x, EPS) @ w["head.weight"].T
 
 
 @pytest.mark.parametrize("size", ["tiny", DEEPER])
@@ -97,9 +98,9 @@ def test_residual_stream_is_the_sum_of_outputs(registry):
     trace = capture(model, tokens(DEEPER.vocab_size, 2, 5))
     stream = trace.emb
     for j, inp in enumerate(trace.inputs):
-        torch.testing.assert_close(inp, ref_rms_norm(stream), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(inp, ref_rms_norm(stream, EPS), atol=1e-5, rtol=1e-5)
         stream = stream + trace.outputs[j]
-    torch.testing.assert_close(trace.final, ref_rms_norm(stream), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(trace.final, ref_rms_norm(stream, EPS), atol=1e-5, rtol=1e-5)
 
 
 def test_gated_residual_follows_its_formula(registry):
@@ -110,7 +111,7 @@ def test_gated_residual_follows_its_formula(registry):
     counts = torch.arange(1, T + 1, dtype=torch.float64)[None, :, None]
     stream = trace.emb.double()
     for i, out in enumerate(trace.outputs, start=1):
-        torch.testing.assert_close(trace.inputs[i - 1].double(), ref_rms_norm(stream), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(trace.inputs[i - 1].double(), ref_rms_norm(stream, EPS), atol=1e-5, rtol=1e-5)
         fx = out.double()
         wq = model.router.gate_q[i - 1].weight.detach().double()
         wk = model.router.gate_k[i - 1].weight.detach().double()
@@ -118,7 +119,7 @@ def test_gated_residual_follows_its_formula(registry):
         k = (fx.cumsum(1) / counts) @ wk.T
         g = torch.sigmoid((q * k).sum(-1, keepdim=True) / math.sqrt(D))
         stream = g * stream + (1 - g) * fx
-    torch.testing.assert_close(trace.final.double(), ref_rms_norm(stream), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(trace.final.double(), ref_rms_norm(stream, EPS), atol=1e-5, rtol=1e-5)
     w = model.router.gate_q[0].weight.detach()
     torch.testing.assert_close(w @ w.T, torch.eye(D), atol=1e-5, rtol=0)  # orthogonal init
 
@@ -217,7 +218,7 @@ def test_gradients_reach_every_parameter(registry, name):
         D = cfg.size.d_model
         for layer in model.layers:
             for lin in (layer.attn.proj, layer.mlp.fc2):
-                assert lin.weight.shape[0] == D + a.rank
+                assert lin.weight.shape[0] == D + cfg.extra_out
                 assert (lin.weight.grad[D:].abs().sum(-1) > 0).all()
 
 

@@ -30,8 +30,10 @@ from lrattn_lightning.routing import depth_read
 
 def ref_depth_read(values, keys, query, bias, scale, key_norm, heads):
     """One read, written as loops over heads and sources in float64."""
-    v, k, q = values.double(), keys.double(), query.double().reshape(heads, -1)
+    v, k = values.double(), keys.double()
     S, B, T, D = v.shape
+    q = query.double()
+    q = q.reshape(B, T, heads, -1) if q.dim() == 3 else q.reshape(1, 1, heads, -1)  # per token or static
     rh, dh = k.shape[-1] // heads, D // heads
     out = torch.zeros(B, T, D, dtype=torch.float64)
     alpha = torch.zeros(S, B, T, heads, dtype=torch.float64)
@@ -41,7 +43,7 @@ def ref_depth_read(values, keys, query, bias, scale, key_norm, heads):
             key = k[s, :, :, m * rh : (m + 1) * rh]  # (B, T, rh)
             if key_norm:
                 key = key / torch.sqrt((key * key).mean(-1, keepdim=True) + EPS)
-            logit = scale * (key * q[m]).sum(-1)  # (B, T)
+            logit = scale * (key * q[:, :, m]).sum(-1)  # (B, T)
             if bias is not None:
                 logit = logit + float(bias[s])
             logits.append(logit)
@@ -136,7 +138,7 @@ def test_full_routing_at_init_averages_every_output(registry):
     idx = tokens(DEEPER.vocab_size, 2, 5)
     trace = capture(model, idx)
     mean = (trace.emb + sum(trace.outputs)) / (len(trace.outputs) + 1)
-    torch.testing.assert_close(trace.final, ref_rms_norm(mean), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(trace.final, ref_rms_norm(mean, EPS), atol=1e-5, rtol=1e-5)
 
 
 def test_random_queries_do_not_route_uniformly(registry):
@@ -186,10 +188,14 @@ def test_s_lr_keys_are_the_value_tails(registry, monkeypatch, name, changes):
     model(tokens(DEEPER.vocab_size, 2, 5))
     assert len(calls) == DEEPER.n_sublayers, "every read site j >= 1 goes through depth_read"
     r, heads = abl.rank, abl.depth_heads
-    for values, keys, kwargs in calls:
+    for j, (values, keys, kwargs) in enumerate(calls, start=1):
         assert keys.shape == (*values.shape[:-1], r)
         tail = values[..., -r:]  # every source, embedding and block summaries included
-        expected = ref_head_rms_norm(tail, heads) if abl.key_norm == "rms" else tail
+        if abl.key_norm == "rms":  # the key is the tail of the raw sum c^a v (a summary's count c)
+            counts = torch.tensor([len(m) for m in ref_sources(j, cfg.block_ends())], dtype=torch.float32)
+            expected = ref_head_rms_norm(tail * counts.view(-1, 1, 1, 1) ** abl.summary_exponent, heads)
+        else:
+            expected = tail
         torch.testing.assert_close(effective_keys(keys, kwargs, heads), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -222,35 +228,60 @@ def ref_sources(j: int, ends: list[int]) -> list[list[int]]:
 
 
 def ref_read(cfg, params, emb, outputs, j):
-    """h_j and alpha_j in float64, from SPEC §2-3."""
+    """h_j and alpha_j in float64, from SPEC §2-3 (RMSNorm eps of the float32 model: EPS)."""
     a, D = cfg.ablation, cfg.size.d_model
     r, heads = cfg.key_dim, a.depth_heads
     exponent = {"sum": 0.0, "mean": 1.0, "sqrt_mean": 0.5}[a.block_summary]
+    norm = a.key_norm == "rms"
     raw = [emb.double(), *(o.double() for o in outputs)]
     value = [x[..., :D] for x in raw]
-    if a.key_source == "projected":
-        emb_key = torch.zeros(*emb.shape[:-1], r, dtype=torch.float64)
-        if a.embedding_key in ("projected", "projected_plus_static"):
-            emb_key = emb_key + emb.double() @ params["embedding_key_proj.weight"].double().T
-        if a.embedding_key in ("static", "projected_plus_static"):
-            emb_key = emb_key + params["embedding_key_static"].double()
-        key = [emb_key, *(x[..., D:] for x in raw[1:])]
+
+    def weight(name):
+        return params[name].double()
+
+    def project(v, index):  # value_projected: W RMSNorm(v)
+        if a.key_source == "value_projected_shared":
+            index = 0
+        elif a.embedding_key not in ("projected", "projected_plus_static"):
+            index -= 1  # no embedding projection: sublayer i uses projection i - 1
+        return ref_rms_norm(v, EPS) @ weight(f"value_key_proj.{index}.weight").T
+
+    emb_key = torch.zeros(*emb.shape[:-1], r, dtype=torch.float64)
+    if a.embedding_key in ("projected", "projected_plus_static"):
+        if a.key_source == "projected":  # emitted keys are normalised where they are emitted
+            k0 = emb.double() @ weight("embedding_key_proj.weight").T
+            emb_key = ref_head_rms_norm(k0, heads, EPS) if norm else k0
+        else:
+            emb_key = project(emb.double(), 0)
+    if a.embedding_key in ("static", "projected_plus_static"):
+        emb_key = emb_key + weight("embedding_key_static")
+    emitted = [emb_key, *(ref_head_rms_norm(x[..., D : D + r], heads, EPS) if norm else x[..., D : D + r]
+                          for x in raw[1:])]
     values, keys, counts = [], [], []
     for members in ref_sources(j, cfg.block_ends()):
         c = len(members)
-        v = sum(value[i] for i in members) / c**exponent
-        if a.key_source == "value":
+        total = sum(value[i] for i in members)
+        v = total / c**exponent
+        if members == [0] and a.key_source not in ("value", "sliced"):
+            k = emb_key
+        elif a.key_source == "value":
             k = v
-        elif a.key_source == "sliced":
-            k = v[..., -r:]
-        else:
-            k = sum(key[i] for i in members) / c**exponent
+        elif a.key_source == "sliced":  # the tail of the raw sum; / c^a only without key norm
+            k = total[..., -r:] if norm else v[..., -r:]
+        elif a.key_source == "projected":  # the sum of the normalised emitted keys
+            k = sum(emitted[i] for i in members)
+            k = k if norm else k / c**exponent
+        else:  # value_projected: the block's most recent sublayer projects the summary value
+            k = project(v, members[-1])
         values.append(v)
-        keys.append(ref_head_rms_norm(k, heads) if a.key_norm == "rms" else k)
+        keys.append(ref_head_rms_norm(k, heads, EPS) if norm else k)
         counts.append(c)
-    q = params["queries"][j - 1].double()
+    q = weight("queries")[j - 1]
+    if a.query == "gated_dynamic":  # q_j + g_j q_dyn, q_dyn: the last r rows sublayer j emitted
+        q_dyn = raw[j][..., -r:].unflatten(-1, (heads, -1))
+        q = (q.view(heads, -1) + weight("query_gates")[j - 1].view(heads, 1) * q_dyn).flatten(-2)
     if a.query_norm:
-        q = ref_head_rms_norm(q, heads)
+        q = ref_head_rms_norm(q, heads, EPS)
     scale = cfg.logit_scale
     bias = torch.tensor([a.count_prior * math.log(c) for c in counts], dtype=torch.float64)
     return ref_depth_read(torch.stack(values), torch.stack(keys), q, bias, scale, False, heads)
@@ -273,24 +304,34 @@ ROUTING_CASES = [
     ("p-lr-block-n8-r32-static-embkey", {"blocks": 4, "rank": 8}),
     ("p-lr-block-n8-r32-projstatic-embkey", {"blocks": 3, "rank": 8}),
     ("p-lr-block-n8-r32-refdefault", {"blocks": 4, "rank": 8}),
+    ("p-lr-block-n8-r32", {"blocks": 3, "rank": 8, "depth_heads": 2}),
+    ("p-lr-block-n8-r32", {"blocks": 4, "rank": 8, "key_norm": "none", "block_summary": "mean"}),
+    ("vp-lr-block-n8-r32", {"blocks": 4, "rank": 8}),
+    ("vp-lr-block-n8-r32", {"blocks": 3, "rank": 8, "embedding_key": "static", "block_summary": "mean"}),
+    ("vp-shared-lr-block-n8-r32", {"blocks": 4, "rank": 8}),
+    ("vp-shared-lr-block-n8-r32", {"rank": 8, "blocks": None}),
+    ("p-lr-block-n8-r32-dynquery", {"blocks": 4, "rank": 8}),
+    ("p-lr-block-n8-r32-dynquery", {"blocks": 4, "rank": 8, "key_source": "sliced", "embedding_key": "sliced",
+                                    "depth_heads": 2, "query_norm": True}),
 ]
 
 
+@pytest.mark.parametrize("impl", ["reference", "fast"])
 @pytest.mark.parametrize("name, changes", ROUTING_CASES)
-def test_routing_matches_the_spec_reference(registry, name, changes):
+def test_routing_matches_the_spec_reference(registry, name, changes, impl):
     cfg = ModelConfig(DEEPER, variant(registry.ablation(name), **changes))
-    model = build_decoder(cfg)
+    model = build_decoder(cfg, impl=impl)
     randomize_routing(model, std=1.0)
     params = {k: p.detach() for k, p in model.router.named_parameters()}
     trace = capture(model, tokens(DEEPER.vocab_size, 2, 6))
     M = DEEPER.n_sublayers
     assert len(trace.inputs) == len(trace.outputs) == M
-    torch.testing.assert_close(trace.inputs[0].double(), ref_rms_norm(trace.emb.double()), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(trace.inputs[0].double(), ref_rms_norm(trace.emb.double(), EPS), atol=1e-5, rtol=1e-5)
     spread = 0.0
     for j in range(1, M + 1):
         h, alpha = ref_read(cfg, params, trace.emb, trace.outputs[:j], j)
         read = trace.final if j == M else trace.inputs[j]
-        torch.testing.assert_close(read.double(), ref_rms_norm(h), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(read.double(), ref_rms_norm(h, EPS), atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(trace.routing[j - 1].double(), alpha, atol=1e-5, rtol=1e-4)
         spread = max(spread, float(alpha.std(0).max()))
     assert spread > 0.01  # routing is not uniform here

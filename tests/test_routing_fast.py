@@ -43,7 +43,8 @@ def _grid() -> dict[str, AblationConfig]:
                 out[name] = dataclasses.replace(
                     _BASE, name=name, key_source=key_source, embedding_key=emb, depth_heads=heads,
                     rank=None if key_source == "value" else 16, blocks=blocks, block_summary=summary,
-                    count_prior=prior, logit_scale="inv_sqrt_head_dim" if heads == 4 else "none",
+                    count_prior=prior,
+                    logit_scale="inv_sqrt_head_dim" if heads == 4 and key_source != "value" else "none",
                 ).validate()
     return out
 
@@ -60,7 +61,7 @@ def _randomize(model: torch.nn.Module) -> None:
     """Random queries and static keys, so that routing is far from uniform."""
     with torch.no_grad():
         for name, p in model.router.named_parameters():
-            if name == "queries" or "static" in name:
+            if name in ("queries", "query_gates") or "static" in name:
                 p.normal_(std=0.5)
 
 
