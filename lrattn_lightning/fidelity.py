@@ -156,7 +156,8 @@ def _stack(rows: list[Any]) -> Any:
 # ---- the table of docs/fidelity.md ------------------------------------------------------------------
 
 
-def fidelity_rows(golden_path: str, registry_path: str | None = None, impl: str = "fast") -> list[dict[str, Any]]:
+def fidelity_rows(golden_path: str, registry_path: str | None = None, impl: str = "fast",
+                  only: list[str] | None = None) -> list[dict[str, Any]]:
     """One row per registry entry: params (ours, the reference's), max |Δlogit| and the gradients'
     relative error against the golden data, and the reference flags."""
     from lrattn_lightning import golden
@@ -166,9 +167,10 @@ def fidelity_rows(golden_path: str, registry_path: str | None = None, impl: str 
     reg = load_registry(registry_path)
     data = golden.load(golden_path)
     rows = []
-    for name in reg.ablations:
+    for name in only or list(reg.ablations):
         cfg = golden.config(reg, name)
-        row: dict[str, Any] = {"entry": name, "params": count_params(cfg), "flags": flag_language(cfg)}
+        row: dict[str, Any] = {"entry": name, "params": count_params(cfg), "flags": flag_language(cfg),
+                               "clipped": cfg.ablation.name != name}
         entry = data["entries"].get(name)
         if entry is None:
             row.update(reference_params=None, dlogit=None, dgrad=None)
@@ -189,6 +191,7 @@ def render_markdown(rows: list[dict[str, Any]], golden_path: str, size_line: str
         f"Golden size: {size_line}. Golden data: `{golden_path}` (how it is made: tests/golden/README.md).",
         "",
         "- *params*: our analytic count at the golden size; *reference*: the reference model's own count.",
+        "  † marks entries whose rank exceeds the golden size's d = 128 and is clipped to it there.",
         "- *max |Δlogit|*: ours (fast router) against the reference's logits (logit RMS ≈ 0.2).",
         "- *grad rel. err.*: max |Δ| / max |g| over the stored gradients (router parameters in full,",
         "  large matrices through fixed random projections).",
@@ -204,7 +207,8 @@ def render_markdown(rows: list[dict[str, Any]], golden_path: str, size_line: str
         ref = "—" if r["reference_params"] is None else f"{r['reference_params']:,}"
         dl = "—" if r["dlogit"] is None else f"{r['dlogit']:.1e}"
         dg = "—" if r["dgrad"] is None else f"{r['dgrad']:.1e}"
-        lines.append(f"| `{r['entry']}` | {r['params']:,} | {ref} | {dl} | {dg} | {r['flags']} |")
+        mark = " †" if r.get("clipped") else ""
+        lines.append(f"| `{r['entry']}`{mark} | {r['params']:,} | {ref} | {dl} | {dg} | {r['flags']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -214,10 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--registry", default=None)
     parser.add_argument("--impl", default="fast", choices=["fast", "reference"])
     parser.add_argument("--out", default=None, help="write the markdown table here (default: print it)")
+    parser.add_argument("--entries", default=None, help="comma-separated registry entries (default: all)")
     args = parser.parse_args(argv)
     from lrattn_lightning import golden
 
-    rows = fidelity_rows(args.golden, args.registry, impl=args.impl)
+    only = args.entries.split(",") if args.entries else None
+    rows = fidelity_rows(args.golden, args.registry, impl=args.impl, only=only)
     size = golden.load(args.golden)["size"]
     size_line = ", ".join(f"{k}={v}" for k, v in size.items() if k not in ("name", "doc"))
     text = render_markdown(rows, args.golden, size_line)

@@ -120,3 +120,25 @@ def test_golden_loss_file(name, impl):
     expected = LOSS["losses"][name]
     assert max(abs(a - b) for a, b in zip(losses, expected, strict=True)) <= 1e-5, (losses, expected)
     assert expected[-1] < expected[0] - 1.0  # the run learns: the file pins a real trajectory
+
+
+def test_fidelity_table_command(tmp_path):
+    from lrattn_lightning import fidelity
+
+    out = tmp_path / "fidelity.md"
+    assert fidelity.main(["--golden", str(GOLDEN_DIR / "reference.pt"), "--out", str(out),
+                          "--entries", "baseline,p-lr-block-n8-r32,gated-residual"]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| `")]
+    assert len(rows) == 3
+    plr = next(r for r in rows if "`p-lr-block-n8-r32`" in r).split("|")
+    assert float(plr[4]) <= TOL_LOGIT and "use_lrid=True" in plr[6] and "lrid_rank=32" in plr[6]
+    assert "not part of the reference" in next(r for r in rows if "gated-residual" in r)
+
+
+def test_flag_language_states_departures_from_the_reference_defaults():
+    from lrattn_lightning.fidelity import flag_language
+
+    cfg = golden.config(REGISTRY, "p-lr-block-n8-r32-refdefault")  # the reference's class defaults
+    assert flag_language(cfg) == "use_attnres=True use_lrid=True lrid_rank=32"
+    words = flag_language(golden.config(REGISTRY, "vp-shared-lr-block-n8-r32")).split()
+    assert "lrid_key_from_value_shared=True" in words and "attnres_block_average=False" in words
