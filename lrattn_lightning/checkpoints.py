@@ -57,6 +57,9 @@ def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
     except RuntimeError as err:
         raise EvalError(f"checkpoint {path}: weights do not fit size '{cfg.size.name}' / ablation "
                         f"'{cfg.ablation.name}': {str(err)[:400]}") from err
+    hparams = ckpt.get("hyper_parameters", {})
+    if hparams.get("document_masking"):  # evaluate as trained: attend only within documents
+        model.doc_separator = hparams.get("doc_separator")
     data = ckpt.get("data") or {}
     spec = ckpt.get("tokenizer")
     if spec is None:

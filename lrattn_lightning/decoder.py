@@ -4,6 +4,12 @@ SPEC §5: pre-norm, parameter-free RMSNorm, multi-head attention with QK-norm an
 SwiGLU MLP, no biases, untied head, N(0, 0.02) init. What normally is `h = h + sublayer(norm(h))`
 becomes `router.write(i, sublayer(norm(router.read(i-1))))`; with `routing: residual` it is exactly
 the standard residual stream.
+
+Document masking (the paper's recipe, `use_doc_masking`): with `Decoder.doc_separator` set to the
+tokenizer's EOS id, a token attends only to earlier tokens of its own document. As in the paper's
+code, every separator token starts a new segment (so it belongs to the document after it) and RoPE
+positions run over the whole packed window. Training, validation, evaluation and KV-cache decoding all
+go through this forward, so all mask alike. Depth routing is per token and needs no mask.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ class KVCache:
     values: list[Tensor | None]
     # gated residual only: running sums of each sublayer's x and F(x) (the causal means continue)
     gate_prefix: list | None = None
+    # document masking: the segment id of every cached position [B, T_cached]
+    segments: Tensor | None = None
 
     @classmethod
     def empty(cls, n_layers: int) -> KVCache:
@@ -75,20 +83,24 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(size.d_model, 3 * size.d_model, bias=False)
         self.proj = nn.Linear(size.d_model, size.d_model + extra_out, bias=False)  # d -> d + r for P-LR
 
-    def forward(self, x_BTD: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
+    def forward(self, x_BTD: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None, layer: int = 0,
+                same_doc: Tensor | None = None) -> Tensor:
+        """same_doc: [B, 1, T, T_all] bool, which positions share a document (document masking), or None."""
         B, T, D = x_BTD.shape
         q, k, v = self.qkv(x_BTD).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)  # (B, T, H, hd)
         q, k = apply_rope(rms_norm(q), cos, sin), apply_rope(rms_norm(k), cos, sin)  # QK-norm then RoPE
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
-        if cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
+        if cache is not None:
             past = cache.keys[layer]
             if past is not None:
                 k = torch.cat((past, k), dim=2)
                 v = torch.cat((cache.values[layer], v), dim=2)
             cache.keys[layer], cache.values[layer] = k, v
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=_prefix_causal_mask(T, k.shape[2], q.device))
+        if cache is None and same_doc is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            mask = _prefix_causal_mask(T, k.shape[2], q.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask if same_doc is None else mask & same_doc)
         return self.proj(y.transpose(1, 2).reshape(B, T, D))
 
 
@@ -96,6 +108,17 @@ def _prefix_causal_mask(t_new: int, t_all: int, device: torch.device) -> Tensor:
     """Boolean mask letting new token i (at absolute position t_all - t_new + i) see positions <= its own."""
     q_pos = torch.arange(t_all - t_new, t_all, device=device)[:, None]
     return torch.arange(t_all, device=device)[None, :] <= q_pos
+
+
+def document_segments(idx_BT: Tensor, separator: int, before: Tensor | None = None) -> Tensor:
+    """Segment id per position [B, T]: every separator starts a new segment (the paper's boundaries).
+
+    before: the segment ids of earlier (cached) positions [B, T_cached], continued from their last id.
+    """
+    seg = (idx_BT == separator).cumsum(dim=1)
+    if before is not None and before.shape[1]:
+        seg = seg + before[:, -1:]
+    return seg
 
 
 class SwiGLU(nn.Module):
@@ -133,6 +156,9 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Layer(size, cfg.extra_out) for _ in range(size.n_layers))
         self.router = ROUTER_IMPLS[impl](cfg)
         self.head = nn.Linear(size.d_model, size.vocab_size, bias=False)
+        # document masking: the separator (EOS) id, or None to attend across documents (set by the
+        # training recipe, stored in checkpoints); not part of the architecture, which has no weights for it
+        self.doc_separator: int | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -155,13 +181,14 @@ class Decoder(nn.Module):
         if start + T > size.seq_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds seq_len={size.seq_len} of size '{size.name}'")
         cos, sin = rope_angles(torch.arange(start, start + T, device=idx.device), size.d_model // size.n_heads, size.rope_theta)
+        same_doc = self._same_document(idx, cache)
         x = self.embed(idx)  # (B, T, D)
         gate_prefix = cache.gate_prefix if cache is not None else None
         state = self.router.start(x, record=return_routing, gate_prefix=gate_prefix, prefix_len=start)
         for layer_index, layer in enumerate(self.layers):
             j = 2 * layer_index
             h = self.router.read(state, j)
-            self.router.write(state, j + 1, layer.attn(rms_norm(h), cos, sin, cache, layer_index))
+            self.router.write(state, j + 1, layer.attn(rms_norm(h), cos, sin, cache, layer_index, same_doc))
             h = self.router.read(state, j + 1)
             self.router.write(state, j + 2, layer.mlp(rms_norm(h)))
         h = self.router.read(state, size.n_sublayers)  # the final read
@@ -169,6 +196,19 @@ class Decoder(nn.Module):
         if return_routing:
             return DecoderOutput(logits, state.weights)
         return logits
+
+    def _same_document(self, idx: Tensor, cache: KVCache | None) -> Tensor | None:
+        """[B, 1, T, T_all] bool (document masking), or None where every position shares one document."""
+        if self.doc_separator is None:
+            return None
+        before = cache.segments if cache is not None else None
+        seg = document_segments(idx, self.doc_separator, before)
+        seg_all = seg if before is None else torch.cat((before, seg), dim=1)
+        if cache is not None:
+            cache.segments = seg_all
+        if bool((seg_all[:, -1] == seg_all[:, 0]).all()):  # one document per row: the causal mask suffices
+            return None
+        return (seg[:, :, None] == seg_all[:, None, :]).unsqueeze(1)
 
 
 def build_decoder(

@@ -83,12 +83,18 @@ class LRAttnModule(L.LightningModule):
         z_loss: float = 1e-5,
         compile: bool = False,
         impl: Literal["fast", "reference"] = "fast",
+        document_masking: bool = False,
         routing_diagnostics: bool = True,
         model_config: dict | None = None,
         registry_sha256: str | None = None,
         git_commit: str | None = None,
+        doc_separator: int | None = None,
     ):
-        """size/ablation name registry entries; model_config (set when loading a checkpoint) wins over them."""
+        """size/ablation name registry entries; model_config (set when loading a checkpoint) wins over them.
+
+        document_masking: attend only within documents (the paper's recipe); the separator is the data's
+        EOS id, found at fit time and kept as `doc_separator` so checkpoints mask alike in evaluation.
+        """
         super().__init__()
         if model_config is None:
             reg = load_registry(registry)
@@ -104,11 +110,26 @@ class LRAttnModule(L.LightningModule):
                             registry_sha256=registry_sha256, git_commit=git_commit)
         self.cfg = cfg
         self.model = build_decoder(cfg, impl=impl)  # how routing is computed; not part of the architecture
+        self.model.doc_separator = doc_separator if document_masking else None
         self.val_loss = torchmetrics.MeanMetric()
         self._routing_weights: list[torch.Tensor] | None = None
         self._step_clock: float | None = None
 
     # ---- model ---------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        """Document masking: the separator is the EOS id of the data the module trains or validates on."""
+        if not self.hparams.document_masking:
+            return
+        meta = getattr(self.trainer.datamodule, "meta", None) if self._trainer is not None else None
+        eos = meta.get("eos_id") if isinstance(meta, dict) else None
+        if eos is None:
+            eos = self.hparams.doc_separator
+        if eos is None:
+            raise ValueError("model.document_masking: the data names no EOS id (meta.json 'eos_id'); prepare the "
+                             "data with `lrattn prepare`, or set --model.document_masking false")
+        self.hparams.doc_separator = int(eos)
+        self.model.doc_separator = int(eos)
+
     def configure_model(self) -> None:
         if self.hparams.compile and not getattr(self, "_compiled", False):
             self.model.compile()

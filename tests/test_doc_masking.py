@@ -1,0 +1,105 @@
+"""Document masking (the paper's `use_doc_masking`): a token attends only within its own document."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEEPER, randomize_routing, tiny_config
+from test_training import tiny_data  # noqa: F401  (the fixture)
+
+from lrattn_lightning.config import ModelConfig
+from lrattn_lightning.decoder import KVCache, build_decoder, document_segments
+
+SEP = 5
+ENTRIES = ["baseline", "attnres-block-n8", "s-lr-block-n8-r64", "p-lr-block-n8-r32", "vp-lr-block-n8-r32"]
+
+
+def _model(registry, name, impl="fast"):
+    model = build_decoder(tiny_config(registry, name, DEEPER), impl=impl)
+    randomize_routing(model)
+    model.doc_separator = SEP
+    return model.eval()
+
+
+def _doc(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    body = torch.randint(6, DEEPER.vocab_size, (1, n), generator=g)
+    return torch.cat((torch.tensor([[SEP]]), body), dim=1)  # the separator opens the document
+
+
+def reference_boundaries(row: list[int], separator: int) -> list[int]:
+    """The paper's data loader, restated: cu_doc_len = 0, every separator position > 0, then T."""
+    T = len(row)
+    inner = [t for t, tok in enumerate(row) if tok == separator and 0 < t < T]
+    return [0, *inner, T]
+
+
+def test_segments_are_the_references_boundaries():
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 8, (6, 16), generator=g)
+    idx[0, 0] = SEP
+    seg = document_segments(idx, SEP)
+    for row, ids in zip(idx.tolist(), seg.tolist(), strict=True):
+        bounds = reference_boundaries(row, SEP)
+        expected = [k for k in range(len(bounds) - 1) for _ in range(bounds[k + 1] - bounds[k])]
+        starts = [t for t in range(len(ids)) if t == 0 or ids[t] != ids[t - 1]]
+        assert starts == bounds[:-1] and len(expected) == len(ids)
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+@pytest.mark.parametrize("name", ENTRIES)
+def test_a_document_does_not_see_the_one_packed_before_it(registry, name, impl):
+    model = _model(registry, name, impl)
+    a, b, c = _doc(5, 1), _doc(6, 2), _doc(3, 3)
+    with torch.no_grad():
+        alone = model(b)
+        packed = model(torch.cat((a, b), dim=1))[:, a.shape[1]:]
+        other = model(torch.cat((c, b), dim=1))[:, c.shape[1]:]
+        model.doc_separator = None  # negative control: without masking the packed document leaks in
+        leaked = model(torch.cat((a, b), dim=1))[:, a.shape[1]:]
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(other, alone, rtol=1e-5, atol=1e-5)
+    assert (leaked - alone).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", ["baseline", "s-lr-block-n8-r64", "p-lr-block-n8-r32"])
+def test_kv_cache_decoding_masks_like_the_full_forward(registry, name):
+    """A cached prompt that spans a document boundary: every step masks as the full forward does."""
+    model = _model(registry, name)
+    idx = torch.cat((_doc(4, 4), _doc(5, 5), _doc(4, 6)), dim=1).repeat(2, 1)
+    idx[1, 7] = SEP  # rows with different boundaries
+    with torch.no_grad():
+        full = model(idx)
+        cache = KVCache.empty(DEEPER.n_layers)
+        steps = [model(idx[:, :7], cache=cache)]  # the prompt ends inside the second document
+        steps += [model(idx[:, t : t + 1], cache=cache) for t in range(7, idx.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+    assert cache.segments.shape == idx.shape
+
+
+def test_a_changed_earlier_document_changes_nothing_later(registry):
+    """Changing a token of the first document leaves the second document's logits unchanged."""
+    model = _model(registry, "p-lr-block-n8-r32")
+    a, b = _doc(5, 1), _doc(6, 2)
+    idx = torch.cat((a, b), dim=1)
+    changed = idx.clone()
+    changed[0, 2] = (changed[0, 2] + 1) % DEEPER.vocab_size or 6
+    with torch.no_grad():
+        torch.testing.assert_close(model(changed)[:, a.shape[1]:], model(idx)[:, a.shape[1]:], rtol=1e-5, atol=1e-5)
+
+
+def test_fit_with_document_masking_keeps_the_separator_for_evaluation(tiny_data, tmp_path, monkeypatch):
+    """`--model.document_masking true`: the EOS id of the data masks training, and the checkpoint carries
+    it, so evaluation (checkpoints.load_checkpoint) masks alike."""
+    from test_training import fit_args
+
+    from lrattn_lightning.checkpoints import load_checkpoint
+    from lrattn_lightning.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(fit_args(tiny_data, "--model.document_masking", "true", steps=2)) == 0
+    ckpt = next((tmp_path / "runs").rglob("last.ckpt"))
+    hp = torch.load(ckpt, weights_only=True)["hyper_parameters"]
+    assert hp["document_masking"] is True and hp["doc_separator"] == 256  # the byte tokenizer's EOS
+    assert load_checkpoint(ckpt).model.doc_separator == 256
