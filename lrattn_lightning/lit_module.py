@@ -24,7 +24,13 @@ from lrattn_lightning import diagnostics
 from lrattn_lightning.accounting import added_flops_percent, count_params
 from lrattn_lightning.config import ModelConfig
 from lrattn_lightning.decoder import build_decoder
-from lrattn_lightning.optim import build_optimizer, wsd_lambda
+from lrattn_lightning.optim import (
+    MUON_VARIANTS,
+    MomentumSchedule,
+    MuonVariant,
+    WarmupStableDecay,
+    build_optimizer,
+)
 from lrattn_lightning.registry import load_registry
 
 
@@ -77,6 +83,11 @@ class LRAttnModule(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         muon_lr: float = 1e-3,
         muon_weight_decay: float = 0.1,
+        muon_variant: MuonVariant = "reference",
+        muon_momentum: float = 0.95,
+        muon_momentum_min: float = 0.85,
+        muon_momentum_warmup_steps: int = 300,
+        muon_momentum_cooldown_steps: int = 100,
         warmup_steps: int = 2000,
         decay_fraction: float = 0.2,
         final_lr_fraction: float = 0.1,
@@ -94,7 +105,11 @@ class LRAttnModule(L.LightningModule):
 
         document_masking: attend only within documents (the paper's recipe); the separator is the data's
         EOS id, found at fit time and kept as `doc_separator` so checkpoints mask alike in evaluation.
-        """
+
+        Optimiser (lrattn_lightning/optim.py): muon_variant picks the Muon update (`reference`: the paper's
+        code, `torch`: torch.optim.Muon with match_rms_adamw); the Muon momentum rises from
+        muon_momentum_min to muon_momentum over the first muon_momentum_warmup_steps and falls back over
+        the last muon_momentum_cooldown_steps (0 and 0: constant)."""
         super().__init__()
         if model_config is None:
             reg = load_registry(registry)
@@ -109,6 +124,11 @@ class LRAttnModule(L.LightningModule):
         self.hparams.update(size=size, ablation=ablation, model_config=model_config,
                             registry_sha256=registry_sha256, git_commit=git_commit)
         self.cfg = cfg
+        if muon_variant not in MUON_VARIANTS:
+            raise ValueError(f"model.muon_variant: unknown '{muon_variant}'; use one of {', '.join(MUON_VARIANTS)}")
+        self.momentum_schedule = MomentumSchedule(  # checked now, before any work
+            peak=muon_momentum, low=muon_momentum_min, warmup_steps=muon_momentum_warmup_steps,
+            cooldown_steps=muon_momentum_cooldown_steps)
         self.model = build_decoder(cfg, impl=impl)  # how routing is computed; not part of the architecture
         self.model.doc_separator = doc_separator if document_masking else None
         self.val_loss = torchmetrics.MeanMetric()
@@ -152,8 +172,10 @@ class LRAttnModule(L.LightningModule):
         # averaged over ranks, so a DDP run logs the loss of its global batch
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         self.log("train/ce", ce, sync_dist=True)
-        for group in self.optimizers().param_groups:
+        for group in self.optimizers().param_groups:  # the live groups, also after a resume
             self.log(f"train/lr_{group.get('name', 'group')}", group["lr"])
+            if group.get("use_muon"):
+                self.log(f"train/momentum_{group.get('name', 'group')}", group["momentum"])
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -182,12 +204,13 @@ class LRAttnModule(L.LightningModule):
             )
         opt = build_optimizer(
             self.model, kind=hp.optimizer, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
-            muon_lr=hp.muon_lr, muon_weight_decay=hp.muon_weight_decay,
+            muon_lr=hp.muon_lr, muon_weight_decay=hp.muon_weight_decay, muon_momentum=hp.muon_momentum,
+            muon_variant=hp.muon_variant,
         )
         total = self.trainer.max_steps if self.trainer.max_steps > 0 else int(self.trainer.estimated_stepping_batches)
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            opt, wsd_lambda(total, hp.warmup_steps, hp.decay_fraction, hp.final_lr_fraction)
-        )
+        # one scheduler: the learning rate of every group and the momentum of the Muon group, per step
+        schedule = WarmupStableDecay(opt, total, hp.warmup_steps, hp.decay_fraction, hp.final_lr_fraction,
+                                     self.momentum_schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     # ---- validation ----------------------------------------------------------------------------
@@ -249,8 +272,10 @@ class LRAttnModule(L.LightningModule):
                 **flat_run_params(self.cfg),
                 "registry_sha256": self.hparams.registry_sha256,
                 **{f"train_{k}": v for k, v in self.hparams.items()
-                   if k in ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_decay", "warmup_steps",
-                            "decay_fraction", "final_lr_fraction", "z_loss", "compile")},
+                   if k in ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_decay", "muon_variant",
+                            "muon_momentum", "muon_momentum_min", "muon_momentum_warmup_steps",
+                            "muon_momentum_cooldown_steps", "warmup_steps", "decay_fraction", "final_lr_fraction",
+                            "z_loss", "compile")},
             })
         tags = {
             "ablation": self.cfg.ablation.name,

@@ -1,0 +1,347 @@
+"""The optimiser: parity with the paper's Muon (golden numbers), with torch.optim.Muon and AdamW, the
+Polar Express band, the parameter split, the schedule, and resuming across every schedule phase."""
+
+from __future__ import annotations
+
+import io
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_config
+from test_training import cli_subprocess, fit_args, losses_by_step, only_run, tiny_data  # noqa: F401
+
+from lrattn_lightning.decoder import build_decoder
+from lrattn_lightning.lit_module import LRAttnModule
+from lrattn_lightning.muon import POLAR_EXPRESS_COEFFS, newton_schulz, polar_express
+from lrattn_lightning.optim import (
+    MUON_VARIANTS,
+    MomentumSchedule,
+    MuonWithAuxAdamW,
+    WarmupStableDecay,
+    build_optimizer,
+    split_parameters,
+)
+
+GOLDEN = torch.load(Path(__file__).parent / "golden" / "muon_reference.pt", weights_only=True)
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+# ---- the reference variant against the paper's code -------------------------------------------------
+def run_golden_scenario(**change):
+    """Our optimiser and schedule on the golden scenario; yields (step, params, group) after each step."""
+    c = GOLDEN["config"]
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in GOLDEN["init"].items()}
+    opt = MuonWithAuxAdamW([{"params": list(params.values()), "use_muon": True, "lr": c["lr"],
+                             "weight_decay": c["weight_decay"], "momentum": c["momentum_max"],
+                             **{**MUON_VARIANTS["reference"], **change}}])
+    steps = c["total_steps"]
+    momentum = MomentumSchedule(peak=c["momentum_max"], low=c["momentum_min"],
+                                warmup_steps=c["momentum_warmup_steps"], cooldown_steps=c["momentum_cooldown_steps"])
+    schedule = WarmupStableDecay(opt, steps, c["warmup_steps"], c["warmdown_steps"] / steps, 0.1, momentum)
+    for step in range(steps):
+        group = dict(opt.param_groups[0])
+        for k, p in params.items():
+            p.grad = GOLDEN["grads"][k][step].clone()
+        opt.step()
+        schedule.step()
+        yield step, params, group
+
+
+def test_reference_variant_matches_the_papers_muon_at_every_step():
+    worst = 0.0
+    for step, params, group in run_golden_scenario():
+        assert group["lr"] == pytest.approx(GOLDEN["lr"][step], rel=1e-12), step
+        assert group["momentum"] == pytest.approx(GOLDEN["momentum"][step], rel=1e-12), step
+        for k, p in params.items():  # compare the change from init: the weights themselves hide small errors
+            err = rel_err(p.detach() - GOLDEN["init"][k], GOLDEN["params"][k][step] - GOLDEN["init"][k])
+            assert err <= 1e-5, (step, k, err)
+            worst = max(worst, err)
+    # the scenario crosses warmup, stable and decay of the LR and both momentum ramps
+    assert len(set(GOLDEN["lr"])) >= 4 and min(GOLDEN["momentum"]) < max(GOLDEN["momentum"]) == 0.95
+    assert GOLDEN["momentum"][-1] < 0.95
+
+
+@pytest.mark.parametrize("change", [{"cautious": False}, {"variance_beta2": None},
+                                    {"orthogonalizer": "newton_schulz"}, {"scale": "match_rms_adamw"}])
+def test_golden_scenario_tells_each_ingredient_apart(change):
+    """Switching off any one ingredient of the reference update moves the result far outside tolerance."""
+    *_, (step, params, _) = run_golden_scenario(**change)
+    errs = [rel_err(p.detach() - GOLDEN["init"][k], GOLDEN["params"][k][step] - GOLDEN["init"][k])
+            for k, p in params.items()]
+    assert max(errs) > 1e-3, errs
+
+
+def test_polar_express_matches_the_reference_bit_for_bit():
+    assert [list(c) for c in POLAR_EXPRESS_COEFFS] == GOLDEN["polar_express_coefficients"]
+    for g, ref in zip(GOLDEN["polar_express_in"], GOLDEN["polar_express_out"], strict=True):
+        out = polar_express(g)
+        assert out.dtype == torch.bfloat16 and out.shape == g.shape
+        assert rel_err(out, ref) <= 1e-5
+
+
+def _minimax_odd_quintic(lo: float, hi: float) -> np.ndarray:
+    """(a, b, c) of p(x) = a x + b x^3 + c x^5 minimising max |1 - p| on [lo, hi] (Remez exchange): the error
+    equioscillates, 1 - p = +E, -E, +E, -E at lo < x1 < x2 < hi, where x1, x2 are the roots of p'."""
+    x1, x2 = (3 * lo + hi) / 4, (lo + 3 * hi) / 4
+    for _ in range(100):
+        pts = np.array([lo, x1, x2, hi])
+        system = np.stack([pts, pts**3, pts**5, [1.0, -1.0, 1.0, -1.0]], axis=1)  # p(x_i) + (+-E) = 1
+        a, b, c, _ = np.linalg.solve(system, np.ones(4))
+        # p'(x) = a + 3b x^2 + 5c x^4 = 0, a quadratic in x^2
+        x1, x2 = np.sqrt(np.sort(np.roots([5 * c, 3 * b, a]).real))
+    return np.array([a, b, c])
+
+
+def polar_express_table(lo: float = 1e-3, steps: int = 5, cushion: float = 0.02, safety: float = 1.02):
+    """The Polar Express composition (arXiv:2505.16932, Alg. 1): each quintic is the minimax one on the
+    interval [lo, hi] the previous ones left (lo floored at cushion * hi and the polynomial then rescaled so
+    p(lo) and p(hi) sit symmetrically about 1), evaluated at x / safety except the last."""
+    hi, table = 1.0, []
+    for k in range(steps):
+        coef = _minimax_odd_quintic(max(lo, cushion * hi), hi)
+        p = lambda x, c=coef: c[0] * x + c[1] * x**3 + c[2] * x**5  # noqa: E731
+        if cushion * hi > lo:
+            coef = coef * 2 / (p(lo) + p(hi))
+        if k < steps - 1:
+            coef = coef / np.array([safety, safety**3, safety**5])
+        table.append(coef)
+        lo = coef[0] * lo + coef[1] * lo**3 + coef[2] * lo**5
+        hi = 2 - lo
+    return np.array(table), lo
+
+
+def test_polar_express_table_is_the_papers_composition():
+    table, _ = polar_express_table()
+    np.testing.assert_allclose(table, np.array(POLAR_EXPRESS_COEFFS), rtol=1e-9)
+
+
+def test_polar_express_singular_values_land_in_the_band():
+    """Inputs whose singular values (over 1.02 ||G||_F) lie in [1e-3, 1] come out in [l5, 2 - l5]."""
+    _, lo = polar_express_table()
+    assert 0.85 < lo < 0.87
+    gen = torch.Generator().manual_seed(7)
+    inputs = [torch.randn(s, generator=gen) for s in [(8, 16), (16, 8), (32, 32), (96, 40), (40, 96)]]
+    q1, _ = torch.linalg.qr(torch.randn(48, 48, generator=gen))
+    q2, _ = torch.linalg.qr(torch.randn(48, 48, generator=gen))
+    inputs.append(q1 @ torch.diag(torch.logspace(0, -2, 48)) @ q2)  # condition number 100
+    for g in inputs:
+        sv_in = torch.linalg.svdvals(g)
+        assert sv_in.min() / (sv_in.norm() * 1.02) >= 1e-3  # the band's precondition
+        sv = torch.linalg.svdvals(polar_express(g).float())
+        assert sv.min() >= lo - 0.01 and sv.max() <= 2 - lo + 0.01, (tuple(g.shape), sv.min(), sv.max())
+        sv_ns = torch.linalg.svdvals(newton_schulz(g).float())  # the torch quintic: wider, lower band
+        assert sv_ns.min() < lo
+
+
+# ---- the torch variant against torch.optim.Muon, the AdamW group against torch.optim.AdamW ---------
+@pytest.mark.parametrize("scale", ["match_rms_adamw", "original"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_torch_variant_equals_torch_muon(scale, nesterov):
+    gen = torch.Generator().manual_seed(3)
+    ours = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(8, 16), (16, 8), (32, 32), (64, 24)]]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    init = [p.detach().clone() for p in ours]
+    opt = MuonWithAuxAdamW([{"params": ours, "use_muon": True, "lr": 0.02, "weight_decay": 0.1, "momentum": 0.9,
+                             "nesterov": nesterov, **{**MUON_VARIANTS["torch"], "scale": scale}}])
+    ref = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=scale)
+    for _ in range(4):
+        for a, b in zip(ours, theirs, strict=True):
+            a.grad = torch.randn(a.shape, generator=gen)
+            b.grad = a.grad.clone()
+        opt.step()
+        ref.step()
+        for a, b, w in zip(ours, theirs, init, strict=True):
+            assert rel_err(a.detach() - w, b.detach() - w) <= 1e-6
+
+
+def test_adamw_group_equals_torch_adamw():
+    gen = torch.Generator().manual_seed(4)
+    ours = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(10, 4), (7,)]]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    init = [p.detach().clone() for p in ours]
+    opt = MuonWithAuxAdamW([{"params": ours, "use_muon": False, "lr": 0.01, "weight_decay": 0.1, "betas": (0.8, 0.9)}])
+    ref = torch.optim.AdamW(theirs, lr=0.01, weight_decay=0.1, betas=(0.8, 0.9))
+    for _ in range(4):
+        for a, b in zip(ours, theirs, strict=True):
+            a.grad = torch.randn(a.shape, generator=gen)
+            b.grad = a.grad.clone()
+        opt.step()
+        ref.step()
+    for a, b, w in zip(ours, theirs, init, strict=True):
+        assert rel_err(a.detach() - w, b.detach() - w) <= 1e-6
+
+
+# ---- which parameters go where ----------------------------------------------------------------------
+LAYER_MATRICES = [f"layers.{i}.{m}.weight" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
+
+
+@pytest.mark.parametrize("ablation, muon_extra, adamw", [
+    ("baseline", [], ["embed.weight", "head.weight"]),
+    ("p-lr-block-n8-r32", ["router.embedding_key_proj.weight"], ["embed.weight", "head.weight", "router.queries"]),
+    ("s-lr-block-n8-r64", [], ["embed.weight", "head.weight", "router.queries"]),
+    ("p-lr-block-n8-r32-dynquery", ["router.embedding_key_proj.weight"],
+     ["embed.weight", "head.weight", "router.queries", "router.query_gates"]),
+])
+def test_parameter_split_on_a_real_decoder(registry, ablation, muon_extra, adamw):
+    model = build_decoder(tiny_config(registry, ablation))
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon, rest = split_parameters(model)
+    assert sorted(names[id(p)] for p in muon) == sorted(LAYER_MATRICES + muon_extra)
+    assert sorted(names[id(p)] for p in rest) == sorted(adamw)
+    opt = build_optimizer(model, kind="muon_adamw", lr=3e-4, weight_decay=0.0, betas=(0.9, 0.95),
+                          muon_lr=1e-3, muon_weight_decay=0.1)
+    by_name = {g["name"]: g for g in opt.param_groups}
+    assert by_name["muon"]["use_muon"] and not by_name["adamw"]["use_muon"]
+    assert [id(p) for p in by_name["muon"]["params"]] == [id(p) for p in muon]
+    assert by_name["muon"]["orthogonalizer"] == "polar_express" and by_name["adamw"]["betas"] == (0.9, 0.95)
+    plain = build_optimizer(model, kind="adamw", lr=3e-4, weight_decay=0.0, betas=(0.9, 0.95),
+                            muon_lr=1e-3, muon_weight_decay=0.1)
+    assert isinstance(plain, torch.optim.AdamW) and len(plain.param_groups[0]["params"]) == len(names)
+
+
+# ---- schedule and state ----------------------------------------------------------------------------
+def test_momentum_schedule_shape():
+    m = MomentumSchedule(peak=0.95, low=0.85, warmup_steps=300, cooldown_steps=100)
+    T = 1000
+    assert m(0, T) == 0.85 and m(150, T) == pytest.approx(0.90) and m(300, T) == 0.95 and m(900, T) == 0.95
+    assert m(950, T) == pytest.approx(0.90) and m(999, T) == pytest.approx(0.851) and m(5000, T) == 0.85
+    assert MomentumSchedule(warmup_steps=0, cooldown_steps=0)(0, 10) == 0.95
+
+
+def _small_setup(seed: int = 5):
+    gen = torch.Generator().manual_seed(seed)
+    mats = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(8, 16), (24, 8)]]
+    vec = torch.nn.Parameter(torch.randn(6, generator=gen))
+    opt = MuonWithAuxAdamW([{"params": mats, "use_muon": True, "name": "muon", "lr": 0.05},
+                            {"params": [vec], "use_muon": False, "name": "adamw", "lr": 0.01}])
+    sched = WarmupStableDecay(opt, 12, 3, 0.25, 0.1, MomentumSchedule(warmup_steps=4, cooldown_steps=3))
+    return [*mats, vec], opt, sched
+
+
+def _grads(step: int, params):
+    gen = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+def test_state_dict_round_trip_resumes_lr_momentum_and_weights_exactly():
+    """Saved at step 5 (stable), restored the way Lightning does (fresh optimiser and scheduler, then the
+    optimiser's state, then the scheduler's), the run continues through decay and momentum cooldown
+    exactly as the uninterrupted one: the scheduler drives the live groups after load_state_dict."""
+    params, opt, sched = _small_setup()
+    history = []
+    for step in range(12):
+        _grads(step, params)
+        history.append([(g["lr"], g.get("momentum")) for g in opt.param_groups])
+        opt.step()
+        sched.step()
+        if step == 4:
+            buf = io.BytesIO()
+            torch.save({"opt": opt.state_dict(), "sched": sched.state_dict(),
+                        "weights": [p.detach().clone() for p in params]}, buf)
+    final = [p.detach().clone() for p in params]
+
+    params2, opt2, sched2 = _small_setup(seed=6)  # other initial weights: all of it must come from the state
+    saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    opt2.load_state_dict(saved["opt"])
+    sched2.load_state_dict(saved["sched"])
+    with torch.no_grad():
+        for p, w in zip(params2, saved["weights"], strict=True):
+            p.copy_(w)
+    for step in range(5, 12):
+        _grads(step, params2)
+        assert [(g["lr"], g.get("momentum")) for g in opt2.param_groups] == history[step], step
+        opt2.step()
+        sched2.step()
+    for p, q in zip(params2, final, strict=True):
+        assert torch.equal(p.detach(), q)
+    assert history[11][0][1] < 0.95 and history[11][0][0] < history[5][0][0]  # decay and cooldown were crossed
+
+
+# ---- bad options: a clear ValueError naming the field ----------------------------------------------
+@pytest.mark.parametrize("group, field", [
+    ({"orthogonalizer": "svd"}, "orthogonalizer"),
+    ({"scale": "rms"}, "scale"),
+    ({"variance_beta2": 1.5}, "variance_beta2"),
+    ({"momentum": 1.0}, "momentum"),
+    ({"lr": -1.0}, "lr"),
+    ({"nesterov_typo": True}, "nesterov_typo"),
+])
+def test_bad_muon_group_options(group, field):
+    with pytest.raises(ValueError, match=field):
+        MuonWithAuxAdamW([{"params": [torch.nn.Parameter(torch.zeros(4, 4))], "use_muon": True, **group}])
+
+
+def test_other_bad_options(registry):
+    with pytest.raises(ValueError, match="use_muon"):
+        MuonWithAuxAdamW([{"params": [torch.nn.Parameter(torch.zeros(4, 4))]}])
+    with pytest.raises(ValueError, match="params.*shape \\(4,\\)"):
+        MuonWithAuxAdamW([{"params": [torch.nn.Parameter(torch.zeros(4))], "use_muon": True}])
+    with pytest.raises(ValueError, match="betas"):
+        MuonWithAuxAdamW([{"params": [torch.nn.Parameter(torch.zeros(4))], "use_muon": False, "betas": (0.9, 1.0)}])
+    model = build_decoder(tiny_config(registry, "baseline"))
+    with pytest.raises(ValueError, match="muon_variant"):
+        build_optimizer(model, kind="muon_adamw", lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95), muon_lr=1e-3,
+                        muon_weight_decay=0.0, muon_variant="keller")
+    with pytest.raises(ValueError, match="muon_momentum_min"):
+        MomentumSchedule(peak=0.9, low=0.95)
+    with pytest.raises(ValueError, match="muon_momentum_cooldown_steps"):
+        MomentumSchedule(cooldown_steps=-1)
+    with pytest.raises(ValueError, match="model.muon_variant"):
+        LRAttnModule(size="tiny", ablation="baseline", muon_variant="keller")
+    _, opt, _ = _small_setup()
+    with pytest.raises(ValueError, match="MuonAdamW"):
+        opt.load_state_dict({"optimizers": [{}, {}]})
+    other = MuonWithAuxAdamW([{"params": opt.param_groups[0]["params"], "use_muon": True, **MUON_VARIANTS["torch"]},
+                              {"params": opt.param_groups[1]["params"], "use_muon": False}])
+    with pytest.raises(ValueError, match="orthogonalizer='newton_schulz'.*muon_variant"):
+        opt.load_state_dict(other.state_dict())
+
+
+# ---- a real run, SIGKILLed in the decay phase and resumed ---------------------------------------------
+SCHEDULE = ["--model.warmup_steps", "4", "--model.decay_fraction", "0.25",  # LR: warmup 0-3, decay from 18
+            "--model.muon_momentum_warmup_steps", "14", "--model.muon_momentum_cooldown_steps", "4",
+            "--trainer.val_check_interval", "12", "--checkpoint_every", "12"]
+
+
+def test_resume_after_sigkill_in_decay_matches_uninterrupted_run(tiny_data, tmp_path):  # noqa: F811
+    """24 steps: LR warmup (0-3), stable, decay (18-23); momentum warmup (0-13), peak, cooldown (21-23).
+    The killed run checkpoints at step 12 and dies at step 19 (inside the decay); resumed from last.ckpt,
+    its steps 12-23 cross the momentum peak, the LR decay and the momentum cooldown, and every logged
+    loss, learning rate and momentum, and the final validation loss, equal the uninterrupted run's."""
+    steps = 24
+    full = cli_subprocess(fit_args(tiny_data, *SCHEDULE, "--experiment", "full", steps=steps), tmp_path)
+    assert full.returncode == 0, full.stderr[-3000:]
+    (tmp_path / "kill.yaml").write_text(
+        "trainer:\n  callbacks:\n    - class_path: run_hooks.KillAtStep\n      init_args: {step: 19}\n")
+    killed = cli_subprocess(fit_args(tiny_data, *SCHEDULE, "--experiment", "killed", "--config", "kill.yaml",
+                                     steps=steps), tmp_path)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    ckpt = tmp_path / "runs/killed/tiny-s-lr-grid-n4-r16-seed0/checkpoints/last.ckpt"
+    assert torch.load(ckpt, weights_only=True)["global_step"] == 12
+    resumed = cli_subprocess(fit_args(tiny_data, *SCHEDULE, "--experiment", "killed", "--ckpt_path", "last",
+                                      steps=steps), tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client, run_full = only_run(uri, "full")
+    _, run_resumed = only_run(uri, "killed")
+    for key, rel in [("train/loss", 1e-5), ("train/lr_muon", 1e-12), ("train/lr_adamw", 1e-12),
+                     ("train/momentum_muon", 1e-12)]:
+        a = losses_by_step(client, run_full.info.run_id, key)
+        b = losses_by_step(client, run_resumed.info.run_id, key)
+        assert sorted(a) == sorted(b) == list(range(steps)), key
+        for step in range(steps):
+            assert b[step] == pytest.approx(a[step], rel=rel, abs=1e-7), (key, step, a[step], b[step])
+    assert run_resumed.data.metrics["val/loss"] == pytest.approx(run_full.data.metrics["val/loss"], rel=1e-5)
+    # the resumed stretch really crossed the phases
+    lr = losses_by_step(client, run_full.info.run_id, "train/lr_muon")
+    mom = losses_by_step(client, run_full.info.run_id, "train/momentum_muon")
+    assert lr[0] < lr[3] == lr[12] == lr[18] > lr[19] > lr[23]  # decay starts from 1.0 at step 18
+    assert mom[12] < mom[14] == mom[20] > mom[21] > mom[23] and mom[20] == pytest.approx(0.95)
