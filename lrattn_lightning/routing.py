@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from lrattn_lightning.config import ModelConfig
 
+
 def rms_norm(x: Tensor) -> Tensor:
     """Parameter-free RMSNorm over the last dimension, eps = finfo(x.dtype).eps (torch's default)."""
     return F.rms_norm(x, (x.shape[-1],))
