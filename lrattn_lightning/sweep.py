@@ -41,8 +41,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from lrattn_lightning.registry import (
     Registry,
     UnknownNameError,

@@ -7,6 +7,7 @@ Tests that mount a tmpfs (another filesystem for $TMPDIR, a full disk, a read-on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,7 +17,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-import contextlib
 from contextlib import contextmanager
 from pathlib import Path
 
