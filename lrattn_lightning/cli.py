@@ -100,21 +100,8 @@ class LRAttnCLI(LightningCLI):
         for recipe in cfg.get("config") or []:  # jsonargparse keeps the last of a duplicated key; we refuse it
             load_yaml_strict(read_yaml_text(Path(recipe.absolute), "recipe"), recipe.relative)
         _check_numbers(self.subcommand, cfg)
-        ckpt_path = cfg.get("ckpt_path")
-        if self.subcommand != "fit" and not ckpt_path:
-            raise UsageError(f"{self.subcommand} needs --ckpt_path: a checkpoint of `lrattn fit` (a file, or 'last' "
-                             "with the run's --size/--ablation/--run_name); without one it would score random weights")
-        stored = self._ckpt_head  # a --ckpt_path file: the names it can supply, its architecture, its MLflow run
-        if stored is not None:
-            if self.subcommand != "fit":
-                cfg.size = cfg.size or stored["model_config"]["size"]["name"]
-                cfg.ablation = cfg.ablation or stored["model_config"]["ablation"]["name"]
-        missing = [f"--{k}" for k in ("size", "ablation") if not cfg.get(k)]
-        if missing:
-            raise UsageError(f"{self.subcommand} needs {' and '.join(missing)}: name the architecture from the registry "
-                             "(`lrattn list` shows them), e.g. --size small --ablation s-lr-block-n8-r64")
-        reg = load_registry(cfg.registry)
-        model_cfg = reg.model(cfg.size, cfg.ablation)  # unknown names list the closest ones
+        self._name_architecture(cfg)
+        model_cfg = load_registry(cfg.registry).model(cfg.size, cfg.ablation)  # unknown names list the closest
         cfg.model.size, cfg.model.ablation = cfg.size, cfg.ablation
         if cfg.data.seq_len is None:
             cfg.data.seq_len = model_cfg.size.seq_len
@@ -125,35 +112,61 @@ class LRAttnCLI(LightningCLI):
         seed = cfg.seed_everything if isinstance(cfg.seed_everything, int) else 0
         cfg.run_name = cfg.run_name or f"{cfg.size}-{cfg.ablation}-seed{seed}"
         self.run_dir = Path(cfg.runs_dir) / cfg.experiment / cfg.run_name
+        self.resume_run_id = self._check_checkpoint(cfg, model_cfg)
+        self.tracking_uri = self.experiment_id = None
+        if cfg.trainer.logger is None:
+            self.tracking_uri = resolve_tracking_uri(cfg.tracking_uri, cfg.mlflow_fallback_local)
+        self._claim_run(cfg)
+
+    def _name_architecture(self, cfg) -> None:
+        """--size and --ablation are required; validate/test may take them from their checkpoint."""
+        if self.subcommand != "fit" and not cfg.get("ckpt_path"):
+            raise UsageError(f"{self.subcommand} needs --ckpt_path: a checkpoint of `lrattn fit` (a file, or 'last' "
+                             "with the run's --size/--ablation/--run_name); without one it would score random weights")
+        if self._ckpt_head is not None and self.subcommand != "fit":
+            cfg.size = cfg.size or self._ckpt_head["model_config"]["size"]["name"]
+            cfg.ablation = cfg.ablation or self._ckpt_head["model_config"]["ablation"]["name"]
+        missing = [f"--{k}" for k in ("size", "ablation") if not cfg.get(k)]
+        if missing:
+            raise UsageError(f"{self.subcommand} needs {' and '.join(missing)}: name the architecture from the registry "
+                             "(`lrattn list` shows them), e.g. --size small --ablation s-lr-block-n8-r64")
+
+    def _check_checkpoint(self, cfg, model_cfg) -> str | None:
+        """Resolve --ckpt_path (`last`), refuse another architecture; the MLflow run it trained, if any."""
         ckpt_dir = self.run_dir / "checkpoints"
-        self.resume_run_id = None
-        if self.subcommand == "fit":
-            if ckpt_path is None and ckpt_dir.exists() and any(ckpt_dir.glob("*.ckpt")):
-                raise UsageError(f"{ckpt_dir} already holds checkpoints of run '{cfg.run_name}'; resume with "
-                                 "--ckpt_path last, or start a new run with --run_name NAME")
+        ckpt_path, stored = cfg.get("ckpt_path"), self._ckpt_head
+        if self.subcommand == "fit" and ckpt_path is None and ckpt_dir.exists() and any(ckpt_dir.glob("*.ckpt")):
+            raise UsageError(f"{ckpt_dir} already holds checkpoints of run '{cfg.run_name}'; resume with "
+                             "--ckpt_path last, or start a new run with --run_name NAME")
         if ckpt_path == "last":
             if not (ckpt_dir / "last.ckpt").exists():
                 raise UsageError(f"--ckpt_path last: no {ckpt_dir / 'last.ckpt'}; check --run_name/--experiment")
             ckpt_path = cfg.ckpt_path = str(ckpt_dir / "last.ckpt")
             stored = _read_checkpoint(ckpt_path)
-        if stored is not None:
-            # resuming, validating or testing a checkpoint logs into the MLflow run that trained it
-            self.resume_run_id = _check_architecture(ckpt_path, stored, model_cfg)
-            # LightningCLI copies the checkpoint's hyper-parameters into the model config; the
-            # architecture and provenance are re-resolved from the registry (and just checked equal).
-            cfg.model.model_config = cfg.model.registry_sha256 = cfg.model.git_commit = None
-        self.tracking_uri = self.experiment_id = None
-        if cfg.trainer.logger is None:
-            self.tracking_uri = resolve_tracking_uri(cfg.tracking_uri, cfg.mlflow_fallback_local)
-        # -- the checks passed: from here on this process owns the run folder and writes --
+        if stored is None:
+            return None
+        # LightningCLI copies the checkpoint's hyper-parameters into the model config; the
+        # architecture and provenance are re-resolved from the registry (and checked equal here).
+        cfg.model.model_config = cfg.model.registry_sha256 = cfg.model.git_commit = None
+        config = stored["model_config"]
+        diffs = architecture_differences(config, model_cfg)
+        if diffs:
+            raise UsageError(
+                f"--ckpt_path {ckpt_path} was trained with a different architecture (size '{config['size']['name']}', "
+                f"ablation '{config['ablation']['name']}'); pass those names. Differences: " + "; ".join(diffs[:6]))
+        # resuming, validating or testing a checkpoint logs into the MLflow run that trained it
+        return stored["mlflow"].get("run_id")
+
+    def _claim_run(self, cfg) -> None:
+        """The checks passed: from here on this process owns the run folder and writes."""
         if self.subcommand == "fit" and checkpointing.launched_as_rank_zero():
             checkpointing.lock_run_folder(self.run_dir)
-            for orphan in checkpointing.remove_orphans(ckpt_dir):
+            for orphan in checkpointing.remove_orphans(self.run_dir / "checkpoints"):
                 print(f"[lrattn] removed {orphan}, left by a checkpoint save that never finished", file=sys.stderr)
         if self.tracking_uri is not None:
             self.experiment_id = open_store(self.tracking_uri, cfg.experiment)
             if self.resume_run_id and not run_in_store(self.tracking_uri, self.resume_run_id):
-                print(f"[lrattn] MLflow run {self.resume_run_id} of {ckpt_path} is not in {self.tracking_uri}; "
+                print(f"[lrattn] MLflow run {self.resume_run_id} of {cfg.ckpt_path} is not in {self.tracking_uri}; "
                       "logging to a new run", file=sys.stderr)
                 self.resume_run_id = None
 
@@ -210,17 +223,6 @@ def _read_checkpoint(path: str) -> dict:
     if not isinstance(stored, dict):
         raise UsageError(f"--ckpt_path {path}: not an lrattn_lightning checkpoint (no model_config hyper-parameter)")
     return {"model_config": stored, "mlflow": ckpt.get("mlflow") or {}}
-
-
-def _check_architecture(path: str, stored: dict, model_cfg) -> str | None:
-    """Fail if `path` holds another architecture; return its MLflow run id."""
-    config = stored["model_config"]
-    diffs = architecture_differences(config, model_cfg)
-    if diffs:
-        raise UsageError(
-            f"--ckpt_path {path} was trained with a different architecture (size '{config['size']['name']}', ablation "
-            f"'{config['ablation']['name']}'); pass those names. Differences: " + "; ".join(diffs[:6]))
-    return stored["mlflow"].get("run_id")
 
 
 def run_lightning(argv: list[str]) -> LRAttnCLI:
