@@ -18,7 +18,7 @@ import fcntl
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -234,12 +234,6 @@ class FileLock:
         os.close(self._fd)
         self._fd = None
 
-    def __enter__(self) -> FileLock:
-        return self if self._fd is not None else self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
 
 def _read_holder(fd: int) -> str:
     try:
@@ -287,12 +281,3 @@ def release_run_locks() -> None:
                 folder.rmdir()
             except OSError:
                 break
-
-
-@contextlib.contextmanager
-def held(lock: FileLock) -> Iterator[FileLock]:
-    lock.acquire(blocking=True)
-    try:
-        yield lock
-    finally:
-        lock.release()
