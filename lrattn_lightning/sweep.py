@@ -300,6 +300,7 @@ def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False) ->
     print(f"[sweep {sweep.name}] {len(steps)} runs into experiment '{sweep.experiment}' at {tracking_uri}: "
           f"{len(steps) - len(todo)} finished (skipped), {len(todo)} to run", flush=True)
     results: list[tuple[SweepRun, str, float]] = []
+    stopped = False
     for i, (run, state) in enumerate(todo, start=1):
         args = sweep.fit_args(run, tracking_uri) + (["--ckpt_path", "last"] if state == "resume" else [])
         print(f"[sweep {sweep.name}] ({i}/{len(todo)}) {run.name}" + (" (resuming from last.ckpt)" if state == "resume" else ""),
@@ -310,7 +311,8 @@ def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False) ->
         results.append((run, state, time.time() - start))
         print(f"[sweep {sweep.name}] {run.name}: {results[-1][1]} after {results[-1][2]:.0f} s", flush=True)
         if stopped:
-            print(f"[sweep {sweep.name}] SIGTERM: no further runs start; run the sweep again to resume", flush=True)
+            print(f"[sweep {sweep.name}] stopped by a signal: no further runs start; run the sweep again to resume",
+                  flush=True)
             break
         if rc != 0 and stop_on_failure:
             break
@@ -319,6 +321,8 @@ def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False) ->
     print(f"[sweep {sweep.name}] done: {len(results) - len(failed)} ran, {len(failed)} failed, "
           f"{len(steps) - len(todo)} skipped as finished" + (f", {not_started} not started" if not_started else "")
           + "".join(f"\n  {r.name}: {s}" for r, s, _ in failed), flush=True)
+    if stopped:
+        return PREEMPTED_EXIT_CODE
     return 1 if failed or not_started else 0
 
 
