@@ -127,6 +127,19 @@ def load_checkpoint_file(path: str | Path, map_location: Any = "cpu", mmap: bool
     return ckpt
 
 
+def newest_last(folder: Path) -> Path | None:
+    """The run's newest `last` checkpoint. Folders written before there was one `last.ckpt` may also hold
+    `last-vN.ckpt` files (and a stale `last.ckpt`): the highest global step wins."""
+    candidates = sorted(Path(folder).glob("last*.ckpt"))
+    if len(candidates) <= 1:
+        return candidates[0] if candidates else None
+    steps = {}
+    for path in candidates:
+        with contextlib.suppress(CheckpointError):
+            steps[path] = int(load_checkpoint_file(path, mmap=True).get("global_step", -1))
+    return max(steps, key=lambda p: (steps[p], p.name == "last.ckpt")) if steps else None
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's CheckpointIO with whole-file-or-nothing saves and weights-only loads (see module doc)."""
 

@@ -139,9 +139,13 @@ class LRAttnCLI(LightningCLI):
             raise UsageError(f"{ckpt_dir} already holds checkpoints of run '{cfg.run_name}'; resume with "
                              "--ckpt_path last, or start a new run with --run_name NAME")
         if ckpt_path == "last":
-            if not (ckpt_dir / "last.ckpt").exists():
+            newest = checkpointing.newest_last(ckpt_dir)
+            if newest is None:
                 raise UsageError(f"--ckpt_path last: no {ckpt_dir / 'last.ckpt'}; check --run_name/--experiment")
-            ckpt_path = cfg.ckpt_path = str(ckpt_dir / "last.ckpt")
+            if newest.name != "last.ckpt":
+                print(f"[lrattn] --ckpt_path last: {newest} is newer than last.ckpt (a folder from before one "
+                      "last.ckpt); resuming from it", file=sys.stderr)
+            ckpt_path = cfg.ckpt_path = str(newest)
             stored = _read_checkpoint(ckpt_path)
         if stored is None:
             return None

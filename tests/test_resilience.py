@@ -461,3 +461,15 @@ def test_doc_and_control_edits_do_not_block_resume_and_limit_val_batches_1_warns
     capsys.readouterr()
     assert main(fit_args(data, *args, "--ckpt_path", "last", ablation="s-lr-grid-n4-r16", steps=4)) == 2
     assert "different architecture" in capsys.readouterr().err
+
+
+def test_last_of_a_folder_from_before_one_last_ckpt_is_the_newest(tmp_path):
+    """Folders written by earlier versions hold a stale last.ckpt beside last-vN.ckpt; `last` means the newest."""
+    from lrattn_lightning.checkpointing import newest_last
+
+    for name, step in (("last.ckpt", 30), ("last-v1.ckpt", 30), ("last-v2.ckpt", 100), ("step000010.ckpt", 10)):
+        torch.save({"global_step": step}, tmp_path / name)
+    assert newest_last(tmp_path) == tmp_path / "last-v2.ckpt"
+    torch.save({"global_step": 147}, tmp_path / "last.ckpt")
+    assert newest_last(tmp_path) == tmp_path / "last.ckpt"
+    assert newest_last(tmp_path / "none") is None
