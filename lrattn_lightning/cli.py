@@ -18,61 +18,32 @@ import argparse
 import os
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lrattn_lightning import checkpointing
+from lrattn_lightning.checkpointing import AtomicCheckpointIO, LastCheckpoint, load_checkpoint_file
 from lrattn_lightning.data import TokenDataModule, validate_data_dir
 from lrattn_lightning.lit_module import LRAttnModule, NonFiniteLossError, architecture_differences
-
-LOCAL_TRACKING_URI = "sqlite:///mlflow.db"
-# The user's own setting, read once: mlflow.set_tracking_uri() (called by every MLFlowLogger) writes
-# MLFLOW_TRACKING_URI into this process's environment, which must not steer later runs in the same process.
-_USER_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI")
+from lrattn_lightning.tracking import (  # noqa: F401  (re-exported: eval, sweep and compare import them from here)
+    LOCAL_TRACKING_URI,
+    TrackingLogger,
+    absolute_sqlite,
+    artifact_location,
+    open_store,
+    resolve_tracking_uri,
+    run_in_store,
+)
 
 
 class UsageError(ValueError):
     """Bad command-line input, reported as one line before any work starts."""
-
-
-def resolve_tracking_uri(flag: str | None, fallback_local: bool) -> str:
-    """--tracking_uri, else $MLFLOW_TRACKING_URI, else the local sqlite store; servers are probed first."""
-    uri = flag or _USER_TRACKING_URI or LOCAL_TRACKING_URI
-    uri = absolute_sqlite(uri)
-    if uri.startswith(("http://", "https://")):
-        try:
-            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5) as response:
-                response.read()
-        except OSError as err:
-            if fallback_local:
-                print(f"[lrattn] MLflow server {uri} unreachable ({err}); logging to {LOCAL_TRACKING_URI} instead",
-                      file=sys.stderr)
-                return absolute_sqlite(LOCAL_TRACKING_URI)
-            raise UsageError(
-                f"MLflow server {uri} is unreachable ({err}). Start it, fix --tracking_uri/MLFLOW_TRACKING_URI, "
-                "or pass --mlflow_fallback_local true to log to the local sqlite store."
-            ) from err
-    return uri
-
-
-def absolute_sqlite(uri: str) -> str:
-    """sqlite:///relative.db -> sqlite:////abs/relative.db (MLflow caches stores by URI, not by cwd)."""
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        return prefix + str(Path(uri[len(prefix):]).resolve())
-    return uri
-
-
-def artifact_location(uri: str) -> str | None:
-    """Local stores keep artifacts in ./mlartifacts beside the database; servers decide themselves."""
-    if uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///"):]).resolve()
-        return (db.parent / "mlartifacts").as_uri()
-    return None
 
 
 class MLflowSaveConfig(SaveConfigCallback):
@@ -87,16 +58,6 @@ class MLflowSaveConfig(SaveConfigCallback):
             trainer.logger.experiment.log_text(trainer.logger.run_id, text, "config.yaml")
 
 
-class FinalCheckpoint(Callback):
-    """Writes last.ckpt when training ends, so the final weights exist whatever the interval."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        trainer.save_checkpoint(self.path)
-
-
 class LRAttnCLI(LightningCLI):
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -105,8 +66,9 @@ class LRAttnCLI(LightningCLI):
                 "test": {"model", "dataloaders", "datamodule"}}
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.add_argument("--size", type=str, default="small", help="registry size name (`lrattn list`)")
-        parser.add_argument("--ablation", type=str, default="baseline", help="registry ablation name")
+        # No default architecture: a run of the wrong model for hours is worse than an error at once.
+        parser.add_argument("--size", type=str | None, default=None, help="registry size name (`lrattn list`); required")
+        parser.add_argument("--ablation", type=str | None, default=None, help="registry ablation name; required")
         parser.add_argument("--registry", type=str | None, default=None, help="registry.yaml (default: ./registry.yaml)")
         parser.add_argument("--experiment", type=str, default="lrattn", help="MLflow experiment name")
         parser.add_argument("--run_name", type=str | None, default=None, help="default: SIZE-ABLATION-seedN")
@@ -116,17 +78,31 @@ class LRAttnCLI(LightningCLI):
         parser.add_argument("--mlflow_fallback_local", type=bool, default=False, help="log locally if the server is down")
         parser.add_argument("--run_tags", type=dict[str, str] | None, default=None,
                             help='extra MLflow tags of a new run, e.g. \'{"sweep": "cpu-study", "seed": "0"}\'')
-        parser.link_arguments("size", "model.size")
-        parser.link_arguments("ablation", "model.ablation")
+        parser.link_arguments("size", "model.size", compute_fn=lambda name: name or "")
+        parser.link_arguments("ablation", "model.ablation", compute_fn=lambda name: name or "")
         parser.link_arguments("registry", "model.registry")
 
     # ---- checks before any work ----------------------------------------------------------------
+    def parse_arguments(self, parser, args) -> None:
+        super().parse_arguments(parser, args)
+        # Read a --ckpt_path file now: Lightning loads it next for its hyper-parameters, and would
+        # show a truncated or foreign file as a traceback.
+        self._ckpt_head = None
+        sub = self.config.get("subcommand")
+        path = self.config[sub].get("ckpt_path") if sub else None
+        if path and path != "last":
+            self._ckpt_head = _read_checkpoint(path)
+
     def before_instantiate_classes(self) -> None:
-        from lrattn_lightning.registry import load_registry
+        from lrattn_lightning.registry import load_registry, load_yaml_strict, read_yaml_text
 
         cfg = self.config[self.subcommand]
-        reg = load_registry(cfg.registry)
-        model_cfg = reg.model(cfg.size, cfg.ablation)  # unknown names list the closest ones
+        for recipe in cfg.get("config") or []:  # jsonargparse keeps the last of a duplicated key; we refuse it
+            load_yaml_strict(read_yaml_text(Path(recipe.absolute), "recipe"), recipe.relative)
+        _check_numbers(self.subcommand, cfg)
+        self._name_architecture(cfg)
+        model_cfg = load_registry(cfg.registry).model(cfg.size, cfg.ablation)  # unknown names list the closest
+        cfg.model.size, cfg.model.ablation = cfg.size, cfg.ablation
         if cfg.data.seq_len is None:
             cfg.data.seq_len = model_cfg.size.seq_len
         elif cfg.data.seq_len > model_cfg.size.seq_len:
@@ -136,64 +112,121 @@ class LRAttnCLI(LightningCLI):
         seed = cfg.seed_everything if isinstance(cfg.seed_everything, int) else 0
         cfg.run_name = cfg.run_name or f"{cfg.size}-{cfg.ablation}-seed{seed}"
         self.run_dir = Path(cfg.runs_dir) / cfg.experiment / cfg.run_name
-        ckpt_dir = self.run_dir / "checkpoints"
-        ckpt_path = cfg.get("ckpt_path")
-        self.resume_run_id = None
-        if self.subcommand == "fit":
-            if ckpt_path is None and ckpt_dir.exists() and any(ckpt_dir.glob("*.ckpt")):
-                raise UsageError(f"{ckpt_dir} already holds checkpoints of run '{cfg.run_name}'; resume with "
-                                 "--ckpt_path last, or start a new run with --run_name NAME")
-        if ckpt_path == "last":
-            if not (ckpt_dir / "last.ckpt").exists():
-                raise UsageError(f"--ckpt_path last: no {ckpt_dir / 'last.ckpt'}; check --run_name/--experiment")
-            ckpt_path = cfg.ckpt_path = str(ckpt_dir / "last.ckpt")
-        if ckpt_path:
-            # resuming, validating or testing a checkpoint logs into the MLflow run that trained it
-            self.resume_run_id = _check_checkpoint(ckpt_path, model_cfg)
-            # LightningCLI copies the checkpoint's hyper-parameters into the model config; the
-            # architecture and provenance are re-resolved from the registry (and just checked equal).
-            cfg.model.size, cfg.model.ablation = cfg.size, cfg.ablation
-            cfg.model.model_config = cfg.model.registry_sha256 = cfg.model.git_commit = None
+        self.resume_run_id = self._check_checkpoint(cfg, model_cfg)
+        self.tracking_uri = self.experiment_id = None
         if cfg.trainer.logger is None:
             self.tracking_uri = resolve_tracking_uri(cfg.tracking_uri, cfg.mlflow_fallback_local)
+        self._claim_run(cfg)
+
+    def _name_architecture(self, cfg) -> None:
+        """--size and --ablation are required; validate/test may take them from their checkpoint."""
+        if self.subcommand != "fit" and not cfg.get("ckpt_path"):
+            raise UsageError(f"{self.subcommand} needs --ckpt_path: a checkpoint of `lrattn fit` (a file, or 'last' "
+                             "with the run's --size/--ablation/--run_name); without one it would score random weights")
+        if self._ckpt_head is not None and self.subcommand != "fit":
+            cfg.size = cfg.size or self._ckpt_head["model_config"]["size"]["name"]
+            cfg.ablation = cfg.ablation or self._ckpt_head["model_config"]["ablation"]["name"]
+        missing = [f"--{k}" for k in ("size", "ablation") if not cfg.get(k)]
+        if missing:
+            raise UsageError(f"{self.subcommand} needs {' and '.join(missing)}: name the architecture from the registry "
+                             "(`lrattn list` shows them), e.g. --size small --ablation s-lr-block-n8-r64")
+
+    def _check_checkpoint(self, cfg, model_cfg) -> str | None:
+        """Resolve --ckpt_path (`last`), refuse another architecture; the MLflow run it trained, if any."""
+        ckpt_dir = self.run_dir / "checkpoints"
+        ckpt_path, stored = cfg.get("ckpt_path"), self._ckpt_head
+        if self.subcommand == "fit" and ckpt_path is None and ckpt_dir.exists() and any(ckpt_dir.glob("*.ckpt")):
+            raise UsageError(f"{ckpt_dir} already holds checkpoints of run '{cfg.run_name}'; resume with "
+                             "--ckpt_path last, or start a new run with --run_name NAME")
+        if ckpt_path == "last":
+            newest = checkpointing.newest_last(ckpt_dir)
+            if newest is None:
+                raise UsageError(f"--ckpt_path last: no {ckpt_dir / 'last.ckpt'}; check --run_name/--experiment")
+            if newest.name != "last.ckpt":
+                print(f"[lrattn] --ckpt_path last: {newest} is newer than last.ckpt (a folder from before one "
+                      "last.ckpt); resuming from it", file=sys.stderr)
+            ckpt_path = cfg.ckpt_path = str(newest)
+            stored = _read_checkpoint(ckpt_path)
+        if stored is None:
+            return None
+        # LightningCLI copies the checkpoint's hyper-parameters into the model config; the
+        # architecture and provenance are re-resolved from the registry (and checked equal here).
+        cfg.model.model_config = cfg.model.registry_sha256 = cfg.model.git_commit = None
+        config = stored["model_config"]
+        diffs = architecture_differences(config, model_cfg)
+        if diffs:
+            raise UsageError(
+                f"--ckpt_path {ckpt_path} was trained with a different architecture (size '{config['size']['name']}', "
+                f"ablation '{config['ablation']['name']}'); pass those names. Differences: " + "; ".join(diffs[:6]))
+        # resuming, validating or testing a checkpoint logs into the MLflow run that trained it
+        return stored["mlflow"].get("run_id")
+
+    def _claim_run(self, cfg) -> None:
+        """The checks passed: from here on this process owns the run folder and writes."""
+        if self.subcommand == "fit" and checkpointing.launched_as_rank_zero():
+            checkpointing.lock_run_folder(self.run_dir)
+            for orphan in checkpointing.remove_orphans(self.run_dir / "checkpoints"):
+                print(f"[lrattn] removed {orphan}, left by a checkpoint save that never finished", file=sys.stderr)
+        if self.tracking_uri is not None:
+            self.experiment_id = open_store(self.tracking_uri, cfg.experiment)
+            if self.resume_run_id and not run_in_store(self.tracking_uri, self.resume_run_id):
+                print(f"[lrattn] MLflow run {self.resume_run_id} of {cfg.ckpt_path} is not in {self.tracking_uri}; "
+                      "logging to a new run", file=sys.stderr)
+                self.resume_run_id = None
 
     def instantiate_trainer(self, **kwargs: Any):
         cfg = self.config[self.subcommand]
         trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
         callbacks = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
         if trainer_config.get("logger") is None:
-            trainer_config["logger"] = MLFlowLogger(
-                experiment_name=cfg.experiment, run_name=cfg.run_name, tracking_uri=self.tracking_uri,
-                run_id=self.resume_run_id, artifact_location=artifact_location(self.tracking_uri), synchronous=False,
+            logger = TrackingLogger(
+                experiment_name=cfg.experiment, experiment_id=self.experiment_id, run_name=cfg.run_name,
+                tracking_uri=self.tracking_uri, run_id=self.resume_run_id,
+                artifact_location=artifact_location(self.tracking_uri),
                 tags=dict(cfg.run_tags or {}),  # applied when the run is created; a resumed run keeps its own
             )
-        ckpt_dir = self.run_dir / "checkpoints"
+            logger.open_run()
+            if self.subcommand == "fit" and self.resume_run_id and checkpointing.launched_as_rank_zero():
+                logger.skip_logged_steps()
+            trainer_config["logger"] = logger
+        plugins = trainer_config.get("plugins") or []
+        plugins = list(plugins) if isinstance(plugins, list | tuple) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            plugins.append(AtomicCheckpointIO())
+        trainer_config["plugins"] = plugins
         if self.subcommand == "fit":
-            callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step{step:06d}", auto_insert_metric_name=False,
-                                             every_n_train_steps=cfg.checkpoint_every, save_top_k=0, save_last=True))
-            callbacks.append(FinalCheckpoint(ckpt_dir / "last.ckpt"))
-        trainer_config.setdefault("default_root_dir", str(self.run_dir))
+            callbacks.append(LastCheckpoint(self.run_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every))
         if trainer_config.get("default_root_dir") is None:
             trainer_config["default_root_dir"] = str(self.run_dir)
         return self._instantiate_trainer(trainer_config, callbacks)
 
 
-def _check_checkpoint(path: str, model_cfg) -> str | None:
-    """Fail early if `path` is missing or holds another architecture; return its MLflow run id."""
-    import torch
+def _check_numbers(subcommand: str, cfg) -> None:
+    """Values Lightning would take apart with a traceback, or accept with a meaning nobody wants."""
+    trainer, data = cfg.trainer, cfg.data
+    if subcommand == "fit" and (not isinstance(trainer.max_steps, int) or trainer.max_steps == 0 or trainer.max_steps < -1):
+        raise UsageError(f"--trainer.max_steps {trainer.max_steps}: give a positive number of optimizer steps "
+                         "(or -1 to let --trainer.max_epochs decide)")
+    if subcommand == "fit" and cfg.checkpoint_every < 1:
+        raise UsageError(f"--checkpoint_every {cfg.checkpoint_every}: give a positive number of steps between saves")
+    for name, value, least in (("--data.seq_len", data.seq_len, 1), ("--data.batch_size", data.batch_size, 1),
+                               ("--data.num_workers", data.num_workers, 0)):
+        if value is not None and value < least:
+            raise UsageError(f"{name} {value}: must be an integer >= {least}")
+    for name in ("limit_val_batches", "limit_test_batches"):
+        value = trainer.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value == 1:
+            print(f"[lrattn] warning: --trainer.{name} 1 means ONE batch in Lightning (an integer counts batches); "
+                  f"pass 1.0 for the whole validation split", file=sys.stderr)
 
-    if not Path(path).is_file():
-        raise UsageError(f"--ckpt_path {path}: no such file")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    stored = ckpt.get("hyper_parameters", {}).get("model_config")
-    if stored is None:
+
+def _read_checkpoint(path: str) -> dict:
+    """The plain-value head of a checkpoint: its model_config and MLflow run; one-line errors otherwise."""
+    ckpt = load_checkpoint_file(path, mmap=True)  # tensors stay on disk: only the plain values are read
+    stored = (ckpt.get("hyper_parameters") or {}).get("model_config")
+    if not isinstance(stored, dict):
         raise UsageError(f"--ckpt_path {path}: not an lrattn_lightning checkpoint (no model_config hyper-parameter)")
-    diffs = architecture_differences(stored, model_cfg)
-    if diffs:
-        raise UsageError(
-            f"--ckpt_path {path} was trained with a different architecture (size '{stored['size']['name']}', ablation "
-            f"'{stored['ablation']['name']}'); pass those names. Differences: " + "; ".join(diffs[:6]))
-    return (ckpt.get("mlflow") or {}).get("run_id")
+    return {"model_config": stored, "mlflow": ckpt.get("mlflow") or {}}
 
 
 def run_lightning(argv: list[str]) -> LRAttnCLI:
@@ -246,6 +279,8 @@ def _prepare(argv: list[str]) -> int:
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
     out = args.out or f"data/{Path(args.source).name.replace(':', '-')}-{args.tokenizer.replace(':', '')}"
+    if Path(out).exists() and not args.overwrite:
+        raise UsageError(f"--out {out} already exists; pass --overwrite to replace it, or choose another --out")
     data.prepare(source=args.source, out_dir=out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
                  max_documents=args.max_documents, num_workers=args.num_workers, overwrite=args.overwrite)
     print(f"[lrattn prepare] wrote {out}")
@@ -316,14 +351,27 @@ def main(argv: list[str] | None = None) -> int:
             return COMMANDS[argv[0]](argv[1:])
         run_lightning(argv)
         return 0
-    except (UsageError, ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError, MisconfigurationException) as err:  # UsageError, CheckpointError, TrackingError, ...
         if os.environ.get("LRATTN_DEBUG"):
             raise
-        print(f"lrattn: error: {err}", file=sys.stderr)
+        print(f"lrattn: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except NonFiniteLossError as err:
         print(f"lrattn: training stopped: {err}", file=sys.stderr)
         return 3
+    except SIGTERMException:
+        stop = checkpointing.LAST_STOP
+        where = (f" at step {stop[0]}; checkpoint {stop[1]} holds it, continue with --ckpt_path last"
+                 if stop else "; nothing to save yet")
+        print(f"lrattn: stopped by SIGTERM{where}", file=sys.stderr)
+        return checkpointing.PREEMPTED_EXIT_CODE
+    finally:
+        checkpointing.release_run_locks()
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split()) if str(err).strip() else type(err).__name__
+    return text if not isinstance(err, OSError) or err.filename is None or str(err.filename) in text else f"{text} ({err.filename})"
 
 
 if __name__ == "__main__":

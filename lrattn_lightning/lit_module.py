@@ -266,8 +266,8 @@ class LRAttnModule(L.LightningModule):
         if not isinstance(self.logger, MLFlowLogger) or not self.trainer.is_global_zero:
             return
         client, run_id = self.logger.experiment, self.logger.run_id
-        run = client.get_run(run_id)
-        if "ablation" not in run.data.params:  # a resumed run keeps its original params
+        run = client.get_run(run_id)  # None when the store is unreachable (the logger drops the calls)
+        if run is not None and "ablation" not in run.data.params:  # a resumed run keeps its original params
             self.logger.log_hyperparams({
                 **flat_run_params(self.cfg),
                 "registry_sha256": self.hparams.registry_sha256,
@@ -315,13 +315,17 @@ class LRAttnModule(L.LightningModule):
             )
 
 
+# What describes an entry rather than builds it: editing these in registry.yaml keeps checkpoints loadable.
+DESCRIPTIVE_FIELDS = frozenset({"doc", "control", "tags"})
+
+
 def architecture_differences(stored: dict[str, Any], cfg: ModelConfig) -> list[str]:
-    """Fields (docs aside) where a checkpoint's model_config differs from `cfg`, as readable lines."""
+    """Architecture fields (not doc/control/tags) where a checkpoint's model_config differs from `cfg`."""
     mine = cfg.to_dict()
     return [
         f"{part}.{key}: checkpoint {stored[part].get(key)!r} vs now {value!r}"
         for part in ("size", "ablation") for key, value in mine[part].items()
-        if key != "doc" and _plain(stored[part].get(key)) != _plain(value)
+        if key not in DESCRIPTIVE_FIELDS and _plain(stored[part].get(key)) != _plain(value)
     ]
 
 

@@ -28,10 +28,12 @@ node come from the recipe's trainer.num_nodes and trainer.devices).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -39,9 +41,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from lrattn_lightning.registry import Registry, UnknownNameError, closest_names, load_registry
+from lrattn_lightning.registry import (
+    Registry,
+    UnknownNameError,
+    closest_names,
+    load_registry,
+    load_yaml_strict,
+    read_yaml_text,
+)
 
 _FIELDS = ("name", "doc", "recipe", "experiment", "registry", "sizes", "ablations", "seeds", "runs", "args",
            "env", "slurm")
@@ -81,7 +88,7 @@ class Sweep:
         """A fit setting as the runs will see it: the sweep's `args`, else the recipe, else `default`."""
         if dotted in self.args:
             return self.args[dotted]
-        node: Any = yaml.safe_load(Path(self.recipe).read_text()) or {}
+        node: Any = load_yaml_strict(read_yaml_text(Path(self.recipe), "recipe"), self.recipe) or {}
         for part in dotted.split("."):
             if not isinstance(node, dict) or part not in node:
                 return default
@@ -122,9 +129,9 @@ def load_sweep(path: str | Path, registry: Registry | None = None) -> tuple[Swee
     if not path.is_file():
         raise SweepError(f"sweep file {path} not found (sweeps live in experiments/sweeps/)")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise SweepError(f"{path}: not valid YAML: {err}") from err
+        raw = load_yaml_strict(read_yaml_text(path, "sweep"), path) or {}
+    except ValueError as err:
+        raise SweepError(str(err)) from err
     if not isinstance(raw, dict):
         raise SweepError(f"{path}: the top level must be a mapping with fields {list(_FIELDS)}")
 
@@ -244,7 +251,10 @@ def finished_runs(sweep: Sweep, tracking_uri: str) -> set[SweepRun]:
     """Runs of this sweep that MLflow holds as FINISHED (tags sweep, size, ablation, seed)."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri)
+    from lrattn_lightning.tracking import store_lock
+
+    with store_lock(tracking_uri):  # a new sqlite store is created by the first client, once
+        client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(sweep.experiment)
     if exp is None:
         return set()
@@ -274,6 +284,7 @@ def plan(sweep: Sweep, tracking_uri: str) -> list[tuple[SweepRun, str]]:
 # ---- running ---------------------------------------------------------------------------------------
 def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False) -> int:
     """Run the unfinished runs one after another, each as its own `lrattn fit` process."""
+    from lrattn_lightning.checkpointing import PREEMPTED_EXIT_CODE
     from lrattn_lightning.data import validate_data_dir
 
     registry = load_registry(sweep.registry)
@@ -289,21 +300,49 @@ def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False) ->
     print(f"[sweep {sweep.name}] {len(steps)} runs into experiment '{sweep.experiment}' at {tracking_uri}: "
           f"{len(steps) - len(todo)} finished (skipped), {len(todo)} to run", flush=True)
     results: list[tuple[SweepRun, str, float]] = []
+    stopped = False
     for i, (run, state) in enumerate(todo, start=1):
         args = sweep.fit_args(run, tracking_uri) + (["--ckpt_path", "last"] if state == "resume" else [])
         print(f"[sweep {sweep.name}] ({i}/{len(todo)}) {run.name}" + (" (resuming from last.ckpt)" if state == "resume" else ""),
               flush=True)
         start = time.time()
-        rc = subprocess.run([sys.executable, "-m", "lrattn_lightning.cli", *args], env=env).returncode
-        results.append((run, "ok" if rc == 0 else f"failed (exit {rc})", time.time() - start))
+        rc, stopped = _run_forwarding_signals([sys.executable, "-m", "lrattn_lightning.cli", *args], env)
+        state = "ok" if rc == 0 else ("stopped by SIGTERM" if rc == PREEMPTED_EXIT_CODE else f"failed (exit {rc})")
+        results.append((run, state, time.time() - start))
         print(f"[sweep {sweep.name}] {run.name}: {results[-1][1]} after {results[-1][2]:.0f} s", flush=True)
+        if stopped:
+            print(f"[sweep {sweep.name}] stopped by a signal: no further runs start; run the sweep again to resume",
+                  flush=True)
+            break
         if rc != 0 and stop_on_failure:
             break
     failed = [r for r in results if r[1] != "ok"]
+    not_started = len(todo) - len(results)
     print(f"[sweep {sweep.name}] done: {len(results) - len(failed)} ran, {len(failed)} failed, "
-          f"{len(steps) - len(todo)} skipped as finished" + "".join(f"\n  {r.name}: {s}" for r, s, _ in failed),
-          flush=True)
-    return 1 if failed else 0
+          f"{len(steps) - len(todo)} skipped as finished" + (f", {not_started} not started" if not_started else "")
+          + "".join(f"\n  {r.name}: {s}" for r, s, _ in failed), flush=True)
+    if stopped:
+        return PREEMPTED_EXIT_CODE
+    return 1 if failed or not_started else 0
+
+
+def _run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> tuple[int, bool]:
+    """Run one fit; a SIGTERM/SIGINT to the sweep goes on to it (it checkpoints and stops). (exit code, stopped)."""
+    proc = subprocess.Popen(cmd, env=env)
+    stopped = False
+
+    def forward(signum: int, _frame: Any) -> None:
+        nonlocal stopped
+        stopped = True
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait(), stopped
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def emit_commands(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: str | None) -> str:
@@ -341,10 +380,14 @@ def emit_slurm(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: st
         "# Each array task is one run. srun starts one task per GPU on every node and Lightning's SLURM environment",
         f"# turns them into the DDP world: {nodes} node(s) x {devices} task(s) per node = the recipe's",
         "# trainer.num_nodes x trainer.devices. A resubmitted task resumes its run from last.ckpt.",
+        "# SIGTERM (preemption, or --signal below before the time limit) makes `lrattn fit` save last.ckpt at the",
+        "# current step and exit 143; --requeue puts a preempted task back in the queue, where it resumes.",
         f"#SBATCH --job-name={sweep.name}",
         f"#SBATCH --array={array}",
         f"#SBATCH --nodes={nodes}",
         f"#SBATCH --ntasks-per-node={devices}",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=TERM@120",
     ]
     if accelerator in ("gpu", "cuda", "auto"):
         head.append(f"#SBATCH --gpus-per-node={devices}")
