@@ -21,6 +21,7 @@ from typing import TextIO
 import torch
 
 from lrattn_lightning.checkpoints import EvalError, LoadedCheckpoint, load_checkpoint
+from lrattn_lightning.errors import Parser
 from lrattn_lightning.generate import generate_stream
 
 
@@ -94,7 +95,7 @@ def _load(args: argparse.Namespace) -> tuple[LoadedCheckpoint, torch.Generator]:
 
 
 def generate_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lrattn generate", description="Continue a prompt, streaming the text.")
+    parser = Parser(prog="lrattn generate", description="Continue a prompt, streaming the text.")
     parser.add_argument("--prompt", required=True)
     _add_sampling(parser, max_new=200)
     args = parser.parse_args(argv)
@@ -113,7 +114,7 @@ def generate_main(argv: list[str] | None = None) -> int:
 
 
 def chat_main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lrattn chat", description="An interactive loop over a checkpoint.")
+    parser = Parser(prog="lrattn chat", description="An interactive loop over a checkpoint.")
     _add_sampling(parser, max_new=120)
     args = parser.parse_args(argv)
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout

@@ -45,6 +45,7 @@ from lm_eval.api.registry import register_model
 
 from lrattn_lightning.checkpoints import EvalError, LoadedCheckpoint, check_data_dir, load_checkpoint
 from lrattn_lightning.decoder import Decoder
+from lrattn_lightning.errors import Parser
 from lrattn_lightning.eval_tasks import (
     LOCAL_TASKS,
     PRESETS,
@@ -330,8 +331,8 @@ def open_eval_run(ckpt: LoadedCheckpoint, tracking_uri: str, experiment: str = "
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from lrattn_lightning.cli import artifact_location
     from lrattn_lightning.lit_module import flat_run_params
+    from lrattn_lightning.tracking import artifact_location
 
     client = MlflowClient(tracking_uri)
     run_id = (ckpt.mlflow or {}).get("run_id")
@@ -378,7 +379,7 @@ def log_eval(client: Any, run_id: str, step: int, results: dict[str, Any] | None
 
 # ---- `lrattn eval`: the Fabric launcher ---------------------------------------------------------
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="lrattn eval", description="Evaluate a checkpoint with lm-eval; log to MLflow.")
+    parser = Parser(prog="lrattn eval", description="Evaluate a checkpoint with lm-eval; log to MLflow.")
     parser.add_argument("--checkpoint", required=True, help="a .ckpt written by `lrattn fit`")
     parser.add_argument("--tasks", default="local",
                         help="comma-separated lm-eval tasks/groups and presets: " +
@@ -422,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         raise EvalError(f"nothing to evaluate: --tasks is empty; name tasks or presets ({', '.join(PRESETS)}) "
                         "or pass --val-loss")
     if not args.no_log:
-        from lrattn_lightning.cli import resolve_tracking_uri
+        from lrattn_lightning.tracking import resolve_tracking_uri
 
         recorded = (ckpt.mlflow or {}).get("tracking_uri")
         if recorded and recorded.startswith("sqlite:///") and not Path(recorded[len("sqlite:///"):]).is_file():

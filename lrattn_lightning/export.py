@@ -15,13 +15,14 @@ window at every step (the wrapper keeps no cache); `lrattn generate` uses our KV
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from lrattn_lightning.errors import Parser
 
 MODEL_TYPE = "lrattn"
 MODELING_FILE = "modeling_lrattn.py"
@@ -208,7 +209,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lrattn export", description=__doc__.splitlines()[0])
+    parser = Parser(prog="lrattn export", description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, help="a last.ckpt / step*.ckpt written by `lrattn fit`")
     parser.add_argument("--out", required=True, help="the folder to write (must be new or empty)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")

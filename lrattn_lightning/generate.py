@@ -20,7 +20,6 @@ width and with sequence length (recomputation is O(T) per step, the cached step 
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,6 +28,7 @@ import torch
 from torch import Tensor
 
 from lrattn_lightning.decoder import Decoder, KVCache
+from lrattn_lightning.errors import Parser
 
 
 def sample_next(
@@ -154,7 +154,7 @@ def kv_speed_ratio(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lrattn_lightning.generate",
+    parser = Parser(prog="python -m lrattn_lightning.generate",
                                      description="KV-cache vs full-recomputation generation speed.")
     parser.add_argument("--size", default="small")
     parser.add_argument("--ablation", action="append", help="registry ablation (repeatable)")

@@ -24,7 +24,7 @@ import yaml
 from lrattn_lightning.config import AblationConfig, ModelConfig, SizeConfig, config_error
 
 DEFAULT_PATH = Path("registry.yaml")
-PACKAGED_PATH = Path(__file__).resolve().parent.parent / "registry.yaml"
+PACKAGED_PATH = Path(__file__).resolve().parent / "registry.yaml"  # shipped in the package (in a checkout: a link to ./registry.yaml)
 _SECTIONS = ("sizes", "ablations", "grids")
 
 

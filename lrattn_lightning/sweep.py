@@ -4,7 +4,7 @@ A sweep file (experiments/sweeps/*.yaml) is loaded strictly; every error names t
 
     name: cpu-study                      # default: the file's stem; every run is tagged sweep=<name>
     doc: what the sweep is for           # required
-    recipe: experiments/cpu-study.yaml   # required: the --config of every run
+    recipe: ../cpu-study.yaml            # required: the --config of every run, relative to the sweep file
     experiment: cpu-study                # MLflow experiment (default: the sweep name)
     registry: registry.yaml              # optional --registry
     sizes: [cpu-study]                   # a grid: sizes x ablations x seeds ...
@@ -27,7 +27,6 @@ node come from the recipe's trainer.num_nodes and trainer.devices).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import json
@@ -41,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lrattn_lightning.errors import Parser
 from lrattn_lightning.registry import (
     Registry,
     UnknownNameError,
@@ -148,8 +148,9 @@ def load_sweep(path: str | Path, registry: Registry | None = None) -> tuple[Swee
     experiment = raw.get("experiment", name)
     if not isinstance(experiment, str) or not experiment:
         raise fail("experiment", "must be a non-empty string (the MLflow experiment name)")
-    if not Path(raw["recipe"]).is_file():
-        raise fail("recipe", f"{raw['recipe']} not found (paths are relative to where the sweep runs)")
+    recipe = _resolve_recipe(raw["recipe"], path)
+    if recipe is None:
+        raise fail("recipe", f"{raw['recipe']} not found (a path relative to the sweep file, e.g. ../cpu-study.yaml)")
     reg_path = raw.get("registry")
     if reg_path is not None and not isinstance(reg_path, str):
         raise fail("registry", "must be a path to a registry.yaml")
@@ -158,8 +159,22 @@ def load_sweep(path: str | Path, registry: Registry | None = None) -> tuple[Swee
     grid, listed = _grid_runs(raw, fail), _list_runs(raw.get("runs"), fail)
     _check_runs(reg, grid, listed, fail)
     args, env, slurm = _options(raw, fail)
-    return Sweep(name=name, doc=raw["doc"].strip(), path=str(path), recipe=raw["recipe"], experiment=experiment,
+    return Sweep(name=name, doc=raw["doc"].strip(), path=str(path), recipe=str(recipe), experiment=experiment,
                  runs=tuple(grid + listed), registry=reg_path, args=args, env=env, slurm=slurm), reg
+
+
+def _resolve_recipe(recipe: str, sweep_file: Path) -> Path | None:
+    """The recipe of a sweep: relative to the sweep file (so `lrattn sweep PATH` works from any folder), else
+    relative to the working folder (older sweep files), else shipped in the package (`experiments/...`)."""
+    from lrattn_lightning.cli import packaged
+
+    given = Path(recipe)
+    if given.is_absolute():
+        return given if given.is_file() else None
+    for candidate in (sweep_file.parent / given, given):
+        if candidate.is_file():
+            return candidate.resolve()
+    return packaged(recipe)
 
 
 def _check_runs(reg: Registry, grid: list[SweepRun], listed: list[SweepRun], fail) -> None:
@@ -411,9 +426,9 @@ def emit_slurm(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: st
 
 # ---- command line ----------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    from lrattn_lightning.cli import resolve_tracking_uri
+    from lrattn_lightning.tracking import resolve_tracking_uri
 
-    parser = argparse.ArgumentParser(prog="lrattn sweep", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="lrattn sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("file", help="a sweep file, e.g. experiments/sweeps/cpu-study.yaml")
     parser.add_argument("--tracking_uri", "--tracking-uri", default=None,
                         help="MLflow store (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")

@@ -1,0 +1,108 @@
+"""Analytic parameter counts and the paper's cost axis: added forward FLOPs per token (SPEC §4).
+
+    core  = 2 L (4 d^2 + 3 d h)                       2 x non-embedding matmul parameters
+    read  = sum_{j=1..2L} |S_j| (2 k + 2 d)           k = d for AttnRes, r for LR; site 0 is free
+    proj  = 2 (L r (d + h) + r d)                     P-LR only: the key rows
+          + 2 L r (d + h) + 2L 2r                     gated dynamic query: the query rows, the gating
+    added % = 100 (read + proj) / core
+"""
+
+from __future__ import annotations
+
+from lrattn_lightning.config import AblationConfig, ModelConfig, SizeConfig
+
+
+def _pair(size: SizeConfig | ModelConfig, ablation: AblationConfig | None) -> ModelConfig:
+    return size if isinstance(size, ModelConfig) else ModelConfig(size, ablation)
+
+
+def core_params(size: SizeConfig) -> int:
+    """Non-embedding matmul parameters: attention 4 d^2 and SwiGLU 3 d h per layer."""
+    d, h = size.d_model, size.d_mlp
+    return size.n_layers * (4 * d * d + 3 * d * h)
+
+
+def routing_params(size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None) -> int:
+    """Parameters that depth routing adds to the baseline."""
+    cfg = _pair(size, ablation)
+    s, a = cfg.size, cfg.ablation
+    d, h, L, M = s.d_model, s.d_mlp, s.n_layers, s.n_sublayers
+    if a.routing == "residual":
+        return 0
+    if a.routing == "gated":
+        return M * 2 * d * d  # W_q and W_k per sublayer
+    r = cfg.key_dim
+    n = M * r  # the pseudo-queries, one per read site j = 1..2L
+    emb_projected = a.embedding_key in ("projected", "projected_plus_static")
+    if a.embedding_key in ("static", "projected_plus_static"):
+        n += r
+    if a.key_source == "projected":
+        n += L * r * (d + h) + (r * d if emb_projected else 0)
+    elif a.key_source == "value_projected":
+        n += (M + int(emb_projected)) * r * d
+    elif a.key_source == "value_projected_shared":
+        n += r * d
+    if a.query == "gated_dynamic":
+        n += L * r * (d + h) + M * a.depth_heads  # the query rows of every output projection, the gates
+    return n
+
+
+def count_params(size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None) -> int:
+    cfg = _pair(size, ablation)
+    s = cfg.size
+    return 2 * s.vocab_size * s.d_model + core_params(s) + routing_params(cfg)
+
+
+def sources_per_site(size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None) -> list[int]:
+    """|S_j| for j = 1..2L. For residual/gated routing: the j + 1 outputs the stream sums."""
+    cfg = _pair(size, ablation)
+    M = cfg.size.n_sublayers
+    ends = cfg.block_ends()
+    if not ends:
+        return [j + 1 for j in range(1, M + 1)]
+    counts = []
+    for j in range(1, M + 1):
+        done = [e for e in ends if e <= j]
+        counts.append(1 + len(done) + int(j > (done[-1] if done else 0)))
+    return counts
+
+
+def core_flops(size: SizeConfig) -> int:
+    """Forward FLOPs per token of the non-embedding Transformer core."""
+    return 2 * core_params(size)
+
+
+def added_flops(size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None) -> int:
+    """Forward FLOPs per token that routing adds to the core."""
+    cfg = _pair(size, ablation)
+    s, a = cfg.size, cfg.ablation
+    d, h, L, M = s.d_model, s.d_mlp, s.n_layers, s.n_sublayers
+    if a.routing == "residual":
+        return 0
+    if a.routing == "gated":
+        return M * (2 * 2 * d * d + 2 * d + 3 * d)  # two d x d projections, the dot, the mix
+    r = cfg.key_dim
+    read = sum(sources_per_site(cfg)) * (2 * r + 2 * d)
+    emb_projected = a.embedding_key in ("projected", "projected_plus_static")
+    proj = 0
+    if a.key_source == "projected":
+        proj = 2 * (L * r * (d + h) + (r * d if emb_projected else 0))
+    elif a.key_source in ("value_projected", "value_projected_shared"):
+        proj = 2 * (M + int(emb_projected)) * r * d
+    if a.query == "gated_dynamic":
+        proj += 2 * L * r * (d + h) + M * 2 * r  # the query rows; q_j + g_j * q_dyn at every site
+    return read + proj
+
+
+def added_flops_percent(size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None) -> float:
+    cfg = _pair(size, ablation)
+    return 100.0 * added_flops(cfg) / core_flops(cfg.size)
+
+
+def model_flops_per_token(size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None, *, training: bool = True) -> int:
+    """Matmul FLOPs per token incl. the LM head and causal attention scores (for MFU); x3 for training."""
+    cfg = _pair(size, ablation)
+    s = cfg.size
+    attention_scores = 2 * 2 * s.n_layers * s.seq_len * s.d_model // 2  # QK^T and AV, causal half
+    forward = core_flops(s) + added_flops(cfg) + 2 * s.d_model * s.vocab_size + attention_scores
+    return 3 * forward if training else forward

@@ -1,0 +1,106 @@
+"""A trained checkpoint, rebuilt for inference: the Decoder, its tokenizer and where it came from.
+
+Checkpoints written by `lrattn fit` describe themselves with plain values (lit_module.py):
+`hyper_parameters.model_config` (size + ablation), `state_dict` (`model.*` is the Decoder),
+`tokenizer` (the spec, with a file-backed tokenizer's text under `content`), `data` (the prepared
+folder) and `mlflow` (the training run). Errors name the file and the fix.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lrattn_lightning.config import ModelConfig
+from lrattn_lightning.decoder import Decoder, build_decoder
+from lrattn_lightning.tokenizer import Tokenizer, load_tokenizer
+
+
+class EvalError(ValueError):
+    """Bad evaluation input (checkpoint, tokenizer, data); the message names the file and the fix."""
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    model: Decoder
+    tokenizer: Tokenizer
+    tokenizer_spec: dict[str, Any]
+    cfg: ModelConfig
+    global_step: int
+    mlflow: dict[str, Any] | None  # the training run: run_id, experiment_id, tracking_uri
+    data_dir: str | None
+
+
+def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
+    """Rebuild the Decoder and its tokenizer from a checkpoint written by `lrattn fit` (on CPU, eval mode)."""
+    path = Path(path)
+    if not path.is_file():
+        raise EvalError(f"checkpoint {path}: no such file")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise EvalError(f"checkpoint {path} is not a readable torch checkpoint ({type(err).__name__}: {err})") from err
+    stored = ckpt.get("hyper_parameters", {}).get("model_config") if isinstance(ckpt, dict) else None
+    if not isinstance(stored, dict) or "state_dict" not in ckpt:
+        raise EvalError(f"checkpoint {path} was not written by lrattn_lightning (no hyper_parameters.model_config "
+                        "and state_dict); evaluate a last.ckpt / step*.ckpt from `lrattn fit`")
+    cfg = ModelConfig.from_dict(stored)
+    state = {k[len("model."):].replace("_orig_mod.", ""): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    model = build_decoder(cfg)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:
+        raise EvalError(f"checkpoint {path}: weights do not fit size '{cfg.size.name}' / ablation "
+                        f"'{cfg.ablation.name}': {str(err)[:400]}") from err
+    hparams = ckpt.get("hyper_parameters", {})
+    if hparams.get("document_masking"):  # evaluate as trained: attend only within documents
+        model.doc_separator = hparams.get("doc_separator")
+    data = ckpt.get("data") or {}
+    spec = ckpt.get("tokenizer")
+    if spec is None:
+        raise EvalError(f"checkpoint {path} records no tokenizer; it predates tokenizers in checkpoints. "
+                        "Resume it for one step with `lrattn fit --ckpt_path` to write a new one")
+    tokenizer = tokenizer_from_spec(spec, path)
+    if tokenizer.vocab_size > cfg.size.vocab_size:
+        raise EvalError(f"tokenizer mismatch: checkpoint {path} holds a {spec.get('kind')} tokenizer of "
+                        f"{tokenizer.vocab_size} ids but its model has vocab_size {cfg.size.vocab_size}")
+    return LoadedCheckpoint(path, model.eval(), tokenizer, spec, cfg, int(ckpt.get("global_step", 0)),
+                            ckpt.get("mlflow"), data.get("data_dir"))
+
+
+def tokenizer_from_spec(spec: dict[str, Any], where: Path | str) -> Tokenizer:
+    """The checkpoint's tokenizer: byte, or a file-backed one whose file text travels in `content`."""
+    spec = dict(spec)
+    content = spec.pop("content", None)
+    try:
+        if content is None:
+            return load_tokenizer(spec)
+        with tempfile.TemporaryDirectory(prefix="lrattn-tok-") as tmp:
+            file = Path(tmp) / Path(spec["file"]).name
+            file.write_text(content, encoding="utf-8")
+            return load_tokenizer({**spec, "file": str(file)})
+    except (ValueError, KeyError, OSError) as err:
+        raise EvalError(f"checkpoint {where}: its tokenizer {spec.get('kind')!r} cannot be rebuilt ({err})") from err
+
+
+def check_data_dir(ckpt: LoadedCheckpoint, data_dir: str | Path) -> dict[str, Any]:
+    """The prepared folder must use the checkpoint's tokenizer; returns its meta.json."""
+    from lrattn_lightning.data import read_meta
+
+    meta = read_meta(data_dir)
+    theirs, mine = meta["tokenizer"], ckpt.tokenizer_spec
+    differs = theirs.get("kind") != mine.get("kind") or theirs.get("vocab_size") != mine.get("vocab_size")
+    if not differs and "content" in mine and theirs.get("file"):
+        file = Path(data_dir) / theirs["file"]
+        differs = not file.is_file() or file.read_text(encoding="utf-8") != mine["content"]
+    if differs:
+        show = {k: v for k, v in mine.items() if k != "content"}
+        raise EvalError(f"tokenizer mismatch: checkpoint {ckpt.path} was trained with tokenizer {show}, but "
+                        f"{Path(data_dir) / 'meta.json'} was prepared with {theirs}; pass --data-dir of the folder "
+                        "the checkpoint was trained on")
+    return meta

@@ -1,0 +1,151 @@
+"""The `lrattn` command: one table of subcommands, each imported only when it runs (`lrattn --help` is fast).
+
+Every subcommand takes LightningCLI's flag style (`--max_new_tokens`, `--tracking_uri`); the hyphenated
+spelling (`--max-new-tokens`) is accepted as an alias. Bad input is one line, `lrattn: error: ...`, exit 2,
+before any work starts. Recipes and sweep files ship inside the package: a path such as
+`experiments/cpu-demo.yaml` that does not exist where you run it is read from the installed package.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from importlib import import_module, resources
+from pathlib import Path
+
+from lrattn_lightning.errors import Parser, UsageError
+
+# name -> (module:function, one line for `lrattn --help`)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "fit": ("lightning_cli:run_subcommand", "train a registry entry with a recipe (LightningCLI; --help for its flags)"),
+    "validate": ("lightning_cli:run_subcommand", "score a checkpoint on the validation split into its MLflow run"),
+    "test": ("lightning_cli:run_subcommand", "score a checkpoint on the test split into its MLflow run"),
+    "demo": ("lightning_cli:demo_main", "the README's main job: prepare the embedded corpus and train briefly"),
+    "list": ("cli:list_main", "the registry's sizes and ablations with parameters and added FLOPs %"),
+    "prepare": ("cli:prepare_main", "tokenise a corpus into litdata shards (+ the offline eval tasks)"),
+    "eval": ("eval_bridge:main", "lm-eval tasks on a checkpoint, logged to its training run"),
+    "generate": ("chat:generate_main", "continue a prompt from a checkpoint, streaming the text"),
+    "chat": ("chat:chat_main", "an interactive loop over a checkpoint"),
+    "export": ("export:main", "a checkpoint as a Hugging Face transformers folder"),
+    "sweep": ("sweep:main", "a grid or list of runs from a sweep file (local, commands or SLURM)"),
+    "compare": ("compare:main", "the comparison report of an MLflow experiment: table, Figure 1, heatmaps"),
+    "bench": ("bench:main", "interleaved step time, memory, MFU and roofline against the baseline"),
+    "fidelity": ("fidelity:main", "every registry entry against the paper's reference code (docs/fidelity.md)"),
+}
+LIGHTNING = ("fit", "validate", "test")
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: lrattn COMMAND [flags]     (lrattn COMMAND --help for its flags)", "", "commands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def packaged(relative: str) -> Path | None:
+    """A recipe or sweep file shipped in the package (`experiments/...`), or None."""
+    parts = Path(relative).parts
+    if not parts or parts[0] != "experiments":
+        return None
+    path = Path(str(resources.files("lrattn_lightning").joinpath(*parts)))
+    return path if path.is_file() else None
+
+
+def resolve_shipped_paths(argv: list[str]) -> list[str]:
+    """`--config experiments/X.yaml` and `lrattn sweep experiments/sweeps/X.yaml` work from any folder."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        value = arg.split("=", 1)[1] if arg.startswith("--config=") else arg
+        if value.startswith("experiments") and not Path(value).exists():
+            found = packaged(value)
+            if found is not None:
+                out[i] = arg.replace(value, str(found))
+    return out
+
+
+def _function(spec: str) -> Callable[[list[str]], int]:
+    module, _, name = spec.partition(":")
+    return getattr(import_module(f"lrattn_lightning.{module}"), name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(command, COMMANDS, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        print(f"lrattn: error: unknown command '{command}'{hint} (lrattn --help lists them)", file=sys.stderr)
+        return 2
+    rest = resolve_shipped_paths(rest)
+    try:
+        if command in LIGHTNING:
+            return _function(COMMANDS[command][0])([command, *rest])
+        return _function(COMMANDS[command][0])(rest)
+    except (ValueError, OSError) as err:  # UsageError, CheckpointError, TrackingError, ...
+        if os.environ.get("LRATTN_DEBUG"):
+            raise
+        print(f"lrattn: error: {one_line(err)}", file=sys.stderr)
+        return 2
+
+
+def one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split()) if str(err).strip() else type(err).__name__
+    if isinstance(err, OSError) and err.filename is not None and str(err.filename) not in text:
+        text = f"{text} ({err.filename})"
+    return text
+
+
+# ---- the small subcommands ----------------------------------------------------------------------
+def list_main(argv: list[str]) -> int:
+    from lrattn_lightning.accounting import added_flops_percent, count_params
+    from lrattn_lightning.registry import load_registry
+
+    parser = Parser(prog="lrattn list", description="List the registry's sizes and ablations.")
+    parser.add_argument("--registry", default=None)
+    parser.add_argument("--size", default="paper-0.5b", help="size used for the parameter/FLOPs columns")
+    args = parser.parse_args(argv)
+    reg = load_registry(args.registry)
+    size = reg.size(args.size)
+    print(f"registry: {reg.path}")
+    print(f"sizes: {', '.join(reg.sizes)}")
+    print(f"{'ablation':40s} {'params':>13s} {'added FLOPs %':>13s}  control")
+    for name, abl in reg.ablations.items():
+        try:
+            params, flops = f"{count_params(size, abl):,}", f"{added_flops_percent(size, abl):.3f}"
+        except ValueError:
+            params, flops = "n/a", "n/a"
+        print(f"{name:40s} {params:>13s} {flops:>13s}  {abl.control or '-'}")
+    return 0
+
+
+def prepare_main(argv: list[str]) -> int:
+    from lrattn_lightning import data
+
+    parser = Parser(prog="lrattn prepare", description="Tokenise a corpus into litdata shards.")
+    parser.add_argument("--source", default="stdlib-docs",
+                        help="stdlib-docs (default, offline), jargon, bible-kjv, a .txt file, a folder of .txt/.jsonl, "
+                             "or hf:DATASET (needs network)")
+    parser.add_argument("--tokenizer", default="byte", help="byte | bpe:VOCAB | hf:tokenizer.json | tiktoken:FILE")
+    parser.add_argument("--out", default=None, help="output folder (default: data/SOURCE-TOKENIZER)")
+    parser.add_argument("--val_fraction", type=float, default=0.05)
+    parser.add_argument("--max_documents", type=int, default=None, help="use only the first N documents")
+    parser.add_argument("--num_workers", type=int, default=1)
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    out = args.out or f"data/{Path(args.source).name.replace(':', '-')}-{args.tokenizer.replace(':', '')}"
+    if Path(out).exists() and not args.overwrite:
+        raise UsageError(f"--out {out} already exists; pass --overwrite to replace it, or choose another --out")
+    data.prepare(source=args.source, out_dir=out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+                 max_documents=args.max_documents, num_workers=args.num_workers, overwrite=args.overwrite)
+    print(f"[lrattn prepare] wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""Frozen configuration records for a model: its size and its depth-routing ablation.
+
+Nothing here imports torch. `registry.py` builds these from `registry.yaml`; everything else
+(decoder, accounting, training) reads them. A `ModelConfig` is one validated (size, ablation) pair.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+Routing = Literal["residual", "attnres", "gated"]
+# Where a source's routing key comes from (SPEC §3):
+#   value                  the value itself (standard AttnRes, k = d)
+#   projected              P-LR: extra r output rows of each sublayer's output projection
+#   sliced                 S-LR: the last r dimensions of the value
+#   value_projected        Linear(d, r) of RMSNorm(value), one projection per sublayer
+#   value_projected_shared the same with one projection shared by all sources
+KeySource = Literal["value", "projected", "sliced", "value_projected", "value_projected_shared"]
+# Key of the embedding source o_0:
+#   value | sliced          as the key source says (required for those key sources)
+#   projected               Linear(d, r)(o_0)
+#   static                  a learned r-vector, independent of the token
+#   projected_plus_static   the sum of both
+EmbeddingKey = Literal["value", "sliced", "projected", "static", "projected_plus_static"]
+BlockSummary = Literal["sum", "mean", "sqrt_mean"]
+KeyNorm = Literal["rms", "none"]
+QueryInit = Literal["zero", "normal"]
+LogitScaleName = Literal["none", "inv_sqrt_head_dim"]
+# The pseudo-query of a read site (SPEC §3):
+#   static          a learned vector q_j per site (the paper's recipe)
+#   gated_dynamic   q_j + g_j * q_dyn: q_dyn is emitted as r extra output rows by the most recent
+#                   sublayer (the one just written before site j), g_j a zero-initialised gate per
+#                   depth head (the reference's input-dependent query; documented there as unstable)
+QueryKind = Literal["static", "gated_dynamic"]
+
+SUMMARY_EXPONENT = {"sum": 0.0, "mean": 1.0, "sqrt_mean": 0.5}
+_EMBEDDING_KEYS_FOR = {
+    "value": ("value",),
+    "sliced": ("sliced",),
+    "projected": ("projected", "static", "projected_plus_static"),
+    "value_projected": ("projected", "static", "projected_plus_static"),
+    "value_projected_shared": ("projected", "static", "projected_plus_static"),
+}
+
+
+def config_error(entry: str, field: str, message: str) -> ValueError:
+    """The one error format for bad configuration: the entry, the field, what is wrong and the fix."""
+    return ValueError(f"{entry}: field '{field}': {message}")
+
+
+@dataclass(frozen=True)
+class SizeConfig:
+    """Transformer core dimensions (SPEC §5)."""
+
+    name: str
+    doc: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    d_mlp: int
+    vocab_size: int
+    seq_len: int
+    rope_theta: float = 500000.0
+    init_std: float = 0.02
+
+    @property
+    def n_sublayers(self) -> int:
+        return 2 * self.n_layers
+
+    def validate(self) -> SizeConfig:
+        where = f"sizes.{self.name}"
+        for field in ("n_layers", "d_model", "n_heads", "d_mlp", "vocab_size", "seq_len"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise config_error(where, field, f"must be a positive integer, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise config_error(where, "n_heads", f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            raise config_error(where, "n_heads", "the attention head size d_model/n_heads must be even for RoPE")
+        if self.rope_theta <= 0 or self.init_std <= 0:
+            raise config_error(where, "rope_theta/init_std", "must be positive")
+        return self
+
+
+@dataclass(frozen=True)
+class AblationConfig:
+    """How the residual stream is replaced: one named, fully explicit depth-routing variant."""
+
+    name: str
+    doc: str
+    control: str | None
+    routing: Routing = "residual"
+    key_source: KeySource = "value"
+    rank: int | None = None  # key width r; None means d (only for key_source=value)
+    depth_heads: int = 1  # m
+    key_norm: KeyNorm = "rms"
+    query_norm: bool = False
+    query_init: QueryInit = "zero"
+    query: QueryKind = "static"
+    logit_scale: float | LogitScaleName = "none"
+    blocks: int | None = None  # block count N; None with block_size None means full routing
+    block_size: int | None = None  # sublayers per block, the alternative to `blocks`
+    block_summary: BlockSummary = "sum"
+    count_prior: float = 0.0  # beta in b = beta * log(count)
+    embedding_key: EmbeddingKey = "value"
+    tags: tuple[str, ...] = ()
+
+    @property
+    def is_block(self) -> bool:
+        return self.blocks is not None or self.block_size is not None
+
+    @property
+    def summary_exponent(self) -> float:
+        return SUMMARY_EXPONENT[self.block_summary]
+
+    def validate(self) -> AblationConfig:
+        """Checks that need no size. Size-dependent checks live in `ModelConfig.validate`."""
+        where = f"ablations.{self.name}"
+        _check_literal(where, "routing", self.routing, Routing)
+        _check_literal(where, "key_source", self.key_source, KeySource)
+        _check_literal(where, "key_norm", self.key_norm, KeyNorm)
+        _check_literal(where, "query_init", self.query_init, QueryInit)
+        _check_literal(where, "block_summary", self.block_summary, BlockSummary)
+        _check_literal(where, "embedding_key", self.embedding_key, EmbeddingKey)
+        _check_literal(where, "query", self.query, QueryKind)
+        if not isinstance(self.query_norm, bool):
+            raise config_error(where, "query_norm", f"must be true or false, got {self.query_norm!r}")
+        if isinstance(self.logit_scale, str):
+            _check_literal(where, "logit_scale", self.logit_scale, LogitScaleName)
+        elif isinstance(self.logit_scale, bool) or not isinstance(self.logit_scale, int | float) or self.logit_scale <= 0:
+            raise config_error(where, "logit_scale", f"must be 'none', 'inv_sqrt_head_dim' or a positive number, got {self.logit_scale!r}")
+        for field in ("rank", "blocks", "block_size"):
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise config_error(where, field, f"must be a positive integer or null, got {value!r}")
+        if isinstance(self.depth_heads, bool) or not isinstance(self.depth_heads, int) or self.depth_heads < 1:
+            raise config_error(where, "depth_heads", f"must be a positive integer, got {self.depth_heads!r}")
+        if isinstance(self.count_prior, bool) or not isinstance(self.count_prior, int | float):
+            raise config_error(where, "count_prior", f"must be a number, got {self.count_prior!r}")
+        if self.routing != "attnres":
+            return self
+        if self.blocks is not None and self.block_size is not None:
+            raise config_error(where, "blocks", "give either 'blocks' (a count) or 'block_size' (sublayers per block), not both")
+        if self.key_source == "value":
+            if self.rank is not None:
+                raise config_error(where, "rank", "key_source 'value' uses the full width d as key; leave rank null")
+            if self.logit_scale != "none":
+                raise config_error(
+                    where, "logit_scale",
+                    f"standard AttnRes (key_source 'value') has no logit scale (s = 1, SPEC §2), got "
+                    f"{self.logit_scale!r}; set logit_scale: none",
+                )
+            if self.query != "static":
+                raise config_error(where, "query", "the gated dynamic query needs low-rank keys; use key_source "
+                                   "projected, sliced or value_projected, or set query: static")
+        elif self.rank is None:
+            raise config_error(where, "rank", f"key_source '{self.key_source}' needs a rank r")
+        if self.rank is not None and self.rank % self.depth_heads:
+            raise config_error(where, "rank", f"rank={self.rank} is not divisible by depth_heads={self.depth_heads}")
+        allowed = _EMBEDDING_KEYS_FOR[self.key_source]
+        if self.embedding_key not in allowed:
+            raise config_error(
+                where, "embedding_key",
+                f"key_source '{self.key_source}' needs embedding_key in {list(allowed)}, got '{self.embedding_key}'",
+            )
+        return self
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A validated (size, ablation) pair: what the decoder is built from."""
+
+    size: SizeConfig
+    ablation: AblationConfig
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def key_dim(self) -> int:
+        """r: the routing key width (d for key_source=value)."""
+        a = self.ablation
+        return self.size.d_model if a.rank is None else a.rank
+
+    @property
+    def extra_out(self) -> int:
+        """Extra output rows of each sublayer's output projection: r key rows (P-LR), then r query
+        rows (gated dynamic query)."""
+        a = self.ablation
+        if a.routing != "attnres":
+            return 0
+        return (a.rank if a.key_source == "projected" else 0) + (a.rank if a.query == "gated_dynamic" else 0)
+
+    @property
+    def logit_scale(self) -> float:
+        s = self.ablation.logit_scale
+        if s == "none":
+            return 1.0
+        if s == "inv_sqrt_head_dim":
+            return 1.0 / math.sqrt(self.key_dim // self.ablation.depth_heads)
+        return float(s)
+
+    def block_ends(self) -> list[int]:
+        """Sublayer indices (1-based) after which a block ends; [] for full routing (SPEC §2)."""
+        a, m = self.ablation, self.size.n_sublayers
+        if a.routing != "attnres" or not a.is_block:
+            return []
+        if a.blocks is not None:
+            return [math.ceil(m * b / a.blocks) for b in range(1, a.blocks + 1)]
+        return [min(e, m) for e in range(a.block_size, m + a.block_size, a.block_size)]
+
+    def validate(self) -> ModelConfig:
+        s, a = self.size, self.ablation
+        where = f"ablations.{a.name} at size {s.name}"
+        if a.routing != "attnres":
+            return self
+        d, m = s.d_model, s.n_sublayers
+        if a.rank is not None and a.rank > d:
+            raise config_error(where, "rank", f"rank={a.rank} exceeds d_model={d}; choose rank <= {d}")
+        if d % a.depth_heads:
+            raise config_error(where, "depth_heads", f"d_model={d} is not divisible by depth_heads={a.depth_heads}")
+        if a.blocks is not None and a.blocks > m:
+            raise config_error(where, "blocks", f"blocks={a.blocks} exceeds the {m} sublayers (2L); choose blocks <= {m}")
+        if a.block_size is not None and a.block_size > m:
+            raise config_error(where, "block_size", f"block_size={a.block_size} exceeds the {m} sublayers (2L)")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"size": dataclasses.asdict(self.size), "ablation": dataclasses.asdict(self.ablation)}
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> ModelConfig:
+        ablation = dict(data["ablation"])
+        ablation["tags"] = tuple(ablation.get("tags", ()))
+        return ModelConfig(SizeConfig(**data["size"]), AblationConfig(**ablation))
+
+
+def fit_to_size(ablation: AblationConfig, size: SizeConfig) -> AblationConfig:
+    """A copy of `ablation` with rank and block count clipped so it builds at `size`.
+
+    For smoke tests of every registry entry at a tiny size only; the name records the change.
+    Training never clips: a mismatched pair is an error there.
+    """
+    changes: dict[str, Any] = {}
+    if ablation.rank is not None and ablation.rank > size.d_model:
+        changes["rank"] = size.d_model
+    if ablation.blocks is not None and ablation.blocks > size.n_sublayers:
+        changes["blocks"] = size.n_sublayers
+    if ablation.block_size is not None and ablation.block_size > size.n_sublayers:
+        changes["block_size"] = size.n_sublayers
+    if not changes:
+        return ablation
+    return dataclasses.replace(ablation, name=f"{ablation.name}@fit-{size.name}", **changes)
+
+
+def _check_literal(where: str, field: str, value: Any, literal: Any) -> None:
+    choices = get_args(literal)
+    if value not in choices:
+        raise config_error(where, field, f"{value!r} is not one of {list(choices)}")

@@ -1,0 +1,222 @@
+"""The decoder: embedding -> L x (attention, MLP) with pluggable depth routing -> final norm -> head.
+
+SPEC §5: pre-norm, parameter-free RMSNorm, multi-head attention with QK-norm and interleaved RoPE,
+SwiGLU MLP, no biases, untied head, N(0, 0.02) init. What normally is `h = h + sublayer(norm(h))`
+becomes `router.write(i, sublayer(norm(router.read(i-1))))`; with `routing: residual` it is exactly
+the standard residual stream.
+
+Document masking (the paper's recipe, `use_doc_masking`): with `Decoder.doc_separator` set to the
+tokenizer's EOS id, a token attends only to earlier tokens of its own document. As in the paper's
+code, every separator token starts a new segment (so it belongs to the document after it) and RoPE
+positions run over the whole packed window. Training, validation, evaluation and KV-cache decoding all
+go through this forward, so all mask alike. Depth routing is per token and needs no mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lrattn_lightning.config import AblationConfig, ModelConfig, SizeConfig
+from lrattn_lightning.routing import DepthRouter, rms_norm
+from lrattn_lightning.routing_fast import FastDepthRouter
+
+# How depth routing is computed, apart from what: `reference` is the readable twin (routing.py),
+# `fast` the two-phase buffered path (routing_fast.py). Same parameters, same state_dict keys.
+ROUTER_IMPLS = {"reference": DepthRouter, "fast": FastDepthRouter}
+
+
+def rope_angles(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos, sin of shape [T, head_dim/2] (float32) for interleaved-pair RoPE.
+
+    Computed in float32 exactly as the paper's code builds its tables, inv_freq_i = 1 / theta^(2i/hd)
+    and angle = position * inv_freq, so a float64 model rotates by the same (float32-rounded) angles.
+    """
+    exponents = torch.arange(0, head_dim, 2, device=positions.device) / head_dim  # float32
+    inv_freq = 1.0 / (theta ** exponents)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x_BTHd: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) by position-dependent angles, in promote_types(dtype, float32)."""
+    cdtype = torch.promote_types(x_BTHd.dtype, torch.float32)
+    pairs = x_BTHd.to(cdtype).unflatten(-1, (-1, 2))  # (B, T, H, d/2, 2)
+    x0, x1 = pairs.unbind(-1)
+    cos, sin = cos.to(cdtype)[None, :, None, :], sin.to(cdtype)[None, :, None, :]
+    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return rotated.flatten(-2).to(x_BTHd.dtype)
+
+
+@dataclass
+class KVCache:
+    """Per-layer keys and values of the token attention, for incremental decoding.
+
+    Depth routing is per token, so only the token attention needs a cache: the routing of a new
+    token reads that token's own sublayer outputs, which the forward pass recomputes.
+    """
+
+    keys: list[Tensor | None]
+    values: list[Tensor | None]
+    # gated residual only: running sums of each sublayer's x and F(x) (the causal means continue)
+    gate_prefix: list | None = None
+    # document masking: the segment id of every cached position [B, T_cached]
+    segments: Tensor | None = None
+
+    @classmethod
+    def empty(cls, n_layers: int) -> KVCache:
+        return cls([None] * n_layers, [None] * n_layers, [None] * (2 * n_layers))
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, size: SizeConfig, extra_out: int):
+        super().__init__()
+        self.n_heads = size.n_heads
+        self.head_dim = size.d_model // size.n_heads
+        self.qkv = nn.Linear(size.d_model, 3 * size.d_model, bias=False)
+        self.proj = nn.Linear(size.d_model, size.d_model + extra_out, bias=False)  # d -> d + r for P-LR
+
+    def forward(self, x_BTD: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None, layer: int = 0,
+                same_doc: Tensor | None = None) -> Tensor:
+        """same_doc: [B, 1, T, T_all] bool, which positions share a document (document masking), or None."""
+        B, T, D = x_BTD.shape
+        q, k, v = self.qkv(x_BTD).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)  # (B, T, H, hd)
+        q, k = apply_rope(rms_norm(q), cos, sin), apply_rope(rms_norm(k), cos, sin)  # QK-norm then RoPE
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
+        if cache is not None:
+            past = cache.keys[layer]
+            if past is not None:
+                k = torch.cat((past, k), dim=2)
+                v = torch.cat((cache.values[layer], v), dim=2)
+            cache.keys[layer], cache.values[layer] = k, v
+        if cache is None and same_doc is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            mask = _prefix_causal_mask(T, k.shape[2], q.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask if same_doc is None else mask & same_doc)
+        return self.proj(y.transpose(1, 2).reshape(B, T, D))
+
+
+def _prefix_causal_mask(t_new: int, t_all: int, device: torch.device) -> Tensor:
+    """Boolean mask letting new token i (at absolute position t_all - t_new + i) see positions <= its own."""
+    q_pos = torch.arange(t_all - t_new, t_all, device=device)[:, None]
+    return torch.arange(t_all, device=device)[None, :] <= q_pos
+
+
+def document_segments(idx_BT: Tensor, separator: int, before: Tensor | None = None) -> Tensor:
+    """Segment id per position [B, T]: every separator starts a new segment (the paper's boundaries).
+
+    before: the segment ids of earlier (cached) positions [B, T_cached], continued from their last id.
+    """
+    seg = (idx_BT == separator).cumsum(dim=1)
+    if before is not None and before.shape[1]:
+        seg = seg + before[:, -1:]
+    return seg
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, size: SizeConfig, extra_out: int):
+        super().__init__()
+        self.fc1 = nn.Linear(size.d_model, 2 * size.d_mlp, bias=False)
+        self.fc2 = nn.Linear(size.d_mlp, size.d_model + extra_out, bias=False)  # h -> d + r for P-LR
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        x, gate = self.fc1(x_BTD).chunk(2, dim=-1)
+        return self.fc2(F.silu(gate) * x)
+
+
+class Layer(nn.Module):
+    def __init__(self, size: SizeConfig, extra_out: int):
+        super().__init__()
+        self.attn = CausalSelfAttention(size, extra_out)
+        self.mlp = SwiGLU(size, extra_out)
+
+
+@dataclass
+class DecoderOutput:
+    logits: Tensor  # [B, T, vocab]
+    routing: list[Tensor] | None  # per read site j = 1..2L: alpha [S_j, B, T, M] (attnres only)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig, impl: str = "fast"):
+        super().__init__()
+        if impl not in ROUTER_IMPLS:
+            raise ValueError(f"impl must be one of {list(ROUTER_IMPLS)}, got {impl!r}")
+        self.cfg, self.impl = cfg, impl
+        size = cfg.size
+        self.embed = nn.Embedding(size.vocab_size, size.d_model)
+        self.layers = nn.ModuleList(Layer(size, cfg.extra_out) for _ in range(size.n_layers))
+        self.router = ROUTER_IMPLS[impl](cfg)
+        self.head = nn.Linear(size.d_model, size.vocab_size, bias=False)
+        # document masking: the separator (EOS) id, or None to attend across documents (set by the
+        # training recipe, stored in checkpoints); not part of the architecture, which has no weights for it
+        self.doc_separator: int | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.cfg.size.init_std
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.normal_(module.weight, std=std)
+        self.router.reset_parameters()
+
+    def forward(
+        self, idx: Tensor, *, return_routing: bool = False, cache: KVCache | None = None
+    ) -> Tensor | DecoderOutput:
+        """idx [B, T] int64 -> logits [B, T, vocab] (a DecoderOutput when return_routing).
+
+        With a KVCache, idx holds only the new tokens; they are placed after the cached ones.
+        """
+        B, T = idx.shape
+        size = self.cfg.size
+        start = 0 if cache is None else cache.length
+        if start + T > size.seq_len:
+            raise ValueError(f"sequence of {start + T} tokens exceeds seq_len={size.seq_len} of size '{size.name}'")
+        cos, sin = rope_angles(torch.arange(start, start + T, device=idx.device), size.d_model // size.n_heads, size.rope_theta)
+        same_doc = self._same_document(idx, cache)
+        x = self.embed(idx)  # (B, T, D)
+        gate_prefix = cache.gate_prefix if cache is not None else None
+        state = self.router.start(x, record=return_routing, gate_prefix=gate_prefix, prefix_len=start)
+        for layer_index, layer in enumerate(self.layers):
+            j = 2 * layer_index
+            h = self.router.read(state, j)
+            self.router.write(state, j + 1, layer.attn(rms_norm(h), cos, sin, cache, layer_index, same_doc))
+            h = self.router.read(state, j + 1)
+            self.router.write(state, j + 2, layer.mlp(rms_norm(h)))
+        h = self.router.read(state, size.n_sublayers)  # the final read
+        logits = self.head(rms_norm(h))
+        if return_routing:
+            return DecoderOutput(logits, state.weights)
+        return logits
+
+    def _same_document(self, idx: Tensor, cache: KVCache | None) -> Tensor | None:
+        """[B, 1, T, T_all] bool (document masking), or None where every position shares one document."""
+        if self.doc_separator is None:
+            return None
+        before = cache.segments if cache is not None else None
+        seg = document_segments(idx, self.doc_separator, before)
+        seg_all = seg if before is None else torch.cat((before, seg), dim=1)
+        if cache is not None:
+            cache.segments = seg_all
+        if bool((seg_all[:, -1] == seg_all[:, 0]).all()):  # one document per row: the causal mask suffices
+            return None
+        return (seg[:, :, None] == seg_all[:, None, :]).unsqueeze(1)
+
+
+def build_decoder(
+    size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None, *, impl: str = "fast"
+) -> Decoder:
+    """Build the decoder for a (size, ablation) pair; works under `torch.device("meta")`.
+
+    impl: `fast` or `reference` routing code (a runtime choice, not part of the architecture).
+    """
+    cfg = size if isinstance(size, ModelConfig) else ModelConfig(size, ablation)
+    return Decoder(cfg, impl)

@@ -1,0 +1,157 @@
+"""Which lm-eval tasks an evaluation runs: presets, the offline local tasks, and loading with clear errors.
+
+    --tasks local              lrattn_cloze + lrattn_ppl, offline, data from the prepared folder
+    --tasks paper              the LR-AttnRes paper's list at 5 shots (needs the Hugging Face datasets)
+    --tasks hellaswag,arc_easy any lm-eval task, group or tag; presets and names can be mixed
+
+The local task YAMLs ship in `lrattn_lightning/tasks/`. Their data files are not committed: `lrattn
+prepare` writes them from the held-out split (`<data_dir>/tasks/*.jsonl`), so an evaluation copies
+the YAMLs into a temporary include folder with `data_files` pointing at that folder (lm-eval's
+`dataset_path: json`). Only when a name is not local or in `--include-path` is lm-eval's default
+task index built (about 14 s).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+# local task name -> the key of its data file in the prepared folder's meta.json["tasks"]
+LOCAL_TASKS = {"lrattn_cloze": "cloze", "lrattn_ppl": "perplexity"}
+
+
+class TaskError(ValueError):
+    """A task that cannot be found or loaded; the message names the task and what to do."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    tasks: tuple[str, ...]
+    num_fewshot: int | None  # None: each task's own default (0 unless its YAML says otherwise)
+    doc: str
+
+
+PRESETS = {
+    "local": Preset(tuple(LOCAL_TASKS), None, "offline cloze accuracy and perplexity on the held-out split"),
+    "paper": Preset(("mmlu", "arc_challenge", "arc_easy", "commonsense_qa", "hellaswag", "openbookqa", "piqa",
+                     "winogrande"), 5, "the LR-AttnRes paper's downstream list at 5 shots"),
+}
+
+
+def expand_tasks(spec: str | list[str]) -> tuple[list[str], int | None]:
+    """'local,hellaswag' -> (task names without duplicates, the few-shot count a named preset implies)."""
+    parts = spec.split(",") if isinstance(spec, str) else list(spec)
+    names: list[str] = []
+    shots: int | None = None
+    for part in (p.strip() for p in parts):
+        if not part:
+            continue
+        preset = PRESETS.get(part)
+        if preset is not None:
+            names.extend(preset.tasks)
+            if preset.num_fewshot is not None:
+                shots = preset.num_fewshot if shots is None else max(shots, preset.num_fewshot)
+        else:
+            names.append(part)
+    return list(dict.fromkeys(names)), shots
+
+
+def materialise_local_tasks(names: list[str], data_dir: str | Path | None, out_dir: Path) -> list[str]:
+    """Write the YAMLs of the local tasks among `names` into `out_dir`, pointing at `data_dir`'s files."""
+    wanted = [n for n in names if n in LOCAL_TASKS]
+    if not wanted:
+        return []
+    if data_dir is None:
+        raise TaskError(f"tasks {wanted} read the prepared data folder, but none is known: the checkpoint records "
+                        "no data_dir; pass --data-dir DIR (a folder written by `lrattn prepare`)")
+    from lrattn_lightning.data import read_meta
+
+    root = Path(data_dir).resolve()
+    meta = read_meta(root)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in wanted:
+        key = LOCAL_TASKS[name]
+        rel = (meta.get("tasks") or {}).get(key, {}).get("file", f"tasks/{key}.jsonl")
+        path = root / rel
+        if not path.is_file() or path.stat().st_size == 0:
+            raise TaskError(f"task '{name}': its data file {path} is missing or empty; prepare the folder again with "
+                            f"`lrattn prepare --out {root} --overwrite` (it writes tasks/*.jsonl from the held-out split)")
+        config = yaml.safe_load((TASKS_DIR / f"{name}.yaml").read_text())
+        config["dataset_kwargs"] = {"data_files": {"test": str(path)}}
+        (out_dir / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return wanted
+
+
+def build_task_manager(names: list[str], include_paths: list[str | Path]) -> tuple[Any, list[str]]:
+    """A TaskManager that knows every name (globs expanded) -> (manager, resolved names).
+
+    The default lm-eval index is only built when a name is not in `include_paths`.
+    """
+    from lm_eval.tasks import TaskManager
+
+    for path in include_paths:
+        if not Path(path).is_dir():
+            raise TaskError(f"--include-path {path}: no such folder (it should hold lm-eval task YAMLs)")
+    paths = [str(p) for p in include_paths] or None
+    manager = TaskManager(include_path=paths, include_defaults=False) if paths else None
+    unknown = names if manager is None else _unknown(manager, names)
+    if unknown:
+        manager = TaskManager(include_path=paths, include_defaults=True)
+        unknown = _unknown(manager, names)
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, [*manager.all_tasks, *LOCAL_TASKS, *PRESETS], n=4, cutoff=0.6)
+            hints.append(f"'{name}'" + (f" (closest: {', '.join(close)})" if close else ""))
+        raise TaskError(
+            f"unknown task(s) {', '.join(hints)}: not an lm-eval task, group or tag, nor in --include-path. "
+            f"Local tasks: {', '.join(LOCAL_TASKS)}; presets: {', '.join(PRESETS)}"
+        )
+    resolved: list[str] = []
+    for name in names:
+        resolved.extend([name] if _is_direct(manager, name) else manager.match_tasks([name]))
+    return manager, list(dict.fromkeys(resolved))
+
+
+def _is_direct(manager: Any, name: str) -> bool:
+    return name in manager.task_index or (name.endswith((".yaml", ".yml")) and Path(name).is_file())
+
+
+def _unknown(manager: Any, names: list[str]) -> list[str]:
+    return [n for n in names if not _is_direct(manager, n) and not manager.match_tasks([n])]
+
+
+def load_tasks(manager: Any, names: list[str]) -> list[Any]:
+    """Build each task (this loads its dataset); a failure names the task and its dataset."""
+    built: list[Any] = []
+    for name in names:
+        try:
+            obj = manager._load_spec(name)
+        except Exception as err:  # datasets raises many kinds (ConnectionError, FileNotFoundError, hub errors)
+            dataset = _dataset_path(manager, name)
+            where = f" (dataset '{dataset}')" if dataset else ""
+            raise TaskError(
+                f"task '{name}'{where} could not be loaded: {type(err).__name__}: {str(err)[:300]}. "
+                "Tasks from the Hugging Face hub need network access or a local datasets cache "
+                "(HF_DATASETS_CACHE); the local tasks need `lrattn prepare` data"
+            ) from err
+        built.extend(obj if isinstance(obj, list) else [obj])
+    return built
+
+
+def _dataset_path(manager: Any, name: str) -> str | None:
+    entry = manager.task_index.get(name)
+    cfg = getattr(entry, "cfg", None) or {}
+    if cfg.get("dataset_path"):
+        return str(cfg["dataset_path"])
+    path = getattr(entry, "yaml_path", None)
+    if not path or not Path(path).is_file():
+        return None
+    found = re.search(r"^dataset_path:\s*(\S+)", Path(path).read_text(errors="replace"), re.MULTILINE)
+    return found.group(1).strip("'\"") if found else None

@@ -1,0 +1,263 @@
+"""The paper's optimiser split and training schedule (SPEC §5).
+
+Muon for the >= 2-D hidden matrices (attention, MLP, key projections, gates); AdamW for the embedding,
+the LM head, the pseudo-queries and every 1-D parameter (the reference's split). Both are param groups
+of one real `torch.optim.Optimizer`, `MuonWithAuxAdamW` (group key `use_muon`), so its `state_dict` and
+`load_state_dict` are torch's own and a scheduler or LR monitor always acts on the live groups.
+
+The Muon update itself (lrattn_lightning/muon.py) comes in two variants:
+
+| variant     | orthogonaliser            | neuron-wise 2nd moment | scale                  | weight decay     |
+|-------------|---------------------------|------------------------|------------------------|------------------|
+| `reference` | Polar Express, 5 quintics | beta2 0.95, norm kept  | sqrt(max(1, m/n))      | cautious         |
+| `torch`     | Newton-Schulz quintic     | none                   | 0.2 sqrt(max(m, n))    | decoupled        |
+
+`reference` is the paper's code (jon123boss/LR-AttnRes); `torch` is torch.optim.Muon with
+adjust_lr_fn="match_rms_adamw". Cautious decay shrinks a weight only where the update has its sign:
+W <- W - lr * lambda * [O * W >= 0] * W. Plain decoupled decay: W <- (1 - lr * lambda) W.
+
+Schedule (`WarmupStableDecay`, one scheduler, state in the checkpoint): the learning rate warms up
+linearly over `warmup_steps`, stays, then decays linearly over the last `decay_fraction` of the run to
+`final_lr_fraction` x the peak; the Muon momentum rises linearly from its minimum to its peak over the
+first steps and falls back over the last ones (the reference: 0.85 -> 0.95 over 300, back over 100).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+import torch
+from torch import nn
+
+from lrattn_lightning.muon import Orthogonalizer, UpdateScale, muon_direction, update_scale, variance_shape
+
+MuonVariant = Literal["reference", "torch"]
+MUON_VARIANTS: dict[str, dict[str, Any]] = {
+    "reference": {"orthogonalizer": "polar_express", "scale": "original", "variance_beta2": 0.95, "cautious": True},
+    "torch": {"orthogonalizer": "newton_schulz", "scale": "match_rms_adamw", "variance_beta2": None, "cautious": False},
+}
+MUON_DEFAULTS = {"lr": 1e-3, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True, **MUON_VARIANTS["reference"]}
+ADAMW_DEFAULTS = {"lr": 3e-4, "weight_decay": 0.0, "betas": (0.9, 0.95), "eps": 1e-8}
+# 2-D parameters that stay with AdamW: the token embedding, the LM head and the pseudo-queries
+# (matched as whole name components, also under a wrapper's prefix such as `_orig_mod.`).
+ADAMW_ONLY = (".embed.", ".head.", ".router.queries", ".router.query_gates")  # gates: [2L, m], one vector per site
+
+
+def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(muon, adamw) parameter lists."""
+    muon, adamw = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim >= 2 and not any(tag in f".{name}" for tag in ADAMW_ONLY):
+            muon.append(p)
+        else:
+            adamw.append(p)
+    return muon, adamw
+
+
+def _check_group(i: int, group: dict) -> None:
+    def bad(field: str, why: str) -> ValueError:
+        return ValueError(f"param group {i} ({group.get('name', '?')}): {field}: {why}")
+
+    if not 0.0 <= group["lr"]:
+        raise bad("lr", f"{group['lr']} must be >= 0")
+    if not 0.0 <= group["weight_decay"]:
+        raise bad("weight_decay", f"{group['weight_decay']} must be >= 0")
+    if not group["use_muon"]:
+        if not all(0.0 <= b < 1.0 for b in group["betas"]):
+            raise bad("betas", f"{tuple(group['betas'])} must lie in [0, 1)")
+        return
+    if not 0.0 <= group["momentum"] < 1.0:
+        raise bad("momentum", f"{group['momentum']} must lie in [0, 1)")
+    if group["orthogonalizer"] not in get_args(Orthogonalizer):
+        raise bad("orthogonalizer", f"'{group['orthogonalizer']}' is not one of {', '.join(get_args(Orthogonalizer))}")
+    if group["scale"] not in get_args(UpdateScale):
+        raise bad("scale", f"'{group['scale']}' is not one of {', '.join(get_args(UpdateScale))}")
+    beta2 = group["variance_beta2"]
+    if beta2 is not None and not 0.0 <= beta2 < 1.0:
+        raise bad("variance_beta2", f"{beta2} must lie in [0, 1) or be None (off)")
+    for p in group["params"]:
+        if p.ndim != 2:
+            raise bad("params", f"Muon needs matrices; got a parameter of shape {tuple(p.shape)}")
+
+
+class MuonWithAuxAdamW(torch.optim.Optimizer):
+    """Muon for the groups with `use_muon=True`, AdamW for the others; one optimiser, one `state`.
+
+    Each group carries its own options: Muon groups lr, weight_decay, momentum, nesterov, orthogonalizer,
+    scale, variance_beta2 (None: off), cautious; AdamW groups lr, weight_decay, betas, eps.
+    """
+
+    def __init__(self, param_groups: Iterable[dict]):
+        groups = []
+        for i, group in enumerate(param_groups):
+            if "use_muon" not in group:
+                raise ValueError(f"param group {i}: use_muon: missing (True for Muon, False for AdamW)")
+            defaults = MUON_DEFAULTS if group["use_muon"] else ADAMW_DEFAULTS
+            unknown = set(group) - set(defaults) - {"params", "use_muon", "name"}
+            if unknown:
+                raise ValueError(f"param group {i}: unknown option(s) {', '.join(sorted(unknown))}")
+            group = {**defaults, **group, "params": list(group["params"])}
+            _check_group(i, group)
+            groups.append(group)
+        super().__init__(groups, {})
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if "optimizers" in state_dict:
+            raise ValueError("optimizer state: written by the old two-part MuonAdamW wrapper, which this version "
+                             "cannot resume; start the run again (or load only its weights)")
+        # torch restores every group option from the state; the update rule must not change silently
+        for saved, now in zip(state_dict["param_groups"], self.param_groups, strict=False):
+            for key in ("use_muon", *(MUON_VARIANTS["reference"] if now["use_muon"] else ())):
+                if saved.get(key) != now[key]:
+                    raise ValueError(f"optimizer state: group '{now.get('name')}' was trained with {key}="
+                                     f"{saved.get(key)!r}, this run has {now[key]!r} (model.muon_variant); "
+                                     "resume with the same variant")
+        super().load_state_dict(state_dict)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    (self._muon_step if group["use_muon"] else self._adamw_step)(p, group)
+        return loss
+
+    def _muon_step(self, p: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        if not state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+            if group["variance_beta2"] is not None:
+                state["variance"] = torch.zeros(variance_shape(p.shape), device=p.device, dtype=p.dtype)
+        o = muon_direction(p.grad, state, group)
+        lr, wd = group["lr"], group["weight_decay"]
+        if wd > 0 and group["cautious"]:
+            p.addcmul_((o * p >= 0).to(p.dtype), p, value=-lr * wd)  # decay only where O agrees with W's sign
+        elif wd > 0:
+            p.mul_(1 - lr * wd)
+        p.add_(o, alpha=-lr * update_scale(group["scale"], p.shape))
+
+    def _adamw_step(self, p: torch.Tensor, group: dict) -> None:
+        """torch.optim.AdamW's update: decoupled decay, bias-corrected first and second moments."""
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+        state["step"] += 1
+        t, (beta1, beta2), lr, g = state["step"], group["betas"], group["lr"], p.grad
+        p.mul_(1 - lr * group["weight_decay"])
+        state["exp_avg"].lerp_(g, 1 - beta1)  # m <- beta1 m + (1 - beta1) g
+        state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v <- beta2 v + (1 - beta2) g^2
+        # W <- W - lr / (1 - beta1^t) * m / (sqrt(v / (1 - beta2^t)) + eps)
+        denom = (state["exp_avg_sq"].sqrt() / (1 - beta2**t) ** 0.5).add_(group["eps"])
+        p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1**t))
+
+
+def build_optimizer(
+    model: nn.Module,
+    *,
+    kind: str,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    muon_lr: float,
+    muon_weight_decay: float,
+    muon_momentum: float = 0.95,
+    muon_variant: str = "reference",
+) -> torch.optim.Optimizer:
+    muon_params, adamw_params = split_parameters(model)
+    if kind == "adamw":
+        return torch.optim.AdamW(
+            [{"params": adamw_params + muon_params, "name": "adamw"}], lr=lr, betas=betas, weight_decay=weight_decay
+        )
+    if kind != "muon_adamw":
+        raise ValueError(f"optimizer: unknown kind '{kind}'; use 'muon_adamw' or 'adamw'")
+    if muon_variant not in MUON_VARIANTS:
+        raise ValueError(f"muon_variant: unknown '{muon_variant}'; use one of {', '.join(MUON_VARIANTS)}")
+    groups = [{"params": adamw_params, "use_muon": False, "name": "adamw", "lr": lr, "betas": tuple(betas),
+               "weight_decay": weight_decay}]
+    if muon_params:
+        groups.insert(0, {"params": muon_params, "use_muon": True, "name": "muon", "lr": muon_lr,
+                          "weight_decay": muon_weight_decay, "momentum": muon_momentum, **MUON_VARIANTS[muon_variant]})
+    return MuonWithAuxAdamW(groups)
+
+
+def wsd_lambda(total_steps: int, warmup_steps: int, decay_fraction: float, final_lr_fraction: float) -> Callable[[int], float]:
+    """LR multiplier for step s: warmup, stable at 1, linear decay to final_lr_fraction."""
+    warmup = min(warmup_steps, max(total_steps - 1, 0))
+    decay_start = int(total_steps * (1.0 - decay_fraction))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if step >= decay_start and total_steps > decay_start:
+            progress = min(1.0, (step - decay_start) / max(1, total_steps - decay_start))
+            return 1.0 - (1.0 - final_lr_fraction) * progress
+        return 1.0
+
+    return factor
+
+
+@dataclass(frozen=True)
+class MomentumSchedule:
+    """Muon momentum at step s of T: low -> peak linearly over the first `warmup_steps` (s / W), peak,
+    then peak -> low linearly over the last `cooldown_steps` ((s - (T - C)) / C); warmup wins if they meet.
+    The reference: low 0.85, peak 0.95, W = 300, C = 100. W = C = 0 keeps the peak throughout."""
+
+    peak: float = 0.95
+    low: float = 0.85
+    warmup_steps: int = 300
+    cooldown_steps: int = 100
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.low <= self.peak < 1.0:
+            raise ValueError(f"muon_momentum_min: need 0 <= {self.low} <= muon_momentum ({self.peak}) < 1")
+        for field in ("warmup_steps", "cooldown_steps"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"muon_momentum_{field}: {getattr(self, field)} must be >= 0")
+
+    def __call__(self, step: int, total_steps: int) -> float:
+        cooldown_start = total_steps - self.cooldown_steps
+        if step < self.warmup_steps:
+            return self.low + (step / self.warmup_steps) * (self.peak - self.low)
+        if step > cooldown_start:
+            return self.peak - min(1.0, (step - cooldown_start) / self.cooldown_steps) * (self.peak - self.low)
+        return self.peak
+
+
+class WarmupStableDecay(torch.optim.lr_scheduler.LRScheduler):
+    """Per optimizer step s (= last_epoch): lr = base lr x wsd_lambda(s) for every group, and
+    momentum = MomentumSchedule(s) for every Muon group. Set before step s runs, like the reference.
+
+    state_dict holds the position (last_epoch, base lrs); the shape comes from the current arguments,
+    as with LambdaLR, so a resumed run follows the schedule it is launched with."""
+
+    _SHAPE = ("lr_factor", "momentum", "total_steps")
+
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int, decay_fraction: float,
+                 final_lr_fraction: float, momentum: MomentumSchedule | None = None, last_epoch: int = -1):
+        self.lr_factor = wsd_lambda(total_steps, warmup_steps, decay_fraction, final_lr_fraction)
+        self.momentum = momentum
+        self.total_steps = total_steps
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self) -> list[float]:
+        return [base * self.lr_factor(self.last_epoch) for base in self.base_lrs]
+
+    def step(self, epoch: int | None = None) -> None:
+        super().step(epoch)
+        if self.momentum is not None:
+            for group in self.optimizer.param_groups:
+                if group.get("use_muon"):
+                    group["momentum"] = self.momentum(self.last_epoch, self.total_steps)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in super().state_dict().items() if k not in self._SHAPE}

@@ -1,0 +1,470 @@
+"""`lrattn sweep FILE`: a list or grid of (size, ablation, seed) runs with one recipe, into one MLflow experiment.
+
+A sweep file (experiments/sweeps/*.yaml) is loaded strictly; every error names the file and the field:
+
+    name: cpu-study                      # default: the file's stem; every run is tagged sweep=<name>
+    doc: what the sweep is for           # required
+    recipe: ../cpu-study.yaml            # required: the --config of every run, relative to the sweep file
+    experiment: cpu-study                # MLflow experiment (default: the sweep name)
+    registry: registry.yaml              # optional --registry
+    sizes: [cpu-study]                   # a grid: sizes x ablations x seeds ...
+    ablations: [baseline, s-lr-block-n8-r64]
+    seeds: [0, 1, 2]
+    runs:                                # ... and/or an explicit list
+      - {size: small, ablation: attnres-full, seed: 0}
+    args: {trainer.max_steps: 200}       # extra `lrattn fit` flags for every run (--trainer.max_steps 200)
+    env: {OMP_NUM_THREADS: "1"}          # environment of every run (local runs and emitted scripts)
+    slurm: {time: "48:00:00", partition: gpu, account: null, cpus_per_task: 8, max_parallel: 4}
+
+Every (size, ablation) pair is validated against the registry before anything runs. A run is
+*finished* when the MLflow experiment holds a FINISHED run tagged with this sweep, size, ablation and
+seed; finished runs are skipped, and a run with a last.ckpt resumes from it (`--ckpt_path last`, into
+the same MLflow run). Locally the runs go one after another, each its own `lrattn fit` process; for a
+cluster, `--emit commands` writes the launch commands and `--emit slurm` an sbatch array script with
+one `srun lrattn fit ...` per array task (Lightning reads the SLURM environment; nodes and tasks per
+node come from the recipe's trainer.num_nodes and trainer.devices).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lrattn_lightning.errors import Parser
+from lrattn_lightning.registry import (
+    Registry,
+    UnknownNameError,
+    closest_names,
+    load_registry,
+    load_yaml_strict,
+    read_yaml_text,
+)
+
+_FIELDS = ("name", "doc", "recipe", "experiment", "registry", "sizes", "ablations", "seeds", "runs", "args",
+           "env", "slurm")
+_SLURM_FIELDS = ("time", "partition", "account", "cpus_per_task", "max_parallel", "extra")
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+class SweepError(ValueError):
+    """A bad sweep file or sweep invocation, reported before any run starts."""
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    size: str
+    ablation: str
+    seed: int
+
+    @property
+    def name(self) -> str:  # the same default run name `lrattn fit` uses
+        return f"{self.size}-{self.ablation}-seed{self.seed}"
+
+
+@dataclass(frozen=True)
+class Sweep:
+    name: str
+    doc: str
+    path: str
+    recipe: str
+    experiment: str
+    runs: tuple[SweepRun, ...]
+    registry: str | None = None
+    args: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    slurm: dict[str, Any] = field(default_factory=dict)
+
+    def setting(self, dotted: str, default: Any = None) -> Any:
+        """A fit setting as the runs will see it: the sweep's `args`, else the recipe, else `default`."""
+        if dotted in self.args:
+            return self.args[dotted]
+        node: Any = load_yaml_strict(read_yaml_text(Path(self.recipe), "recipe"), self.recipe) or {}
+        for part in dotted.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return default
+            node = node[part]
+        return node
+
+    def checkpoint(self, run: SweepRun) -> Path:
+        return Path(self.setting("runs_dir", "runs")) / self.experiment / run.name / "checkpoints" / "last.ckpt"
+
+    def fit_args(self, run: SweepRun, tracking_uri: str | None = None) -> list[str]:
+        """The `lrattn fit` arguments of one run (without --ckpt_path)."""
+        args = ["fit", "--config", self.recipe, "--size", run.size, "--ablation", run.ablation,
+                "--seed_everything", str(run.seed), "--experiment", self.experiment, "--run_name", run.name,
+                "--run_tags", json.dumps({"sweep": self.name, "seed": str(run.seed)})]
+        if self.registry:
+            args += ["--registry", self.registry]
+        if tracking_uri:
+            args += ["--tracking_uri", tracking_uri]
+        for key, value in self.args.items():
+            args += [f"--{key}", _flag_value(value)]
+        return args
+
+
+def _flag_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return str(value)
+
+
+# ---- loading ---------------------------------------------------------------------------------------
+def load_sweep(path: str | Path, registry: Registry | None = None) -> tuple[Sweep, Registry]:
+    """Load a sweep file strictly and validate every (size, ablation) pair against the registry."""
+    path = Path(path)
+    if not path.is_file():
+        raise SweepError(f"sweep file {path} not found (sweeps live in experiments/sweeps/)")
+    try:
+        raw = load_yaml_strict(read_yaml_text(path, "sweep"), path) or {}
+    except ValueError as err:
+        raise SweepError(str(err)) from err
+    if not isinstance(raw, dict):
+        raise SweepError(f"{path}: the top level must be a mapping with fields {list(_FIELDS)}")
+
+    def fail(name: str, message: str) -> SweepError:
+        return SweepError(f"{path}: field '{name}': {message}")
+
+    for key in raw:
+        if key not in _FIELDS:
+            raise fail(key, f"unknown field; closest: {', '.join(closest_names(str(key), list(_FIELDS)))}")
+    name = raw.get("name", path.stem)
+    for key, value in (("name", name), ("doc", raw.get("doc")), ("recipe", raw.get("recipe"))):
+        if not isinstance(value, str) or not value.strip():
+            raise fail(key, "required, a non-empty string")
+    experiment = raw.get("experiment", name)
+    if not isinstance(experiment, str) or not experiment:
+        raise fail("experiment", "must be a non-empty string (the MLflow experiment name)")
+    recipe = _resolve_recipe(raw["recipe"], path)
+    if recipe is None:
+        raise fail("recipe", f"{raw['recipe']} not found (a path relative to the sweep file, e.g. ../cpu-study.yaml)")
+    reg_path = raw.get("registry")
+    if reg_path is not None and not isinstance(reg_path, str):
+        raise fail("registry", "must be a path to a registry.yaml")
+    reg = registry or load_registry(reg_path)
+
+    grid, listed = _grid_runs(raw, fail), _list_runs(raw.get("runs"), fail)
+    _check_runs(reg, grid, listed, fail)
+    args, env, slurm = _options(raw, fail)
+    return Sweep(name=name, doc=raw["doc"].strip(), path=str(path), recipe=str(recipe), experiment=experiment,
+                 runs=tuple(grid + listed), registry=reg_path, args=args, env=env, slurm=slurm), reg
+
+
+def _resolve_recipe(recipe: str, sweep_file: Path) -> Path | None:
+    """The recipe of a sweep: relative to the sweep file (so `lrattn sweep PATH` works from any folder), else
+    relative to the working folder (older sweep files), else shipped in the package (`experiments/...`)."""
+    from lrattn_lightning.cli import packaged
+
+    given = Path(recipe)
+    if given.is_absolute():
+        return given if given.is_file() else None
+    for candidate in (sweep_file.parent / given, given):
+        if candidate.is_file():
+            return candidate.resolve()
+    return packaged(recipe)
+
+
+def _check_runs(reg: Registry, grid: list[SweepRun], listed: list[SweepRun], fail) -> None:
+    """Every run once, every name known, every (size, ablation) pair buildable."""
+    if not grid and not listed:
+        raise fail("runs", "the sweep names no runs: give sizes + ablations + seeds (a grid) and/or runs (a list)")
+    seen: set[SweepRun] = set()
+    for where, run in [("sizes x ablations", r) for r in grid] + [(f"runs[{i}]", r) for i, r in enumerate(listed)]:
+        if run in seen:
+            raise fail(where, f"run {run.name} appears twice in the sweep")
+        seen.add(run)
+        for kind, entry in (("size", run.size), ("ablation", run.ablation)):
+            try:
+                getattr(reg, kind)(entry)  # unknown names list the closest ones
+            except UnknownNameError as err:
+                raise fail(f"{kind}s" if where.startswith("sizes") else where, str(err)) from err
+        try:
+            reg.model(run.size, run.ablation)  # impossible pairs (rank > d, blocks > 2L) name the field
+        except ValueError as err:
+            raise fail(where, f"size '{run.size}' x ablation '{run.ablation}': {err}") from err
+
+
+def _options(raw: dict[str, Any], fail) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
+    """The optional sections: args (extra fit flags), env and slurm."""
+    args = raw.get("args") or {}
+    if not isinstance(args, dict):
+        raise fail("args", "must be a mapping of fit flags without dashes, e.g. {trainer.max_steps: 200}")
+    for key, value in args.items():
+        if not isinstance(key, str) or key.startswith("-") or not key:
+            raise fail("args", f"key {key!r}: write fit flags without dashes, e.g. trainer.max_steps")
+        if key in ("config", "size", "ablation", "seed_everything", "experiment", "run_name", "run_tags",
+                   "registry", "ckpt_path", "tracking_uri"):
+            raise fail("args", f"'{key}' is set by the sweep itself (use recipe/sizes/ablations/seeds/experiment/registry)")
+        if isinstance(value, dict | list) and key.split(".")[0] not in ("trainer", "model", "data"):
+            raise fail("args", f"key '{key}': a structured value must belong to trainer/model/data")
+    env = raw.get("env") or {}
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str | int | float) for k, v in env.items()):
+        raise fail("env", "must be a mapping NAME: value (strings or numbers)")
+    slurm = raw.get("slurm") or {}
+    if not isinstance(slurm, dict):
+        raise fail("slurm", f"must be a mapping with fields {list(_SLURM_FIELDS)}")
+    for key in slurm:
+        if key not in _SLURM_FIELDS:
+            raise fail(f"slurm.{key}", f"unknown field; closest: {', '.join(closest_names(str(key), list(_SLURM_FIELDS)))}")
+    if "extra" in slurm and not (isinstance(slurm["extra"], list) and all(isinstance(x, str) for x in slurm["extra"])):
+        raise fail("slurm.extra", "must be a list of '#SBATCH' option strings such as '--qos=high'")
+    return dict(args), {k: str(v) for k, v in env.items()}, dict(slurm)
+
+
+def _grid_runs(raw: dict[str, Any], fail) -> list[SweepRun]:
+    axes = {key: raw.get(key) for key in ("sizes", "ablations", "seeds")}
+    if all(v is None for v in axes.values()):
+        return []
+    for key, values in axes.items():
+        if values is None:
+            given = [k for k, v in axes.items() if v is not None]
+            raise fail(key, f"a grid needs sizes, ablations and seeds (given: {', '.join(given)})")
+        if not isinstance(values, list) or not values:
+            raise fail(key, "must be a non-empty list")
+        kind = int if key == "seeds" else str
+        for value in values:
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise fail(key, f"{value!r} is not {'an integer' if kind is int else 'a name'}")
+        if len(set(values)) != len(values):
+            raise fail(key, "has duplicates")
+    # seed-major order: an interrupted sweep has every ablation at the first seeds
+    return [SweepRun(size, abl, seed) for seed, size, abl in itertools.product(axes["seeds"], axes["sizes"], axes["ablations"])]
+
+
+def _list_runs(entries: Any, fail) -> list[SweepRun]:
+    if entries is None:
+        return []
+    if not isinstance(entries, list):
+        raise fail("runs", "must be a list of {size, ablation, seed}")
+    out = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or set(entry) != {"size", "ablation", "seed"}:
+            raise fail(f"runs[{i}]", "each run is a mapping with exactly size, ablation and seed")
+        if not isinstance(entry["seed"], int) or isinstance(entry["seed"], bool):
+            raise fail(f"runs[{i}].seed", f"{entry['seed']!r} is not an integer")
+        if not isinstance(entry["size"], str) or not isinstance(entry["ablation"], str):
+            raise fail(f"runs[{i}]", "size and ablation are registry names (strings)")
+        out.append(SweepRun(entry["size"], entry["ablation"], entry["seed"]))
+    return out
+
+
+# ---- state -----------------------------------------------------------------------------------------
+def finished_runs(sweep: Sweep, tracking_uri: str) -> set[SweepRun]:
+    """Runs of this sweep that MLflow holds as FINISHED (tags sweep, size, ablation, seed)."""
+    from mlflow.tracking import MlflowClient
+
+    from lrattn_lightning.tracking import store_lock
+
+    with store_lock(tracking_uri):  # a new sqlite store is created by the first client, once
+        client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(sweep.experiment)
+    if exp is None:
+        return set()
+    done, token = set(), None
+    while True:
+        page = client.search_runs([exp.experiment_id], filter_string=f"tags.sweep = '{sweep.name}'",
+                                  max_results=1000, page_token=token)
+        for run in page:
+            tags = run.data.tags
+            if run.info.status == "FINISHED" and {"size", "ablation", "seed"} <= set(tags):
+                try:
+                    done.add(SweepRun(tags["size"], tags["ablation"], int(tags["seed"])))
+                except ValueError:
+                    continue
+        token = page.token
+        if not token:
+            return done
+
+
+def plan(sweep: Sweep, tracking_uri: str) -> list[tuple[SweepRun, str]]:
+    """(run, state) in order; state is 'finished', 'resume' (has last.ckpt) or 'new'."""
+    done = finished_runs(sweep, tracking_uri)
+    return [(run, "finished" if run in done else "resume" if sweep.checkpoint(run).is_file() else "new")
+            for run in sweep.runs]
+
+
+# ---- running ---------------------------------------------------------------------------------------
+def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False) -> int:
+    """Run the unfinished runs one after another, each as its own `lrattn fit` process."""
+    from lrattn_lightning.checkpointing import PREEMPTED_EXIT_CODE
+    from lrattn_lightning.data import validate_data_dir
+
+    registry = load_registry(sweep.registry)
+    data_dir = sweep.setting("data.data_dir", "data/stdlib-docs-byte")
+    seq_len = sweep.setting("data.seq_len")
+    for size in sorted({run.size for run in sweep.runs}):  # missing data fails once, before any run
+        validate_data_dir(data_dir, registry.size(size), seq_len)
+    env = {**os.environ, **sweep.env}
+    # the runs import the same package as this process, wherever the command is started from
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")) if p)
+    steps = plan(sweep, tracking_uri)
+    todo = [(run, state) for run, state in steps if state != "finished"]
+    print(f"[sweep {sweep.name}] {len(steps)} runs into experiment '{sweep.experiment}' at {tracking_uri}: "
+          f"{len(steps) - len(todo)} finished (skipped), {len(todo)} to run", flush=True)
+    results: list[tuple[SweepRun, str, float]] = []
+    stopped = False
+    for i, (run, state) in enumerate(todo, start=1):
+        args = sweep.fit_args(run, tracking_uri) + (["--ckpt_path", "last"] if state == "resume" else [])
+        print(f"[sweep {sweep.name}] ({i}/{len(todo)}) {run.name}" + (" (resuming from last.ckpt)" if state == "resume" else ""),
+              flush=True)
+        start = time.time()
+        rc, stopped = _run_forwarding_signals([sys.executable, "-m", "lrattn_lightning.cli", *args], env)
+        state = "ok" if rc == 0 else ("stopped by SIGTERM" if rc == PREEMPTED_EXIT_CODE else f"failed (exit {rc})")
+        results.append((run, state, time.time() - start))
+        print(f"[sweep {sweep.name}] {run.name}: {results[-1][1]} after {results[-1][2]:.0f} s", flush=True)
+        if stopped:
+            print(f"[sweep {sweep.name}] stopped by a signal: no further runs start; run the sweep again to resume",
+                  flush=True)
+            break
+        if rc != 0 and stop_on_failure:
+            break
+    failed = [r for r in results if r[1] != "ok"]
+    not_started = len(todo) - len(results)
+    print(f"[sweep {sweep.name}] done: {len(results) - len(failed)} ran, {len(failed)} failed, "
+          f"{len(steps) - len(todo)} skipped as finished" + (f", {not_started} not started" if not_started else "")
+          + "".join(f"\n  {r.name}: {s}" for r, s, _ in failed), flush=True)
+    if stopped:
+        return PREEMPTED_EXIT_CODE
+    return 1 if failed or not_started else 0
+
+
+def _run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> tuple[int, bool]:
+    """Run one fit; a SIGTERM/SIGINT to the sweep goes on to it (it checkpoints and stops). (exit code, stopped)."""
+    proc = subprocess.Popen(cmd, env=env)
+    stopped = False
+
+    def forward(signum: int, _frame: Any) -> None:
+        nonlocal stopped
+        stopped = True
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait(), stopped
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def emit_commands(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: str | None) -> str:
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sweep.env.items())
+    lines = [f"# lrattn sweep {sweep.path} --emit commands: {sum(s != 'finished' for _, s in steps)} runs "
+             f"({sum(s == 'finished' for _, s in steps)} finished runs skipped). Run from the repository root;",
+             "# for several GPUs or nodes prefix each with srun/torchrun, or set the recipe's trainer.devices/num_nodes."]
+    for run, state in steps:
+        if state == "finished":
+            continue
+        args = sweep.fit_args(run, tracking_uri) + (["--ckpt_path", "last"] if state == "resume" else [])
+        lines.append((f"env {env} " if env else "") + shlex.join(["lrattn", *args]))
+    return "\n".join(lines) + "\n"
+
+
+def emit_slurm(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: str | None) -> str:
+    """An sbatch array script: one array task per unfinished run, each `srun lrattn fit ...`."""
+    todo = [run for run, state in steps if state != "finished"]
+    if not todo:
+        raise SweepError(f"sweep '{sweep.name}': every run is finished; nothing to emit")
+    nodes = int(sweep.setting("trainer.num_nodes", 1) or 1)
+    devices = sweep.setting("trainer.devices", 1)
+    if not isinstance(devices, int):
+        raise SweepError(f"{sweep.recipe}: trainer.devices must be an integer for SLURM (tasks per node), got {devices!r}")
+    accelerator = sweep.setting("trainer.accelerator", "auto")
+    s = sweep.slurm
+    array = f"0-{len(todo) - 1}" + (f"%{s['max_parallel']}" if s.get("max_parallel") else "")
+    log_dir = Path(sweep.setting("runs_dir", "runs")) / sweep.experiment / "slurm"
+    head = [
+        "#!/bin/bash",
+        f"# Generated by `lrattn sweep {sweep.path} --emit slurm`: {len(todo)} runs of sweep '{sweep.name}' "
+        f"({len(steps) - len(todo)} finished runs skipped).",
+        "# Submit from the repository root with `sbatch` (create the log folder first: "
+        f"mkdir -p {log_dir}).",
+        "# Each array task is one run. srun starts one task per GPU on every node and Lightning's SLURM environment",
+        f"# turns them into the DDP world: {nodes} node(s) x {devices} task(s) per node = the recipe's",
+        "# trainer.num_nodes x trainer.devices. A resubmitted task resumes its run from last.ckpt.",
+        "# SIGTERM (preemption, or --signal below before the time limit) makes `lrattn fit` save last.ckpt at the",
+        "# current step and exit 143; --requeue puts a preempted task back in the queue, where it resumes.",
+        f"#SBATCH --job-name={sweep.name}",
+        f"#SBATCH --array={array}",
+        f"#SBATCH --nodes={nodes}",
+        f"#SBATCH --ntasks-per-node={devices}",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=TERM@120",
+    ]
+    if accelerator in ("gpu", "cuda", "auto"):
+        head.append(f"#SBATCH --gpus-per-node={devices}")
+    for key, option in (("cpus_per_task", "cpus-per-task"), ("time", "time"), ("partition", "partition"),
+                        ("account", "account")):
+        if s.get(key) is not None:
+            head.append(f"#SBATCH --{option}={s[key]}")
+    head += [f"#SBATCH {opt}" for opt in s.get("extra", [])]
+    head += [f"#SBATCH --output={log_dir}/%x-%A_%a.out", "set -euo pipefail"]
+    head += [f"export {k}={shlex.quote(v)}" for k, v in sweep.env.items()]
+    body = ['case "$SLURM_ARRAY_TASK_ID" in']
+    for i, run in enumerate(todo):
+        ckpt = sweep.checkpoint(run)
+        body.append(f"  {i}) CKPT={shlex.quote(str(ckpt))}; "
+                    f"ARGS=({' '.join(shlex.quote(a) for a in sweep.fit_args(run, tracking_uri))}) ;;")
+    body += ['  *) echo "no run for array task $SLURM_ARRAY_TASK_ID" >&2; exit 2 ;;', "esac",
+             'if [[ -f "$CKPT" ]]; then ARGS+=(--ckpt_path last); fi',
+             'srun lrattn "${ARGS[@]}"']
+    return "\n".join(head + body) + "\n"
+
+
+# ---- command line ----------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    from lrattn_lightning.tracking import resolve_tracking_uri
+
+    parser = Parser(prog="lrattn sweep", description=__doc__.split("\n\n")[0])
+    parser.add_argument("file", help="a sweep file, e.g. experiments/sweeps/cpu-study.yaml")
+    parser.add_argument("--tracking_uri", "--tracking-uri", default=None,
+                        help="MLflow store (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
+    parser.add_argument("--emit", choices=("commands", "slurm"), default=None,
+                        help="write launch commands / an sbatch array script instead of running locally")
+    parser.add_argument("--out", default=None, help="where --emit writes (default: RUNS_DIR/EXPERIMENT/sweep-NAME.*; '-' = stdout)")
+    parser.add_argument("--dry-run", action="store_true", help="list the runs and their state; run nothing")
+    parser.add_argument("--stop-on-failure", action="store_true", help="stop at the first failed run")
+    args = parser.parse_args(argv)
+
+    sweep, _ = load_sweep(args.file)
+    uri = resolve_tracking_uri(args.tracking_uri, fallback_local=False)
+    if args.dry_run:
+        steps = plan(sweep, uri)
+        print(f"sweep '{sweep.name}' ({sweep.path}): {len(steps)} runs, experiment '{sweep.experiment}', recipe {sweep.recipe}")
+        for run, state in steps:
+            print(f"  {state:9s} {run.name}")
+        return 0
+    if args.emit:
+        steps = plan(sweep, uri)
+        # a local sqlite store is this machine's; launched elsewhere the runs resolve their own store
+        emit_uri = args.tracking_uri
+        text = (emit_commands if args.emit == "commands" else emit_slurm)(sweep, steps, emit_uri)
+        suffix = "sh" if args.emit == "commands" else "sbatch"
+        out = args.out or str(Path(sweep.setting("runs_dir", "runs")) / sweep.experiment / f"sweep-{sweep.name}.{suffix}")
+        if out == "-":
+            sys.stdout.write(text)
+        else:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(text)
+            if args.emit == "slurm":  # sbatch does not create the folder of --output
+                (Path(sweep.setting("runs_dir", "runs")) / sweep.experiment / "slurm").mkdir(parents=True, exist_ok=True)
+            print(f"[sweep {sweep.name}] wrote {out} ({sum(s != 'finished' for _, s in steps)} runs)")
+        return 0
+    return run_local(sweep, uri, stop_on_failure=args.stop_on_failure)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

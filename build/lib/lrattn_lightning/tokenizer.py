@@ -1,0 +1,192 @@
+"""Tokenizers: one small protocol, four kinds, each recreated from a plain-dict spec.
+
+    byte                 UTF-8 bytes 0..255 plus EOS = 256 (vocab 257); needs nothing
+    bpe:<vocab_size>     byte-level BPE trained with `tokenizers` on the training split at prepare time
+    hf:<tokenizer.json>  a `tokenizers` file the user has
+    tiktoken:<file>      a `.tiktoken` rank file; only if the optional `tiktoken` package is importable
+
+`spec()` is what `meta.json` stores. File-backed kinds keep their file next to the prepared data
+(`tokenizer.json` / `tokenizer.tiktoken`), so a spec names the file relative to the data folder and
+`load_tokenizer(spec, base_dir=data_dir)` rebuilds the same tokenizer anywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+EOS_TOKEN = "<|endoftext|>"
+# Special tokens accepted as end-of-sequence in a user's tokenizer.json, in order of preference.
+_EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>", "<|eos|>", "[SEP]")
+# The pre-tokenisation pattern of OpenAI's cl100k_base: a .tiktoken file holds only the ranks.
+_CL100K_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+)
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def spec(self) -> dict[str, Any]: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255; EOS = 256. Decoding drops EOS and replaces broken UTF-8."""
+
+    vocab_size = 257
+    eos_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": "byte"}
+
+
+class HFTokenizer:
+    """A `tokenizers.Tokenizer` from a tokenizer.json (trained here for `bpe`, or the user's for `hf`)."""
+
+    def __init__(self, path: str | Path, kind: str = "hf", spec_file: str | None = None) -> None:
+        from tokenizers import Tokenizer as _HF
+
+        self.path = Path(path)
+        self.kind = kind
+        self.spec_file = spec_file or str(self.path)
+        self._tok = _HF.from_file(str(self.path))
+        self.eos_id = _find_eos(self._tok, self.path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": self.kind, "file": self.spec_file, "vocab_size": self.vocab_size}
+
+
+class TiktokenTokenizer:
+    """A `.tiktoken` rank file with the cl100k pattern; EOS is the first id after the ranks."""
+
+    def __init__(self, path: str | Path, spec_file: str | None = None) -> None:
+        tiktoken = _import_tiktoken()
+        from tiktoken.load import load_tiktoken_bpe
+
+        self.path = Path(path)
+        self.spec_file = spec_file or str(self.path)
+        ranks = load_tiktoken_bpe(str(self.path))
+        self.eos_id = max(ranks.values()) + 1
+        self.vocab_size = self.eos_id + 1
+        self._enc = tiktoken.Encoding(
+            name=self.path.stem, pat_str=_CL100K_PATTERN, mergeable_ranks=ranks, special_tokens={EOS_TOKEN: self.eos_id}
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._enc.decode([i for i in ids if i != self.eos_id])
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": "tiktoken", "file": self.spec_file, "vocab_size": self.vocab_size}
+
+
+def parse_tokenizer_name(name: str) -> tuple[str, str | None]:
+    """'byte' | 'bpe:4096' | 'hf:path' | 'tiktoken:path' -> (kind, argument)."""
+    kind, _, arg = name.partition(":")
+    if kind == "byte" and not arg:
+        return "byte", None
+    if kind in ("bpe", "hf", "tiktoken") and arg:
+        if kind == "bpe" and (not arg.isdigit() or int(arg) < 258):
+            raise ValueError(f"tokenizer '{name}': bpe needs a vocabulary size >= 258 (256 bytes + EOS + merges), e.g. bpe:4096")
+        return kind, arg
+    raise ValueError(f"unknown tokenizer '{name}'; use byte, bpe:<vocab_size>, hf:<tokenizer.json> or tiktoken:<file.tiktoken>")
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, path: str | Path) -> HFTokenizer:
+    """Train a byte-level BPE (GPT-2 style, lossless round trip) on `texts` and save it to `path`."""
+    from tokenizers import Tokenizer as _HF
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = _HF(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.save(str(path))
+    return HFTokenizer(path, kind="bpe", spec_file=Path(path).name)
+
+
+def load_tokenizer(spec: dict[str, Any] | str, base_dir: str | Path | None = None) -> Tokenizer:
+    """Rebuild a tokenizer from its `spec()` (or from a name like 'byte' / 'hf:path').
+
+    A relative `file` in the spec is resolved against `base_dir` (the prepared data folder).
+    """
+    if isinstance(spec, str):
+        kind, arg = parse_tokenizer_name(spec)
+        if kind == "bpe":
+            raise ValueError("a bpe tokenizer is trained by `prepare`; load it from the prepared folder's meta.json spec")
+        spec = {"kind": kind} if arg is None else {"kind": kind, "file": arg}
+    kind = spec.get("kind")
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind not in ("bpe", "hf", "tiktoken") or not spec.get("file"):
+        raise ValueError(f"bad tokenizer spec {spec!r}: expected kind byte, or bpe/hf/tiktoken with a file")
+    path = Path(spec["file"])
+    if not path.is_absolute() and base_dir is not None:
+        path = Path(base_dir) / path
+    if not path.is_file():
+        raise ValueError(f"tokenizer file {path} not found (tokenizer spec {spec!r})")
+    if kind == "tiktoken":
+        return TiktokenTokenizer(path, spec_file=spec["file"])
+    return HFTokenizer(path, kind=kind, spec_file=spec["file"])
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_tokenizer(spec_json: str, base_dir: str) -> Tokenizer:
+    return load_tokenizer(json.loads(spec_json), base_dir=base_dir)
+
+
+def encode_document(index: int, *, texts: Sequence[str], spec_json: str, base_dir: str, dtype: str) -> Any:
+    """litdata `optimize` worker fn: document `index` -> its token ids then EOS, a numpy array (n + 1,)."""
+    import numpy as np
+
+    tok = _cached_tokenizer(spec_json, base_dir)
+    return np.asarray([*tok.encode(texts[index]), tok.eos_id], dtype=dtype)
+
+
+def _find_eos(tok: Any, path: Path) -> int:
+    for name in _EOS_CANDIDATES:
+        token_id = tok.token_to_id(name)
+        if token_id is not None:
+            return token_id
+    raise ValueError(f"{path}: no end-of-sequence token found; the tokenizer needs one of {list(_EOS_CANDIDATES)}")
+
+
+def _import_tiktoken() -> Any:
+    try:
+        import tiktoken
+    except ImportError as err:
+        raise ValueError(
+            "tokenizer 'tiktoken:...' needs the optional package tiktoken, which is not installed "
+            "(pip install tiktoken); or use byte, bpe:<vocab_size> or hf:<tokenizer.json>"
+        ) from err
+    return tiktoken
