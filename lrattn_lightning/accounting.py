@@ -4,6 +4,7 @@
     read  = sum_{j=1..2L} |S_j| (2 k + 2 d)           k = d for AttnRes, r for LR; site 0 is free
     proj  = 2 (L r (d + h) + r d)                     P-LR only: the key rows
           + 2 L r (d + h) + 2L 2r                     gated dynamic query: the query rows, the gating
+    gated = 2L (4 d^2 + 5 d [+ 1 with a gate bias])   gated residual (SPEC §7): W_q, W_k, the dot, the mix
     added % = 100 (read + proj) / core
 """
 
@@ -30,7 +31,7 @@ def routing_params(size: SizeConfig | ModelConfig, ablation: AblationConfig | No
     if a.routing == "residual":
         return 0
     if a.routing == "gated":
-        return M * 2 * d * d  # W_q and W_k per sublayer
+        return M * 2 * d * d + (M if a.gate_bias != "none" else 0)  # W_q and W_k per sublayer; the biases b_i
     r = cfg.key_dim
     n = M * r  # the pseudo-queries, one per read site j = 1..2L
     emb_projected = a.embedding_key in ("projected", "projected_plus_static")
@@ -79,8 +80,8 @@ def added_flops(size: SizeConfig | ModelConfig, ablation: AblationConfig | None 
     d, h, L, M = s.d_model, s.d_mlp, s.n_layers, s.n_sublayers
     if a.routing == "residual":
         return 0
-    if a.routing == "gated":
-        return M * (2 * 2 * d * d + 2 * d + 3 * d)  # two d x d projections, the dot, the mix
+    if a.routing == "gated":  # two d x d projections, the dot, the mix; + b_i
+        return M * (2 * 2 * d * d + 2 * d + 3 * d + (1 if a.gate_bias != "none" else 0))
     r = cfg.key_dim
     read = sum(sources_per_site(cfg)) * (2 * r + 2 * d)
     emb_projected = a.embedding_key in ("projected", "projected_plus_static")

@@ -10,10 +10,14 @@ experiment (tag lrattn.summary=true; its description shows the table in the MLfl
     loss_vs_flops.png/svg    the paper's Figure 1: mean val loss against added FLOPs %, one point per
                              ablation (bars: std over seeds), the Pareto front marked
     routing_heatmaps.png/svg the mean routing weights (sites x sources) of each AttnRes ablation, side by side
+    gate_alphas.png/svg      the gated residual's mean alpha per sublayer, one line per ablation (mean over
+                             seeds, band: seed min-max), from each run's routing/gates.json
     training_curves.png/svg  train loss and val loss against step, mean over seeds, overlaid
     report.md                all of the above on one page, with the runs it was made from
 
 Only FINISHED runs count; when a (size, ablation, seed) was run more than once, the latest counts.
+A run a sweep tagged with a `variant` (its own training flags) is its own row, `ablation+variant`,
+whose control is the plain ablation.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any
 from lrattn_lightning.errors import Parser
 
 SUMMARY_TAG = "lrattn.summary"
-FIGURES = ("loss_vs_flops", "routing_heatmaps", "training_curves")
+FIGURES = ("loss_vs_flops", "routing_heatmaps", "gate_alphas", "training_curves")
 
 
 @dataclass
@@ -115,9 +119,13 @@ def read_runs(client: Any, experiment: str, sweep: str | None = None, curves: bo
         if tags.get(SUMMARY_TAG) == "true" or "ablation" not in params or "val/loss" not in metrics:
             continue
         seed = int(tags["seed"]) if tags.get("seed", "").lstrip("-").isdigit() else None
+        control = None if tags.get("control") in (None, "none") else tags["control"]
+        ablation = params["ablation"]
+        if tags.get("variant"):  # a training-time variant of the entry: its own row, compared with the entry
+            ablation, control = f"{ablation}+{tags['variant']}", ablation
         record = RunRecord(
             run_id=run.info.run_id, name=run.info.run_name or run.info.run_id, size=params.get("size", "?"),
-            ablation=params["ablation"], control=None if tags.get("control") in (None, "none") else tags["control"],
+            ablation=ablation, control=control,
             seed=seed, start_time=run.info.start_time or 0, val_loss=float(metrics["val/loss"]),
             params=int(float(params.get("params", 0))), added_flops_pct=float(params.get("added_flops_pct", 0.0)),
             metrics=dict(metrics),
@@ -373,6 +381,41 @@ def routing_matrices(client: Any, rows: list[Row]) -> dict[str, tuple[list[list[
     return found
 
 
+def gate_curves(client: Any, rows: list[Row]) -> dict[tuple[str, str], tuple[list[list[float]], int]]:
+    """(size, ablation) -> (alpha per sublayer of each seed, step) from the gated runs' routing/gates.json."""
+    found = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for row in rows:
+            curves, step = [], 0
+            for run in row.runs:
+                try:
+                    path = client.download_artifacts(run.run_id, "routing/gates.json", tmp)
+                except Exception:  # only the gated residual logs gates
+                    continue
+                data = json.loads(Path(path).read_text())
+                curves.append(data["alpha"])
+                step = max(step, int(data.get("step", 0)))
+            if curves and all(len(c) == len(curves[0]) for c in curves):
+                found[(row.size, row.ablation)] = (curves, step)
+    return found
+
+
+def plot_gate_curves(curves: dict, out: Path, title: str) -> list[Path]:
+    from lrattn_lightning.diagnostics import gate_figure
+
+    multi = len({size for size, _ in curves}) > 1
+    means, spread, steps = {}, {}, set()
+    for (size, abl), (per_seed, step) in curves.items():
+        label = f"{size}/{abl}" if multi else abl
+        columns = list(zip(*per_seed, strict=True))
+        means[label] = [statistics.fmean(c) for c in columns]
+        spread[label] = ([min(c) for c in columns], [max(c) for c in columns])
+        steps.add(step)
+    step_text = "/".join(map(str, sorted(steps)))
+    fig = gate_figure(means, f"{title}\nmean alpha per sublayer at step {step_text} (band: seed min-max)", spread=spread)
+    return _save(fig, out, "gate_alphas")
+
+
 def plot_heatmaps(matrices: dict, out: Path, title: str) -> list[Path]:
     plt = _plt()
     import numpy as np
@@ -477,14 +520,18 @@ def write_report(client: Any, experiment: str, out: Path, sweep: str | None = No
     matrices = routing_matrices(client, rows)
     if matrices:
         files += plot_heatmaps(matrices, out, title + " — routing weights at the last validation")
+    gates = gate_curves(client, rows)
+    if gates:
+        files += plot_gate_curves(gates, out, title)
     report = out / "report.md"
-    report.write_text(_report_text(experiment, rows, table_md, records, bool(matrices), command, reference))
+    report.write_text(_report_text(experiment, rows, table_md, records, bool(matrices), command, reference,
+                                   bool(gates)))
     files.append(report)
     return rows, files
 
 
 def _report_text(experiment: str, rows: list[Row], table_md: str, records: list[RunRecord], heatmaps: bool,
-                 command: str | None, reference: str) -> str:
+                 command: str | None, reference: str, gates: bool = False) -> str:
     parts = [f"# {experiment}: comparison\n",
              f"Generated by `{command}` from {len(records)} finished runs." if command else "",
              f"\nFinal validation loss per run (nats/token), mean ± sample std over seeds. Δ is the difference of "
@@ -497,6 +544,8 @@ def _report_text(experiment: str, rows: list[Row], table_md: str, records: list[
              "\n![training curves](training_curves.png)\n"]
     if heatmaps:
         parts.append("\n![routing weights](routing_heatmaps.png)\n")
+    if gates:
+        parts.append("\n![gated residual: alpha per sublayer](gate_alphas.png)\n")
     parts.append("\n## Runs\n\n| run | ablation | seed | val loss | run id |\n|---|---|---:|---:|---|")
     parts += [f"| {r.name} | {r.ablation} | {r.seed} | {r.val_loss:.4f} | `{r.run_id}` |" for r in records]
     return "\n".join(p for p in parts if p is not None) + "\n"

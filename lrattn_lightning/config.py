@@ -35,6 +35,14 @@ LogitScaleName = Literal["none", "inv_sqrt_head_dim"]
 #                   sublayer (the one just written before site j), g_j a zero-initialised gate per
 #                   depth head (the reference's input-dependent query; documented there as unstable)
 QueryKind = Literal["static", "gated_dynamic"]
+# The gated residual's learned per-sublayer gate bias b_i (SPEC §7, docs/gated-residual.md):
+#   g_i = sigmoid(<W_q cummean(x), W_k cummean(F(x))> / sqrt(d) + b_i), with b_i initialised to logit(alpha0_i)
+#   none          no bias parameter: alpha starts at sigmoid(~0) = 0.5 everywhere (the blog seed's formula)
+#   constant      every sublayer starts at alpha0 = gate_alpha
+#   last_layer    the last layer's two sublayers start at gate_alpha, the others at 0.5 (b = 0)
+#   running_mean  sublayer i starts at alpha0_i = i / (i + 1) (b_i = log i): the stream starts as the mean
+#                 of the embedding and the i outputs, i.e. the plain residual stream / (i + 1)
+GateBias = Literal["none", "constant", "last_layer", "running_mean"]
 
 SUMMARY_EXPONENT = {"sum": 0.0, "mean": 1.0, "sqrt_mean": 0.5}
 _EMBEDDING_KEYS_FOR = {
@@ -106,6 +114,8 @@ class AblationConfig:
     block_summary: BlockSummary = "sum"
     count_prior: float = 0.0  # beta in b = beta * log(count)
     embedding_key: EmbeddingKey = "value"
+    gate_bias: GateBias = "none"  # routing gated only
+    gate_alpha: float | None = None  # alpha0 of gate_bias constant / last_layer
     tags: tuple[str, ...] = ()
 
     @property
@@ -140,6 +150,7 @@ class AblationConfig:
             raise config_error(where, "depth_heads", f"must be a positive integer, got {self.depth_heads!r}")
         if isinstance(self.count_prior, bool) or not isinstance(self.count_prior, int | float):
             raise config_error(where, "count_prior", f"must be a number, got {self.count_prior!r}")
+        self._validate_gate(where)
         if self.routing != "attnres":
             return self
         if self.blocks is not None and self.block_size is not None:
@@ -167,6 +178,26 @@ class AblationConfig:
                 f"key_source '{self.key_source}' needs embedding_key in {list(allowed)}, got '{self.embedding_key}'",
             )
         return self
+
+    def _validate_gate(self, where: str) -> None:
+        """gate_bias / gate_alpha: only for routing gated; gate_alpha exactly when the bias needs one."""
+        _check_literal(where, "gate_bias", self.gate_bias, GateBias)
+        alpha = self.gate_alpha
+        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float)):
+            raise config_error(where, "gate_alpha", f"must be a number in (0, 1) or null, got {alpha!r}")
+        if self.routing != "gated":
+            if self.gate_bias != "none" or alpha is not None:
+                field = "gate_bias" if self.gate_bias != "none" else "gate_alpha"
+                raise config_error(where, field, f"only the gated residual (routing: gated) has gates; "
+                                   f"routing is '{self.routing}'")
+            return
+        if self.gate_bias in ("constant", "last_layer"):
+            if alpha is None or not 0.0 < alpha < 1.0:
+                raise config_error(where, "gate_alpha", f"gate_bias '{self.gate_bias}' needs the initial gate "
+                                   f"alpha0 in (0, 1), got {alpha!r}")
+        elif alpha is not None:
+            raise config_error(where, "gate_alpha", f"gate_bias '{self.gate_bias}' sets no alpha0 of its own; "
+                               "leave gate_alpha null (or use gate_bias constant / last_layer)")
 
 
 @dataclass(frozen=True)
@@ -212,6 +243,17 @@ class ModelConfig:
             return [math.ceil(m * b / a.blocks) for b in range(1, a.blocks + 1)]
         return [min(e, m) for e in range(a.block_size, m + a.block_size, a.block_size)]
 
+    def initial_gates(self) -> list[float] | None:
+        """alpha0_i of the gated residual's bias for sublayers i = 1..2L (None: no bias, alpha starts at 0.5)."""
+        a, m = self.ablation, self.size.n_sublayers
+        if a.routing != "gated" or a.gate_bias == "none":
+            return None
+        if a.gate_bias == "constant":
+            return [float(a.gate_alpha)] * m
+        if a.gate_bias == "last_layer":  # the last layer = its attention (2L-1) and MLP (2L) sublayers
+            return [float(a.gate_alpha) if i >= m - 1 else 0.5 for i in range(1, m + 1)]
+        return [i / (i + 1) for i in range(1, m + 1)]  # running_mean
+
     def validate(self) -> ModelConfig:
         s, a = self.size, self.ablation
         where = f"ablations.{a.name} at size {s.name}"
@@ -230,6 +272,15 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"size": dataclasses.asdict(self.size), "ablation": dataclasses.asdict(self.ablation)}
+
+    @staticmethod
+    def with_defaults(data: dict[str, Any]) -> dict[str, Any]:
+        """A stored to_dict() with the fields it predates filled in with their defaults (older checkpoints)."""
+        out = {}
+        for part, cls in (("size", SizeConfig), ("ablation", AblationConfig)):
+            defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+            out[part] = {**defaults, **data[part]}
+        return out
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> ModelConfig:

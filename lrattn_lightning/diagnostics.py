@@ -7,6 +7,11 @@ or block summaries in order):
     top1         max_i alpha_i                                          (mass on the favourite)
     embedding    alpha_0                                                (weight of the token embedding)
 each averaged over batch, tokens and depth heads.
+
+The gated residual (routing: gated) records at site i the two-source weights [alpha_i, 1 - alpha_i]
+of its write y = alpha_i x + (1 - alpha_i) F(x); its statistics per site are
+    alpha        mean alpha_i over batch and tokens (the weight kept on the incoming stream)
+    saturated    the fraction of tokens with alpha_i < 0.01 or > 0.99
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import torch
 from torch import Tensor
 
 STATS = ("entropy", "eff_sources", "top1", "embedding")
+GATE_STATS = ("alpha", "saturated")
+SATURATION = 0.01
 
 
 def site_stats(weights: list[Tensor]) -> list[dict[str, float]]:
@@ -59,5 +66,49 @@ def heatmap_figure(matrix: list[list[float]], title: str):
     ax.set_xticks(range(n_src), [str(i) for i in range(n_src)], fontsize=7)
     ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label="mean routing weight")
+    fig.tight_layout()
+    return fig
+
+
+def gate_stats(weights: list[Tensor]) -> list[dict[str, float]]:
+    """One dict of GATE_STATS per sublayer i = 1..2L, from the gated residual's [2, B, T, 1] weights."""
+    out = []
+    for w in weights:
+        alpha = w[0].double()
+        out.append({
+            "alpha": float(alpha.mean()),
+            "saturated": float(((alpha < SATURATION) | (alpha > 1 - SATURATION)).double().mean()),
+        })
+    return out
+
+
+def gate_figure(curves: dict[str, list[float]], title: str, initial: list[float] | None = None,
+                spread: dict[str, tuple[list[float], list[float]]] | None = None):
+    """Mean alpha against sublayer, one line per label (matplotlib Figure); `initial`: the alpha0 dashed,
+    `spread`: label -> (low, high) per sublayer, drawn as a band. The plain residual's i/(i+1) is dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = max(len(c) for c in curves.values())
+    sub = list(range(1, n + 1))
+    fig, ax = plt.subplots(figsize=(7.0, 4.2), dpi=110)
+    ax.plot(sub, [i / (i + 1) for i in sub], ":", color="0.5", lw=1, label="i/(i+1): the plain residual stream")
+    ax.axhline(0.5, color="0.8", lw=0.8)
+    if initial is not None:
+        ax.plot(sub, initial, "--", color="0.3", lw=1, label="alpha at initialisation")
+    for label, alphas in curves.items():
+        line, = ax.plot(sub[: len(alphas)], alphas, "o-", ms=3.5, lw=1.3, label=label)
+        if spread and label in spread:
+            lo, hi = spread[label]
+            ax.fill_between(sub[: len(lo)], lo, hi, color=line.get_color(), alpha=0.15, lw=0)
+    ax.set_xlabel("sublayer i (odd: attention, even: MLP)")
+    ax.set_ylabel("mean alpha_i (weight kept on the stream)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xticks(sub)
+    ax.grid(alpha=0.3)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     return fig

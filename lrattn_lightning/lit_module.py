@@ -96,6 +96,9 @@ class LRAttnModule(L.LightningModule):
         impl: Literal["fast", "reference"] = "fast",
         document_masking: bool = False,
         routing_diagnostics: bool = True,
+        gate_freeze_steps: int = 0,
+        gate_release_loss: float | None = None,
+        gate_grad_normalize: bool = False,
         model_config: dict | None = None,
         registry_sha256: str | None = None,
         git_commit: str | None = None,
@@ -109,7 +112,13 @@ class LRAttnModule(L.LightningModule):
         Optimiser (lrattn_lightning/optim.py): muon_variant picks the Muon update (`reference`: the paper's
         code, `torch`: torch.optim.Muon with match_rms_adamw); the Muon momentum rises from
         muon_momentum_min to muon_momentum over the first muon_momentum_warmup_steps and falls back over
-        the last muon_momentum_cooldown_steps (0 and 0: constant)."""
+        the last muon_momentum_cooldown_steps (0 and 0: constant).
+
+        Gated residual only (routing: gated; lrattn_lightning/routing_gated.py, docs/gated-residual.md):
+        gate_freeze_steps holds every gate at alpha = 0.5 for the first N optimiser steps; gate_release_loss
+        holds it until a step's training cross-entropy (mean over ranks) is <= X (with both: until both are
+        met); the release is for good and the hold travels in checkpoints. gate_grad_normalize replaces the
+        gradient reaching each sublayer's gate tensor alpha by G / (||G|| + 1e-6), clipped to |.| < 1."""
         super().__init__()
         if model_config is None:
             reg = load_registry(registry)
@@ -131,9 +140,51 @@ class LRAttnModule(L.LightningModule):
             cooldown_steps=muon_momentum_cooldown_steps)
         self.model = build_decoder(cfg, impl=impl)  # how routing is computed; not part of the architecture
         self.model.doc_separator = doc_separator if document_masking else None
+        self._check_gate_schedule(cfg)
+        self._last_train_ce: float | None = None
         self.val_loss = torchmetrics.MeanMetric()
         self._routing_weights: list[torch.Tensor] | None = None
         self._step_clock: float | None = None
+
+    # ---- the gated residual's training-time controls --------------------------------------------
+    def _check_gate_schedule(self, cfg: ModelConfig) -> None:
+        hp = self.hparams
+        given = {"gate_freeze_steps": hp.gate_freeze_steps != 0, "gate_release_loss": hp.gate_release_loss is not None,
+                 "gate_grad_normalize": bool(hp.gate_grad_normalize)}
+        if cfg.ablation.routing != "gated":
+            for name, set_ in given.items():
+                if set_:
+                    raise ValueError(f"model.{name}: only the gated residual (routing: gated) has gates; ablation "
+                                     f"'{cfg.ablation.name}' has routing '{cfg.ablation.routing}'")
+            return
+        steps = hp.gate_freeze_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"model.gate_freeze_steps: must be an integer >= 0 (steps with alpha held at 0.5), got {steps!r}")
+        loss = hp.gate_release_loss
+        if loss is not None and (isinstance(loss, bool) or not isinstance(loss, int | float) or not 0 < loss < math.inf):
+            raise ValueError(f"model.gate_release_loss: must be a positive training loss in nats or null, got {loss!r}")
+        if not isinstance(hp.gate_grad_normalize, bool):
+            raise ValueError(f"model.gate_grad_normalize: must be true or false, got {hp.gate_grad_normalize!r}")
+        router = self.model.router
+        router.gate_grad_normalize = hp.gate_grad_normalize
+        router.set_gate_hold(self._gate_schedule_active)  # a checkpoint's stored hold replaces this on load
+
+    @property
+    def _gate_schedule_active(self) -> bool:
+        return self.cfg.ablation.routing == "gated" and (
+            self.hparams.gate_freeze_steps > 0 or self.hparams.gate_release_loss is not None)
+
+    def _update_gate_hold(self) -> None:
+        """Release held gates once the step count and the loss allow it (for good: a release is not undone)."""
+        router = self.model.router
+        if not self._gate_schedule_active or not router.gates_held:
+            return
+        hp = self.hparams
+        if self.global_step < hp.gate_freeze_steps:
+            return
+        if hp.gate_release_loss is not None and (self._last_train_ce is None or self._last_train_ce > hp.gate_release_loss):
+            return
+        router.set_gate_hold(False)
 
     # ---- model ---------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -172,6 +223,10 @@ class LRAttnModule(L.LightningModule):
         # averaged over ranks, so a DDP run logs the loss of its global batch
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         self.log("train/ce", ce, sync_dist=True)
+        if self._gate_schedule_active:
+            self.log("train/gates_held", float(self.model.router.gates_held))
+            if self.hparams.gate_release_loss is not None and self.model.router.gates_held:
+                self._last_train_ce = float(self.trainer.strategy.reduce(ce.detach(), reduce_op="mean"))
         for group in self.optimizers().param_groups:  # the live groups, also after a resume
             self.log(f"train/lr_{group.get('name', 'group')}", group["lr"])
             if group.get("use_muon"):
@@ -185,6 +240,7 @@ class LRAttnModule(L.LightningModule):
             self.log("train/grad_norm", norm)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._update_gate_hold()
         self._step_clock = time.perf_counter()
 
     def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
@@ -216,7 +272,7 @@ class LRAttnModule(L.LightningModule):
     # ---- validation ----------------------------------------------------------------------------
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        record = batch_idx == 0 and self.hparams.routing_diagnostics and self.cfg.ablation.routing == "attnres"
+        record = batch_idx == 0 and self.hparams.routing_diagnostics and self.cfg.ablation.routing != "residual"
         out = self.model(inputs, return_routing=record)
         logits = out.logits if record else out
         if record:
@@ -238,6 +294,9 @@ class LRAttnModule(L.LightningModule):
             self._routing_weights = None
 
     def _log_routing(self, weights: list[torch.Tensor]) -> None:
+        if self.cfg.ablation.routing == "gated":
+            self._log_gates(weights)
+            return
         stats = diagnostics.site_stats(weights)
         for j, row in enumerate(stats, start=1):
             for stat, value in row.items():
@@ -257,6 +316,28 @@ class LRAttnModule(L.LightningModule):
             import matplotlib.pyplot as plt
 
             plt.close(fig)
+
+    def _log_gates(self, weights: list[torch.Tensor]) -> None:
+        """The gated residual: mean alpha per sublayer, routing/siteNN/alpha, and a figure in the heatmap's place."""
+        stats = diagnostics.gate_stats(weights)
+        for i, row in enumerate(stats, start=1):
+            for stat, value in row.items():
+                self.log(f"routing/site{i:02d}/{stat}", value)
+        for stat in diagnostics.GATE_STATS:
+            self.log(f"routing/mean/{stat}", sum(r[stat] for r in stats) / len(stats))
+        if self.trainer.sanity_checking or not self.trainer.is_global_zero or not isinstance(self.logger, MLFlowLogger):
+            return
+        alphas = [r["alpha"] for r in stats]
+        fig = diagnostics.gate_figure(
+            {self.cfg.ablation.name: alphas}, f"{self.cfg.ablation.name} @ {self.cfg.size.name}, step {self.global_step}",
+            initial=self.cfg.initial_gates())
+        client, run_id = self.logger.experiment, self.logger.run_id
+        client.log_figure(run_id, fig, "routing/gates.png")
+        client.log_dict(run_id, {"step": self.global_step, "held": self.model.router.gates_held, "alpha": alphas,
+                                 "saturated": [r["saturated"] for r in stats]}, "routing/gates.json")
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
 
     test_step = validation_step
     on_test_epoch_end = on_validation_epoch_end
@@ -321,7 +402,7 @@ DESCRIPTIVE_FIELDS = frozenset({"doc", "control", "tags"})
 
 def architecture_differences(stored: dict[str, Any], cfg: ModelConfig) -> list[str]:
     """Architecture fields (not doc/control/tags) where a checkpoint's model_config differs from `cfg`."""
-    mine = cfg.to_dict()
+    mine, stored = cfg.to_dict(), ModelConfig.with_defaults(stored)  # fields newer than the checkpoint: defaults
     return [
         f"{part}.{key}: checkpoint {stored[part].get(key)!r} vs now {value!r}"
         for part in ("size", "ablation") for key, value in mine[part].items()

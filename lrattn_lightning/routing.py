@@ -26,6 +26,8 @@ Every RMSNorm is parameter-free with torch's default eps (finfo(dtype).eps, as t
 F.rms_norm calls). Routing computes in promote_types(dtype, float32): float32 for bf16 and float32
 models, float64 for float64 ones.
 
+Gated residual (routing: gated): lrattn_lightning/routing_gated.py.
+
 Gated dynamic query: q = q_j + g_j * q_dyn, where q_dyn is what the most recent sublayer (the one
 written just before site j) emits in r extra output rows, and g_j is a zero-initialised gate per head.
 
@@ -34,7 +36,6 @@ Shape legend: S sources, B batch, T tokens, D = d_model, R = key width r, M = de
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lrattn_lightning.config import ModelConfig
+from lrattn_lightning.routing_gated import GatedResidual
 
 
 def rms_norm(x: Tensor) -> Tensor:
@@ -100,19 +102,6 @@ def depth_read(
     return (out_BTD, alpha_SBTM) if return_weights else out_BTD
 
 
-def causal_mean(x_BTD: Tensor, prefix: tuple[Tensor, int] | None = None) -> Tensor:
-    """Running mean over positions <= t (keeps the gated residual causal).
-
-    prefix: (sum over earlier positions [B, 1, D] in float32, their count), for incremental decoding.
-    """
-    T = x_BTD.shape[1]
-    sums = x_BTD.float().cumsum(dim=1)
-    counts = torch.arange(1, T + 1, device=x_BTD.device, dtype=torch.float32).view(1, T, 1)
-    if prefix is not None:
-        sums, counts = sums + prefix[0], counts + prefix[1]
-    return (sums / counts).to(x_BTD.dtype)
-
-
 @dataclass
 class RoutingState:
     """Everything one forward pass has written so far."""
@@ -126,14 +115,15 @@ class RoutingState:
     partial_count: int = 0
     partial_last: int = 0  # the block's most recent sublayer (its projection keys value_projected)
     dynamic_query: Tensor | None = None  # gated dynamic query: what the last written sublayer emitted
-    weights: list[Tensor] | None = None  # per site j=1..2L: alpha [S_j, B, T, M] when recording
+    # per site j=1..2L when recording: alpha [S_j, B, T, M]; gated: [alpha_j, 1 - alpha_j] as [2, B, T, 1]
+    weights: list[Tensor] | None = None
     # incremental decoding of the gated residual: per sublayer, the float32 sums over earlier positions
     # of x and F(x) ([B, 1, D] each) and how many positions they cover; updated in place
     gate_prefix: list[tuple[Tensor, Tensor] | None] | None = None
     prefix_len: int = 0
 
 
-class DepthRouter(nn.Module):
+class DepthRouter(GatedResidual, nn.Module):
     """Owns the routing parameters (queries, key projections, gates) and the read/write rules."""
 
     def __init__(self, cfg: ModelConfig):
@@ -144,8 +134,7 @@ class DepthRouter(nn.Module):
         self.n_sublayers = s.n_sublayers
         self.std = s.init_std
         if self.kind == "gated":
-            self.gate_q = nn.ModuleList(nn.Linear(self.d, self.d, bias=False) for _ in range(self.n_sublayers))
-            self.gate_k = nn.ModuleList(nn.Linear(self.d, self.d, bias=False) for _ in range(self.n_sublayers))
+            self._init_gates(cfg)
         if self.kind != "attnres":
             return
         self.rank = cfg.key_dim
@@ -181,11 +170,9 @@ class DepthRouter(nn.Module):
 
     def reset_parameters(self) -> None:
         """SPEC init: queries zero (or N(0, std)), gates zero, key projections and static keys N(0, std),
-        gated-residual matrices orthogonal."""
+        gated-residual matrices orthogonal and gate biases logit(alpha0)."""
         if self.kind == "gated":
-            for lin in [*self.gate_q, *self.gate_k]:
-                if not lin.weight.is_meta:
-                    nn.init.orthogonal_(lin.weight)
+            self._reset_gates()
             return
         if self.kind != "attnres":
             return
@@ -297,27 +284,6 @@ class DepthRouter(nn.Module):
             state.keys.append(self._norm_key(key))
             state.counts.append(state.partial_count)
             state.partial_value, state.partial_key, state.partial_count = None, None, 0
-
-    def _gated_write(self, state: RoutingState, i: int, fx: Tensor) -> None:
-        x = state.stream
-        mean_x, mean_fx = self._gate_means(state, i, x, fx)
-        gate_logit = (self.gate_q[i - 1](mean_x) * self.gate_k[i - 1](mean_fx)).sum(-1, keepdim=True)
-        g = torch.sigmoid(gate_logit.float() / math.sqrt(self.d)).to(x.dtype)
-        state.stream = g * x + (1 - g) * fx
-
-    @staticmethod
-    def _gate_means(state: RoutingState, i: int, x: Tensor, fx: Tensor) -> tuple[Tensor, Tensor]:
-        """Causal running means of x and F(x), continuing cached sums when decoding incrementally."""
-        if state.gate_prefix is None:
-            return causal_mean(x), causal_mean(fx)
-        prev = state.gate_prefix[i - 1]
-        if prev is None:
-            means = causal_mean(x), causal_mean(fx)
-        else:
-            means = causal_mean(x, (prev[0], state.prefix_len)), causal_mean(fx, (prev[1], state.prefix_len))
-        sums = tuple(t.float().sum(dim=1, keepdim=True) for t in (x, fx))
-        state.gate_prefix[i - 1] = sums if prev is None else (prev[0] + sums[0], prev[1] + sums[1])
-        return means
 
     @staticmethod
     def _add_to_partial(state: RoutingState, value_BTD: Tensor, key_BTR: Tensor | None, i: int) -> None:

@@ -10,15 +10,17 @@ A sweep file (experiments/sweeps/*.yaml) is loaded strictly; every error names t
     sizes: [cpu-study]                   # a grid: sizes x ablations x seeds ...
     ablations: [baseline, s-lr-block-n8-r64]
     seeds: [0, 1, 2]
-    runs:                                # ... and/or an explicit list
-      - {size: small, ablation: attnres-full, seed: 0}
+    runs:                                # ... and/or an explicit list; a run may add fit flags of its own
+      - {size: small, ablation: attnres-full, seed: 0}       # under a `variant` label (training-time
+      - {size: small, ablation: gated-last09, seed: 0,       # variants of one entry: the label joins
+         variant: freeze50, args: {model.gate_freeze_steps: 50}}   # the run name and the tags)
     args: {trainer.max_steps: 200}       # extra `lrattn fit` flags for every run (--trainer.max_steps 200)
     env: {OMP_NUM_THREADS: "1"}          # environment of every run (local runs and emitted scripts)
     slurm: {time: "48:00:00", partition: gpu, account: null, cpus_per_task: 8, max_parallel: 4}
 
 Every (size, ablation) pair is validated against the registry before anything runs. A run is
-*finished* when the MLflow experiment holds a FINISHED run tagged with this sweep, size, ablation and
-seed; finished runs are skipped, and a run with a last.ckpt resumes from it (`--ckpt_path last`, into
+*finished* when the MLflow experiment holds a FINISHED run tagged with this sweep, size, ablation,
+variant and seed; finished runs are skipped, and a run with a last.ckpt resumes from it (`--ckpt_path last`, into
 the same MLflow run). Locally the runs go one after another, each its own `lrattn fit` process; for a
 cluster, `--emit commands` writes the launch commands and `--emit slurm` an sbatch array script with
 one `srun lrattn fit ...` per array task (Lightning reads the SLURM environment; nodes and tasks per
@@ -31,6 +33,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -52,6 +55,7 @@ from lrattn_lightning.registry import (
 
 _FIELDS = ("name", "doc", "recipe", "experiment", "registry", "sizes", "ablations", "seeds", "runs", "args",
            "env", "slurm")
+_RUN_FIELDS = {"size", "ablation", "seed", "variant", "args"}
 _SLURM_FIELDS = ("time", "partition", "account", "cpus_per_task", "max_parallel", "extra")
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,10 +69,12 @@ class SweepRun:
     size: str
     ablation: str
     seed: int
+    variant: str = ""  # a label for the run's own fit flags (training-time variants of one entry)
+    args: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
 
     @property
-    def name(self) -> str:  # the same default run name `lrattn fit` uses
-        return f"{self.size}-{self.ablation}-seed{self.seed}"
+    def name(self) -> str:  # the same default run name `lrattn fit` uses, with the variant label
+        return f"{self.size}-{self.ablation}{'-' + self.variant if self.variant else ''}-seed{self.seed}"
 
 
 @dataclass(frozen=True)
@@ -100,14 +106,15 @@ class Sweep:
 
     def fit_args(self, run: SweepRun, tracking_uri: str | None = None) -> list[str]:
         """The `lrattn fit` arguments of one run (without --ckpt_path)."""
+        tags = {"sweep": self.name, "seed": str(run.seed), **({"variant": run.variant} if run.variant else {})}
         args = ["fit", "--config", self.recipe, "--size", run.size, "--ablation", run.ablation,
                 "--seed_everything", str(run.seed), "--experiment", self.experiment, "--run_name", run.name,
-                "--run_tags", json.dumps({"sweep": self.name, "seed": str(run.seed)})]
+                "--run_tags", json.dumps(tags)]
         if self.registry:
             args += ["--registry", self.registry]
         if tracking_uri:
             args += ["--tracking_uri", tracking_uri]
-        for key, value in self.args.items():
+        for key, value in [*self.args.items(), *run.args]:  # the run's own flags come last and win
             args += [f"--{key}", _flag_value(value)]
         return args
 
@@ -199,17 +206,7 @@ def _check_runs(reg: Registry, grid: list[SweepRun], listed: list[SweepRun], fai
 
 def _options(raw: dict[str, Any], fail) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
     """The optional sections: args (extra fit flags), env and slurm."""
-    args = raw.get("args") or {}
-    if not isinstance(args, dict):
-        raise fail("args", "must be a mapping of fit flags without dashes, e.g. {trainer.max_steps: 200}")
-    for key, value in args.items():
-        if not isinstance(key, str) or key.startswith("-") or not key:
-            raise fail("args", f"key {key!r}: write fit flags without dashes, e.g. trainer.max_steps")
-        if key in ("config", "size", "ablation", "seed_everything", "experiment", "run_name", "run_tags",
-                   "registry", "ckpt_path", "tracking_uri"):
-            raise fail("args", f"'{key}' is set by the sweep itself (use recipe/sizes/ablations/seeds/experiment/registry)")
-        if isinstance(value, dict | list) and key.split(".")[0] not in ("trainer", "model", "data"):
-            raise fail("args", f"key '{key}': a structured value must belong to trainer/model/data")
+    args = _check_args(raw.get("args") or {}, "args", fail)
     env = raw.get("env") or {}
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str | int | float) for k, v in env.items()):
         raise fail("env", "must be a mapping NAME: value (strings or numbers)")
@@ -222,6 +219,21 @@ def _options(raw: dict[str, Any], fail) -> tuple[dict[str, Any], dict[str, str],
     if "extra" in slurm and not (isinstance(slurm["extra"], list) and all(isinstance(x, str) for x in slurm["extra"])):
         raise fail("slurm.extra", "must be a list of '#SBATCH' option strings such as '--qos=high'")
     return dict(args), {k: str(v) for k, v in env.items()}, dict(slurm)
+
+
+def _check_args(args: Any, where: str, fail) -> dict[str, Any]:
+    """Extra `lrattn fit` flags (the sweep's `args`, or one run's)."""
+    if not isinstance(args, dict):
+        raise fail(where, "must be a mapping of fit flags without dashes, e.g. {trainer.max_steps: 200}")
+    for key, value in args.items():
+        if not isinstance(key, str) or key.startswith("-") or not key:
+            raise fail(where, f"key {key!r}: write fit flags without dashes, e.g. trainer.max_steps")
+        if key in ("config", "size", "ablation", "seed_everything", "experiment", "run_name", "run_tags",
+                   "registry", "ckpt_path", "tracking_uri"):
+            raise fail(where, f"'{key}' is set by the sweep itself (use recipe/sizes/ablations/seeds/experiment/registry)")
+        if isinstance(value, dict | list) and key.split(".")[0] not in ("trainer", "model", "data"):
+            raise fail(where, f"key '{key}': a structured value must belong to trainer/model/data")
+    return dict(args)
 
 
 def _grid_runs(raw: dict[str, Any], fail) -> list[SweepRun]:
@@ -251,13 +263,20 @@ def _list_runs(entries: Any, fail) -> list[SweepRun]:
         raise fail("runs", "must be a list of {size, ablation, seed}")
     out = []
     for i, entry in enumerate(entries):
-        if not isinstance(entry, dict) or set(entry) != {"size", "ablation", "seed"}:
-            raise fail(f"runs[{i}]", "each run is a mapping with exactly size, ablation and seed")
+        if not isinstance(entry, dict) or not {"size", "ablation", "seed"} <= set(entry) <= _RUN_FIELDS:
+            raise fail(f"runs[{i}]", "each run is a mapping with size, ablation and seed (and optionally variant "
+                       "with args)")
         if not isinstance(entry["seed"], int) or isinstance(entry["seed"], bool):
             raise fail(f"runs[{i}].seed", f"{entry['seed']!r} is not an integer")
         if not isinstance(entry["size"], str) or not isinstance(entry["ablation"], str):
             raise fail(f"runs[{i}]", "size and ablation are registry names (strings)")
-        out.append(SweepRun(entry["size"], entry["ablation"], entry["seed"]))
+        variant = entry.get("variant", "")
+        if not isinstance(variant, str) or (variant and not re.fullmatch(r"[a-z0-9][a-z0-9.-]*", variant)):
+            raise fail(f"runs[{i}].variant", f"{variant!r}: a label of lower-case letters, digits, '-' and '.'")
+        args = _check_args(entry.get("args") or {}, f"runs[{i}].args", fail)
+        if args and not variant:
+            raise fail(f"runs[{i}].variant", "a run with its own args needs a variant label (it names the run)")
+        out.append(SweepRun(entry["size"], entry["ablation"], entry["seed"], variant, tuple(args.items())))
     return out
 
 
@@ -281,7 +300,7 @@ def finished_runs(sweep: Sweep, tracking_uri: str) -> set[SweepRun]:
             tags = run.data.tags
             if run.info.status == "FINISHED" and {"size", "ablation", "seed"} <= set(tags):
                 try:
-                    done.add(SweepRun(tags["size"], tags["ablation"], int(tags["seed"])))
+                    done.add(SweepRun(tags["size"], tags["ablation"], int(tags["seed"]), tags.get("variant", "")))
                 except ValueError:
                     continue
         token = page.token

@@ -239,5 +239,10 @@ def test_forward_in_float32_and_bfloat16(registry, name, dtype):
     torch.testing.assert_close(out.logits.float(), reference, atol=tolerance, rtol=0)
     if cfg.ablation.routing == "attnres":
         assert all(alpha.dtype == torch.float32 and torch.isfinite(alpha).all() for alpha in out.routing)
+    elif cfg.ablation.routing == "gated":  # per sublayer the two-source weights [alpha, 1 - alpha]
+        assert len(out.routing) == cfg.size.n_sublayers
+        for w in out.routing:
+            assert w.shape == (2, 2, 8, 1) and w.dtype == torch.float32
+            torch.testing.assert_close(w.sum(0), torch.ones(2, 8, 1))
     else:
-        assert not out.routing  # no routing weights without attention residuals
+        assert not out.routing  # no routing weights with the plain residual stream

@@ -200,6 +200,14 @@ def test_unknown_ablation_fails_before_any_run(data_dir, tmp_path, monkeypatch, 
     ({"runs": [{"size": "tiny", "ablation": "baseline", "seed": 0}]}, ("field 'runs[0]'", "appears twice")),
     ({"args": {"--trainer.max_steps": 2}}, ("field 'args'", "without dashes")),
     ({"slurm": {"nodes": 2}}, ("field 'slurm.nodes'", "unknown field")),
+    ({"runs": [{"size": "tiny", "ablation": "baseline", "seed": 5, "args": {"model.lr": 1.0}}]},
+     ("field 'runs[0].variant'", "needs a variant label")),
+    ({"runs": [{"size": "tiny", "ablation": "baseline", "seed": 5, "variant": "Big LR", "args": {"model.lr": 1.0}}]},
+     ("field 'runs[0].variant'", "lower-case")),
+    ({"runs": [{"size": "tiny", "ablation": "baseline", "seed": 5, "variant": "x", "args": {"run_name": "y"}}]},
+     ("field 'runs[0].args'", "set by the sweep itself")),
+    ({"runs": [{"size": "tiny", "ablation": "baseline", "seed": 5, "variant": "x", "flags": {}}]},
+     ("field 'runs[0]'", "optionally variant")),
 ])
 def test_bad_sweep_files_name_the_field(data_dir, tmp_path, monkeypatch, capsys, changes, needles):
     path = write_sweep(tmp_path, data_dir, **changes)
@@ -234,3 +242,48 @@ def test_emit_commands_and_slurm_array(data_dir, tmp_path, monkeypatch):
     assert task.stdout.splitlines() == sweep.fit_args(sweep.runs[2], uri)
     assert json.loads(sweep.fit_args(sweep.runs[2])[sweep.fit_args(sweep.runs[2]).index("--run_tags") + 1]) == \
         {"sweep": "two-by-two", "seed": "1"}
+
+
+# ---- training-time variants of one entry: their own runs, tags and comparison rows ---------------------
+def test_variant_runs_carry_their_flags_and_get_their_own_rows(data_dir, tmp_path, monkeypatch, capsys):
+    """The gated residual with and without a gate freeze: run names, tags, the flag reaching the module,
+    the gate diagnostics (metrics, gates.json, the compare figure) and a row per variant."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    runs = [{"size": "tiny", "ablation": "gated-alpha09", "seed": 0, "variant": "freeze2",
+             "args": {"model.gate_freeze_steps": 2}}]
+    path = write_sweep(tmp_path, data_dir, name="gates", ablations=["gated-alpha09"], seeds=[0], runs=runs)
+    sweep, _ = load_sweep(path)
+    assert [r.name for r in sweep.runs] == ["tiny-gated-alpha09-seed0", "tiny-gated-alpha09-freeze2-seed0"]
+    args = sweep.fit_args(sweep.runs[1])
+    assert args[-2:] == ["--model.gate_freeze_steps", "2"]
+    assert json.loads(args[args.index("--run_tags") + 1]) == {"sweep": "gates", "seed": "0", "variant": "freeze2"}
+    assert main(["sweep", str(path)]) == 0
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    by_name = {r.info.run_name: r for r in sweep_runs(uri)}
+    assert set(by_name) == {"tiny-gated-alpha09-seed0", "tiny-gated-alpha09-freeze2-seed0"}
+    frozen, plain = by_name["tiny-gated-alpha09-freeze2-seed0"], by_name["tiny-gated-alpha09-seed0"]
+    assert frozen.data.tags["variant"] == "freeze2" and "variant" not in plain.data.tags
+    held = sorted((m.step, m.value) for m in client.get_metric_history(frozen.info.run_id, "train/gates_held"))
+    assert [v for _, v in held] == [1.0, 1.0, 0.0]  # steps 0, 1 held, released at step 2
+    assert "train/gates_held" not in plain.data.metrics
+    for run in (frozen, plain):
+        metrics = run.data.metrics
+        assert {f"routing/site{i:02d}/alpha" for i in range(1, 5)} <= set(metrics)
+        assert 0.0 < metrics["routing/mean/alpha"] < 1.0 and "routing/site01/entropy" not in metrics
+        gates = json.loads(Path(client.download_artifacts(run.info.run_id, "routing/gates.json", str(tmp_path))).read_text())
+        assert len(gates["alpha"]) == 4 and gates["held"] is False
+        assert gates["alpha"][0] == pytest.approx(metrics["routing/site01/alpha"])
+        assert "routing/gates.png" in {a.path for a in client.list_artifacts(run.info.run_id, "routing")}
+    capsys.readouterr()
+    assert main(["sweep", str(path), "--dry-run"]) == 0  # the variant run is recognised as finished
+    assert capsys.readouterr().out.count("  finished  ") == 2
+    assert main(["compare", "--experiment", "sweep-test", "--tracking_uri", uri, "--out", "report"]) == 0
+    rows = read_csv(tmp_path / "report/table.csv")
+    assert set(rows) == {"gated-alpha09", "gated-alpha09+freeze2"}
+    assert rows["gated-alpha09+freeze2"]["control"] == "gated-alpha09"
+    assert float(rows["gated-alpha09+freeze2"]["delta_control"]) == pytest.approx(
+        frozen.data.metrics["val/loss"] - plain.data.metrics["val/loss"], abs=1e-9)
+    assert (tmp_path / "report/gate_alphas.png").read_bytes()[:8] == PNG
+    assert "gate_alphas.png" in (tmp_path / "report/report.md").read_text()
