@@ -180,7 +180,8 @@ def _resolve_recipe(recipe: str, sweep_file: Path) -> Path | None:
         return given if given.is_file() else None
     for candidate in (sweep_file.parent / given, given):
         if candidate.is_file():
-            return candidate.resolve()
+            here = os.path.relpath(candidate.resolve(), Path.cwd())  # short in commands when under the cwd
+            return Path(here) if not here.startswith("..") else candidate.resolve()
     return packaged(recipe)
 
 
