@@ -151,6 +151,7 @@ def _search_all(client: Any, experiment_id: str, query: str) -> list[Any]:
         runs.extend(page)
         token = page.token
         if not token:
+            print(f"[lrattn compare] read {len(runs)} runs", file=sys.stderr, flush=True)
             return runs
 
 

@@ -347,6 +347,8 @@ def prepare(
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         docs = list(iter_documents(source, max_documents=max_documents, max_bytes=max_bytes))
+        print(f"[lrattn prepare] read {len(docs):,} documents ({sum(len(d.text) for d in docs):,} characters) "
+              f"from {source}", file=sys.stderr, flush=True)
         splits = _split_documents(docs, val_fraction, source)
         tok = _make_tokenizer(tokenizer, [d.text for d in splits["train"]], staging)
         dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
@@ -356,6 +358,8 @@ def prepare(
             _write_shards(texts, staging / split, tok.spec(), staging, dtype, num_workers, chunk_bytes)
             counts[split] = _split_counts(texts, staging / split)
             counts[split]["max_token_id"] = max_token_id(staging / split, check_shards(staging, split), dtype)
+            print(f"[lrattn prepare] {split}: {len(texts):,} documents, {counts[split].get('tokens', 0):,} tokens "
+                  "written", file=sys.stderr, flush=True)
         tasks = write_task_files(splits["val"], staging / "tasks", seed, cloze_items, perplexity_documents)
         meta = {
             "format_version": FORMAT_VERSION,

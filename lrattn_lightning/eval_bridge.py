@@ -60,6 +60,26 @@ from lrattn_lightning.tokenizer import Tokenizer
 
 
 # ---- the lm-eval model --------------------------------------------------------------------------
+class _Progress:
+    """One line on stderr, rewritten at most every 2 s: how many requests are scored, of how many."""
+
+    def __init__(self, what: str, total: int, quiet: bool = False) -> None:
+        self.what, self.total, self.quiet = what, total, quiet or total == 0
+        self.start = self.last = time.monotonic()
+
+    def update(self, done: int) -> None:
+        now = time.monotonic()
+        if not self.quiet and now - self.last >= 2.0:
+            self.last = now
+            print(f"[lrattn eval] {done:,}/{self.total:,} {self.what} scored ({now - self.start:.0f} s)",
+                  file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if not self.quiet:
+            print(f"[lrattn eval] {self.total:,}/{self.total:,} {self.what} scored "
+                  f"({time.monotonic() - self.start:.0f} s)", file=sys.stderr, flush=True)
+
+
 @register_model("lrattn")
 class LRAttnLM(TemplateLM):
     """lm-eval model over a Decoder. `LRAttnLM(checkpoint=PATH)` or `LRAttnLM(model=..., tokenizer=...)`.
@@ -147,8 +167,10 @@ class LRAttnLM(TemplateLM):
         totals = [0.0] * len(requests)
         greedy = [True] * len(requests)
         order = sorted(range(len(pieces)), key=lambda k: (-len(pieces[k][1]), pieces[k][1]))
+        progress = _Progress("loglikelihood requests", len(requests), quiet=disable_tqdm or self.rank != 0)
         with torch.no_grad():
             for first in range(0, len(order), self.batch_size):
+                progress.update(len({pieces[k][0] for k in order[:first + self.batch_size]}))
                 batch = [pieces[k] for k in order[first:first + self.batch_size]]
                 width = len(batch[0][1])  # longest first
                 ids = torch.full((len(batch), width), self.eot_token_id, dtype=torch.long)
@@ -161,6 +183,7 @@ class LRAttnLM(TemplateLM):
                     target = torch.tensor(cont, dtype=torch.long, device=scored.device)
                     totals[i] += float(scored.gather(-1, target[:, None]).sum())
                     greedy[i] = greedy[i] and bool((scored.argmax(-1) == target).all())
+        progress.done()
         results = list(zip(totals, greedy, strict=True))
         for (key, _, _), answer in zip(requests, results, strict=True):
             if key is not None:

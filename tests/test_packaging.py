@@ -64,6 +64,7 @@ def test_installed_list_and_a_two_step_fit_outside_the_checkout(installed):
     assert "p-lr-block-n8-r32" in listed.stdout and "site-packages" in listed.stdout  # the packaged registry
     prep = _run(installed, "prepare", "--max-documents", "60", "--out", "data")  # the hyphenated alias works
     assert prep.returncode == 0, prep.stderr[-2000:]
+    assert "read 60 documents" in prep.stderr and "tokens written" in prep.stderr  # progress on long work
     fit = _run(installed, "fit", "--config", "experiments/cpu-demo.yaml", "--size", "tiny", "--ablation",
                "s-lr-full-r16", "--data.data_dir", "data", "--data.batch_size", "2", "--trainer.max_steps", "2",
                "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2",
