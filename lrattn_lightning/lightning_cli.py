@@ -163,6 +163,14 @@ class LRAttnCLI(LightningCLI):
                       "logging to a new run", file=sys.stderr)
                 self.resume_run_id = None
 
+    def after_fit(self) -> None:
+        """A fit always ends with a validation of its final weights (val/loss, routing, heatmap at the last
+        step), also when max_steps is not a multiple of val_check_interval."""
+        trainer, model = self.trainer, self.model
+        if trainer.interrupted or trainer.limit_val_batches == 0 or getattr(model, "last_validated_step", None) == trainer.global_step:
+            return
+        trainer.validate(model, datamodule=self.datamodule, verbose=False)
+
     def instantiate_trainer(self, **kwargs: Any):
         cfg = self.config[self.subcommand]
         trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}

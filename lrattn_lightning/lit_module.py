@@ -147,6 +147,7 @@ class LRAttnModule(L.LightningModule):
         self._routing_weights: list[torch.Tensor] | None = None
         self._step_clock: float | None = None
         self._loaded_step: int | None = None
+        self.last_validated_step: int | None = None
 
     # ---- the gated residual's training-time controls --------------------------------------------
     def _check_gate_schedule(self, cfg: ModelConfig) -> None:
@@ -294,15 +295,18 @@ class LRAttnModule(L.LightningModule):
         return self._loaded_step if self._loaded_step is not None else self.global_step
 
     def _report(self, name: str, value: Any, **kwargs: Any) -> None:
-        """self.log at the training step, or, for a validated checkpoint, straight to the logger at its step."""
-        at_checkpoint = self.report_step != self.global_step
-        self.log(name, value, logger=not at_checkpoint, **kwargs)
-        if at_checkpoint and self.logger is not None and not self.trainer.sanity_checking and self.trainer.is_global_zero:
+        """A validation result: self.log for the progress bar and callbacks, and to the logger at report_step
+        (the number of optimizer steps behind the weights), so in-fit, final and checkpoint validations
+        all sit at the step of the weights they scored."""
+        self.log(name, value, logger=False, **kwargs)
+        if self.logger is not None and not self.trainer.sanity_checking and self.trainer.is_global_zero:
             self.logger.log_metrics({name: float(value)}, step=self.report_step)
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
         self.val_loss.reset()
+        if not self.trainer.sanity_checking:
+            self.last_validated_step = self.report_step
         self._report("val/loss", loss, prog_bar=True, sync_dist=False)
         bytes_per_token = getattr(self.trainer.datamodule, "bytes_per_token", None) if self.trainer.datamodule else None
         if callable(bytes_per_token):

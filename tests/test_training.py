@@ -131,6 +131,18 @@ def test_validate_and_test_a_checkpoint_log_into_its_training_run(tiny_data, tmp
     assert weights["step"] == 2
 
 
+def test_a_fit_always_validates_its_final_weights(tiny_data, tmp_path, monkeypatch):
+    """max_steps 3 with validation every 2 steps: the fit still ends with val/loss and a heatmap at step 3."""
+    monkeypatch.chdir(tmp_path)
+    assert main(fit_args(tiny_data, steps=3)) == 0
+    client, run = only_run(f"sqlite:///{tmp_path}/mlflow.db")
+    steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "val/loss"))
+    assert steps == [2, 3]
+    weights = json.loads(Path(client.download_artifacts(run.info.run_id, "routing/weights.json", str(tmp_path))).read_text())
+    assert weights["step"] == 3
+    assert len(list((tmp_path / "runs").rglob("*.ckpt"))) == 1  # one final checkpoint
+
+
 def test_checkpoint_under_other_ablation_is_an_error(tiny_data, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(fit_args(tiny_data, steps=2)) == 0
