@@ -37,6 +37,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lrattn_lightning.errors import Parser
+
 PHASES = ("train", "forward", "generate")
 MODES = ("eager", "compile")
 
@@ -50,7 +52,7 @@ def make_optimizer(model: Any, lr: float = 3e-4) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lrattn bench", description=__doc__.split("\n\n")[0],
+    p = Parser(prog="lrattn bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="small", help="registry size name")
     p.add_argument("--ablations", default="s-lr-block-n8-r64,p-lr-block-n8-r32,attnres-block-n8,attnres-full",

@@ -22,7 +22,6 @@ whose control is the plain ablation.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import json
@@ -35,6 +34,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from lrattn_lightning.errors import Parser
 
 SUMMARY_TAG = "lrattn.summary"
 FIGURES = ("loss_vs_flops", "routing_heatmaps", "gate_alphas", "training_curves")
@@ -150,6 +151,7 @@ def _search_all(client: Any, experiment_id: str, query: str) -> list[Any]:
         runs.extend(page)
         token = page.token
         if not token:
+            print(f"[lrattn compare] read {len(runs)} runs", file=sys.stderr, flush=True)
             return runs
 
 
@@ -573,10 +575,10 @@ def log_summary_run(client: Any, experiment: str, files: list[Path], table_md: s
 def main(argv: list[str] | None = None) -> int:
     from mlflow.tracking import MlflowClient
 
-    from lrattn_lightning.cli import resolve_tracking_uri
+    from lrattn_lightning.tracking import resolve_tracking_uri
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    parser = argparse.ArgumentParser(prog="lrattn compare", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="lrattn compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("--experiment", required=True, help="the MLflow experiment of the sweep")
     parser.add_argument("--tracking_uri", "--tracking-uri", default=None,
                         help="MLflow store (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")

@@ -229,8 +229,11 @@ def _folder_documents(folder: Path) -> Iterator[Document]:
         if path.suffix == ".txt":
             yield from (Document(t, rel) for t in _group_paragraphs(_read_text(path)))
             continue
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        undecodable = 0
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                line, bad = _decode_utf8(raw)
+                undecodable += bad
                 if not line.strip():
                     continue
                 try:
@@ -239,6 +242,8 @@ def _folder_documents(folder: Path) -> Iterator[Document]:
                 except (json.JSONDecodeError, KeyError, TypeError) as err:
                     raise ValueError(f"{path}:{lineno}: expected a JSON object with a string field 'text' ({err!r})") from err
                 yield Document(str(text), rel)
+        if undecodable:
+            _warn_undecodable(path, undecodable)
 
 
 def _hf_documents(name: str) -> Iterator[Document]:
@@ -260,10 +265,34 @@ def _hf_documents(name: str) -> Iterator[Document]:
 
 
 def _read_text(path: Path) -> str:
+    """A text file as UTF-8; undecodable bytes become U+FFFD, with one warning that counts them."""
     if path.suffix == ".gz":
-        with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
-            return f.read()
-    return path.read_text(encoding="utf-8", errors="replace")
+        with gzip.open(path, "rb") as f:
+            raw = f.read()
+    else:
+        raw = path.read_bytes()
+    text, bad = _decode_utf8(raw)
+    if bad:
+        _warn_undecodable(path, bad)
+    return text
+
+
+_REPLACEMENT = "\ufffd"
+
+
+def _decode_utf8(raw: bytes) -> tuple[str, int]:
+    """(text, number of undecodable byte sequences replaced by U+FFFD)."""
+    try:
+        return raw.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", errors="replace")
+        return text, text.count(_REPLACEMENT) - raw.count(_REPLACEMENT.encode("utf-8"))
+
+
+def _warn_undecodable(path: Path, count: int) -> None:
+    print(f"[lrattn prepare] warning: {path} is not valid UTF-8: {count} undecodable byte sequence(s) were replaced "
+          "by U+FFFD; convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8) if that is not intended",
+          file=sys.stderr, flush=True)
 
 
 def _group_paragraphs(text: str, target: int = DOCUMENT_TARGET_CHARS) -> Iterator[str]:
@@ -318,6 +347,8 @@ def prepare(
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         docs = list(iter_documents(source, max_documents=max_documents, max_bytes=max_bytes))
+        print(f"[lrattn prepare] read {len(docs):,} documents ({sum(len(d.text) for d in docs):,} characters) "
+              f"from {source}", file=sys.stderr, flush=True)
         splits = _split_documents(docs, val_fraction, source)
         tok = _make_tokenizer(tokenizer, [d.text for d in splits["train"]], staging)
         dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
@@ -326,6 +357,9 @@ def prepare(
             texts = [d.text for d in splits[split]]
             _write_shards(texts, staging / split, tok.spec(), staging, dtype, num_workers, chunk_bytes)
             counts[split] = _split_counts(texts, staging / split)
+            counts[split]["max_token_id"] = max_token_id(staging / split, check_shards(staging, split), dtype)
+            print(f"[lrattn prepare] {split}: {len(texts):,} documents, {counts[split].get('tokens', 0):,} tokens "
+                  "written", file=sys.stderr, flush=True)
         tasks = write_task_files(splits["val"], staging / "tasks", seed, cloze_items, perplexity_documents)
         meta = {
             "format_version": FORMAT_VERSION,
@@ -571,6 +605,19 @@ def check_shards(data_dir: str | Path, split: str) -> list[dict[str, Any]]:
     return chunks
 
 
+def max_token_id(shard_dir: str | Path, chunks: list[dict[str, Any]], dtype: Any) -> int:
+    """The largest token id in a split's chunks (-1 if empty): a litdata chunk is a uint32 header
+    (item count, item count + 1 offsets) followed by the tokens, which are read through a memory map."""
+    top = -1
+    for chunk in chunks:
+        path = Path(shard_dir) / chunk["filename"]
+        header = (chunk["chunk_size"] + 2) * 4
+        if path.stat().st_size > header:
+            tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r", offset=header)
+            top = max(top, int(tokens.max()))
+    return top
+
+
 def count_windows(chunks: list[dict[str, Any]], window: int) -> int:
     """Windows of `window` tokens litdata's TokensLoader yields (they never cross a chunk boundary)."""
     return sum(c["dim"] // window for c in chunks)
@@ -593,6 +640,17 @@ def validate_data_dir(data_dir: str | Path, size: SizeConfig, seq_len: int | Non
         raise ValueError(f"seq_len {seq_len} exceeds the {size.seq_len} positions of size '{size.name}'; use seq_len <= {size.seq_len}")
     for split in ("val", "train"):
         chunks = check_shards(data_dir, split)
+        # An id the embedding does not have crashes the first step (a device-side assert on GPUs).
+        # prepare records each split's largest id; folders prepared before that are scanned.
+        top = meta["splits"].get(split, {}).get("max_token_id")
+        if top is None:
+            top = max_token_id(Path(data_dir) / split, chunks, meta.get("dtype", "uint16"))
+        if top >= size.vocab_size:
+            raise ValueError(
+                f"the {split} split of {data_dir} holds token id {top}, beyond the vocab_size {size.vocab_size} of size "
+                f"'{size.name}' (ids must be < {size.vocab_size}); prepare the data with a tokenizer that fits the "
+                "model or choose a size with a larger vocab_size"
+            )
         if count_windows(chunks, seq_len + 1) == 0:
             tokens = sum(c["dim"] for c in chunks)
             raise ValueError(

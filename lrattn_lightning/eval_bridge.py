@@ -45,6 +45,7 @@ from lm_eval.api.registry import register_model
 
 from lrattn_lightning.checkpoints import EvalError, LoadedCheckpoint, check_data_dir, load_checkpoint
 from lrattn_lightning.decoder import Decoder
+from lrattn_lightning.errors import Parser
 from lrattn_lightning.eval_tasks import (
     LOCAL_TASKS,
     PRESETS,
@@ -59,6 +60,26 @@ from lrattn_lightning.tokenizer import Tokenizer
 
 
 # ---- the lm-eval model --------------------------------------------------------------------------
+class _Progress:
+    """One line on stderr, rewritten at most every 2 s: how many requests are scored, of how many."""
+
+    def __init__(self, what: str, total: int, quiet: bool = False) -> None:
+        self.what, self.total, self.quiet = what, total, quiet or total == 0
+        self.start = self.last = time.monotonic()
+
+    def update(self, done: int) -> None:
+        now = time.monotonic()
+        if not self.quiet and now - self.last >= 2.0:
+            self.last = now
+            print(f"[lrattn eval] {done:,}/{self.total:,} {self.what} scored ({now - self.start:.0f} s)",
+                  file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if not self.quiet:
+            print(f"[lrattn eval] {self.total:,}/{self.total:,} {self.what} scored "
+                  f"({time.monotonic() - self.start:.0f} s)", file=sys.stderr, flush=True)
+
+
 @register_model("lrattn")
 class LRAttnLM(TemplateLM):
     """lm-eval model over a Decoder. `LRAttnLM(checkpoint=PATH)` or `LRAttnLM(model=..., tokenizer=...)`.
@@ -146,8 +167,10 @@ class LRAttnLM(TemplateLM):
         totals = [0.0] * len(requests)
         greedy = [True] * len(requests)
         order = sorted(range(len(pieces)), key=lambda k: (-len(pieces[k][1]), pieces[k][1]))
+        progress = _Progress("loglikelihood requests", len(requests), quiet=disable_tqdm or self.rank != 0)
         with torch.no_grad():
             for first in range(0, len(order), self.batch_size):
+                progress.update(len({pieces[k][0] for k in order[:first + self.batch_size]}))
                 batch = [pieces[k] for k in order[first:first + self.batch_size]]
                 width = len(batch[0][1])  # longest first
                 ids = torch.full((len(batch), width), self.eot_token_id, dtype=torch.long)
@@ -160,6 +183,7 @@ class LRAttnLM(TemplateLM):
                     target = torch.tensor(cont, dtype=torch.long, device=scored.device)
                     totals[i] += float(scored.gather(-1, target[:, None]).sum())
                     greedy[i] = greedy[i] and bool((scored.argmax(-1) == target).all())
+        progress.done()
         results = list(zip(totals, greedy, strict=True))
         for (key, _, _), answer in zip(requests, results, strict=True):
             if key is not None:
@@ -330,8 +354,8 @@ def open_eval_run(ckpt: LoadedCheckpoint, tracking_uri: str, experiment: str = "
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from lrattn_lightning.cli import artifact_location
     from lrattn_lightning.lit_module import flat_run_params
+    from lrattn_lightning.tracking import artifact_location
 
     client = MlflowClient(tracking_uri)
     run_id = (ckpt.mlflow or {}).get("run_id")
@@ -378,7 +402,7 @@ def log_eval(client: Any, run_id: str, step: int, results: dict[str, Any] | None
 
 # ---- `lrattn eval`: the Fabric launcher ---------------------------------------------------------
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="lrattn eval", description="Evaluate a checkpoint with lm-eval; log to MLflow.")
+    parser = Parser(prog="lrattn eval", description="Evaluate a checkpoint with lm-eval; log to MLflow.")
     parser.add_argument("--checkpoint", required=True, help="a .ckpt written by `lrattn fit`")
     parser.add_argument("--tasks", default="local",
                         help="comma-separated lm-eval tasks/groups and presets: " +
@@ -422,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         raise EvalError(f"nothing to evaluate: --tasks is empty; name tasks or presets ({', '.join(PRESETS)}) "
                         "or pass --val-loss")
     if not args.no_log:
-        from lrattn_lightning.cli import resolve_tracking_uri
+        from lrattn_lightning.tracking import resolve_tracking_uri
 
         recorded = (ckpt.mlflow or {}).get("tracking_uri")
         if recorded and recorded.startswith("sqlite:///") and not Path(recorded[len("sqlite:///"):]).is_file():

@@ -11,11 +11,11 @@ of the reference is here.
 
 from __future__ import annotations
 
-import argparse
 import math
 from typing import Any
 
 from lrattn_lightning.config import ModelConfig
+from lrattn_lightning.errors import Parser
 
 # The reference's ModelConfig defaults for the flags we set (so the table can list only departures).
 REFERENCE_DEFAULTS: dict[str, Any] = {
@@ -213,7 +213,7 @@ def render_markdown(rows: list[dict[str, Any]], golden_path: str, size_line: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lrattn fidelity", description=__doc__.splitlines()[0])
+    parser = Parser(prog="lrattn fidelity", description=__doc__.splitlines()[0])
     parser.add_argument("--golden", required=True, help="golden data file (tests/golden/reference.pt)")
     parser.add_argument("--registry", default=None)
     parser.add_argument("--impl", default="fast", choices=["fast", "reference"])

@@ -20,14 +20,15 @@ width and with sequence length (recomputation is O(T) per step, the cached step 
 
 from __future__ import annotations
 
-import argparse
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lrattn_lightning.decoder import Decoder, KVCache
+from lrattn_lightning.errors import Parser
 
 
 def sample_next(
@@ -56,7 +57,7 @@ def sample_next(
 
 
 @torch.no_grad()
-def generate(
+def generate_stream(
     model: Decoder,
     prompt_BT: Tensor,
     max_new_tokens: int,
@@ -68,13 +69,8 @@ def generate(
     generator: torch.Generator | None = None,
     eos_id: int | None = None,
     should_stop: Callable[[Tensor], Tensor] | None = None,
-) -> Tensor:
-    """Continue each row of `prompt_BT` (equal lengths, no padding) -> new tokens [B, n], n <= max_new_tokens.
-
-    A row is finished when it emits `eos_id` or when `should_stop(new_BN)` (a bool [B]) says so;
-    finished rows are filled with `eos_id` (or keep being decoded when there is none) and decoding
-    stops once every row is finished. Prompt plus new tokens must fit the model's seq_len.
-    """
+) -> Iterator[Tensor]:
+    """Yield the next token of every row [B] as it is decoded (see `generate` for the rules)."""
     B, T = prompt_BT.shape
     seq_len = model.cfg.size.seq_len
     if T < 1:
@@ -91,6 +87,7 @@ def generate(
             token = token.masked_fill(done, eos_id)
             done = done | (token == eos_id)
         new.append(token)
+        yield token
         if should_stop is not None:
             done = done | should_stop(torch.stack(new, dim=1))
         if bool(done.all()) or step == max_new_tokens - 1:
@@ -99,8 +96,20 @@ def generate(
             logits = model(token[:, None], cache=cache)[:, -1]
         else:
             logits = model(torch.cat((prompt_BT, torch.stack(new, dim=1)), dim=1))[:, -1]
+
+
+@torch.no_grad()
+def generate(model: Decoder, prompt_BT: Tensor, max_new_tokens: int, **options: Any) -> Tensor:
+    """Continue each row of `prompt_BT` (equal lengths, no padding) -> new tokens [B, n], n <= max_new_tokens.
+
+    A row is finished when it emits `eos_id` or when `should_stop(new_BN)` (a bool [B]) says so;
+    finished rows are filled with `eos_id` (or keep being decoded when there is none) and decoding
+    stops once every row is finished. Prompt plus new tokens must fit the model's seq_len.
+    Options: use_cache, temperature, top_k, top_p, generator, eos_id, should_stop.
+    """
+    new = list(generate_stream(model, prompt_BT, max_new_tokens, **options))
     if not new:
-        return prompt_BT.new_empty(B, 0)
+        return prompt_BT.new_empty(prompt_BT.shape[0], 0)
     return torch.stack(new, dim=1)
 
 
@@ -145,7 +154,7 @@ def kv_speed_ratio(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lrattn_lightning.generate",
+    parser = Parser(prog="python -m lrattn_lightning.generate",
                                      description="KV-cache vs full-recomputation generation speed.")
     parser.add_argument("--size", default="small")
     parser.add_argument("--ablation", action="append", help="registry ablation (repeatable)")

@@ -9,6 +9,7 @@ into a module built for a different size/ablation is an error.
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -145,6 +146,8 @@ class LRAttnModule(L.LightningModule):
         self.val_loss = torchmetrics.MeanMetric()
         self._routing_weights: list[torch.Tensor] | None = None
         self._step_clock: float | None = None
+        self._loaded_step: int | None = None
+        self.last_validated_step: int | None = None
 
     # ---- the gated residual's training-time controls --------------------------------------------
     def _check_gate_schedule(self, cfg: ModelConfig) -> None:
@@ -249,6 +252,9 @@ class LRAttnModule(L.LightningModule):
         seconds = time.perf_counter() - self._step_clock
         tokens = (batch.shape[1] - 1) * batch.shape[0] * self.trainer.world_size
         self.log("train/tokens_per_s", tokens / max(seconds, 1e-9), prog_bar=True)
+        per_step = self._tokens_per_step()
+        if per_step:
+            self.log("train/tokens_seen", float((self.global_step) * per_step))
 
     def configure_optimizers(self) -> dict:
         hp = self.hparams
@@ -280,15 +286,33 @@ class LRAttnModule(L.LightningModule):
         ce, _ = token_losses(logits, targets)
         self.val_loss.update(ce, weight=targets.numel())
 
+    @property
+    def report_step(self) -> int:
+        """The step results belong to: the training step while fitting, the checkpoint's step when a
+        checkpoint is validated or tested (not 0), so curves and the heatmap sit at the right place."""
+        if self._trainer is None or self.trainer.training or self.trainer.state.fn == "fit":
+            return self.global_step
+        return self._loaded_step if self._loaded_step is not None else self.global_step
+
+    def _report(self, name: str, value: Any, **kwargs: Any) -> None:
+        """A validation result: self.log for the progress bar and callbacks, and to the logger at report_step
+        (the number of optimizer steps behind the weights), so in-fit, final and checkpoint validations
+        all sit at the step of the weights they scored."""
+        self.log(name, value, logger=False, **kwargs)
+        if self.logger is not None and not self.trainer.sanity_checking and self.trainer.is_global_zero:
+            self.logger.log_metrics({name: float(value)}, step=self.report_step)
+
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
         self.val_loss.reset()
-        self.log("val/loss", loss, prog_bar=True, sync_dist=False)
+        if not self.trainer.sanity_checking:
+            self.last_validated_step = self.report_step
+        self._report("val/loss", loss, prog_bar=True, sync_dist=False)
         bytes_per_token = getattr(self.trainer.datamodule, "bytes_per_token", None) if self.trainer.datamodule else None
         if callable(bytes_per_token):
             bpt = bytes_per_token("val")
             if bpt:
-                self.log("val/bpb", loss / math.log(2) / bpt)
+                self._report("val/bpb", loss / math.log(2) / bpt)
         if self._routing_weights is not None:
             self._log_routing(self._routing_weights)
             self._routing_weights = None
@@ -297,22 +321,24 @@ class LRAttnModule(L.LightningModule):
         if self.cfg.ablation.routing == "gated":
             self._log_gates(weights)
             return
+        # per read site: one table artifact per validation (routing/sites.json), not 4 x 2L metrics;
+        # the mean over sites stays a metric to plot
         stats = diagnostics.site_stats(weights)
-        for j, row in enumerate(stats, start=1):
-            for stat, value in row.items():
-                self.log(f"routing/site{j:02d}/{stat}", value)
         for stat in diagnostics.STATS:
-            self.log(f"routing/mean/{stat}", sum(r[stat] for r in stats) / len(stats))
+            self._report(f"routing/mean/{stat}", sum(r[stat] for r in stats) / len(stats))
         if self.trainer.sanity_checking or not self.trainer.is_global_zero:
             return
         if isinstance(self.logger, MLFlowLogger):
+            step = self.report_step
             matrix = diagnostics.mean_weights(weights)
             fig = diagnostics.heatmap_figure(
-                matrix, f"{self.cfg.ablation.name} @ {self.cfg.size.name}, step {self.global_step}"
+                matrix, f"{self.cfg.ablation.name} @ {self.cfg.size.name}, step {step}"
             )
             client, run_id = self.logger.experiment, self.logger.run_id
             client.log_figure(run_id, fig, "routing/heatmap.png")
-            client.log_dict(run_id, {"step": self.global_step, "sites_by_sources": matrix}, "routing/weights.json")
+            client.log_dict(run_id, {"step": step, "sites_by_sources": matrix}, "routing/weights.json")
+            client.log_dict(run_id, {"step": step, "sites": [{"site": j, **row} for j, row in enumerate(stats, 1)]},
+                            "routing/sites.json")
             import matplotlib.pyplot as plt
 
             plt.close(fig)
@@ -320,20 +346,17 @@ class LRAttnModule(L.LightningModule):
     def _log_gates(self, weights: list[torch.Tensor]) -> None:
         """The gated residual: mean alpha per sublayer, routing/siteNN/alpha, and a figure in the heatmap's place."""
         stats = diagnostics.gate_stats(weights)
-        for i, row in enumerate(stats, start=1):
-            for stat, value in row.items():
-                self.log(f"routing/site{i:02d}/{stat}", value)
-        for stat in diagnostics.GATE_STATS:
-            self.log(f"routing/mean/{stat}", sum(r[stat] for r in stats) / len(stats))
+        for stat in diagnostics.GATE_STATS:  # per sublayer: routing/gates.json; the mean stays a metric
+            self._report(f"routing/mean/{stat}", sum(r[stat] for r in stats) / len(stats))
         if self.trainer.sanity_checking or not self.trainer.is_global_zero or not isinstance(self.logger, MLFlowLogger):
             return
         alphas = [r["alpha"] for r in stats]
         fig = diagnostics.gate_figure(
-            {self.cfg.ablation.name: alphas}, f"{self.cfg.ablation.name} @ {self.cfg.size.name}, step {self.global_step}",
+            {self.cfg.ablation.name: alphas}, f"{self.cfg.ablation.name} @ {self.cfg.size.name}, step {self.report_step}",
             initial=self.cfg.initial_gates())
         client, run_id = self.logger.experiment, self.logger.run_id
         client.log_figure(run_id, fig, "routing/gates.png")
-        client.log_dict(run_id, {"step": self.global_step, "held": self.model.router.gates_held, "alpha": alphas,
+        client.log_dict(run_id, {"step": self.report_step, "held": self.model.router.gates_held, "alpha": alphas,
                                  "saturated": [r["saturated"] for r in stats]}, "routing/gates.json")
         import matplotlib.pyplot as plt
 
@@ -347,8 +370,8 @@ class LRAttnModule(L.LightningModule):
         if not isinstance(self.logger, MLFlowLogger) or not self.trainer.is_global_zero:
             return
         client, run_id = self.logger.experiment, self.logger.run_id
-        run = client.get_run(run_id)
-        if "ablation" not in run.data.params:  # a resumed run keeps its original params
+        run = client.get_run(run_id)  # None when the store is unreachable (the logger drops the calls)
+        if run is not None and "ablation" not in run.data.params:  # a resumed run keeps its original params
             self.logger.log_hyperparams({
                 **flat_run_params(self.cfg),
                 "registry_sha256": self.hparams.registry_sha256,
@@ -356,7 +379,8 @@ class LRAttnModule(L.LightningModule):
                    if k in ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_decay", "muon_variant",
                             "muon_momentum", "muon_momentum_min", "muon_momentum_warmup_steps",
                             "muon_momentum_cooldown_steps", "warmup_steps", "decay_fraction", "final_lr_fraction",
-                            "z_loss", "compile")},
+                            "z_loss", "compile", "document_masking", "impl")},
+                **self._recipe_params(),
             })
         tags = {
             "ablation": self.cfg.ablation.name,
@@ -367,6 +391,33 @@ class LRAttnModule(L.LightningModule):
         }
         for key, value in tags.items():
             client.set_tag(run_id, key, value)
+
+    def _recipe_params(self) -> dict[str, Any]:
+        """The training settings that decide a result, as flat params (also in config.yaml)."""
+        trainer, dm = self.trainer, self.trainer.datamodule
+        meta = getattr(dm, "meta", None) if dm is not None else None
+        tokenizer = meta.get("tokenizer", {}) if isinstance(meta, dict) else {}
+        return {
+            "train_max_steps": trainer.max_steps,
+            "train_batch_size": getattr(dm, "batch_size", None),
+            "train_seq_len": getattr(dm, "seq_len", None),
+            "train_tokens_per_step": self._tokens_per_step(),
+            "train_seed": os.environ.get("PL_GLOBAL_SEED"),
+            "train_data_dir": str(getattr(dm, "data_dir", None)),
+            "train_tokenizer": tokenizer.get("kind", "unknown") + (f":{tokenizer['vocab_size']}" if "vocab_size" in tokenizer else ""),
+            "train_precision": str(trainer.precision),
+            "train_devices": trainer.num_devices,
+            "train_num_nodes": trainer.num_nodes,
+            "train_accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "train_gradient_clip_val": trainer.gradient_clip_val,
+        }
+
+    def _tokens_per_step(self) -> int | None:
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        batch, seq = getattr(dm, "batch_size", None), getattr(dm, "seq_len", None)
+        if not batch or not seq:
+            return None
+        return int(batch) * int(seq) * self.trainer.world_size * self.trainer.accumulate_grad_batches
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         datamodule = self.trainer.datamodule if self._trainer is not None else None
@@ -385,6 +436,7 @@ class LRAttnModule(L.LightningModule):
             }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._loaded_step = checkpoint.get("global_step")
         stored = checkpoint.get("hyper_parameters", {}).get("model_config")
         if stored is None:
             raise ValueError("checkpoint has no 'model_config' hyper-parameter: it was not written by lrattn_lightning")
@@ -396,13 +448,17 @@ class LRAttnModule(L.LightningModule):
             )
 
 
+# What describes an entry rather than builds it: editing these in registry.yaml keeps checkpoints loadable.
+DESCRIPTIVE_FIELDS = frozenset({"doc", "control", "tags"})
+
+
 def architecture_differences(stored: dict[str, Any], cfg: ModelConfig) -> list[str]:
-    """Fields (docs aside) where a checkpoint's model_config differs from `cfg`, as readable lines."""
+    """Architecture fields (not doc/control/tags) where a checkpoint's model_config differs from `cfg`."""
     mine, stored = cfg.to_dict(), ModelConfig.with_defaults(stored)  # fields newer than the checkpoint: defaults
     return [
         f"{part}.{key}: checkpoint {stored[part].get(key)!r} vs now {value!r}"
         for part in ("size", "ablation") for key, value in mine[part].items()
-        if key != "doc" and _plain(stored[part].get(key)) != _plain(value)
+        if key not in DESCRIPTIVE_FIELDS and _plain(stored[part].get(key)) != _plain(value)
     ]
 
 

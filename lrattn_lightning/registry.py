@@ -24,7 +24,7 @@ import yaml
 from lrattn_lightning.config import AblationConfig, ModelConfig, SizeConfig, config_error
 
 DEFAULT_PATH = Path("registry.yaml")
-PACKAGED_PATH = Path(__file__).resolve().parent.parent / "registry.yaml"
+PACKAGED_PATH = Path(__file__).resolve().parent / "registry.yaml"  # shipped in the package (in a checkout: a link to ./registry.yaml)
 _SECTIONS = ("sizes", "ablations", "grids")
 
 
@@ -76,12 +76,59 @@ def load_registry(path: str | Path | None = None) -> Registry:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"registry file {path} not found; pass the path of a registry.yaml")
-    text = path.read_text()
-    try:
-        raw = yaml.safe_load(text) or {}
-    except yaml.YAMLError as err:
-        raise ValueError(f"{path}: not valid YAML: {err}") from err
+    text = read_yaml_text(path, "registry")
+    raw = load_yaml_strict(text, path) or {}
     return parse_registry(raw, path=str(path), sha256=hashlib.sha256(text.encode()).hexdigest())
+
+
+def read_yaml_text(path: Path, what: str) -> str:
+    """The text of a YAML file; a folder, an unreadable or a non-UTF-8 file is a ValueError naming it."""
+    if path.is_dir():
+        raise ValueError(f"{what} file {path} is a directory; pass the path of a YAML file")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{what} file {path} is not UTF-8 text (byte {err.start}: {err.reason}); "
+                         "save it as UTF-8") from err
+    except OSError as err:
+        raise ValueError(f"{what} file {path} cannot be read ({err.strerror or err})") from err
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping (PyYAML silently keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges are not duplicates
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise DuplicateKeyError(key, seen[key], line)
+            except TypeError:  # unhashable keys: PyYAML reports those itself
+                continue
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    def __init__(self, key: Any, first: int, again: int):
+        super().__init__(f"duplicate key '{key}' on line {again} (first on line {first}); keep one of them")
+
+
+def load_yaml_strict(text: str, path: str | Path) -> Any:
+    """Parse YAML like yaml.safe_load, but duplicate keys are an error; errors are one line naming the file."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    except DuplicateKeyError as err:
+        raise ValueError(f"{path}: {err}") from err
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"{path}: not valid YAML{where}: {problem}") from err
 
 
 def parse_registry(raw: dict[str, Any], *, path: str = "<dict>", sha256: str = "") -> Registry:

@@ -4,7 +4,7 @@ A sweep file (experiments/sweeps/*.yaml) is loaded strictly; every error names t
 
     name: cpu-study                      # default: the file's stem; every run is tagged sweep=<name>
     doc: what the sweep is for           # required
-    recipe: experiments/cpu-study.yaml   # required: the --config of every run
+    recipe: ../cpu-study.yaml            # required: the --config of every run, relative to the sweep file
     experiment: cpu-study                # MLflow experiment (default: the sweep name)
     registry: registry.yaml              # optional --registry
     sizes: [cpu-study]                   # a grid: sizes x ablations x seeds ...
@@ -29,12 +29,13 @@ node come from the recipe's trainer.num_nodes and trainer.devices).
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import itertools
 import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -42,9 +43,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from lrattn_lightning.registry import Registry, UnknownNameError, closest_names, load_registry
+from lrattn_lightning.errors import Parser
+from lrattn_lightning.registry import (
+    Registry,
+    UnknownNameError,
+    closest_names,
+    load_registry,
+    load_yaml_strict,
+    read_yaml_text,
+)
 
 _FIELDS = ("name", "doc", "recipe", "experiment", "registry", "sizes", "ablations", "seeds", "runs", "args",
            "env", "slurm")
@@ -87,7 +94,7 @@ class Sweep:
         """A fit setting as the runs will see it: the sweep's `args`, else the recipe, else `default`."""
         if dotted in self.args:
             return self.args[dotted]
-        node: Any = yaml.safe_load(Path(self.recipe).read_text()) or {}
+        node: Any = load_yaml_strict(read_yaml_text(Path(self.recipe), "recipe"), self.recipe) or {}
         for part in dotted.split("."):
             if not isinstance(node, dict) or part not in node:
                 return default
@@ -129,9 +136,9 @@ def load_sweep(path: str | Path, registry: Registry | None = None) -> tuple[Swee
     if not path.is_file():
         raise SweepError(f"sweep file {path} not found (sweeps live in experiments/sweeps/)")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise SweepError(f"{path}: not valid YAML: {err}") from err
+        raw = load_yaml_strict(read_yaml_text(path, "sweep"), path) or {}
+    except ValueError as err:
+        raise SweepError(str(err)) from err
     if not isinstance(raw, dict):
         raise SweepError(f"{path}: the top level must be a mapping with fields {list(_FIELDS)}")
 
@@ -148,8 +155,9 @@ def load_sweep(path: str | Path, registry: Registry | None = None) -> tuple[Swee
     experiment = raw.get("experiment", name)
     if not isinstance(experiment, str) or not experiment:
         raise fail("experiment", "must be a non-empty string (the MLflow experiment name)")
-    if not Path(raw["recipe"]).is_file():
-        raise fail("recipe", f"{raw['recipe']} not found (paths are relative to where the sweep runs)")
+    recipe = _resolve_recipe(raw["recipe"], path)
+    if recipe is None:
+        raise fail("recipe", f"{raw['recipe']} not found (a path relative to the sweep file, e.g. ../cpu-study.yaml)")
     reg_path = raw.get("registry")
     if reg_path is not None and not isinstance(reg_path, str):
         raise fail("registry", "must be a path to a registry.yaml")
@@ -158,8 +166,23 @@ def load_sweep(path: str | Path, registry: Registry | None = None) -> tuple[Swee
     grid, listed = _grid_runs(raw, fail), _list_runs(raw.get("runs"), fail)
     _check_runs(reg, grid, listed, fail)
     args, env, slurm = _options(raw, fail)
-    return Sweep(name=name, doc=raw["doc"].strip(), path=str(path), recipe=raw["recipe"], experiment=experiment,
+    return Sweep(name=name, doc=raw["doc"].strip(), path=str(path), recipe=str(recipe), experiment=experiment,
                  runs=tuple(grid + listed), registry=reg_path, args=args, env=env, slurm=slurm), reg
+
+
+def _resolve_recipe(recipe: str, sweep_file: Path) -> Path | None:
+    """The recipe of a sweep: relative to the sweep file (so `lrattn sweep PATH` works from any folder), else
+    relative to the working folder (older sweep files), else shipped in the package (`experiments/...`)."""
+    from lrattn_lightning.cli import packaged
+
+    given = Path(recipe)
+    if given.is_absolute():
+        return given if given.is_file() else None
+    for candidate in (sweep_file.parent / given, given):
+        if candidate.is_file():
+            here = os.path.relpath(candidate.resolve(), Path.cwd())  # short in commands when under the cwd
+            return Path(here) if not here.startswith("..") else candidate.resolve()
+    return packaged(recipe)
 
 
 def _check_runs(reg: Registry, grid: list[SweepRun], listed: list[SweepRun], fail) -> None:
@@ -263,7 +286,10 @@ def finished_runs(sweep: Sweep, tracking_uri: str) -> set[SweepRun]:
     """Runs of this sweep that MLflow holds as FINISHED (tags sweep, size, ablation, seed)."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri)
+    from lrattn_lightning.tracking import store_lock
+
+    with store_lock(tracking_uri):  # a new sqlite store is created by the first client, once
+        client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(sweep.experiment)
     if exp is None:
         return set()
@@ -293,6 +319,7 @@ def plan(sweep: Sweep, tracking_uri: str) -> list[tuple[SweepRun, str]]:
 # ---- running ---------------------------------------------------------------------------------------
 def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False) -> int:
     """Run the unfinished runs one after another, each as its own `lrattn fit` process."""
+    from lrattn_lightning.checkpointing import PREEMPTED_EXIT_CODE
     from lrattn_lightning.data import validate_data_dir
 
     registry = load_registry(sweep.registry)
@@ -308,21 +335,49 @@ def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False) ->
     print(f"[sweep {sweep.name}] {len(steps)} runs into experiment '{sweep.experiment}' at {tracking_uri}: "
           f"{len(steps) - len(todo)} finished (skipped), {len(todo)} to run", flush=True)
     results: list[tuple[SweepRun, str, float]] = []
+    stopped = False
     for i, (run, state) in enumerate(todo, start=1):
         args = sweep.fit_args(run, tracking_uri) + (["--ckpt_path", "last"] if state == "resume" else [])
         print(f"[sweep {sweep.name}] ({i}/{len(todo)}) {run.name}" + (" (resuming from last.ckpt)" if state == "resume" else ""),
               flush=True)
         start = time.time()
-        rc = subprocess.run([sys.executable, "-m", "lrattn_lightning.cli", *args], env=env).returncode
-        results.append((run, "ok" if rc == 0 else f"failed (exit {rc})", time.time() - start))
+        rc, stopped = _run_forwarding_signals([sys.executable, "-m", "lrattn_lightning.cli", *args], env)
+        state = "ok" if rc == 0 else ("stopped by SIGTERM" if rc == PREEMPTED_EXIT_CODE else f"failed (exit {rc})")
+        results.append((run, state, time.time() - start))
         print(f"[sweep {sweep.name}] {run.name}: {results[-1][1]} after {results[-1][2]:.0f} s", flush=True)
+        if stopped:
+            print(f"[sweep {sweep.name}] stopped by a signal: no further runs start; run the sweep again to resume",
+                  flush=True)
+            break
         if rc != 0 and stop_on_failure:
             break
     failed = [r for r in results if r[1] != "ok"]
+    not_started = len(todo) - len(results)
     print(f"[sweep {sweep.name}] done: {len(results) - len(failed)} ran, {len(failed)} failed, "
-          f"{len(steps) - len(todo)} skipped as finished" + "".join(f"\n  {r.name}: {s}" for r, s, _ in failed),
-          flush=True)
-    return 1 if failed else 0
+          f"{len(steps) - len(todo)} skipped as finished" + (f", {not_started} not started" if not_started else "")
+          + "".join(f"\n  {r.name}: {s}" for r, s, _ in failed), flush=True)
+    if stopped:
+        return PREEMPTED_EXIT_CODE
+    return 1 if failed or not_started else 0
+
+
+def _run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> tuple[int, bool]:
+    """Run one fit; a SIGTERM/SIGINT to the sweep goes on to it (it checkpoints and stops). (exit code, stopped)."""
+    proc = subprocess.Popen(cmd, env=env)
+    stopped = False
+
+    def forward(signum: int, _frame: Any) -> None:
+        nonlocal stopped
+        stopped = True
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait(), stopped
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def emit_commands(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: str | None) -> str:
@@ -360,10 +415,14 @@ def emit_slurm(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: st
         "# Each array task is one run. srun starts one task per GPU on every node and Lightning's SLURM environment",
         f"# turns them into the DDP world: {nodes} node(s) x {devices} task(s) per node = the recipe's",
         "# trainer.num_nodes x trainer.devices. A resubmitted task resumes its run from last.ckpt.",
+        "# SIGTERM (preemption, or --signal below before the time limit) makes `lrattn fit` save last.ckpt at the",
+        "# current step and exit 143; --requeue puts a preempted task back in the queue, where it resumes.",
         f"#SBATCH --job-name={sweep.name}",
         f"#SBATCH --array={array}",
         f"#SBATCH --nodes={nodes}",
         f"#SBATCH --ntasks-per-node={devices}",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=TERM@120",
     ]
     if accelerator in ("gpu", "cuda", "auto"):
         head.append(f"#SBATCH --gpus-per-node={devices}")
@@ -387,9 +446,9 @@ def emit_slurm(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: st
 
 # ---- command line ----------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    from lrattn_lightning.cli import resolve_tracking_uri
+    from lrattn_lightning.tracking import resolve_tracking_uri
 
-    parser = argparse.ArgumentParser(prog="lrattn sweep", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="lrattn sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("file", help="a sweep file, e.g. experiments/sweeps/cpu-study.yaml")
     parser.add_argument("--tracking_uri", "--tracking-uri", default=None,
                         help="MLflow store (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")

@@ -31,3 +31,38 @@ class PoisonAtStep(Callback):
         if trainer.global_step == self.step:
             with torch.no_grad():
                 pl_module.model.embed.weight.fill_(float("nan"))
+
+
+class SigtermAtStep(Callback):
+    """Send this process a real SIGTERM when optimizer step `step` is about to run (what SLURM does on preemption)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class BallastAtStep(Callback):
+    """Make the checkpoint of step `step` large (`mb` tensors of 1 MiB), so writing it takes a while; touch
+    `marker` first, so that a test can SIGKILL the process while the file is being written."""
+
+    def __init__(self, step: int, mb: int, marker: str):
+        self.step, self.mb, self.marker = step, mb, marker
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        if trainer.global_step == self.step:
+            checkpoint["ballast"] = [torch.full((2**18,), float(i)) for i in range(self.mb)]
+            open(self.marker, "w").close()
+
+
+class KillProcessGroupAtStep(Callback):
+    """SIGKILL process group `pgid` (an MLflow server started in its own session) before step `step`."""
+
+    def __init__(self, step: int, pgid: int):
+        self.step, self.pgid = step, pgid
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.killpg(self.pgid, signal.SIGKILL)

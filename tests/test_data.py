@@ -313,7 +313,7 @@ def test_trainer_checkpoint_resumes_data_position(data_test_dir, tmp_path):
     full = fit(6)
     fit(3, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=3, save_top_k=-1)])
     ckpt = next((tmp_path / "ck").glob("*.ckpt"))
-    saved = torch.load(ckpt, weights_only=False)
+    saved = torch.load(ckpt, weights_only=True)
     assert saved["TokenDataModule"]["train_loader"]["num_samples_yielded"] == 3 * 2
     rest = fit(6, ckpt_path=ckpt)
     assert len(rest) == 3 and all(torch.equal(a, b) for a, b in zip(rest, full[3:], strict=True))

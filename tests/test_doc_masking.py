@@ -7,7 +7,6 @@ import torch
 from conftest import DEEPER, randomize_routing, tiny_config
 from test_training import tiny_data  # noqa: F401  (the fixture)
 
-from lrattn_lightning.config import ModelConfig
 from lrattn_lightning.decoder import KVCache, build_decoder, document_segments
 
 SEP = 5
@@ -88,7 +87,7 @@ def test_a_changed_earlier_document_changes_nothing_later(registry):
         torch.testing.assert_close(model(changed)[:, a.shape[1]:], model(idx)[:, a.shape[1]:], rtol=1e-5, atol=1e-5)
 
 
-def test_fit_with_document_masking_keeps_the_separator_for_evaluation(tiny_data, tmp_path, monkeypatch):
+def test_fit_with_document_masking_keeps_the_separator_for_evaluation(tiny_data, tmp_path, monkeypatch):  # noqa: F811
     """`--model.document_masking true`: the EOS id of the data masks training, and the checkpoint carries
     it, so evaluation (checkpoints.load_checkpoint) masks alike."""
     from test_training import fit_args

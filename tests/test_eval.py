@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -210,6 +211,7 @@ def test_two_fabric_processes_give_the_same_metrics_as_one(single_process_eval, 
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Starting with 2 processes" in proc.stderr + proc.stdout
+    assert re.search(r"\[lrattn eval\] (\d+)/\1 loglikelihood requests scored", proc.stderr)  # progress, rank 0 only
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("lrattn").experiment_id])
     assert run.data.tags["checkpoint"] == str(trained["ckpt"].resolve()) and run.data.tags["eval_only"] == "true"

@@ -5,6 +5,7 @@ Everything runs the real `lrattn` command (in-process or as a subprocess) on tin
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -85,9 +86,18 @@ def test_fit_logs_everything_to_sqlite_mlflow(tiny_data, tmp_path, monkeypatch):
     assert tags["ablation"] == "s-lr-grid-n4-r16" and tags["control"] == "attnres-block-n8"
     assert tags["registry_sha256"] == reg.sha256 and tags["git_commit"]
     for key in ("train/loss", "train/ce", "val/loss", "val/bpb", "train/grad_norm", "train/tokens_per_s",
-                "train/lr_adamw", "train/lr_muon", "routing/site01/entropy", "routing/site04/eff_sources",
-                "routing/site04/top1", "routing/site04/embedding"):
+                "train/lr_adamw", "train/lr_muon", "train/tokens_seen", "routing/mean/entropy",
+                "routing/mean/eff_sources", "routing/mean/top1", "routing/mean/embedding"):
         assert key in metrics, key
+    assert not [k for k in metrics if k.startswith("routing/site")]  # per-site numbers live in routing/sites.json
+    assert metrics["train/tokens_seen"] == 4 * 4 * 32  # after the 4th update: 4 steps x 4 sequences x 32 tokens
+    sites = json.loads(Path(client.download_artifacts(run.info.run_id, "routing/sites.json", str(tmp_path))).read_text())
+    assert [row["site"] for row in sites["sites"]] == [1, 2, 3, 4] and sites["step"] == 4
+    assert sum(r["entropy"] for r in sites["sites"]) / 4 == pytest.approx(metrics["routing/mean/entropy"], rel=1e-5)
+    for key, value in (("train_max_steps", "4"), ("train_batch_size", "4"), ("train_seq_len", "32"),
+                       ("train_seed", "0"), ("train_precision", "32-true"), ("train_devices", "1"),
+                       ("train_num_nodes", "1"), ("train_tokenizer", "byte"), ("train_muon_variant", "reference")):
+        assert params[key] == value, key
     assert metrics["train/tokens_per_s"] > 0
     # byte tokenizer: ~1 byte per token, so bits per byte ~ loss / ln 2
     assert metrics["val/bpb"] == pytest.approx(metrics["val/loss"] / 0.6931471805599453, rel=0.1)
@@ -113,9 +123,24 @@ def test_validate_and_test_a_checkpoint_log_into_its_training_run(tiny_data, tmp
     assert main(["validate", *common]) == 0
     assert main(["test", *common]) == 0
     client, run = only_run(f"sqlite:///{tmp_path}/mlflow.db")  # still one run: the training run
-    history = client.get_metric_history(run.info.run_id, "val/loss")
+    history = sorted(client.get_metric_history(run.info.run_id, "val/loss"), key=lambda m: m.timestamp)
     assert len(history) >= 3  # fit's validation, then validate and test
     assert history[-1].value == pytest.approx(history[-2].value, rel=1e-6)  # same weights, same held-out data
+    assert [m.step for m in history[-2:]] == [2, 2]  # at the checkpoint's step, not 0
+    weights = json.loads(Path(client.download_artifacts(run.info.run_id, "routing/weights.json", str(tmp_path))).read_text())
+    assert weights["step"] == 2
+
+
+def test_a_fit_always_validates_its_final_weights(tiny_data, tmp_path, monkeypatch):
+    """max_steps 3 with validation every 2 steps: the fit still ends with val/loss and a heatmap at step 3."""
+    monkeypatch.chdir(tmp_path)
+    assert main(fit_args(tiny_data, steps=3)) == 0
+    client, run = only_run(f"sqlite:///{tmp_path}/mlflow.db")
+    steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "val/loss"))
+    assert steps == [2, 3]
+    weights = json.loads(Path(client.download_artifacts(run.info.run_id, "routing/weights.json", str(tmp_path))).read_text())
+    assert weights["step"] == 3
+    assert len(list((tmp_path / "runs").rglob("*.ckpt"))) == 1  # one final checkpoint
 
 
 def test_checkpoint_under_other_ablation_is_an_error(tiny_data, tmp_path, monkeypatch, capsys):

@@ -1,0 +1,142 @@
+"""`lrattn generate` and `lrattn chat`: text from a checkpoint, streamed to the terminal.
+
+    lrattn generate --checkpoint CKPT --prompt "def parse(" [--max_new_tokens 200 --temperature 0.8
+                    --top_k 50 --top_p 0.95 --seed 0]
+    lrattn chat --checkpoint CKPT        an interactive loop: each line you type continues the text
+
+Both decode with the KV cache (`generate.generate_stream`) and the tokenizer stored in the checkpoint,
+and print each piece of text as soon as it is complete (a multi-byte character waits for its last byte).
+The model is a language model of its corpus, not an instruction-tuned assistant: `chat` keeps one
+running text (your lines and its continuations), trimmed on the left to fit the model's window, and a
+reply ends at EOS, at a blank line, or after --max_new_tokens. In chat: /reset forgets the text, /quit
+(or Ctrl-D) leaves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TextIO
+
+import torch
+
+from lrattn_lightning.checkpoints import EvalError, LoadedCheckpoint, load_checkpoint
+from lrattn_lightning.errors import Parser
+from lrattn_lightning.generate import generate_stream
+
+
+class TextStream:
+    """Turns a growing list of token ids into the text to print next (whole characters only)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.shown = ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # an unfinished multi-byte character: wait for its next byte
+            return ""
+        piece, self.shown = text[len(self.shown):], text
+        return piece
+
+
+def _add_sampling(parser: argparse.ArgumentParser, max_new: int) -> None:
+    parser.add_argument("--checkpoint", required=True, help="a last.ckpt / step*.ckpt written by `lrattn fit`")
+    parser.add_argument("--max_new_tokens", type=int, default=max_new)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top_k", type=int, default=None)
+    parser.add_argument("--top_p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+
+
+def _check_sampling(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise EvalError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise EvalError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise EvalError(f"--top_k must be a positive integer, got {args.top_k}")
+    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
+        raise EvalError(f"--top_p must be in (0, 1], got {args.top_p}")
+
+
+def stream_reply(ckpt: LoadedCheckpoint, ids: list[int], args: argparse.Namespace, out: TextIO,
+                 stop_at_blank_line: bool = False, generator: torch.Generator | None = None) -> list[int]:
+    """Decode a continuation of `ids`, writing it to `out` piece by piece; returns the new ids."""
+    seq_len = ckpt.cfg.size.seq_len
+    max_new = min(args.max_new_tokens, seq_len - 1)
+    ids = ids[-(seq_len - max_new):] or [ckpt.tokenizer.eos_id]
+    device = next(ckpt.model.parameters()).device
+    prompt = torch.tensor([ids], device=device)
+    text = TextStream(ckpt.tokenizer)
+    new: list[int] = []
+    for token in generate_stream(ckpt.model, prompt, max_new, temperature=args.temperature, top_k=args.top_k,
+                                 top_p=args.top_p, generator=generator, eos_id=ckpt.tokenizer.eos_id):
+        t = int(token[0])
+        if t == ckpt.tokenizer.eos_id:
+            break
+        new.append(t)
+        out.write(text.push(t))
+        out.flush()
+        if stop_at_blank_line and text.shown.endswith("\n\n"):
+            break
+    return new
+
+
+def _load(args: argparse.Namespace) -> tuple[LoadedCheckpoint, torch.Generator]:
+    _check_sampling(args)
+    ckpt = load_checkpoint(args.checkpoint)
+    ckpt.model.to(args.device)
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    return ckpt, generator
+
+
+def generate_main(argv: list[str] | None = None) -> int:
+    parser = Parser(prog="lrattn generate", description="Continue a prompt, streaming the text.")
+    parser.add_argument("--prompt", required=True)
+    _add_sampling(parser, max_new=200)
+    args = parser.parse_args(argv)
+    try:
+        ckpt, generator = _load(args)
+        ids = ckpt.tokenizer.encode(args.prompt)
+        if len(ids) >= ckpt.cfg.size.seq_len:
+            raise EvalError(f"--prompt is {len(ids)} tokens; the model's window is {ckpt.cfg.size.seq_len}")
+    except EvalError as err:
+        print(f"lrattn generate: error: {err}", file=sys.stderr)
+        return 2
+    sys.stdout.write(args.prompt)
+    stream_reply(ckpt, ids, args, sys.stdout, generator=generator)
+    sys.stdout.write("\n")
+    return 0
+
+
+def chat_main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
+    parser = Parser(prog="lrattn chat", description="An interactive loop over a checkpoint.")
+    _add_sampling(parser, max_new=120)
+    args = parser.parse_args(argv)
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    try:
+        ckpt, generator = _load(args)
+    except EvalError as err:
+        print(f"lrattn chat: error: {err}", file=sys.stderr)
+        return 2
+    stdout.write(f"lrattn chat: {ckpt.cfg.ablation.name} @ {ckpt.cfg.size.name}, step {ckpt.global_step}. "
+                 "Each line continues the text; /reset forgets it, /quit leaves.\n")
+    history: list[int] = []
+    while True:
+        stdout.write("> ")
+        stdout.flush()
+        line = stdin.readline()
+        if not line or line.strip() == "/quit":
+            stdout.write("\n")
+            return 0
+        if line.strip() == "/reset":
+            history = []
+            stdout.write("(text forgotten)\n")
+            continue
+        history += ckpt.tokenizer.encode(line if line.endswith("\n") else line + "\n")
+        history += stream_reply(ckpt, history, args, stdout, stop_at_blank_line=True, generator=generator)
+        stdout.write("\n")

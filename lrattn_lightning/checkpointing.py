@@ -1,0 +1,296 @@
+"""Checkpoint files that survive what clusters do to a run: kills, full disks, preemption, a second launch.
+
+    AtomicCheckpointIO  writes `.NAME.PID.tmp` beside NAME, fsyncs it and renames it over NAME, so NAME
+                        is always a complete checkpoint (the previous one until the new one is whole,
+                        whatever $TMPDIR is); loads with `torch.load(weights_only=True)` only.
+    LastCheckpoint      the run's one `last.ckpt`: every N steps, once when training ends, and at the
+                        end of the batch in progress when SIGTERM arrives (then the run exits non-zero).
+    lock_run_folder     one live `lrattn fit` per run folder (a `.lock` file held with flock, naming its pid).
+
+Errors are `CheckpointError`s whose message is one line naming the file, the cause and the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+TMP_SUFFIX = ".tmp"
+PREEMPTED_EXIT_CODE = 128 + 15  # what a shell reports for a process ended by SIGTERM; non-zero for schedulers
+LAST_STOP: tuple[int, Path] | None = None  # (step, checkpoint) of the last fit this process stopped on SIGTERM
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or read; the message names the file, the cause and the fix."""
+
+
+def temp_path(path: Path) -> Path:
+    """Where the bytes of `path` are written before the rename: hidden, same folder, this process's own."""
+    return path.parent / f".{path.name}.{os.getpid()}{TMP_SUFFIX}"
+
+
+def remove_orphans(folder: Path) -> list[Path]:
+    """Delete temp files of saves that never finished (a process killed mid-write); returns them."""
+    removed = []
+    for path in sorted(folder.glob(f".*.ckpt.*{TMP_SUFFIX}")) if folder.is_dir() else []:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+class _RecordingWriter:
+    """A file's `write` that remembers the OSError behind torch's generic 'unexpected pos' RuntimeError."""
+
+    def __init__(self, file: Any):
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _cause(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror + (" (the disk is full)" if err.errno == errno.ENOSPC else "")
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {first[:160]}"
+
+
+def atomic_torch_save(checkpoint: dict[str, Any], path: str | Path) -> None:
+    """torch.save to a temp file in the destination folder, fsync, rename over `path`, fsync the folder."""
+    path = Path(path)
+    tmp = temp_path(path)
+    writer = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as file:
+            writer = _RecordingWriter(file)
+            torch.save(checkpoint, writer)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+        with contextlib.suppress(OSError):  # make the rename itself durable (not every filesystem allows it)
+            fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(err, OSError | RuntimeError):
+            cause = _cause(writer.error if writer is not None and writer.error is not None else err)
+            kept = "the previous checkpoint there is unchanged" if path.exists() else "no checkpoint was written"
+            raise CheckpointError(f"could not save checkpoint {path}: {cause}; {kept}. Free space or fix the "
+                                  "folder, then resume with --ckpt_path last") from err
+        raise
+
+
+def load_checkpoint_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
+    """torch.load(weights_only=True) of a checkpoint; a missing, empty, truncated or foreign file is one CheckpointError."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path}: no such file")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {path} is empty (0 bytes); use an older checkpoint or start a new run")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except Exception as err:
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read ({_cause(err)}): it is truncated, corrupt, or not a checkpoint "
+            "written by `lrattn fit`; use another checkpoint"
+        ) from err
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(f"checkpoint {path} holds a {type(ckpt).__name__}, not a checkpoint written by `lrattn fit`")
+    return ckpt
+
+
+def newest_last(folder: Path) -> Path | None:
+    """The run's newest `last` checkpoint. Folders written before there was one `last.ckpt` may also hold
+    `last-vN.ckpt` files (and a stale `last.ckpt`): the highest global step wins."""
+    candidates = sorted(Path(folder).glob("last*.ckpt"))
+    if len(candidates) <= 1:
+        return candidates[0] if candidates else None
+    steps = {}
+    for path in candidates:
+        with contextlib.suppress(CheckpointError):
+            steps[path] = int(load_checkpoint_file(path, mmap=True).get("global_step", -1))
+    return max(steps, key=lambda p: (steps[p], p.name == "last.ckpt")) if steps else None
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's CheckpointIO with whole-file-or-nothing saves and weights-only loads (see module doc)."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None or not _is_local_file_protocol(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)  # remote stores: Lightning's own
+        atomic_torch_save(checkpoint, path)
+
+    def load_checkpoint(self, path: Any, map_location: Callable | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+        # Checkpoints hold plain values by design (lit_module.py), so nothing needs unpickling: never
+        # weights_only=False, whoever asks (Lightning's --ckpt_path restore, final validation, validate/test).
+        if not _is_local_file_protocol(path):
+            return super().load_checkpoint(path, map_location=map_location, weights_only=True)
+        return load_checkpoint_file(path, map_location=map_location if map_location is not None else "cpu")
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """One `last.ckpt` per run, always the newest state (see module doc). No versioned `last-vN.ckpt`."""
+
+    def __init__(self, dirpath: Path, every_n_train_steps: int):
+        super().__init__(dirpath=dirpath, filename="step{step:06d}", every_n_train_steps=every_n_train_steps, save_top_k=0,
+                         save_last=True, enable_version_counter=False)
+        global LAST_STOP
+        LAST_STOP = None
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
+
+    def _save_now(self, trainer) -> None:
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def _unsaved(self, trainer) -> bool:
+        return (trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
+                and not trainer.fast_dev_run and self._last_global_step_saved != trainer.global_step)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        # Lightning raises SIGTERMException after this batch (or inside the validation that follows);
+        # the batch is complete here, so this is the state to resume from.
+        if trainer.received_sigterm and self._unsaved(trainer):
+            self._save_now(trainer)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        global LAST_STOP
+        if not isinstance(exception, SIGTERMException):
+            return  # a crash (NaN loss, OOM) keeps the last good checkpoint instead of saving a bad state
+        if self._unsaved(trainer) and trainer.global_step > 0:  # SIGTERM came during validation: Lightning
+            self._save_now(trainer)                              # resumes from there, mid-evaluation
+        if self._last_global_step_saved == trainer.global_step > 0:
+            LAST_STOP = (trainer.global_step, self.path)
+        for logger in trainer.loggers:  # the MLflow run ends as KILLED, not FAILED
+            if hasattr(logger, "stopped_by"):
+                logger.stopped_by = "SIGTERM"
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        """The final state, once: unless the periodic save just wrote this very step."""
+        if self._unsaved(trainer):
+            self._save_now(trainer)
+
+
+class RunFolderError(ValueError):
+    """The run folder cannot be used: another live process holds it, or it cannot be written."""
+
+
+class FileLock:
+    """An exclusive flock on `path` that records who holds it; released (and the file removed) by `release`.
+
+    The kernel drops a flock when its process dies, so a lock file left by a killed process is not
+    held and is simply taken over: stale locks need no pid checks. After locking, the path must
+    still name the locked file (another process may have removed it meanwhile), else we retry.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._fd: int | None = None
+
+    def acquire(self, blocking: bool = True, describe: Callable[[str], str] | None = None) -> FileLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise RunFolderError(describe(holder) if describe else f"{self.path} is locked by {holder}") from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()  # before unlocking: a waiter then finds the path gone and retries
+        os.close(self._fd)
+        self._fd = None
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        return os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+    except OSError:
+        return "another process"
+
+
+_HELD: list[tuple[FileLock, list[Path]]] = []
+
+
+def launched_as_rank_zero() -> bool:
+    """Whether this process will be global rank 0, judged from the launcher's environment before the
+    Trainer exists (torchrun/mpirun: RANK, srun: SLURM_PROCID, Lightning's own children: LOCAL_RANK
+    and NODE_RANK). Only that process owns the run folder and creates the MLflow run."""
+    for key in ("RANK", "SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key]) == 0
+    return all(os.environ.get(key, "0") == "0" for key in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK"))
+
+
+def lock_run_folder(run_dir: Path) -> FileLock:
+    """Hold `run_dir/.lock` until `release_run_locks()`; RunFolderError if a live process holds it."""
+    run_dir = Path(run_dir)
+    created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+    lock = FileLock(run_dir / ".lock")
+    try:
+        lock.acquire(blocking=False, describe=lambda holder: (
+            f"run folder {run_dir} is in use by {holder}: two processes would write the same checkpoints. "
+            "Wait for it to finish, stop it, or start this run under another --run_name"))
+    except OSError as err:
+        raise RunFolderError(f"run folder {run_dir} cannot be created or written ({err.strerror or err}); "
+                            "choose a writable --runs_dir") from err
+    _HELD.append((lock, created))
+    return lock
+
+
+def release_run_locks() -> None:
+    """Release the run folders' locks; folders this process created and left empty are removed again."""
+    while _HELD:
+        lock, created = _HELD.pop()
+        lock.release()
+        for folder in created:  # deepest first
+            try:
+                folder.rmdir()
+            except OSError:
+                break

@@ -1,0 +1,229 @@
+"""`lrattn export`: a checkpoint as a Hugging Face transformers model folder.
+
+    lrattn export --checkpoint runs/.../last.ckpt --out hf/my-model
+    AutoModelForCausalLM.from_pretrained("hf/my-model", trust_remote_code=True)
+    lm_eval --model hf --model_args pretrained=hf/my-model,trust_remote_code=True --tasks ...
+
+The folder holds config.json (the resolved size and ablation as plain values, plus `auto_map` to the
+modeling file), model.safetensors (the Decoder's weights), tokenizer files (tokenizer.json for a
+PreTrainedTokenizerFast: the byte tokenizer is written as an exact byte-level BPE with no merges),
+generation_config.json, and modeling_lrattn.py: a thin wrapper whose model *is* our `Decoder` (it
+imports lrattn_lightning, so the package must be installed where the folder is loaded; no second copy
+of the model). Document masking travels in the config. Generation through `generate()` recomputes the
+window at every step (the wrapper keeps no cache); `lrattn generate` uses our KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from lrattn_lightning.errors import Parser
+
+MODEL_TYPE = "lrattn"
+MODELING_FILE = "modeling_lrattn.py"
+
+# The modeling file written into every export. It is ours (not transformers' code): a config holding our
+# resolved model config, and a PreTrainedModel around lrattn_lightning's Decoder.
+MODELING_SOURCE = '''"""Hugging Face wrapper of an lrattn_lightning Decoder (written by `lrattn export`).
+
+The model is lrattn_lightning's own Decoder (install lrattn-lightning where this folder is loaded).
+attention_mask: rows with padding are run one by one without their padding (the decoder has no
+padding mask), so left-padded batches in generate() and right-padded scoring batches both work.
+"""
+
+import torch
+import torch.nn.functional as F
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+
+class LRAttnConfig(PretrainedConfig):
+    model_type = "lrattn"
+
+    def __init__(self, model_config=None, doc_separator=None, **kwargs):
+        self.model_config = model_config or {}
+        self.doc_separator = doc_separator
+        size = self.model_config.get("size", {})
+        kwargs.setdefault("vocab_size", size.get("vocab_size"))
+        kwargs.setdefault("hidden_size", size.get("d_model"))
+        kwargs.setdefault("num_hidden_layers", size.get("n_layers"))
+        kwargs.setdefault("num_attention_heads", size.get("n_heads"))
+        kwargs.setdefault("max_position_embeddings", size.get("seq_len"))
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(**kwargs)
+
+
+class LRAttnForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = LRAttnConfig
+    base_model_prefix = "model"
+    _supports_cache_class = False
+
+    def __init__(self, config):
+        super().__init__(config)
+        from lrattn_lightning.config import ModelConfig
+        from lrattn_lightning.decoder import build_decoder
+
+        self.model = build_decoder(ModelConfig.from_dict(config.model_config))
+        self.model.doc_separator = config.doc_separator
+        self.post_init()
+
+    def _init_weights(self, module):
+        pass  # the weights come from model.safetensors
+
+    def get_input_embeddings(self):
+        return self.model.embed
+
+    def get_output_embeddings(self):
+        return self.model.head
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, past_key_values=None,
+                use_cache=None, return_dict=None, **kwargs):
+        if attention_mask is None or bool(attention_mask.all()):
+            logits = self.model(input_ids)
+        else:
+            logits = input_ids.new_zeros(*input_ids.shape, self.config.vocab_size, dtype=self.model.head.weight.dtype)
+            for row in range(input_ids.shape[0]):
+                keep = attention_mask[row].bool()
+                logits[row, keep] = self.model(input_ids[row, keep][None])[0]
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+'''
+
+
+class ExportError(ValueError):
+    """A checkpoint that cannot be exported, said in one line."""
+
+
+def export_hf(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
+    """Write the Hugging Face folder for `checkpoint` to `out` (atomically: a temporary folder, then renamed)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from lrattn_lightning.checkpoints import load_checkpoint
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ExportError(f"--out {out}: the folder exists and is not empty; choose a new folder or pass --overwrite")
+    ckpt = load_checkpoint(checkpoint)
+    hf_tokenizer = _hf_tokenizer(ckpt.tokenizer, ckpt.tokenizer_spec)
+    cfg = ckpt.cfg
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        state = {f"model.{k}": v.detach().contiguous() for k, v in ckpt.model.state_dict().items()}
+        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        eos = ckpt.tokenizer.eos_id
+        config = {
+            "model_type": MODEL_TYPE,
+            "architectures": ["LRAttnForCausalLM"],
+            "auto_map": {"AutoConfig": "modeling_lrattn.LRAttnConfig",
+                         "AutoModelForCausalLM": "modeling_lrattn.LRAttnForCausalLM"},
+            "model_config": cfg.to_dict(),
+            "doc_separator": ckpt.model.doc_separator,
+            "vocab_size": cfg.size.vocab_size,
+            "hidden_size": cfg.size.d_model,
+            "num_hidden_layers": cfg.size.n_layers,
+            "num_attention_heads": cfg.size.n_heads,
+            "max_position_embeddings": cfg.size.seq_len,
+            "eos_token_id": eos,
+            "bos_token_id": eos,
+            "tie_word_embeddings": False,
+            "torch_dtype": str(next(ckpt.model.parameters()).dtype).removeprefix("torch."),
+            "lrattn": {"checkpoint": str(Path(checkpoint).resolve()), "global_step": ckpt.global_step},
+        }
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        generation = {"eos_token_id": eos, "bos_token_id": eos, "pad_token_id": eos,
+                      "max_length": cfg.size.seq_len, "do_sample": False}
+        (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        (staging / MODELING_FILE).write_text(MODELING_SOURCE)
+        hf_tokenizer.save_pretrained(str(staging))
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    del torch
+    return out
+
+
+def _hf_tokenizer(tokenizer: Any, spec: dict[str, Any]) -> Any:
+    """A transformers PreTrainedTokenizerFast that encodes exactly as our tokenizer does."""
+    from transformers import PreTrainedTokenizerFast
+
+    from lrattn_lightning.tokenizer import EOS_TOKEN
+
+    kind = spec.get("kind")
+    if kind == "byte":
+        tok = _byte_level_tokenizer()
+        eos_token = EOS_TOKEN
+    elif kind in ("bpe", "hf"):
+        tok = tokenizer._tok
+        eos_token = tok.id_to_token(tokenizer.eos_id)
+    else:
+        raise ExportError(f"checkpoint tokenizer {kind!r}: export writes byte, bpe and hf (tokenizer.json) "
+                          "tokenizers; convert the tokenizer to a tokenizer.json first")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos_token, pad_token=eos_token,
+                                   model_max_length=None)
+    fast.padding_side = "left"  # generation pads on the left; the wrapper drops padding row by row
+    return fast
+
+
+def _byte_level_tokenizer() -> Any:
+    """Ids 0..255 = UTF-8 bytes, 256 = EOS, as `tokenizers` byte-level BPE with no merges."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from lrattn_lightning.tokenizer import EOS_TOKEN
+
+    alphabet = _bytes_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(EOS_TOKEN, special=True)])
+    if tok.token_to_id(EOS_TOKEN) != 256:
+        raise ExportError("byte tokenizer export: EOS did not land on id 256")
+    return tok
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte-level alphabet (GPT-2's): printable bytes map to themselves, the rest to code points 256+."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(prog="lrattn export", description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", required=True, help="a last.ckpt / step*.ckpt written by `lrattn fit`")
+    parser.add_argument("--out", required=True, help="the folder to write (must be new or empty)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+    args = parser.parse_args(argv)
+    from lrattn_lightning.checkpoints import EvalError
+
+    try:
+        out = export_hf(args.checkpoint, args.out, overwrite=args.overwrite)
+    except (ExportError, EvalError) as err:
+        print(f"lrattn export: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}: load with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,299 @@
+"""`lrattn fit|validate|test|demo`: the LightningCLI subclass and what it checks before any work.
+
+The architecture comes only from the registry (`--size`, `--ablation`, on the command line or in the
+recipe); recipes in experiments/ hold the training knobs. Everything is checked before the first step:
+names (closest names on a typo), numbers, the data folder, a checkpoint's architecture; then the run
+folder is claimed (a lock), the MLflow store opened (under a lock), and training starts. `cli.py` is the
+`lrattn` dispatcher that imports this module only for these subcommands.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lrattn_lightning import checkpointing
+from lrattn_lightning.checkpointing import AtomicCheckpointIO, LastCheckpoint, load_checkpoint_file
+from lrattn_lightning.cli import packaged
+from lrattn_lightning.data import TokenDataModule, validate_data_dir
+from lrattn_lightning.errors import Parser, UsageError
+from lrattn_lightning.lit_module import LRAttnModule, NonFiniteLossError, architecture_differences
+from lrattn_lightning.tracking import (
+    TrackingLogger,
+    artifact_location,
+    open_store,
+    resolve_tracking_uri,
+    run_in_store,
+)
+
+
+class MLflowSaveConfig(SaveConfigCallback):
+    """Logs the resolved config.yaml to the MLflow run (the stock callback needs a log_dir)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, save_to_log_dir=False, **kwargs)
+
+    def save_config(self, trainer, pl_module, stage: str) -> None:
+        if isinstance(trainer.logger, MLFlowLogger):
+            text = self.parser.dump(self.config, skip_none=False)
+            trainer.logger.experiment.log_text(trainer.logger.run_id, text, "config.yaml")
+
+
+class LRAttnCLI(LightningCLI):
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        return {"fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"},
+                "validate": {"model", "dataloaders", "datamodule"},
+                "test": {"model", "dataloaders", "datamodule"}}
+
+    def add_arguments_to_parser(self, parser) -> None:
+        # No default architecture: a run of the wrong model for hours is worse than an error at once.
+        parser.add_argument("--size", type=str | None, default=None, help="registry size name (`lrattn list`); required")
+        parser.add_argument("--ablation", type=str | None, default=None, help="registry ablation name; required")
+        parser.add_argument("--registry", type=str | None, default=None, help="registry.yaml (default: ./registry.yaml)")
+        parser.add_argument("--experiment", type=str, default="lrattn", help="MLflow experiment name")
+        parser.add_argument("--run_name", type=str | None, default=None, help="default: SIZE-ABLATION-seedN")
+        parser.add_argument("--runs_dir", type=str, default="runs", help="checkpoints go to RUNS_DIR/EXPERIMENT/RUN_NAME")
+        parser.add_argument("--checkpoint_every", type=int, default=100, help="save last.ckpt every N steps")
+        parser.add_argument("--tracking_uri", type=str | None, default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
+        parser.add_argument("--mlflow_fallback_local", type=bool, default=False, help="log locally if the server is down")
+        parser.add_argument("--run_tags", type=dict[str, str] | None, default=None,
+                            help='extra MLflow tags of a new run, e.g. \'{"sweep": "cpu-study", "seed": "0"}\'')
+        parser.link_arguments("size", "model.size", compute_fn=lambda name: name or "")
+        parser.link_arguments("ablation", "model.ablation", compute_fn=lambda name: name or "")
+        parser.link_arguments("registry", "model.registry")
+
+    # ---- checks before any work ----------------------------------------------------------------
+    def parse_arguments(self, parser, args) -> None:
+        super().parse_arguments(parser, args)
+        # Read a --ckpt_path file now: Lightning loads it next for its hyper-parameters, and would
+        # show a truncated or foreign file as a traceback.
+        self._ckpt_head = None
+        sub = self.config.get("subcommand")
+        path = self.config[sub].get("ckpt_path") if sub else None
+        if path and path != "last":
+            self._ckpt_head = _read_checkpoint(path)
+
+    def before_instantiate_classes(self) -> None:
+        from lrattn_lightning.registry import load_registry, load_yaml_strict, read_yaml_text
+
+        cfg = self.config[self.subcommand]
+        for recipe in cfg.get("config") or []:  # jsonargparse keeps the last of a duplicated key; we refuse it
+            load_yaml_strict(read_yaml_text(Path(recipe.absolute), "recipe"), recipe.relative)
+        _check_numbers(self.subcommand, cfg)
+        self._name_architecture(cfg)
+        model_cfg = load_registry(cfg.registry).model(cfg.size, cfg.ablation)  # unknown names list the closest
+        cfg.model.size, cfg.model.ablation = cfg.size, cfg.ablation
+        if cfg.data.seq_len is None:
+            cfg.data.seq_len = model_cfg.size.seq_len
+        elif cfg.data.seq_len > model_cfg.size.seq_len:
+            raise UsageError(f"--data.seq_len={cfg.data.seq_len} exceeds seq_len={model_cfg.size.seq_len} of size "
+                             f"'{cfg.size}'; use a shorter window or a larger size")
+        validate_data_dir(cfg.data.data_dir, model_cfg.size, cfg.data.seq_len)
+        seed = cfg.seed_everything if isinstance(cfg.seed_everything, int) else 0
+        cfg.run_name = cfg.run_name or f"{cfg.size}-{cfg.ablation}-seed{seed}"
+        self.run_dir = Path(cfg.runs_dir) / cfg.experiment / cfg.run_name
+        self.resume_run_id = self._check_checkpoint(cfg, model_cfg)
+        self.tracking_uri = self.experiment_id = None
+        if cfg.trainer.logger is None:
+            self.tracking_uri = resolve_tracking_uri(cfg.tracking_uri, cfg.mlflow_fallback_local)
+        self._claim_run(cfg)
+
+    def _name_architecture(self, cfg) -> None:
+        """--size and --ablation are required; validate/test may take them from their checkpoint."""
+        if self.subcommand != "fit" and not cfg.get("ckpt_path"):
+            raise UsageError(f"{self.subcommand} needs --ckpt_path: a checkpoint of `lrattn fit` (a file, or 'last' "
+                             "with the run's --size/--ablation/--run_name); without one it would score random weights")
+        if self._ckpt_head is not None and self.subcommand != "fit":
+            cfg.size = cfg.size or self._ckpt_head["model_config"]["size"]["name"]
+            cfg.ablation = cfg.ablation or self._ckpt_head["model_config"]["ablation"]["name"]
+        missing = [f"--{k}" for k in ("size", "ablation") if not cfg.get(k)]
+        if missing:
+            raise UsageError(f"{self.subcommand} needs {' and '.join(missing)}: name the architecture from the registry "
+                             "(`lrattn list` shows them), e.g. --size small --ablation s-lr-block-n8-r64")
+
+    def _check_checkpoint(self, cfg, model_cfg) -> str | None:
+        """Resolve --ckpt_path (`last`), refuse another architecture; the MLflow run it trained, if any."""
+        ckpt_dir = self.run_dir / "checkpoints"
+        ckpt_path, stored = cfg.get("ckpt_path"), self._ckpt_head
+        if self.subcommand == "fit" and ckpt_path is None and ckpt_dir.exists() and any(ckpt_dir.glob("*.ckpt")):
+            raise UsageError(f"{ckpt_dir} already holds checkpoints of run '{cfg.run_name}'; resume with "
+                             "--ckpt_path last, or start a new run with --run_name NAME")
+        if ckpt_path == "last":
+            newest = checkpointing.newest_last(ckpt_dir)
+            if newest is None:
+                raise UsageError(f"--ckpt_path last: no {ckpt_dir / 'last.ckpt'}; check --run_name/--experiment")
+            if newest.name != "last.ckpt":
+                print(f"[lrattn] --ckpt_path last: {newest} is newer than last.ckpt (a folder from before one "
+                      "last.ckpt); resuming from it", file=sys.stderr)
+            ckpt_path = cfg.ckpt_path = str(newest)
+            stored = _read_checkpoint(ckpt_path)
+        if stored is None:
+            return None
+        # LightningCLI copies the checkpoint's hyper-parameters into the model config; the
+        # architecture and provenance are re-resolved from the registry (and checked equal here).
+        cfg.model.model_config = cfg.model.registry_sha256 = cfg.model.git_commit = None
+        config = stored["model_config"]
+        diffs = architecture_differences(config, model_cfg)
+        if diffs:
+            raise UsageError(
+                f"--ckpt_path {ckpt_path} was trained with a different architecture (size '{config['size']['name']}', "
+                f"ablation '{config['ablation']['name']}'); pass those names. Differences: " + "; ".join(diffs[:6]))
+        # resuming, validating or testing a checkpoint logs into the MLflow run that trained it
+        return stored["mlflow"].get("run_id")
+
+    def _claim_run(self, cfg) -> None:
+        """The checks passed: from here on this process owns the run folder and writes."""
+        if self.subcommand == "fit" and checkpointing.launched_as_rank_zero():
+            checkpointing.lock_run_folder(self.run_dir)
+            for orphan in checkpointing.remove_orphans(self.run_dir / "checkpoints"):
+                print(f"[lrattn] removed {orphan}, left by a checkpoint save that never finished", file=sys.stderr)
+        if self.tracking_uri is not None:
+            self.experiment_id = open_store(self.tracking_uri, cfg.experiment)
+            if self.resume_run_id and not run_in_store(self.tracking_uri, self.resume_run_id):
+                print(f"[lrattn] MLflow run {self.resume_run_id} of {cfg.ckpt_path} is not in {self.tracking_uri}; "
+                      "logging to a new run", file=sys.stderr)
+                self.resume_run_id = None
+
+    def after_fit(self) -> None:
+        """A fit always ends with a validation of its final weights (val/loss, routing, heatmap at the last
+        step), also when max_steps is not a multiple of val_check_interval."""
+        trainer, model = self.trainer, self.model
+        if trainer.interrupted or trainer.limit_val_batches == 0 or getattr(model, "last_validated_step", None) == trainer.global_step:
+            return
+        trainer.validate(model, datamodule=self.datamodule, verbose=False)
+
+    def instantiate_trainer(self, **kwargs: Any):
+        cfg = self.config[self.subcommand]
+        trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        callbacks = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
+        if trainer_config.get("logger") is None:
+            logger = TrackingLogger(
+                experiment_name=cfg.experiment, experiment_id=self.experiment_id, run_name=cfg.run_name,
+                tracking_uri=self.tracking_uri, run_id=self.resume_run_id,
+                artifact_location=artifact_location(self.tracking_uri),
+                tags=dict(cfg.run_tags or {}),  # applied when the run is created; a resumed run keeps its own
+            )
+            logger.open_run()
+            if self.subcommand == "fit" and self.resume_run_id and checkpointing.launched_as_rank_zero():
+                logger.skip_logged_steps()
+            trainer_config["logger"] = logger
+        plugins = trainer_config.get("plugins") or []
+        plugins = list(plugins) if isinstance(plugins, list | tuple) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            plugins.append(AtomicCheckpointIO())
+        trainer_config["plugins"] = plugins
+        if self.subcommand == "fit":
+            callbacks.append(LastCheckpoint(self.run_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every))
+        if trainer_config.get("default_root_dir") is None:
+            trainer_config["default_root_dir"] = str(self.run_dir)
+        return self._instantiate_trainer(trainer_config, callbacks)
+
+
+def _check_numbers(subcommand: str, cfg) -> None:
+    """Values Lightning would take apart with a traceback, or accept with a meaning nobody wants."""
+    trainer, data = cfg.trainer, cfg.data
+    if subcommand == "fit" and (not isinstance(trainer.max_steps, int) or trainer.max_steps == 0 or trainer.max_steps < -1):
+        raise UsageError(f"--trainer.max_steps {trainer.max_steps}: give a positive number of optimizer steps "
+                         "(or -1 to let --trainer.max_epochs decide)")
+    if subcommand == "fit" and cfg.checkpoint_every < 1:
+        raise UsageError(f"--checkpoint_every {cfg.checkpoint_every}: give a positive number of steps between saves")
+    for name, value, least in (("--data.seq_len", data.seq_len, 1), ("--data.batch_size", data.batch_size, 1),
+                               ("--data.num_workers", data.num_workers, 0)):
+        if value is not None and value < least:
+            raise UsageError(f"{name} {value}: must be an integer >= {least}")
+    for name in ("limit_val_batches", "limit_test_batches"):
+        value = trainer.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value == 1:
+            print(f"[lrattn] warning: --trainer.{name} 1 means ONE batch in Lightning (an integer counts batches); "
+                  f"pass 1.0 for the whole validation split", file=sys.stderr)
+
+
+def _read_checkpoint(path: str) -> dict:
+    """The plain-value head of a checkpoint: its model_config and MLflow run; one-line errors otherwise."""
+    ckpt = load_checkpoint_file(path, mmap=True)  # tensors stay on disk: only the plain values are read
+    stored = (ckpt.get("hyper_parameters") or {}).get("model_config")
+    if not isinstance(stored, dict):
+        raise UsageError(f"--ckpt_path {path}: not an lrattn_lightning checkpoint (no model_config hyper-parameter)")
+    return {"model_config": stored, "mlflow": ckpt.get("mlflow") or {}}
+
+
+def run_lightning(argv: list[str]) -> LRAttnCLI:
+    # From the console script the arguments are sys.argv itself, which DDP re-executes in each child.
+    args = None if argv == sys.argv[1:] else argv
+    return LRAttnCLI(
+        LRAttnModule,
+        TokenDataModule,
+        args=args,
+        seed_everything_default=0,
+        save_config_callback=MLflowSaveConfig,
+        trainer_defaults={"gradient_clip_val": 1.0, "log_every_n_steps": 10},
+    )
+
+
+
+def demo_main(argv: list[str]) -> int:
+    """The README's main job: prepare the embedded corpus, train `small` briefly, point at MLflow."""
+    parser = Parser(prog="lrattn demo", description=demo_main.__doc__)
+    parser.add_argument("--ablation", default="s-lr-block-n8-r64")
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--data", default="data/stdlib-docs-byte")
+    args, rest = parser.parse_known_args(argv)
+    if not Path(args.data, "meta.json").exists():
+        from lrattn_lightning.cli import prepare_main
+
+        prepare_main(["--source", "stdlib-docs", "--tokenizer", "byte", "--out", args.data])
+    recipe = Path("experiments/cpu-demo.yaml")
+    recipe = recipe if recipe.is_file() else packaged(str(recipe))
+    if not any(a.startswith("--run_name") for a in rest):  # each demo is a new run
+        rest = ["--run_name", f"{args.size}-{args.ablation}-{time.strftime('%Y%m%d-%H%M%S')}", *rest]
+    try:
+        cli = run_lightning(["fit", "--config", str(recipe), "--size", args.size,
+                             "--ablation", args.ablation, "--data.data_dir", args.data, *rest])
+    finally:
+        checkpointing.release_run_locks()
+    logger = cli.trainer.logger
+    metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("val/")}
+    print("\n[lrattn demo] finished:", ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())))
+    if isinstance(logger, MLFlowLogger):
+        print(f"[lrattn demo] MLflow run {logger.run_id} in experiment '{cli.config.fit.experiment}'")
+        print(f"[lrattn demo] open the UI:  .venv/bin/mlflow ui --backend-store-uri {logger._tracking_uri}")
+        print("[lrattn demo] then browse http://127.0.0.1:5000 and pick the run named "
+              f"'{cli.config.fit.run_name}'")
+    ckpt = Path(cli.config.fit.runs_dir) / cli.config.fit.experiment / cli.config.fit.run_name / "checkpoints" / "last.ckpt"
+    print(f"[lrattn demo] checkpoint {ckpt}; score it offline:  .venv/bin/lrattn eval --checkpoint {ckpt} --tasks local")
+    return 0
+
+
+
+
+def run_subcommand(argv: list[str]) -> int:
+    """fit / validate / test with Lightning's own failures as one line and exit codes: 3 for a non-finite
+    loss, 143 for SIGTERM (a checkpoint at the current step was saved); the run folder is released."""
+    from lrattn_lightning.cli import one_line
+
+    try:
+        run_lightning(argv)
+        return 0
+    except MisconfigurationException as err:
+        print(f"lrattn: error: {one_line(err)}", file=sys.stderr)
+        return 2
+    except NonFiniteLossError as err:
+        print(f"lrattn: training stopped: {err}", file=sys.stderr)
+        return 3
+    except SIGTERMException:
+        stop = checkpointing.LAST_STOP
+        where = (f" at step {stop[0]}; checkpoint {stop[1]} holds it, continue with --ckpt_path last"
+                 if stop else "; nothing to save yet")
+        print(f"lrattn: stopped by SIGTERM{where}", file=sys.stderr)
+        return checkpointing.PREEMPTED_EXIT_CODE
+    finally:
+        checkpointing.release_run_locks()

@@ -1,0 +1,107 @@
+"""`lrattn generate` / `lrattn chat`: streamed text from a checkpoint; chat driven through a real pty."""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from test_export import make_checkpoint
+
+from lrattn_lightning.chat import TextStream, chat_main, generate_main
+from lrattn_lightning.generate import generate
+from lrattn_lightning.tokenizer import ByteTokenizer
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_text_stream_waits_for_whole_characters():
+    stream = TextStream(ByteTokenizer())
+    pieces = [stream.push(b) for b in "aé✓".encode()]
+    assert pieces == ["a", "", "é", "", "", "✓"]
+
+
+def test_generate_prints_the_greedy_continuation(tmp_path, capsys):
+    model = make_checkpoint(tmp_path / "last.ckpt", "p-lr-block-n8-r32", seq_len=64)
+    assert generate_main(["--checkpoint", str(tmp_path / "last.ckpt"), "--prompt", "abc",
+                          "--max_new_tokens", "10", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    tok = ByteTokenizer()
+    ids = generate(model, torch.tensor([tok.encode("abc")]), 10, eos_id=tok.eos_id)[0].tolist()
+    expected = tok.decode([i for i in ids[: ids.index(256)] if i != 256] if 256 in ids else ids)
+    assert out == "abc" + expected + "\n"
+
+
+def test_generate_sampling_is_seeded_and_bad_options_are_one_line(tmp_path, capsys):
+    make_checkpoint(tmp_path / "last.ckpt", "s-lr-block-n8-r64", seq_len=64)
+    args = ["--checkpoint", str(tmp_path / "last.ckpt"), "--prompt", "x", "--max_new_tokens", "20",
+            "--temperature", "1.0", "--top_k", "40", "--top_p", "0.9"]
+    runs = []
+    for seed in ("1", "1", "2"):
+        assert generate_main([*args, "--seed", seed]) == 0
+        runs.append(capsys.readouterr().out)
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    for bad, field in ((["--top_p", "1.5"], "--top_p"), (["--temperature", "-1"], "--temperature"),
+                       (["--max_new_tokens", "0"], "--max_new_tokens")):
+        assert generate_main([*args, *bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and field in err
+    assert generate_main(["--checkpoint", str(tmp_path / "missing.ckpt"), "--prompt", "x"]) == 2
+    assert "missing.ckpt" in capsys.readouterr().err
+
+
+def test_chat_in_process_keeps_and_resets_its_text(tmp_path):
+    import io
+
+    make_checkpoint(tmp_path / "last.ckpt", "baseline", seq_len=64)
+    stdin = io.StringIO("hello\n/reset\nagain\n/quit\n")
+    stdout = io.StringIO()
+    assert chat_main(["--checkpoint", str(tmp_path / "last.ckpt"), "--max_new_tokens", "8"], stdin, stdout) == 0
+    text = stdout.getvalue()
+    assert text.count("> ") == 4 and "(text forgotten)" in text
+
+
+def _read_until(fd: int, marker: bytes, timeout: float = 60.0) -> bytes:
+    buf, end = b"", time.monotonic() + timeout
+    while marker not in buf:
+        if time.monotonic() > end:
+            raise AssertionError(f"no {marker!r} in {buf[-400:]!r}")
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            buf += chunk
+    return buf
+
+
+def test_chat_in_a_real_terminal(tmp_path):
+    """The chat loop on a pseudo-terminal: prompt, a streamed reply, /reset, /quit, clean exit."""
+    make_checkpoint(tmp_path / "last.ckpt", "s-lr-block-n8-r64", seq_len=64)
+    main, child = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    code = ("import sys; from lrattn_lightning.chat import chat_main; "
+            f"sys.exit(chat_main(['--checkpoint', {str(tmp_path / 'last.ckpt')!r}, '--max_new_tokens', '6']))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=child, stdout=child, stderr=child, env=env,
+                            close_fds=True)
+    os.close(child)
+    try:
+        assert b"lrattn chat" in _read_until(main, b"> ")
+        os.write(main, b"hello there\n")
+        reply = _read_until(main, b"> ")
+        assert reply.startswith(b"hello there") and len(reply) > len(b"hello there\r\n> ")
+        os.write(main, b"/reset\n")
+        assert b"(text forgotten)" in _read_until(main, b"> ")
+        os.write(main, b"/quit\n")
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        os.close(main)

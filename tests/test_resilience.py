@@ -1,0 +1,475 @@
+"""Runs that survive what clusters do to them: real signals, real processes, a real MLflow server.
+
+Training on the CPU is deterministic, so a run that was stopped and resumed must log the losses of an
+uninterrupted one. Bad input must be one line `lrattn: error: ...` (exit 2), before any work.
+Tests that mount a tmpfs (another filesystem for $TMPDIR, a full disk, a read-only store) need root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from mlflow.tracking import MlflowClient
+
+from lrattn_lightning.cli import main
+from lrattn_lightning.data import prepare
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+REGISTRY = str(REPO / "registry.yaml")
+RUN = "tiny-baseline-seed0"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "stdlib-byte"
+    prepare(source="stdlib-docs", out_dir=out, tokenizer="byte", max_documents=60, val_fraction=0.1,
+            cloze_items=0, perplexity_documents=0)
+    return out
+
+
+def fit_args(data: Path, *extra: str, steps: int = 4, every: int = 2, ablation: str = "baseline") -> list[str]:
+    return [
+        "fit", "--size", "tiny", "--ablation", ablation, "--registry", REGISTRY,
+        "--data.data_dir", str(data), "--data.batch_size", "2",
+        "--trainer.max_steps", str(steps), "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2",
+        "--trainer.num_sanity_val_steps", "0", "--trainer.log_every_n_steps", "1",
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+        "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+        "--model.warmup_steps", "2", "--checkpoint_every", str(every), *extra,
+    ]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", **extra}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+def lrattn(*args: str) -> list[str]:
+    return [sys.executable, "-m", "lrattn_lightning.cli", *args]
+
+
+def run_cli(args: list[str], cwd: Path, timeout: int = 240, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(lrattn(*args), cwd=cwd, env=child_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def hooks(folder: Path, name: str, *callbacks: tuple[str, dict]) -> str:
+    """A --config file that adds run_hooks callbacks (tests/run_hooks.py) to the trainer."""
+    path = folder / name
+    path.write_text(yaml.safe_dump({"trainer": {"callbacks": [
+        {"class_path": f"run_hooks.{cls}", "init_args": args} for cls, args in callbacks]}}))
+    return str(path)
+
+
+def ckpt_dir(folder: Path, experiment: str = "lrattn", run: str = RUN) -> Path:
+    return folder / "runs" / experiment / run / "checkpoints"
+
+
+def step_of(path: Path) -> int:
+    return torch.load(path, map_location="cpu", weights_only=True)["global_step"]
+
+
+def the_run(folder: Path, experiment: str = "lrattn", uri: str | None = None):
+    client = MlflowClient(uri or f"sqlite:///{folder}/mlflow.db")
+    exp = client.get_experiment_by_name(experiment)
+    assert exp is not None
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1, [r.info.run_name for r in runs]
+    return client, runs[0]
+
+
+def loss_history(client: MlflowClient, run_id: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/loss"))
+
+
+def assert_same_losses(resumed: list[tuple[int, float]], full: list[tuple[int, float]]) -> None:
+    assert [s for s, _ in resumed] == [s for s, _ in full]  # every step once: no duplicates after a resume
+    for (step, a), (_, b) in zip(resumed, full, strict=True):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-6), (step, resumed, full)
+
+
+@contextmanager
+def tmpfs(path: Path, options: str):
+    """A tmpfs mounted at `path` (root only; the test is skipped otherwise)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a tmpfs")
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+# ---- item 4: SIGTERM ------------------------------------------------------------------------------
+def test_sigterm_saves_the_current_step_exits_nonzero_and_resume_continues(data, tmp_path, monkeypatch, capsys):
+    steps = 8
+    stopped = run_cli(fit_args(data, "--experiment", "stopped", "--config",
+                               hooks(tmp_path, "term.yaml", ("SigtermAtStep", {"step": 5})), steps=steps, every=4),
+                      tmp_path)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr
+    assert "lrattn: stopped by SIGTERM at step 6" in stopped.stderr  # the batch in progress completed
+    last = ckpt_dir(tmp_path, "stopped") / "last.ckpt"
+    assert step_of(last) == 6 and sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]
+    client, run = the_run(tmp_path, "stopped")
+    assert run.info.status == "KILLED"  # not FINISHED: a sweep must not skip it
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(fit_args(data, "--experiment", "stopped", "--ckpt_path", "last", steps=steps, every=4)) == 0
+    assert main(fit_args(data, "--experiment", "full", steps=steps, every=4)) == 0
+    _, resumed = the_run(tmp_path, "stopped")
+    _, full = the_run(tmp_path, "full")
+    assert resumed.info.run_id == run.info.run_id and resumed.info.status == "FINISHED"
+    assert step_of(last) == steps
+    assert_same_losses(loss_history(client, resumed.info.run_id), loss_history(client, full.info.run_id))
+
+
+def test_sweep_passes_a_sigterm_on_and_sees_the_run_did_not_finish(data, tmp_path, monkeypatch, capsys):
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 60, "val_check_interval": 30, "limit_val_batches": 2,
+                    "num_sanity_val_steps": 0, "log_every_n_steps": 1, "enable_progress_bar": False,
+                    "enable_model_summary": False},
+        "model": {"warmup_steps": 1}, "data": {"data_dir": str(data), "batch_size": 2}, "checkpoint_every": 4}))
+    sweep = {"name": "term", "doc": "one run, stopped by SIGTERM", "recipe": "recipe.yaml", "registry": REGISTRY,
+             "sizes": ["tiny"], "ablations": ["baseline"], "seeds": [0]}
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep))
+    proc = subprocess.Popen(lrattn("sweep", "sweep.yaml"), cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    ckpt = ckpt_dir(tmp_path, "term") / "last.ckpt"
+    deadline = time.time() + 120
+    while not ckpt.exists():  # the periodic save at step 4: the fit is under way
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # to the sweep; it passes it on to the fit
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 143, out[-3000:]
+    assert "stopped by SIGTERM" in out and "no further runs start" in out
+    assert 4 <= step_of(ckpt) < 60
+    _, run = the_run(tmp_path, "term")
+    assert run.info.status == "KILLED"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(["sweep", "sweep.yaml", "--dry-run"]) == 0
+    assert "resume    tiny-baseline-seed0" in capsys.readouterr().out  # the next sweep resumes it
+
+
+# ---- items 2 and 6: one last.ckpt, always the newest; no step logged twice ------------------------
+def test_last_ckpt_is_always_the_newest_and_resume_logs_each_step_once(data, tmp_path, monkeypatch):
+    """The issue's repro, scaled down: a fit that ends before its first periodic save, resumed to a
+    longer run and SIGKILLed after a periodic save, resumed again: it must restore the newest step."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(fit_args(data, steps=3, every=5)) == 0
+    folder = ckpt_dir(tmp_path)
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"] and step_of(folder / "last.ckpt") == 3
+    killed = run_cli(fit_args(data, "--ckpt_path", "last", "--config",
+                              hooks(tmp_path, "kill.yaml", ("KillAtStep", {"step": 7})), steps=12, every=5), tmp_path)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"] and step_of(folder / "last.ckpt") == 5
+    assert main(fit_args(data, "--ckpt_path", "last", steps=12, every=5)) == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"] and step_of(folder / "last.ckpt") == 12
+    client, run = the_run(tmp_path)
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert sorted(steps) == list(range(12))  # steps 5 and 6 ran twice but are logged once
+    assert not (tmp_path / "runs/lrattn" / RUN / ".lock").exists()
+
+
+# ---- item 3: atomic checkpoint writes ---------------------------------------------------------------
+def test_sigkill_during_a_checkpoint_write_keeps_the_previous_checkpoint(data, tmp_path, monkeypatch, capsys):
+    with tmpfs(tmp_path / "tmpdir", "size=512m") as tmpdir:  # $TMPDIR on another filesystem than the run
+        marker = tmp_path / "writing"
+        config = hooks(tmp_path, "ballast.yaml", ("BallastAtStep", {"step": 4, "mb": 96, "marker": str(marker)}))
+        proc = subprocess.Popen(lrattn(*fit_args(data, "--config", config, steps=6)), cwd=tmp_path,
+                                env=child_env(TMPDIR=str(tmpdir)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        folder = ckpt_dir(tmp_path)
+        deadline, partial = time.time() + 120, None
+        while partial is None:
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+            if marker.exists():
+                partial = next((p for p in folder.glob(".last.ckpt.*.tmp") if p.stat().st_size > 2**20), None)
+            time.sleep(0.001)
+        proc.kill()  # SIGKILL while the step-4 checkpoint is being written
+        proc.communicate(timeout=30)
+        assert proc.returncode == -signal.SIGKILL
+        assert partial.exists() and partial.parent == folder  # the bytes went to the run folder, not $TMPDIR
+        assert step_of(folder / "last.ckpt") == 2  # the previous checkpoint, whole and loadable
+        assert not any(Path(tmpdir).iterdir())
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(fit_args(data, "--ckpt_path", "last", steps=6)) == 0
+    assert f"removed {partial.relative_to(tmp_path)}, left by a checkpoint save that never finished" in capsys.readouterr().err
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"] and step_of(folder / "last.ckpt") == 6
+
+
+def test_full_disk_fails_with_one_line_and_keeps_the_previous_checkpoint(data, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(fit_args(data, "--run_name", "probe", steps=1, every=1)) == 0
+    size = (ckpt_dir(tmp_path, run="probe") / "last.ckpt").stat().st_size
+    capsys.readouterr()
+    with tmpfs(tmp_path / "small", f"size={size * 3 // 2 // 4096 * 4096 + 8192}") as small:  # room for one
+        assert main(fit_args(data, "--runs_dir", str(small), steps=6)) == 2
+        err = capsys.readouterr().err
+        last = small / "lrattn" / RUN / "checkpoints" / "last.ckpt"
+        lines = [line for line in err.splitlines() if line.startswith("lrattn:")]
+        assert lines == [lines[0]] and f"could not save checkpoint {last}: No space left on device" in lines[0]
+        assert "Traceback" not in err
+        assert step_of(last) == 2 and sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]
+
+
+# ---- item 5: a dead MLflow server -----------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_mlflow_server_killed_mid_run_ends_in_bounded_time_with_one_warning(data, tmp_path):
+    port = _free_port()
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}", "--artifacts-destination", str(tmp_path / "art")],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                urllib.request.urlopen(uri + "/health", timeout=2).read()
+                break
+            except OSError:
+                assert time.time() < deadline and server.poll() is None, "mlflow server did not come up"
+                time.sleep(0.5)
+        config = hooks(tmp_path, "killserver.yaml", ("KillProcessGroupAtStep", {"step": 3, "pgid": server.pid}))
+        start = time.time()
+        proc = run_cli(fit_args(data, "--tracking_uri", uri, "--config", config, steps=6), tmp_path, timeout=300)
+        took = time.time() - start
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert took < 90, took
+        warnings = [line for line in proc.stderr.splitlines() if "warning: MLflow" in line]
+        assert len(warnings) == 2, warnings  # the failure, then the run's state at the end
+        assert f"MLflow {uri} failed at step 3" in warnings[0] and "training and checkpoints continue" in warnings[0]
+        assert "stays RUNNING" in warnings[1]
+        assert step_of(ckpt_dir(tmp_path) / "last.ckpt") == 6
+        assert not (tmp_path / "mlflow.db").exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # normally the hook killed it already
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=20)
+
+
+# ---- item 7: concurrency --------------------------------------------------------------------------
+def test_two_fits_starting_together_on_a_new_sqlite_store_both_succeed(data, tmp_path):
+    procs = [subprocess.Popen(lrattn(*fit_args(data, "--run_name", name, steps=2)), cwd=tmp_path, env=child_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for name in ("a", "b")]
+    errs = [p.communicate(timeout=240)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errs]
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("lrattn").experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["a", "b"]
+    assert all(r.info.status == "FINISHED" and "train/loss" in r.data.metrics for r in runs)
+    assert not list(tmp_path.glob(".mlflow.db.lock"))
+
+
+def test_a_run_folder_held_by_a_live_process_is_refused_and_a_stale_lock_is_taken_over(data, tmp_path, monkeypatch,
+                                                                                      capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    lock = tmp_path / "runs/lrattn" / RUN / ".lock"
+    lock.parent.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "os.write(fd, f'pid {os.getpid()} on a test host'.encode())\n"
+        "print('held', flush=True)\n"
+        "time.sleep(120)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main(fit_args(data, steps=2)) == 2
+        err = capsys.readouterr().err
+        assert f"run folder runs/lrattn/{RUN} is in use by pid {holder.pid} on a test host" in err
+        assert "--run_name" in err and not (tmp_path / "mlflow.db").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert lock.exists()  # left by a killed process: stale, taken over
+    assert main(fit_args(data, steps=2)) == 0
+    assert not lock.exists() and step_of(ckpt_dir(tmp_path) / "last.ckpt") == 2
+
+
+# ---- item 8: duplicate YAML keys --------------------------------------------------------------------
+def test_duplicate_yaml_keys_are_errors_naming_both_lines(data, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    text = (REPO / "registry.yaml").read_text().splitlines()
+    at = next(i for i, line in enumerate(text) if line.strip().startswith("n_layers:"))
+    text.insert(at + 1, text[at])  # the same key again, on the next line
+    (tmp_path / "registry.yaml").write_text("\n".join(text) + "\n")
+    assert main(["list", "--registry", "registry.yaml"]) == 2
+    assert f"registry.yaml: duplicate key 'n_layers' on line {at + 2} (first on line {at + 1})" in capsys.readouterr().err
+    (tmp_path / "recipe.yaml").write_text("trainer:\n  max_steps: 2\n")
+    (tmp_path / "sweep.yaml").write_text("doc: d\nrecipe: recipe.yaml\nsizes: [tiny]\nablations: [baseline]\n"
+                                         "seeds: [0]\nseeds: [1]\n")
+    assert main(["sweep", "sweep.yaml", "--dry-run"]) == 2
+    assert "sweep.yaml: duplicate key 'seeds' on line 6 (first on line 5)" in capsys.readouterr().err
+    (tmp_path / "recipe.yaml").write_text("trainer:\n  max_steps: 2\n  max_steps: 3\n")
+    assert main(fit_args(data, "--config", "recipe.yaml")) == 2
+    assert "recipe.yaml: duplicate key 'max_steps' on line 3 (first on line 2)" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+# ---- items 9 and 10: one line, exit 2, before any work -----------------------------------------------
+def _broken_inputs(folder: Path, data: Path) -> dict[str, Path]:
+    (folder / "folder.yaml").mkdir()
+    (folder / "latin1.yaml").write_bytes("sizes: {}  # caf\xe9\n".encode("latin-1"))
+    (folder / "empty.ckpt").write_bytes(b"")
+    (folder / "random.ckpt").write_bytes(np.random.default_rng(0).bytes(4096))
+    big_ids = folder / "big-ids"
+    shutil.copytree(data, big_ids)
+    chunk = json.loads((big_ids / "train/index.json").read_text())["chunks"][0]
+    body = np.memmap(big_ids / "train" / chunk["filename"], dtype=np.uint16, mode="r+", offset=(chunk["chunk_size"] + 2) * 4)
+    body[100] = 700  # an id the tiny model (vocab 512) has no embedding for
+    body.flush()
+    meta = json.loads((big_ids / "meta.json").read_text())
+    del meta["splits"]["train"]["max_token_id"]  # a folder prepared before the ids were recorded: scanned
+    (big_ids / "meta.json").write_text(json.dumps(meta))
+    return {"big-ids": big_ids}
+
+
+def _drop(args: list[str], flag: str) -> list[str]:
+    i = args.index(flag)
+    return args[:i] + args[i + 2:]
+
+
+BAD_INPUTS = {
+    # name: (arguments after replacing DATA, expected words in the one line)
+    "registry is a folder": (lambda d: fit_args(d, "--registry", "folder.yaml"), ["registry file folder.yaml is a directory"]),
+    "registry not UTF-8": (lambda d: fit_args(d, "--registry", "latin1.yaml"), ["registry file latin1.yaml is not UTF-8"]),
+    "max_steps -5": (lambda d: fit_args(d, steps=-5), ["--trainer.max_steps -5"]),
+    "checkpoint_every -1": (lambda d: fit_args(d, every=-1), ["--checkpoint_every -1"]),
+    "seq_len 0": (lambda d: fit_args(d, "--data.seq_len", "0"), ["--data.seq_len 0", ">= 1"]),
+    "empty ckpt to fit": (lambda d: fit_args(d, "--ckpt_path", "empty.ckpt"), ["checkpoint empty.ckpt is empty"]),
+    "random ckpt to validate": (
+        lambda d: ["validate", "--size", "tiny", "--ablation", "baseline", "--registry", REGISTRY, "--data.data_dir",
+                   str(d), "--ckpt_path", "random.ckpt"], ["checkpoint random.ckpt cannot be read"]),
+    "htp:// tracking URI": (lambda d: fit_args(d, "--tracking_uri", "htp://localhost:5000"), ["unknown scheme 'htp'"]),
+    "prepare into an existing folder": (lambda d: ["prepare", "--out", str(d)], ["already exists", "--overwrite"]),
+    "token id beyond the vocabulary": (lambda d: fit_args(Path("big-ids")), ["holds token id 700", "vocab_size 512"]),
+    "fit without --size": (lambda d: _drop(fit_args(d), "--size"), ["fit needs --size"]),
+    "fit without --ablation": (lambda d: _drop(fit_args(d), "--ablation"), ["fit needs --ablation"]),
+    "validate without a checkpoint": (
+        lambda d: ["validate", "--size", "tiny", "--ablation", "baseline", "--registry", REGISTRY, "--data.data_dir",
+                   str(d)], ["validate needs --ckpt_path", "random weights"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line_and_exit_2(case, data, tmp_path, monkeypatch, capsys):
+    inputs = tmp_path / "INPUTS"
+    inputs.mkdir()
+    _broken_inputs(inputs, data)
+    monkeypatch.chdir(inputs)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    make, needles = BAD_INPUTS[case]
+    assert main(make(data)) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("lrattn:")]
+    assert len(lines) == 1 and lines[0].startswith("lrattn: error: "), err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert not (inputs / "runs").exists() and not (inputs / "mlflow.db").exists()
+
+
+def test_truncated_checkpoint_is_one_line(data, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(fit_args(data, steps=2)) == 0
+    whole = (ckpt_dir(tmp_path) / "last.ckpt").read_bytes()
+    (tmp_path / "cut.ckpt").write_bytes(whole[: len(whole) // 2])
+    capsys.readouterr()
+    for sub in ("fit", "validate"):
+        args = fit_args(data, "--ckpt_path", "cut.ckpt", "--run_name", "other") if sub == "fit" else [
+            "validate", "--registry", REGISTRY, "--data.data_dir", str(data), "--ckpt_path", "cut.ckpt"]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "lrattn: error: checkpoint cut.ckpt cannot be read" in err and "Traceback" not in err
+    assert not (tmp_path / "runs/lrattn/other").exists()
+
+
+def test_read_only_store_is_one_line(data, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
+        assert main(fit_args(data, "--tracking_uri", f"sqlite:///{ro}/mlflow.db")) == 2
+        err = capsys.readouterr().err
+        assert f"lrattn: error: MLflow store sqlite:///{ro}/mlflow.db: cannot write in {ro} (Read-only file system)" in err
+        assert main(fit_args(data, "--runs_dir", str(ro / "runs"))) == 2
+        assert f"run folder {ro}/runs/lrattn/{RUN} cannot be created or written" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_non_utf8_corpus_is_prepared_with_a_warning_that_counts(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    paragraph = "A paragraph of plain words that is long enough to be kept as a document here. "
+    text = "\n\n".join([paragraph * 3] * 60).encode()  # about 14 kB: a few documents of ~4 kB
+    corpus.write_bytes(text + "\n\ncafé \ufffd ".encode() + b"caf\xe9 \xff\xfe " + paragraph.encode() * 2)
+    assert main(["prepare", "--source", str(corpus), "--out", str(tmp_path / "out"), "--val-fraction", "0.3"]) == 0
+    err = capsys.readouterr().err  # \xe9 (a lead byte before a space), \xff, \xfe; the real U+FFFD is not counted
+    assert f"warning: {corpus} is not valid UTF-8: 3 undecodable byte sequence(s)" in err
+
+
+def test_doc_and_control_edits_do_not_block_resume_and_limit_val_batches_1_warns(data, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    registry = yaml.safe_load((REPO / "registry.yaml").read_text())
+    (tmp_path / "registry.yaml").write_text(yaml.safe_dump(registry, sort_keys=False))
+    args = ["--registry", "registry.yaml", "--trainer.limit_val_batches", "1"]
+    assert main(fit_args(data, *args, ablation="s-lr-grid-n4-r16", steps=2)) == 0
+    assert "--trainer.limit_val_batches 1 means ONE batch" in capsys.readouterr().err
+    grid = registry["grids"]["s-lr-rank-blocks"]  # s-lr-grid-n4-r16 is one of its points
+    grid["doc"] = "a new description"
+    grid["control"] = "baseline"
+    (tmp_path / "registry.yaml").write_text(yaml.safe_dump(registry, sort_keys=False))
+    assert main(fit_args(data, *args, "--ckpt_path", "last", ablation="s-lr-grid-n4-r16", steps=3)) == 0
+    ckpt = torch.load(ckpt_dir(tmp_path, run="tiny-s-lr-grid-n4-r16-seed0") / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 3
+    assert ckpt["hyper_parameters"]["model_config"]["ablation"]["control"] == "baseline"
+    grid["block_summary"] = "mean"  # an architecture field: refused
+    (tmp_path / "registry.yaml").write_text(yaml.safe_dump(registry, sort_keys=False))
+    capsys.readouterr()
+    assert main(fit_args(data, *args, "--ckpt_path", "last", ablation="s-lr-grid-n4-r16", steps=4)) == 2
+    assert "different architecture" in capsys.readouterr().err
+
+
+def test_last_of_a_folder_from_before_one_last_ckpt_is_the_newest(tmp_path):
+    """Folders written by earlier versions hold a stale last.ckpt beside last-vN.ckpt; `last` means the newest."""
+    from lrattn_lightning.checkpointing import newest_last
+
+    for name, step in (("last.ckpt", 30), ("last-v1.ckpt", 30), ("last-v2.ckpt", 100), ("step000010.ckpt", 10)):
+        torch.save({"global_step": step}, tmp_path / name)
+    assert newest_last(tmp_path) == tmp_path / "last-v2.ckpt"
+    torch.save({"global_step": 147}, tmp_path / "last.ckpt")
+    assert newest_last(tmp_path) == tmp_path / "last.ckpt"
+    assert newest_last(tmp_path / "none") is None
