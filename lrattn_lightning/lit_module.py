@@ -344,7 +344,8 @@ class LRAttnModule(L.LightningModule):
             plt.close(fig)
 
     def _log_gates(self, weights: list[torch.Tensor]) -> None:
-        """The gated residual: mean alpha per sublayer, routing/siteNN/alpha, and a figure in the heatmap's place."""
+        """The gated residual: the mean over sublayers as metrics (routing/mean/alpha, saturated); alpha per
+        sublayer in routing/gates.json and a figure of it, routing/gates.png, in the heatmap's place."""
         stats = diagnostics.gate_stats(weights)
         for stat in diagnostics.GATE_STATS:  # per sublayer: routing/gates.json; the mean stays a metric
             self._report(f"routing/mean/{stat}", sum(r[stat] for r in stats) / len(stats))
