@@ -380,7 +380,8 @@ class LRAttnModule(L.LightningModule):
                    if k in ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_decay", "muon_variant",
                             "muon_momentum", "muon_momentum_min", "muon_momentum_warmup_steps",
                             "muon_momentum_cooldown_steps", "warmup_steps", "decay_fraction", "final_lr_fraction",
-                            "z_loss", "compile", "document_masking", "impl")},
+                            "z_loss", "compile", "document_masking", "impl", "gate_freeze_steps",
+                            "gate_release_loss", "gate_grad_normalize")},
                 **self._recipe_params(),
             })
         tags = {
