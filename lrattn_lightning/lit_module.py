@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 import torchmetrics
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.utilities import grad_norm
 
 from lrattn_lightning import diagnostics
 from lrattn_lightning.accounting import added_flops_percent, count_params
@@ -237,10 +238,9 @@ class LRAttnModule(L.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if grads:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-            self.log("train/grad_norm", norm)
+        norms = grad_norm(self.model, norm_type=2)  # Lightning's: per parameter and the total, before clipping
+        if norms:
+            self.log("train/grad_norm", norms["grad_2.0_norm_total"])
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._update_gate_hold()
