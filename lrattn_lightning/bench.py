@@ -143,9 +143,32 @@ def _size_for(cfg, seq_len: int):
     return ModelConfig(dataclasses.replace(cfg.size, seq_len=seq_len), cfg.ablation)
 
 
-def make_subject(args, reg, ablation: str, mode: str, device, dtype) -> Subject:
+def plain_train_step(model, inputs, targets, device, dtype, mode: str = "eager",
+                     backend: str = "inductor") -> tuple[Callable[[], None], Any]:
+    """The plain train step: forward, float32 cross-entropy, backward, AdamW (`make_optimizer`); in compile
+    mode the forward and the loss are one torch.compile region. -> (step, optimizer)."""
     import torch
     import torch.nn.functional as F
+
+    def loss_of(x, y):
+        logits = model(x)
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    loss_fn = torch.compile(loss_of, backend=backend) if mode == "compile" else loss_of
+    opt = make_optimizer(model)
+
+    def step() -> None:
+        with _autocast(device, dtype):
+            loss = loss_fn(inputs, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, opt
+
+
+def make_subject(args, reg, ablation: str, mode: str, device, dtype) -> Subject:
+    import torch
 
     from lrattn_lightning.accounting import model_flops_per_token
     from lrattn_lightning.decoder import KVCache, build_decoder
@@ -163,20 +186,7 @@ def make_subject(args, reg, ablation: str, mode: str, device, dtype) -> Subject:
         return _module_subject(args, cfg, ablation, mode, device, dtype, idx)
 
     if args.phase == "train":
-        def loss_of(x, y):
-            logits = model(x)
-            return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-
-        loss_fn = torch.compile(loss_of, backend=args.compile_backend) if mode == "compile" else loss_of
-        opt = make_optimizer(model)
-
-        def step() -> None:
-            with _autocast(device, dtype):
-                loss = loss_fn(inputs, targets)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
+        step, opt = plain_train_step(model, inputs, targets, device, dtype, mode, args.compile_backend)
         flops = model_flops_per_token(_size_for(cfg, T), training=True) * B * T
         return Subject(ablation, cfg, model, step, B * T, flops, optimizer=opt)
 
