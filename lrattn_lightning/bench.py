@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=(*MODES, "both"), default="eager", help="eager, torch.compile, or both")
     p.add_argument("--impl", choices=("fast", "reference"), default="fast", help="depth-routing code path")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --mode compile")
+    p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                   help="set a torch._inductor.config option for every model (repeatable), e.g. cpp_wrapper=true")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the size's seq_len)")
     p.add_argument("--prompt-len", type=int, default=16, help="generate: prompt tokens")
@@ -338,6 +340,8 @@ def rss_probes(args, mode: str, ablations: list[str]) -> dict[str, int]:
             common += [f"--{key.replace('_', '-')}", str(value)]
     if args.fit:
         common.append("--fit")
+    for item in args.inductor:
+        common += ["--inductor", item]
     procs = {
         name: subprocess.Popen([sys.executable, "-m", "lrattn_lightning.bench", "--rss-probe", f"{mode}:{name}", *common],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -394,6 +398,30 @@ def _quartiles(values: list[float]) -> list[float]:
         return [values[0], values[0]]
     q = statistics.quantiles(values, n=4)
     return [q[0], q[2]]
+
+
+def apply_inductor_options(options: list[str]) -> dict[str, Any]:
+    """--inductor KEY=VALUE: set torch._inductor.config attributes (dotted keys reach sub-configs)."""
+    import torch._inductor.config as config
+
+    applied = {}
+    for item in options:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"--inductor {item!r}: expected KEY=VALUE")
+        value: Any = {"true": True, "false": False}.get(raw.lower(), raw)
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                value = float(raw) if "." in raw else int(raw)
+        *path, leaf = key.split(".")
+        target = config
+        for part in path:
+            target = getattr(target, part)
+        if not hasattr(target, leaf):
+            raise ValueError(f"--inductor {item!r}: torch._inductor.config has no option {key!r}")
+        setattr(target, leaf, value)
+        applied[key] = value
+    return applied
 
 
 def _clock(args) -> Callable[[], float]:
@@ -500,6 +528,7 @@ def run_bench(args) -> dict[str, Any]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype)
     reg = load_registry(args.registry)
+    inductor_options = apply_inductor_options(args.inductor)
     names = [n for n in args.ablations.split(",") if n and n != args.baseline]
     for name in [args.baseline, *names]:  # fail on a bad name or pair before any timing
         _model_config(args, reg, name)
@@ -525,6 +554,7 @@ def run_bench(args) -> dict[str, Any]:
             "size": args.size, "baseline": args.baseline, "phase": args.phase, "impl": args.impl,
             "step": args.step if args.phase == "train" else None,
             "compile_backend": args.compile_backend if args.mode != "eager" else None,
+            "inductor_options": inductor_options,
             "batch_size": args.batch_size, "seq_len": args.seq_len or size.seq_len,
             "prompt_len": args.prompt_len if args.phase == "generate" else None,
             "new_tokens": args.new_tokens if args.phase == "generate" else None,
@@ -617,6 +647,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        apply_inductor_options(args.inductor)
         return _run_rss_probe(args, device, getattr(torch, args.dtype), load_registry(args.registry))
     report = run_bench(args)
     print(format_table(report))

@@ -71,7 +71,8 @@ def test_inference_phases(tmp_path, phase):
 def test_compile_mode(tmp_path):
     """The compiled train step (aot_eager backend: no Inductor codegen, to stay fast)."""
     report = _run(tmp_path, "--mode", "compile", "--compile-backend", "aot_eager", "--ablations", "baseline",
-                  "--steps", "2", "--warmup", "1")
+                  "--steps", "2", "--warmup", "1", "--inductor", "cpp_wrapper=false")
+    assert report["meta"]["inductor_options"] == {"cpp_wrapper": False}
     assert [(r["mode"], r["ablation"]) for r in report["results"]] == [("compile", "baseline")]
     assert report["meta"]["compile_backend"] == "aot_eager"
 
@@ -83,6 +84,8 @@ def test_cli_subcommand_and_bad_names(tmp_path):
     assert json.loads(path.read_text())["results"][1]["peak_mem_bytes"] is None
     with pytest.raises(ValueError, match="no-such-ablation"):
         bench.main([*TINY, "--ablations", "no-such-ablation", "--json", str(path)])
+    with pytest.raises(ValueError, match="no option 'no_such_option'"):
+        bench.main([*TINY, "--inductor", "no_such_option=1", "--ablations", "baseline", "--json", str(path)])
     with pytest.raises(ValueError, match="generate"):
         bench.main([*TINY, "--phase", "generate", "--mode", "compile", "--ablations", "baseline", "--json", str(path)])
 
