@@ -256,6 +256,15 @@ class LRAttnModule(L.LightningModule):
         if per_step:
             self.log("train/tokens_seen", float((self.global_step) * per_step))
 
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        """The optimiser of `configure_optimizers`, without its schedule (`lrattn bench --step module`)."""
+        hp = self.hparams
+        return build_optimizer(
+            self.model, kind=hp.optimizer, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
+            muon_lr=hp.muon_lr, muon_weight_decay=hp.muon_weight_decay, muon_momentum=hp.muon_momentum,
+            muon_variant=hp.muon_variant,
+        )
+
     def configure_optimizers(self) -> dict:
         hp = self.hparams
         strategy = type(self.trainer.strategy).__name__
@@ -264,11 +273,7 @@ class LRAttnModule(L.LightningModule):
                 "model.optimizer: Muon orthogonalises whole matrices, which FSDP shards across ranks; "
                 "use --model.optimizer adamw with --trainer.strategy fsdp, or keep Muon with ddp"
             )
-        opt = build_optimizer(
-            self.model, kind=hp.optimizer, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
-            muon_lr=hp.muon_lr, muon_weight_decay=hp.muon_weight_decay, muon_momentum=hp.muon_momentum,
-            muon_variant=hp.muon_variant,
-        )
+        opt = self.make_optimizer()
         total = self.trainer.max_steps if self.trainer.max_steps > 0 else int(self.trainer.estimated_stepping_batches)
         # one scheduler: the learning rate of every group and the momentum of the Muon group, per step
         schedule = WarmupStableDecay(opt, total, hp.warmup_steps, hp.decay_fraction, hp.final_lr_fraction,

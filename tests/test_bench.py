@@ -14,11 +14,11 @@ torch.set_num_threads(1)
 ROW_FIELDS = {
     "mode", "ablation", "impl", "median_step_s", "step_times_s", "tokens_per_s", "ratio_to_baseline",
     "ratios_per_pair", "ratio_quartiles", "peak_mem_bytes", "mem_ratio", "peak_rss_bytes", "rss_ratio", "model_flops_per_step",
-    "achieved_flops", "mfu",
+    "achieved_flops", "mfu", "traffic", "floor_s", "overhead_s", "routing_efficiency", "profile",
 }
 META_FIELDS = {"date", "command", "size", "baseline", "phase", "impl", "batch_size", "seq_len", "steps", "warmup",
                "dtype", "device", "device_name", "threads", "torch", "peak_flops", "peak_flops_source", "memory",
-               "git_commit", "registry_sha256"}
+               "git_commit", "registry_sha256", "bandwidth_bytes_per_s", "bandwidth_source", "step"}
 TINY = ["--size", "tiny", "--fit", "--batch-size", "2", "--seq-len", "16", "--threads", "1", "--device", "cpu"]
 
 
@@ -71,7 +71,8 @@ def test_inference_phases(tmp_path, phase):
 def test_compile_mode(tmp_path):
     """The compiled train step (aot_eager backend: no Inductor codegen, to stay fast)."""
     report = _run(tmp_path, "--mode", "compile", "--compile-backend", "aot_eager", "--ablations", "baseline",
-                  "--steps", "2", "--warmup", "1")
+                  "--steps", "2", "--warmup", "1", "--inductor", "cpp_wrapper=false")
+    assert report["meta"]["inductor_options"] == {"cpp_wrapper": False}
     assert [(r["mode"], r["ablation"]) for r in report["results"]] == [("compile", "baseline")]
     assert report["meta"]["compile_backend"] == "aot_eager"
 
@@ -83,5 +84,42 @@ def test_cli_subcommand_and_bad_names(tmp_path):
     assert json.loads(path.read_text())["results"][1]["peak_mem_bytes"] is None
     with pytest.raises(ValueError, match="no-such-ablation"):
         bench.main([*TINY, "--ablations", "no-such-ablation", "--json", str(path)])
+    with pytest.raises(ValueError, match="no option 'no_such_option'"):
+        bench.main([*TINY, "--inductor", "no_such_option=1", "--ablations", "baseline", "--json", str(path)])
     with pytest.raises(ValueError, match="generate"):
         bench.main([*TINY, "--phase", "generate", "--mode", "compile", "--ablations", "baseline", "--json", str(path)])
+
+
+def test_roofline_columns_and_profile_without_kineto_noise(tmp_path, capfd):
+    """Every ablation row carries its analytic traffic, floor and efficiency; --profile adds per-op deltas;
+    the profiler's USDT start/stop lines do not reach the output."""
+    report = _run(tmp_path, "--ablations", "s-lr-block-n8-r64", "--steps", "2", "--warmup", "1", "--clock", "cpu",
+                  "--profile", "1")
+    base, row = report["results"]
+    assert base["routing_efficiency"] is None and base["traffic"]["net_bytes"] == 0
+    assert row["traffic"]["net_bytes"] > 0 and row["floor_s"] > 0
+    if row["overhead_s"] > 0:
+        assert row["routing_efficiency"] == pytest.approx(row["floor_s"] / row["overhead_s"])
+    assert report["meta"]["bandwidth_bytes_per_s"] > 0 and "cpu clock" in report["meta"]["bandwidth_source"]
+    assert "cpu clock" in report["meta"]["peak_flops_source"]
+    assert row["profile"] and {"op", "delta_ms", "calls"} <= row["profile"][0].keys()
+    out, err = capfd.readouterr()
+    assert "USDT" not in out + err and "profiler_start" not in out + err
+    assert "eff" in out and "floor ms" in out
+
+
+def test_mfu_above_100_percent_is_an_error(tmp_path):
+    path = tmp_path / "bench.json"
+    with pytest.raises(RuntimeError, match="MFU above 100"):
+        bench.main([*TINY, "--ablations", "baseline", "--steps", "1", "--warmup", "0", "--memory", "none",
+                    "--peak-flops", "1e3", "--json", str(path)])
+    assert json.loads(path.read_text())["results"][0]["mfu"] > 1  # written before the error
+
+
+def test_module_train_step(tmp_path):
+    """--step module times LRAttnModule.training_step with the module's own optimiser (Muon + AdamW)."""
+    report = _run(tmp_path, "--step", "module", "--ablations", "s-lr-block-n8-r64", "--steps", "1", "--warmup", "1",
+                  "--memory", "alloc")
+    assert report["meta"]["step"] == "module"
+    base, row = report["results"]
+    assert row["peak_mem_bytes"] > 0 and row["median_step_s"] > 0

@@ -1,0 +1,109 @@
+"""benchmarks/gpu-check: the CPU dry run, the package arms' math contracts, and their router wiring.
+
+The package operators (fast-attnres, Liger's AttnRes) are CUDA-only; here a plain-torch operator with
+fast-attnres's documented contract stands in for them, so the wiring (source order, partial block,
+query of each site) is checked against the reference router on CPU with non-zero queries."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from importlib.machinery import SourceFileLoader
+from pathlib import Path
+
+import pytest
+import torch
+
+from lrattn_lightning.config import ModelConfig, SizeConfig, fit_to_size
+from lrattn_lightning.decoder import build_decoder
+from lrattn_lightning.registry import load_registry
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu-check"
+REGISTRY = load_registry()
+SIZE = SizeConfig(name="tiny-l3", doc="tests", n_layers=3, d_model=32, n_heads=2, d_mlp=48, vocab_size=97, seq_len=16)
+
+
+def _load():
+    loader = SourceFileLoader("gpu_check", str(SCRIPT))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("gpu_check", loader))
+    loader.exec_module(module)
+    return module
+
+
+gpu_check = _load()
+
+
+def contract_op(sources, query, eps=2.0**-23, scale=1.0):
+    """fast-attnres's documented equation: keys are the last R value dims, RMSNorm, softmax, weighted sum."""
+    V = torch.stack(sources).float()
+    t = V[..., -query.shape[-1] :]
+    k = t * torch.rsqrt(t.square().mean(-1, keepdim=True) + eps)
+    p = (scale * (k * query.float()).sum(-1)).softmax(0)
+    return (p.unsqueeze(-1) * V).sum(0)
+
+
+@pytest.mark.parametrize("name", ["s-lr-block-n8-r64", "attnres-block-n8", "attnres-full"])
+def test_package_router_matches_reference(name):
+    cfg = ModelConfig(SIZE, fit_to_size(REGISTRY.ablation(name), SIZE))
+    assert gpu_check.contract_mismatch(cfg, "fast-attnres") is None
+    torch.manual_seed(0)
+    ref = build_decoder(cfg, impl="reference")
+    with torch.no_grad():
+        ref.router.queries.normal_(std=0.5)
+    arm = gpu_check.build_model(cfg, "fast", torch.device("cpu"), contract_op)
+    arm.load_state_dict(ref.state_dict())
+    idx = torch.randint(0, SIZE.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for label, model in (("ref", ref), ("arm", arm)):
+        logits = model(idx)
+        (logits.square().mean() + logits[..., :3].sum()).backward()
+        out[label] = logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    torch.testing.assert_close(out["arm"][0], out["ref"][0], rtol=1e-5, atol=1e-5)
+    for n, g in out["ref"][1].items():
+        torch.testing.assert_close(out["arm"][1][n], g, rtol=1e-4, atol=5e-5 * g.abs().max().item())
+
+
+def test_contracts():
+    def cfg(name):
+        return REGISTRY.model("paper-0.5b", name)
+
+    assert gpu_check.contract_mismatch(cfg("s-lr-block-n8-r64"), "fast-attnres") is None
+    assert "key_source" in gpu_check.contract_mismatch(cfg("s-lr-block-n8-r64"), "liger")
+    for name in ("attnres-block-n8", "attnres-full"):
+        assert gpu_check.contract_mismatch(cfg(name), "liger") is None
+        assert gpu_check.contract_mismatch(cfg(name), "fast-attnres") is None
+    for package in ("fast-attnres", "liger"):
+        assert "projected" in gpu_check.contract_mismatch(cfg("p-lr-block-n8-r32"), package)
+        assert gpu_check.contract_mismatch(cfg("s-lr-block-n8-r64-refdefault"), package) is not None  # means, prior
+        assert "depth_heads" in gpu_check.contract_mismatch(cfg("s-lr-block-n8-r64-h4"), package)
+
+
+def test_dry_run(tmp_path):
+    """The CPU dry run: every entry, eager and compiled (aot_eager), without Lightning, MLflow, litdata or lm-eval."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu-check-cpu-dry-run.json").read_text())
+    assert report["meta"]["heavy_modules_imported"] == []
+    ok = {(r["mode"], r["arm"]) for r in report["results"] if r["status"] == "ok"}
+    for mode in ("eager", "compile"):
+        for arm in ("baseline", *gpu_check.ENTRIES):
+            assert (mode, arm) in ok
+    skipped = [r for r in report["results"] if r["package"]]
+    assert skipped and all(r["status"].startswith(("skipped", "not comparable")) for r in skipped)
+    assert (tmp_path / "gpu-check-cpu-dry-run.md").read_text().count("| ok |") == 10
+
+
+def test_parity_check_runs_and_flags_a_wrong_operator():
+    """The on-device parity check, run on CPU with the contract stand-in (passes) and a wrong operator (fails)."""
+    args = gpu_check.parse_args(["--dry-run"])
+    cpu = torch.device("cpu")
+    good = gpu_check.parity(REGISTRY, args, cpu, "s-lr-block-n8-r64", contract_op)
+    assert good["ok"] and good["worst_rel_err_package"] < 0.1
+
+    def uniform(sources, query):  # ignores the query: routing always uniform
+        return torch.stack(sources).float().mean(0)
+
+    assert not gpu_check.parity(REGISTRY, args, cpu, "s-lr-block-n8-r64", uniform)["ok"]
