@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -229,6 +230,8 @@ def _read_checkpoint(path: str) -> dict:
 def run_lightning(argv: list[str]) -> LRAttnCLI:
     # From the console script the arguments are sys.argv itself, which DDP re-executes in each child.
     args = None if argv == sys.argv[1:] else argv
+    # `lrattn demo` and shipped recipe paths hand LightningCLI rewritten arguments on purpose
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
     return LRAttnCLI(
         LRAttnModule,
         TokenDataModule,
