@@ -72,12 +72,13 @@ class _Plan:
     key_from_value: str | None  # "value" | "sliced" | None (keys carried: projected / value_projected)
     first_column: list[int]  # per source: the column (site - 1) of the first site that reads it
     log_count_bias: list[float]  # per source: beta * log(count) (all 0 without a count prior)
-    eps_factor: list[float]  # per source: its key norm's eps / finfo.eps (c^-2a for sliced summaries)
+    counts: list[int]  # per source: the outputs it summarises
     count_prior: float = 0.0  # beta
     summary_exponent: float = 0.0  # a
     sliced_norm: bool = False  # sliced keys with key norm: the eps of a c-output summary is eps c^-2a
 
-    def partial_eps_factor(self, count: int) -> float:
+    def eps_factor(self, count: int) -> float:
+        """A c-output summary's key norm eps / finfo.eps (c^-2a for sliced summaries, else 1)."""
         return count ** (-2 * self.summary_exponent) if self.sliced_norm else 1.0
 
 
@@ -206,7 +207,7 @@ class _StoreSource(torch.autograd.Function):
         c0 = plan.first_column[s]
         logits_NMJ = _site_matmul(x_NMr, queries_JR[c0:].to(cdtype).unflatten(-1, (plan.heads, -1)))
         if plan.key_norm:  # <RMSNorm(x), q> = rstd <x, q>: the normalised key is never materialised
-            rstd = _rstd(x_NMr, buffers.eps * plan.eps_factor[s])
+            rstd = _rstd(x_NMr, buffers.eps * plan.eps_factor(plan.counts[s]))
             buffers.rstd_SNM1[s].copy_(rstd)
             logits_NMJ = logits_NMJ * rstd
         if plan.scale != 1.0:
@@ -370,7 +371,7 @@ class _PartialRead(torch.autograd.Function):
         logit_NM1 = _site_matmul(x_NMr, queries_JR[j - 1 : j].to(cdtype).view(1, M, -1))
         rstd = None
         if plan.key_norm:
-            rstd = _rstd(x_NMr, buffers.eps * plan.partial_eps_factor(count))
+            rstd = _rstd(x_NMr, buffers.eps * plan.eps_factor(count))
             logit_NM1 = logit_NM1 * rstd
         if plan.scale != 1.0:
             logit_NM1 = logit_NM1 * plan.scale
@@ -469,14 +470,13 @@ class FastDepthRouter(DepthRouter):
             for g, j in enumerate(sites):
                 self.site_group[j] = (k, g)
         counts = [1] + [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-        sliced_norm = self.key_source == "sliced" and self.key_norm
         self.plan = _Plan(
             heads=self.heads, rank=self.rank, scale=self.scale, key_norm=self.key_norm,
             key_from_value=None if self.carries_keys else self.key_source,
             first_column=[max(b, 1) - 1 for b in bounds],
             log_count_bias=[self.count_prior * math.log(c) for c in counts],
-            eps_factor=[c ** (-2 * self.summary_exponent) if sliced_norm else 1.0 for c in counts],
-            count_prior=self.count_prior, summary_exponent=self.summary_exponent, sliced_norm=sliced_norm,
+            counts=counts, count_prior=self.count_prior, summary_exponent=self.summary_exponent,
+            sliced_norm=self.key_source == "sliced" and self.key_norm,
         )
 
     def _use_functional(self, n_tokens: int) -> bool:
@@ -554,7 +554,7 @@ class FastDepthRouter(DepthRouter):
         if state.functional:
             s = len(state.logits)
             state.values.append(value)
-            eps_factor = self.plan.eps_factor[s]
+            eps_factor = self.plan.eps_factor(self.plan.counts[s])
             logits = self._key_logits(key if key is not None else self._slice_key(value), state.queries, eps_factor)
             bias = self.plan.log_count_bias[s]
             state.logits.append(logits + bias if bias != 0.0 else logits)
@@ -597,7 +597,7 @@ class FastDepthRouter(DepthRouter):
             v_p, key = self._partial_source(state)
             if not self.carries_keys:
                 key = self._slice_key(v_p)
-            logit = self._key_logits(key, state.queries[j - 1 : j], self.plan.partial_eps_factor(c))[..., 0]
+            logit = self._key_logits(key, state.queries[j - 1 : j], self.plan.eps_factor(c))[..., 0]
             values.append(v_p)
             logits.append(logit + self.count_prior * math.log(c) if self.count_prior != 0.0 else logit)
         alpha_SNM = torch.stack(logits).softmax(dim=0)
