@@ -106,7 +106,6 @@ class ExportError(ValueError):
 
 def export_hf(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
     """Write the Hugging Face folder for `checkpoint` to `out` (atomically: a temporary folder, then renamed)."""
-    import torch
     from safetensors.torch import save_file
 
     from lrattn_lightning.checkpoints import load_checkpoint
@@ -153,7 +152,6 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, overwrite: bool = Fals
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    del torch
     return out
 
 
