@@ -33,7 +33,7 @@ def test_generate_prints_the_greedy_continuation(tmp_path, capsys):
     out = capsys.readouterr().out
     tok = ByteTokenizer()
     ids = generate(model, torch.tensor([tok.encode("abc")]), 10, eos_id=tok.eos_id)[0].tolist()
-    expected = tok.decode([i for i in ids[: ids.index(256)] if i != 256] if 256 in ids else ids)
+    expected = tok.decode(ids[: ids.index(tok.eos_id)] if tok.eos_id in ids else ids)  # the text stops at EOS
     assert out == "abc" + expected + "\n"
 
 

@@ -7,16 +7,13 @@ Tests that mount a tmpfs (another filesystem for $TMPDIR, a full disk, a read-on
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import mlflow_server
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
@@ -239,29 +237,9 @@ def test_full_disk_fails_with_one_line_and_keeps_the_previous_checkpoint(data, t
 
 
 # ---- item 5: a dead MLflow server -----------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_mlflow_server_killed_mid_run_ends_in_bounded_time_with_one_warning(data, tmp_path):
-    port = _free_port()
-    server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}", "--artifacts-destination", str(tmp_path / "art")],
-        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 90
-        while True:
-            try:
-                urllib.request.urlopen(uri + "/health", timeout=2).read()
-                break
-            except OSError:
-                assert time.time() < deadline and server.poll() is None, "mlflow server did not come up"
-                time.sleep(0.5)
+    with mlflow_server(tmp_path) as (server, uri):
         config = hooks(tmp_path, "killserver.yaml", ("KillProcessGroupAtStep", {"step": 3, "pgid": server.pid}))
         start = time.time()
         proc = run_cli(fit_args(data, "--tracking_uri", uri, "--config", config, steps=6), tmp_path, timeout=300)
@@ -274,10 +252,6 @@ def test_mlflow_server_killed_mid_run_ends_in_bounded_time_with_one_warning(data
         assert "stays RUNNING" in warnings[1]
         assert step_of(ckpt_dir(tmp_path) / "last.ckpt") == 6
         assert not (tmp_path / "mlflow.db").exists()
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # normally the hook killed it already
-            os.killpg(server.pid, signal.SIGKILL)
-        server.wait(timeout=20)
 
 
 # ---- item 7: concurrency --------------------------------------------------------------------------

@@ -9,15 +9,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port, mlflow_server
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.accounting import added_flops_percent, count_params
@@ -220,32 +218,9 @@ def test_ddp_two_processes_gloo_match_one_process(tmp_path):
     assert r2.data.metrics["val/loss"] == pytest.approx(r1.data.metrics["val/loss"], rel=1e-4)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_logs_to_a_real_mlflow_server_over_http(tiny_data, tmp_path):
-    port = _free_port()
-    mlflow_bin = Path(sys.executable).parent / "mlflow"
-    server = subprocess.Popen(
-        [str(mlflow_bin), "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}", "--artifacts-destination", str(tmp_path / "art")],
-        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 90
-        while True:
-            try:
-                urllib.request.urlopen(uri + "/health", timeout=2).read()
-                break
-            except OSError:
-                assert time.time() < deadline, "mlflow server did not come up"
-                assert server.poll() is None, "mlflow server exited"
-                time.sleep(0.5)
+    with mlflow_server(tmp_path) as (_, uri):
         proc = cli_subprocess(fit_args(tiny_data, "--tracking_uri", uri, steps=2), tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         client, run = only_run(uri)
@@ -253,12 +228,6 @@ def test_logs_to_a_real_mlflow_server_over_http(tiny_data, tmp_path):
         assert "val/loss" in run.data.metrics
         assert "routing/heatmap.png" in {a.path for a in client.list_artifacts(run.info.run_id, "routing")}
         assert not (tmp_path / "mlflow.db").exists()
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
 
 
 # ---- bad input: a clear error before any work, nothing left behind ---------------------------------
@@ -306,7 +275,7 @@ def test_data_vocab_larger_than_model(tmp_path, monkeypatch, capsys):
 
 
 def test_unreachable_server_fails_or_falls_back(tiny_data, tmp_path, monkeypatch, capsys):
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     _fails(tmp_path, monkeypatch, capsys, fit_args(tiny_data, "--tracking_uri", dead), "unreachable", "--mlflow_fallback_local")
     assert main(fit_args(tiny_data, "--tracking_uri", dead, "--mlflow_fallback_local", "true", steps=2)) == 0
     only_run(f"sqlite:///{tmp_path}/mlflow.db")
