@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from importlib import import_module, resources
+from importlib import import_module
 from pathlib import Path
 
-from lrattn_lightning.errors import Parser, UsageError
+from lrattn_lightning.errors import Parser, UsageError, one_line, packaged
 
 # name -> (module:function, one line for `lrattn --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -41,15 +41,6 @@ def usage() -> str:
     lines = ["usage: lrattn COMMAND [flags]     (lrattn COMMAND --help for its flags)", "", "commands:"]
     lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
     return "\n".join(lines)
-
-
-def packaged(relative: str) -> Path | None:
-    """A recipe or sweep file shipped in the package (`experiments/...`), or None."""
-    parts = Path(relative).parts
-    if not parts or parts[0] != "experiments":
-        return None
-    path = Path(str(resources.files("lrattn_lightning").joinpath(*parts)))
-    return path if path.is_file() else None
 
 
 def resolve_shipped_paths(argv: list[str]) -> list[str]:
@@ -92,13 +83,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"lrattn: error: {one_line(err)}", file=sys.stderr)
         return 2
-
-
-def one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split()) if str(err).strip() else type(err).__name__
-    if isinstance(err, OSError) and err.filename is not None and str(err.filename) not in text:
-        text = f"{text} ({err.filename})"
-    return text
 
 
 # ---- the small subcommands ----------------------------------------------------------------------

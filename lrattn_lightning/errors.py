@@ -1,4 +1,4 @@
-"""What every `lrattn` subcommand shares: the one-line usage error and one flag style.
+"""What every `lrattn` subcommand shares: the one-line error, one flag style, the files shipped in the package.
 
 Options are declared and shown with underscores, as LightningCLI spells its flags (`--max_new_tokens`,
 `--tracking_uri`); the hyphenated spelling (`--max-new-tokens`) is accepted as an alias.
@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
 from typing import Any
 
 
@@ -38,3 +40,19 @@ class Parser(argparse.ArgumentParser):
     def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None):
         args = sys.argv[1:] if args is None else args
         return super().parse_known_args(underscore_flags(args), namespace)
+
+
+def one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split()) if str(err).strip() else type(err).__name__
+    if isinstance(err, OSError) and err.filename is not None and str(err.filename) not in text:
+        text = f"{text} ({err.filename})"
+    return text
+
+
+def packaged(relative: str) -> Path | None:
+    """A recipe or sweep file shipped in the package (`experiments/...`), or None."""
+    parts = Path(relative).parts
+    if not parts or parts[0] != "experiments":
+        return None
+    path = Path(str(resources.files("lrattn_lightning").joinpath(*parts)))
+    return path if path.is_file() else None

@@ -23,9 +23,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lrattn_lightning import checkpointing
 from lrattn_lightning.checkpointing import AtomicCheckpointIO, LastCheckpoint, load_checkpoint_file
-from lrattn_lightning.cli import packaged
 from lrattn_lightning.data import TokenDataModule, validate_data_dir
-from lrattn_lightning.errors import Parser, UsageError
+from lrattn_lightning.errors import Parser, UsageError, packaged
 from lrattn_lightning.lit_module import LRAttnModule, NonFiniteLossError, architecture_differences
 from lrattn_lightning.tracking import (
     TrackingLogger,
@@ -281,7 +280,7 @@ def demo_main(argv: list[str]) -> int:
 def run_subcommand(argv: list[str]) -> int:
     """fit / validate / test with Lightning's own failures as one line and exit codes: 3 for a non-finite
     loss, 143 for SIGTERM (a checkpoint at the current step was saved); the run folder is released."""
-    from lrattn_lightning.cli import one_line
+    from lrattn_lightning.errors import one_line
 
     try:
         run_lightning(argv)

@@ -173,7 +173,7 @@ def load_sweep(path: str | Path, registry: Registry | None = None) -> tuple[Swee
 def _resolve_recipe(recipe: str, sweep_file: Path) -> Path | None:
     """The recipe of a sweep: relative to the sweep file (so `lrattn sweep PATH` works from any folder), else
     relative to the working folder (older sweep files), else shipped in the package (`experiments/...`)."""
-    from lrattn_lightning.cli import packaged
+    from lrattn_lightning.errors import packaged
 
     given = Path(recipe)
     if given.is_absolute():
