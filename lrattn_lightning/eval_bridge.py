@@ -17,7 +17,7 @@ are all-reduced in float64.
 
 MLflow: metrics `eval/<task>/<metric>` (lm-eval's `acc,none` -> `acc`, `acc_stderr,none` ->
 `acc_stderr`) at the checkpoint's global step, on the training run recorded in the checkpoint, plus
-the results JSON as an artifact `eval/results-stepNNNNNN-<time>.json`. Without a training run (none
+the results JSON as an artifact `eval/results-stepNNNNNN-<time>-<id>.json`. Without a training run (none
 recorded, or not in this tracking store) a new run tagged with the checkpoint is created.
 `EvalCallback` runs the same evaluation at the end of `lrattn fit` on the in-memory model.
 """
@@ -32,6 +32,7 @@ import re
 import sys
 import tempfile
 import time
+import uuid
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -396,7 +397,9 @@ def log_eval(client: Any, run_id: str, step: int, results: dict[str, Any] | None
     if val:
         payload["validation"] = val
     text = json.dumps(payload, indent=2, default=handle_non_serializable, ensure_ascii=False)
-    client.log_text(run_id, text, f"eval/results-step{step:06d}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    # two evaluations of one checkpoint within a second must not overwrite each other's file
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    client.log_text(run_id, text, f"eval/results-step{step:06d}-{stamp}.json")
     return metrics
 
 

@@ -237,6 +237,17 @@ def eval_error(capsys, *args: str) -> str:
     return capsys.readouterr().err
 
 
+def test_two_evaluations_in_one_second_keep_both_results_files(tmp_path):
+    """The results file's name is unique, not only to the second (a fast re-run used to overwrite the first)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("e", artifact_location=str(tmp_path / "art"))).info.run_id
+    for _ in range(2):
+        eval_bridge.log_eval(client, run_id, 3, None, {"loss": 2.0, "bpb": 3.0, "tokens": 10.0})
+    names = [a.path for a in client.list_artifacts(run_id, "eval")]
+    assert len(names) == 2 and all(n.startswith("eval/results-step000003-") for n in names), names
+
+
 def test_missing_or_foreign_checkpoint(tmp_path, capsys):
     assert f"checkpoint {tmp_path / 'nope.ckpt'}: no such file" in eval_error(capsys, "--checkpoint", str(tmp_path / "nope.ckpt"))
     foreign = tmp_path / "foreign.ckpt"
