@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
 
 # ---- the small subcommands ----------------------------------------------------------------------
 def list_main(argv: list[str]) -> int:
-    from lrattn_lightning.accounting import added_flops_percent, count_params
-    from lrattn_lightning.registry import load_registry
+    from lrattn_lightning.model.accounting import added_flops_percent, count_params
+    from lrattn_lightning.model.registry import load_registry
 
     parser = Parser(prog="lrattn list", description="List the registry's sizes and ablations.")
     parser.add_argument("--registry", default=None)
@@ -109,7 +109,7 @@ def list_main(argv: list[str]) -> int:
 
 
 def prepare_main(argv: list[str]) -> int:
-    from lrattn_lightning import data
+    from lrattn_lightning.data import datamodule as data
 
     parser = Parser(prog="lrattn prepare", description="Tokenise a corpus into litdata shards.")
     parser.add_argument("--source", default="stdlib-docs",

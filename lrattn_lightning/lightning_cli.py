@@ -21,12 +21,12 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lrattn_lightning import checkpointing
-from lrattn_lightning.checkpointing import AtomicCheckpointIO, LastCheckpoint, load_checkpoint_file
-from lrattn_lightning.data import TokenDataModule, validate_data_dir
+from lrattn_lightning.data.datamodule import TokenDataModule, validate_data_dir
 from lrattn_lightning.errors import Parser, UsageError, packaged
-from lrattn_lightning.lit_module import LRAttnModule, NonFiniteLossError, architecture_differences
-from lrattn_lightning.tracking import (
+from lrattn_lightning.train import checkpointing
+from lrattn_lightning.train.checkpointing import AtomicCheckpointIO, LastCheckpoint, load_checkpoint_file
+from lrattn_lightning.train.lit_module import LRAttnModule, NonFiniteLossError, architecture_differences
+from lrattn_lightning.train.tracking import (
     TrackingLogger,
     artifact_location,
     open_store,
@@ -83,7 +83,7 @@ class LRAttnCLI(LightningCLI):
             self._ckpt_head = _read_checkpoint(path)
 
     def before_instantiate_classes(self) -> None:
-        from lrattn_lightning.registry import load_registry, load_yaml_strict, read_yaml_text
+        from lrattn_lightning.model.registry import load_registry, load_yaml_strict, read_yaml_text
 
         cfg = self.config[self.subcommand]
         for recipe in cfg.get("config") or []:  # jsonargparse keeps the last of a duplicated key; we refuse it

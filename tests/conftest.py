@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lrattn_lightning.config import AblationConfig, ModelConfig, SizeConfig, fit_to_size
-from lrattn_lightning.registry import Registry, load_registry
+from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig, fit_to_size
+from lrattn_lightning.model.registry import Registry, load_registry
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REGISTRY_PATH = REPO_ROOT / "registry.yaml"

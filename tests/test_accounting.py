@@ -6,9 +6,9 @@ import pytest
 import torch
 from conftest import ALL_ABLATIONS, DEEPER, tiny_config, tokens, variant
 
-from lrattn_lightning.accounting import added_flops_percent, core_flops, count_params, sources_per_site
-from lrattn_lightning.config import ModelConfig, fit_to_size
-from lrattn_lightning.decoder import build_decoder
+from lrattn_lightning.model.accounting import added_flops_percent, core_flops, count_params, sources_per_site
+from lrattn_lightning.model.config import ModelConfig, fit_to_size
+from lrattn_lightning.model.decoder import build_decoder
 
 
 def real_params(model: torch.nn.Module) -> int:

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from lrattn_lightning import bench, cli
+from lrattn_lightning import cli
+from lrattn_lightning.tools import bench
 
 torch.set_num_threads(1)
 

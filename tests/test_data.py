@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lrattn_lightning import data as D
-from lrattn_lightning.registry import load_registry
-from lrattn_lightning.tokenizer import ByteTokenizer, load_tokenizer, parse_tokenizer_name, train_bpe
+from lrattn_lightning.data import datamodule as D
+from lrattn_lightning.data.tokenizer import ByteTokenizer, load_tokenizer, parse_tokenizer_name, train_bpe
+from lrattn_lightning.model.registry import load_registry
 
 MAX_BYTES = 150_000
 SAMPLE = "Attention over depth: h_j = Σ_i α_ij v_i — naïve café, 日本語.\n\tTabs and\nnewlines."

@@ -20,8 +20,8 @@ from conftest import (
     variant,
 )
 
-from lrattn_lightning.config import ModelConfig
-from lrattn_lightning.decoder import build_decoder
+from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.decoder import build_decoder
 
 # ---- an independent plain pre-norm decoder (requirement 2) -------------------------------------
 

@@ -7,7 +7,7 @@ import torch
 from conftest import DEEPER, randomize_routing, tiny_config
 from test_training import tiny_data  # noqa: F401  (the fixture)
 
-from lrattn_lightning.decoder import KVCache, build_decoder, document_segments
+from lrattn_lightning.model.decoder import KVCache, build_decoder, document_segments
 
 SEP = 5
 ENTRIES = ["baseline", "attnres-block-n8", "s-lr-block-n8-r64", "p-lr-block-n8-r32", "vp-lr-block-n8-r32"]
@@ -92,8 +92,8 @@ def test_fit_with_document_masking_keeps_the_separator_for_evaluation(tiny_data,
     it, so evaluation (checkpoints.load_checkpoint) masks alike."""
     from test_training import fit_args
 
-    from lrattn_lightning.checkpoints import load_checkpoint
     from lrattn_lightning.cli import main
+    from lrattn_lightning.train.checkpoints import load_checkpoint
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

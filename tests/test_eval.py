@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 from mlflow.tracking import MlflowClient
 
-from lrattn_lightning import eval_bridge
 from lrattn_lightning.cli import main
-from lrattn_lightning.data import TokenDataModule, prepare
-from lrattn_lightning.eval_bridge import LRAttnLM, load_checkpoint, validation_loss
-from lrattn_lightning.generate import generate
-from lrattn_lightning.lit_module import token_losses
+from lrattn_lightning.data.datamodule import TokenDataModule, prepare
+from lrattn_lightning.eval import run as eval_bridge
+from lrattn_lightning.eval.run import LRAttnLM, load_checkpoint, validation_loss
+from lrattn_lightning.model.generate import generate
+from lrattn_lightning.train.lit_module import token_losses
 
 REPO = Path(__file__).resolve().parent.parent
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -48,7 +48,7 @@ def trained(tmp_path_factory) -> dict:
                    "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2",
                    "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu", "--model.warmup_steps", "2",
                    "--checkpoint_every", "2", "--trainer.log_every_n_steps", "1", "--tracking_uri", uri,
-                   "--trainer.callbacks+=lrattn_lightning.eval_bridge.EvalCallback",
+                   "--trainer.callbacks+=lrattn_lightning.eval.run.EvalCallback",
                    "--trainer.callbacks.tasks=lrattn_cloze", "--trainer.callbacks.limit=4"])
     finally:
         os.chdir(cwd)

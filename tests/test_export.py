@@ -14,12 +14,12 @@ import torch
 from conftest import randomize_routing
 from test_training import tiny_data  # noqa: F401  (the fixture)
 
-from lrattn_lightning.config import ModelConfig, fit_to_size
-from lrattn_lightning.decoder import build_decoder
-from lrattn_lightning.export import export_hf
-from lrattn_lightning.generate import generate
-from lrattn_lightning.registry import load_registry
-from lrattn_lightning.tokenizer import ByteTokenizer
+from lrattn_lightning.data.tokenizer import ByteTokenizer
+from lrattn_lightning.model.config import ModelConfig, fit_to_size
+from lrattn_lightning.model.decoder import build_decoder
+from lrattn_lightning.model.generate import generate
+from lrattn_lightning.model.registry import load_registry
+from lrattn_lightning.tools.export import export_hf
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -95,7 +95,7 @@ def test_document_masking_travels(tmp_path):
 
 
 def test_export_refuses_a_non_empty_folder_and_bad_checkpoints(tmp_path, capsys):
-    from lrattn_lightning.export import main
+    from lrattn_lightning.tools.export import main
 
     make_checkpoint(tmp_path / "last.ckpt", "baseline")
     (tmp_path / "taken").mkdir()
@@ -111,7 +111,7 @@ def test_export_refuses_a_non_empty_folder_and_bad_checkpoints(tmp_path, capsys)
 
 def test_lm_eval_cli_scores_the_export(tmp_path, tiny_data):  # noqa: F811
     """lm-eval's own command line (`--model hf`) scores the exported folder on the offline tasks."""
-    from lrattn_lightning.eval_tasks import materialise_local_tasks
+    from lrattn_lightning.eval.tasks import materialise_local_tasks
 
     make_checkpoint(tmp_path / "last.ckpt", "p-lr-block-n8-r32", seq_len=512)
     folder = export_hf(tmp_path / "last.ckpt", tmp_path / "hf")

@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 from conftest import DEEPER, capture, tokens, variant
 
-from lrattn_lightning.config import ModelConfig
-from lrattn_lightning.decoder import KVCache, build_decoder
-from lrattn_lightning.generate import generate
-from lrattn_lightning.lit_module import LRAttnModule
-from lrattn_lightning.registry import load_registry
-from lrattn_lightning.routing_gated import NormalizedGateGrad
+from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.decoder import KVCache, build_decoder
+from lrattn_lightning.model.generate import generate
+from lrattn_lightning.model.registry import load_registry
+from lrattn_lightning.model.routing.gated import NormalizedGateGrad
+from lrattn_lightning.train.lit_module import LRAttnModule
 
 GATED = ["gated-residual", "gated-alpha09", "gated-last09", "gated-running-mean"]
 M = DEEPER.n_sublayers  # 6
@@ -333,7 +333,7 @@ def test_bad_gate_flags_name_the_flag(ablation, flags, field):
 
 def test_checkpoints_from_before_the_gate_fields_still_match(registry):
     """A stored model_config without gate_bias / gate_alpha is the same architecture (the defaults)."""
-    from lrattn_lightning.lit_module import architecture_differences
+    from lrattn_lightning.train.lit_module import architecture_differences
 
     cfg = registry.model("tiny", "gated-residual")
     stored = cfg.to_dict()

@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import ALL_ABLATIONS, randomize_routing, tiny_config, tokens
 
-from lrattn_lightning.decoder import KVCache, build_decoder
-from lrattn_lightning.generate import generate, sample_next
+from lrattn_lightning.model.decoder import KVCache, build_decoder
+from lrattn_lightning.model.generate import generate, sample_next
 
 
 def _model(registry, name):

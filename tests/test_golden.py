@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from lrattn_lightning import golden
-from lrattn_lightning.accounting import count_params
-from lrattn_lightning.config import ModelConfig, fit_to_size
-from lrattn_lightning.decoder import build_decoder
-from lrattn_lightning.fidelity import NotExpressible, from_reference_state_dict, reference_flags
-from lrattn_lightning.registry import load_registry
-from lrattn_lightning.routing import DepthRouter
+from lrattn_lightning.model.accounting import count_params
+from lrattn_lightning.model.config import ModelConfig, fit_to_size
+from lrattn_lightning.model.decoder import build_decoder
+from lrattn_lightning.model.registry import load_registry
+from lrattn_lightning.model.routing.attnres import DepthRouter
+from lrattn_lightning.tools import golden
+from lrattn_lightning.tools.fidelity import NotExpressible, from_reference_state_dict, reference_flags
 
 GOLDEN_DIR = Path(__file__).with_name("golden")
 REGISTRY = load_registry()
@@ -123,7 +123,7 @@ def test_golden_loss_file(name, impl):
 
 
 def test_fidelity_table_command(tmp_path):
-    from lrattn_lightning import fidelity
+    from lrattn_lightning.tools import fidelity
 
     out = tmp_path / "fidelity.md"
     assert fidelity.main(["--golden", str(GOLDEN_DIR / "reference.pt"), "--out", str(out),
@@ -136,7 +136,7 @@ def test_fidelity_table_command(tmp_path):
 
 
 def test_flag_language_states_departures_from_the_reference_defaults():
-    from lrattn_lightning.fidelity import flag_language
+    from lrattn_lightning.tools.fidelity import flag_language
 
     cfg = golden.config(REGISTRY, "p-lr-block-n8-r32-refdefault")  # the reference's class defaults
     assert flag_language(cfg) == "use_attnres=True use_lrid=True lrid_rank=32"

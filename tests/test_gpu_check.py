@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lrattn_lightning.config import ModelConfig, SizeConfig, fit_to_size
-from lrattn_lightning.decoder import build_decoder
-from lrattn_lightning.registry import load_registry
+from lrattn_lightning.model.config import ModelConfig, SizeConfig, fit_to_size
+from lrattn_lightning.model.decoder import build_decoder
+from lrattn_lightning.model.registry import load_registry
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu-check"
 REGISTRY = load_registry()

@@ -13,10 +13,10 @@ import torch
 from conftest import tiny_config
 from test_training import cli_subprocess, fit_args, losses_by_step, only_run, tiny_data  # noqa: F401
 
-from lrattn_lightning.decoder import build_decoder
-from lrattn_lightning.lit_module import LRAttnModule
-from lrattn_lightning.muon import POLAR_EXPRESS_COEFFS, newton_schulz, polar_express
-from lrattn_lightning.optim import (
+from lrattn_lightning.model.decoder import build_decoder
+from lrattn_lightning.train.lit_module import LRAttnModule
+from lrattn_lightning.train.muon import POLAR_EXPRESS_COEFFS, newton_schulz, polar_express
+from lrattn_lightning.train.optim import (
     MUON_VARIANTS,
     MomentumSchedule,
     MuonWithAuxAdamW,

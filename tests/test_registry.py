@@ -6,8 +6,8 @@ import pytest
 import yaml
 from conftest import REGISTRY_PATH
 
-from lrattn_lightning.config import ModelConfig
-from lrattn_lightning.registry import load_registry, parse_registry
+from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.registry import load_registry, parse_registry
 
 
 def raises_naming(raw: dict, *parts: str) -> str:

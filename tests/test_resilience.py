@@ -25,7 +25,7 @@ from conftest import mlflow_server
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
-from lrattn_lightning.data import prepare
+from lrattn_lightning.data.datamodule import prepare
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -439,7 +439,7 @@ def test_doc_and_control_edits_do_not_block_resume_and_limit_val_batches_1_warns
 
 def test_last_of_a_folder_from_before_one_last_ckpt_is_the_newest(tmp_path):
     """Folders written by earlier versions hold a stale last.ckpt beside last-vN.ckpt; `last` means the newest."""
-    from lrattn_lightning.checkpointing import newest_last
+    from lrattn_lightning.train.checkpointing import newest_last
 
     for name, step in (("last.ckpt", 30), ("last-v1.ckpt", 30), ("last-v2.ckpt", 100), ("step000010.ckpt", 10)):
         torch.save({"global_step": step}, tmp_path / name)

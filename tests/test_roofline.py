@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrattn_lightning.accounting import sources_per_site
-from lrattn_lightning.config import ModelConfig, fit_to_size
-from lrattn_lightning.registry import load_registry
-from lrattn_lightning.roofline import _groups, measure_bandwidth, routing_traffic
+from lrattn_lightning.model.accounting import sources_per_site
+from lrattn_lightning.model.config import ModelConfig, fit_to_size
+from lrattn_lightning.model.registry import load_registry
+from lrattn_lightning.tools.roofline import _groups, measure_bandwidth, routing_traffic
 
 REGISTRY = load_registry()
 SMALL = REGISTRY.size("small")

@@ -19,11 +19,11 @@ from conftest import (
     variant,
 )
 
-from lrattn_lightning import routing
-from lrattn_lightning.accounting import sources_per_site
-from lrattn_lightning.config import ModelConfig
-from lrattn_lightning.decoder import build_decoder
-from lrattn_lightning.routing import depth_read
+from lrattn_lightning.model.accounting import sources_per_site
+from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.decoder import build_decoder
+from lrattn_lightning.model.routing import attnres as routing
+from lrattn_lightning.model.routing.attnres import depth_read
 
 # ---- depth_read against a float64 loop (requirement 10) ----------------------------------------
 

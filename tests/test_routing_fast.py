@@ -14,11 +14,11 @@ import dataclasses
 import pytest
 import torch
 
-from lrattn_lightning.config import AblationConfig, ModelConfig, SizeConfig, fit_to_size
-from lrattn_lightning.decoder import KVCache, build_decoder
-from lrattn_lightning.registry import load_registry
-from lrattn_lightning.routing import DepthRouter
-from lrattn_lightning.routing_fast import FastDepthRouter
+from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig, fit_to_size
+from lrattn_lightning.model.decoder import KVCache, build_decoder
+from lrattn_lightning.model.registry import load_registry
+from lrattn_lightning.model.routing.attnres import DepthRouter
+from lrattn_lightning.model.routing.attnres_fast import FastDepthRouter
 
 torch.set_num_threads(1)
 
@@ -167,7 +167,7 @@ def test_kv_cache_decoding_matches_full_forward(name, impl):
 def test_path_choice():
     """Buffered Functions for training and large inference passes, plain tensor ops for small inference
     passes (decoding is bound by per-op overhead) and under torch.compile."""
-    import lrattn_lightning.routing_fast as rf
+    import lrattn_lightning.model.routing.attnres_fast as rf
 
     ref, fast = _pair("s-lr-block-n8-r64")
     emb = torch.randn(1, 4, SIZE.d_model)

@@ -16,11 +16,11 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from lrattn_lightning.accounting import added_flops_percent, count_params
 from lrattn_lightning.cli import main
-from lrattn_lightning.data import prepare
-from lrattn_lightning.registry import load_registry
-from lrattn_lightning.sweep import load_sweep
+from lrattn_lightning.data.datamodule import prepare
+from lrattn_lightning.model.accounting import added_flops_percent, count_params
+from lrattn_lightning.model.registry import load_registry
+from lrattn_lightning.tools.sweep import load_sweep
 
 REPO = Path(__file__).resolve().parent.parent
 REGISTRY = str(REPO / "registry.yaml")

@@ -18,10 +18,10 @@ import torch
 from conftest import free_port, mlflow_server
 from mlflow.tracking import MlflowClient
 
-from lrattn_lightning.accounting import added_flops_percent, count_params
 from lrattn_lightning.cli import main
-from lrattn_lightning.data import prepare, split_of
-from lrattn_lightning.registry import load_registry
+from lrattn_lightning.data.datamodule import prepare, split_of
+from lrattn_lightning.model.accounting import added_flops_percent, count_params
+from lrattn_lightning.model.registry import load_registry
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent

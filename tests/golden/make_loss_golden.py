@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from lrattn_lightning import golden
-from lrattn_lightning.config import ModelConfig, fit_to_size
-from lrattn_lightning.registry import load_registry
+from lrattn_lightning.model.config import ModelConfig, fit_to_size
+from lrattn_lightning.model.registry import load_registry
+from lrattn_lightning.tools import golden
 
 torch.set_num_threads(1)
 reg = load_registry()

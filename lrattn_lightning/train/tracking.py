@@ -29,7 +29,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lrattn_lightning.checkpointing import FileLock, launched_as_rank_zero
+from lrattn_lightning.train.checkpointing import FileLock, launched_as_rank_zero
 
 LOCAL_TRACKING_URI = "sqlite:///mlflow.db"
 # The user's own setting, read once: mlflow.set_tracking_uri() (called by every MLFlowLogger) writes

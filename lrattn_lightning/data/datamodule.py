@@ -45,12 +45,12 @@ import lightning as L
 import numpy as np
 import torch
 
-from lrattn_lightning.config import SizeConfig
-from lrattn_lightning.tokenizer import encode_document, load_tokenizer, parse_tokenizer_name, train_bpe
+from lrattn_lightning.model.config import SizeConfig
+from lrattn_lightning.data.tokenizer import encode_document, load_tokenizer, parse_tokenizer_name, train_bpe
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
-PREPARE_HINT = "run `lrattn prepare` (lrattn_lightning.data.prepare) to create it"
+PREPARE_HINT = "run `lrattn prepare` (lrattn_lightning.data.datamodule.prepare) to create it"
 REPREPARE_HINT = "prepare it again with `lrattn prepare --overwrite` (prepare(..., overwrite=True))"
 
 

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lrattn_lightning.config import AblationConfig, ModelConfig, SizeConfig
-from lrattn_lightning.routing import DepthRouter, rms_norm
-from lrattn_lightning.routing_fast import FastDepthRouter
+from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig
+from lrattn_lightning.model.routing.attnres import DepthRouter, rms_norm
+from lrattn_lightning.model.routing.attnres_fast import FastDepthRouter
 
 # How depth routing is computed, apart from what: `reference` is the readable twin (routing.py),
 # `fast` the two-phase buffered path (routing_fast.py). Same parameters, same state_dict keys.

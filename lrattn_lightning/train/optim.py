@@ -5,7 +5,7 @@ the LM head, the pseudo-queries and every 1-D parameter (the reference's split).
 of one real `torch.optim.Optimizer`, `MuonWithAuxAdamW` (group key `use_muon`), so its `state_dict` and
 `load_state_dict` are torch's own and a scheduler or LR monitor always acts on the live groups.
 
-The Muon update itself (lrattn_lightning/muon.py) comes in two variants:
+The Muon update itself (lrattn_lightning/train/muon.py) comes in two variants:
 
 | variant     | orthogonaliser            | neuron-wise 2nd moment | scale                  | weight decay     |
 |-------------|---------------------------|------------------------|------------------------|------------------|
@@ -31,7 +31,13 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
-from lrattn_lightning.muon import Orthogonalizer, UpdateScale, muon_direction, update_scale, variance_shape
+from lrattn_lightning.train.muon import (
+    Orthogonalizer,
+    UpdateScale,
+    muon_direction,
+    update_scale,
+    variance_shape,
+)
 
 MuonVariant = Literal["reference", "torch"]
 MUON_VARIANTS: dict[str, dict[str, Any]] = {

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from lrattn_lightning.errors import Parser
-from lrattn_lightning.registry import (
+from lrattn_lightning.model.registry import (
     Registry,
     UnknownNameError,
     closest_names,
@@ -57,7 +57,7 @@ _FIELDS = ("name", "doc", "recipe", "experiment", "registry", "sizes", "ablation
            "env", "slurm")
 _RUN_FIELDS = {"size", "ablation", "seed", "variant", "args"}
 _SLURM_FIELDS = ("time", "partition", "account", "cpus_per_task", "max_parallel", "extra")
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
 class SweepError(ValueError):
@@ -286,7 +286,7 @@ def finished_runs(sweep: Sweep, tracking_uri: str) -> set[SweepRun]:
     """Runs of this sweep that MLflow holds as FINISHED (tags sweep, size, ablation, seed)."""
     from mlflow.tracking import MlflowClient
 
-    from lrattn_lightning.tracking import store_lock
+    from lrattn_lightning.train.tracking import store_lock
 
     with store_lock(tracking_uri):  # a new sqlite store is created by the first client, once
         client = MlflowClient(tracking_uri)
@@ -319,8 +319,8 @@ def plan(sweep: Sweep, tracking_uri: str) -> list[tuple[SweepRun, str]]:
 # ---- running ---------------------------------------------------------------------------------------
 def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False) -> int:
     """Run the unfinished runs one after another, each as its own `lrattn fit` process."""
-    from lrattn_lightning.checkpointing import PREEMPTED_EXIT_CODE
-    from lrattn_lightning.data import validate_data_dir
+    from lrattn_lightning.data.datamodule import validate_data_dir
+    from lrattn_lightning.train.checkpointing import PREEMPTED_EXIT_CODE
 
     registry = load_registry(sweep.registry)
     data_dir = sweep.setting("data.data_dir", "data/stdlib-docs-byte")
@@ -446,7 +446,7 @@ def emit_slurm(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: st
 
 # ---- command line ----------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    from lrattn_lightning.tracking import resolve_tracking_uri
+    from lrattn_lightning.train.tracking import resolve_tracking_uri
 
     parser = Parser(prog="lrattn sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("file", help="a sweep file, e.g. experiments/sweeps/cpu-study.yaml")

@@ -21,10 +21,10 @@ from typing import Any
 
 import yaml
 
-from lrattn_lightning.config import AblationConfig, ModelConfig, SizeConfig, config_error
+from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig, config_error
 
 DEFAULT_PATH = Path("registry.yaml")
-PACKAGED_PATH = Path(__file__).resolve().parent / "registry.yaml"  # shipped in the package (in a checkout: a link to ./registry.yaml)
+PACKAGED_PATH = Path(__file__).resolve().parents[1] / "registry.yaml"  # shipped in the package (in a checkout: a link to ./registry.yaml)
 _SECTIONS = ("sizes", "ablations", "grids")
 
 

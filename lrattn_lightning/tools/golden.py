@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lrattn_lightning.config import ModelConfig, SizeConfig, fit_to_size
-from lrattn_lightning.fidelity import from_reference_state_dict
-from lrattn_lightning.registry import Registry
+from lrattn_lightning.model.config import ModelConfig, SizeConfig, fit_to_size
+from lrattn_lightning.model.registry import Registry
+from lrattn_lightning.tools.fidelity import from_reference_state_dict
 
 SEED = 20261130
 BATCH, LENGTH = 2, 16
@@ -87,7 +87,7 @@ def compare(cfg: ModelConfig, entry: dict[str, Any], data: dict[str, Any], *, im
             dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Our decoder with the entry's weights against its golden numbers: max |Δlogit|, the worst relative
     gradient error (max |Δ| / max |g| per stored gradient) and |Δloss|."""
-    from lrattn_lightning.decoder import build_decoder
+    from lrattn_lightning.model.decoder import build_decoder
 
     weights = reference_weights(entry["reference_shapes"])
     check = sum(float(w.double().sum()) for w in weights.values())
@@ -130,7 +130,7 @@ def train_losses(cfg: ModelConfig, *, steps: int = 20, impl: str = "fast") -> li
     Weights are drawn per parameter *name* (queries and gates zero, as at init), so a refactor that
     keeps the names and the math reproduces the losses whatever order it builds modules in.
     """
-    from lrattn_lightning.decoder import build_decoder
+    from lrattn_lightning.model.decoder import build_decoder
 
     model = build_decoder(cfg, impl=impl)
     with torch.no_grad():

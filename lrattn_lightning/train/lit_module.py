@@ -22,18 +22,18 @@ import torchmetrics
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import grad_norm
 
-from lrattn_lightning import diagnostics
-from lrattn_lightning.accounting import added_flops_percent, count_params
-from lrattn_lightning.config import ModelConfig
-from lrattn_lightning.decoder import build_decoder
-from lrattn_lightning.optim import (
+from lrattn_lightning.model.accounting import added_flops_percent, count_params
+from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.decoder import build_decoder
+from lrattn_lightning.model.registry import load_registry
+from lrattn_lightning.train import diagnostics
+from lrattn_lightning.train.optim import (
     MUON_VARIANTS,
     MomentumSchedule,
     MuonVariant,
     WarmupStableDecay,
     build_optimizer,
 )
-from lrattn_lightning.registry import load_registry
 
 
 class NonFiniteLossError(RuntimeError):
@@ -42,7 +42,7 @@ class NonFiniteLossError(RuntimeError):
 
 def current_git_commit() -> str:
     try:
-        root = Path(__file__).resolve().parent.parent
+        root = Path(__file__).resolve().parents[2]
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
         commit = out.stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
@@ -111,12 +111,12 @@ class LRAttnModule(L.LightningModule):
         document_masking: attend only within documents (the paper's recipe); the separator is the data's
         EOS id, found at fit time and kept as `doc_separator` so checkpoints mask alike in evaluation.
 
-        Optimiser (lrattn_lightning/optim.py): muon_variant picks the Muon update (`reference`: the paper's
+        Optimiser (lrattn_lightning/train/optim.py): muon_variant picks the Muon update (`reference`: the paper's
         code, `torch`: torch.optim.Muon with match_rms_adamw); the Muon momentum rises from
         muon_momentum_min to muon_momentum over the first muon_momentum_warmup_steps and falls back over
         the last muon_momentum_cooldown_steps (0 and 0: constant).
 
-        Gated residual only (routing: gated; lrattn_lightning/routing_gated.py, docs/gated-residual.md):
+        Gated residual only (routing: gated; lrattn_lightning/model/routing/gated.py, docs/gated-residual.md):
         gate_freeze_steps holds every gate at alpha = 0.5 for the first N optimiser steps; gate_release_loss
         holds it until a step's training cross-entropy (mean over ranks) is <= X (with both: until both are
         met); the release is for good and the hold travels in checkpoints. gate_grad_normalize replaces the

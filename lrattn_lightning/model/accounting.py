@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from lrattn_lightning.config import AblationConfig, ModelConfig, SizeConfig
+from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig
 
 
 def _pair(size: SizeConfig | ModelConfig, ablation: AblationConfig | None) -> ModelConfig:

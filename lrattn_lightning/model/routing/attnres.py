@@ -26,7 +26,7 @@ Every RMSNorm is parameter-free with torch's default eps (finfo(dtype).eps, as t
 F.rms_norm calls). Routing computes in promote_types(dtype, float32): float32 for bf16 and float32
 models, float64 for float64 ones.
 
-Gated residual (routing: gated): lrattn_lightning/routing_gated.py.
+Gated residual (routing: gated): lrattn_lightning/model/routing/gated.py.
 
 Gated dynamic query: q = q_j + g_j * q_dyn, where q_dyn is what the most recent sublayer (the one
 written just before site j) emits in r extra output rows, and g_j is a zero-initialised gate per head.
@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lrattn_lightning.config import ModelConfig
-from lrattn_lightning.routing_gated import GatedResidual
+from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.routing.gated import GatedResidual
 
 
 def rms_norm(x: Tensor) -> Tensor:

@@ -402,7 +402,7 @@ def gate_curves(client: Any, rows: list[Row]) -> dict[tuple[str, str], tuple[lis
 
 
 def plot_gate_curves(curves: dict, out: Path, title: str) -> list[Path]:
-    from lrattn_lightning.diagnostics import gate_figure
+    from lrattn_lightning.train.diagnostics import gate_figure
 
     multi = len({size for size, _ in curves}) > 1
     means, spread, steps = {}, {}, set()
@@ -575,7 +575,7 @@ def log_summary_run(client: Any, experiment: str, files: list[Path], table_md: s
 def main(argv: list[str] | None = None) -> int:
     from mlflow.tracking import MlflowClient
 
-    from lrattn_lightning.tracking import resolve_tracking_uri
+    from lrattn_lightning.train.tracking import resolve_tracking_uri
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     parser = Parser(prog="lrattn compare", description=__doc__.split("\n\n")[0])

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from lrattn_lightning.config import AblationConfig, ModelConfig, SizeConfig
+from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def routing_traffic(
     training: bool = True,
 ) -> Traffic:
     """The minimal-traffic model of the module docstring for one step over `tokens` tokens."""
-    from lrattn_lightning.accounting import added_flops, sources_per_site
+    from lrattn_lightning.model.accounting import added_flops, sources_per_site
 
     cfg = size if isinstance(size, ModelConfig) else ModelConfig(size, ablation)
     s, a = cfg.size, cfg.ablation

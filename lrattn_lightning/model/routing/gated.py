@@ -33,8 +33,8 @@ import torch
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from lrattn_lightning.config import ModelConfig
-    from lrattn_lightning.routing import RoutingState
+    from lrattn_lightning.model.config import ModelConfig
+    from lrattn_lightning.model.routing.attnres import RoutingState
 
 GRAD_NORM_EPS = 1e-6
 

@@ -8,7 +8,7 @@ the prompt, then feeds one token per step; `use_cache=False` recomputes the whol
 step. Both call `Decoder.forward`, so greedy decoding gives the same tokens either way (tested for
 every registry ablation).
 
-    python -m lrattn_lightning.generate --size small --ablation s-lr-block-n8-r64 --threads 1   # KV speed ratio
+    python -m lrattn_lightning.model.generate --size small --ablation s-lr-block-n8-r64 --threads 1   # KV speed ratio
 
 Measured (size small, random init, 16-token prompt + 240 greedy tokens = 256 positions, CPU, one
 torch thread on a shared 2-core machine, best of 3): cache vs recompute 1.9 s vs 5.2 s (2.7x) for
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lrattn_lightning.decoder import Decoder, KVCache
 from lrattn_lightning.errors import Parser
+from lrattn_lightning.model.decoder import Decoder, KVCache
 
 
 def sample_next(
@@ -122,8 +122,8 @@ def kv_speed_ratio(
     Random initialisation with randomised pseudo-queries (so routing is not uniform); checks both
     give the same tokens. Returns seconds of each and their ratio.
     """
-    from lrattn_lightning.decoder import build_decoder
-    from lrattn_lightning.registry import load_registry
+    from lrattn_lightning.model.decoder import build_decoder
+    from lrattn_lightning.model.registry import load_registry
 
     torch.manual_seed(seed)
     cfg = load_registry(registry).model(size, ablation)
@@ -154,7 +154,7 @@ def kv_speed_ratio(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="python -m lrattn_lightning.generate",
+    parser = Parser(prog="python -m lrattn_lightning.model.generate",
                                      description="KV-cache vs full-recomputation generation speed.")
     parser.add_argument("--size", default="small")
     parser.add_argument("--ablation", action="append", help="registry ablation (repeatable)")

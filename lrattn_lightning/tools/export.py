@@ -65,8 +65,8 @@ class LRAttnForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config):
         super().__init__(config)
-        from lrattn_lightning.config import ModelConfig
-        from lrattn_lightning.decoder import build_decoder
+        from lrattn_lightning.model.config import ModelConfig
+        from lrattn_lightning.model.decoder import build_decoder
 
         self.model = build_decoder(ModelConfig.from_dict(config.model_config))
         self.model.doc_separator = config.doc_separator
@@ -108,7 +108,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, overwrite: bool = Fals
     """Write the Hugging Face folder for `checkpoint` to `out` (atomically: a temporary folder, then renamed)."""
     from safetensors.torch import save_file
 
-    from lrattn_lightning.checkpoints import load_checkpoint
+    from lrattn_lightning.train.checkpoints import load_checkpoint
 
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -159,7 +159,7 @@ def _hf_tokenizer(tokenizer: Any, spec: dict[str, Any]) -> Any:
     """A transformers PreTrainedTokenizerFast that encodes exactly as our tokenizer does."""
     from transformers import PreTrainedTokenizerFast
 
-    from lrattn_lightning.tokenizer import EOS_TOKEN
+    from lrattn_lightning.data.tokenizer import EOS_TOKEN
 
     kind = spec.get("kind")
     if kind == "byte":
@@ -181,7 +181,7 @@ def _byte_level_tokenizer() -> Any:
     """Ids 0..255 = UTF-8 bytes, 256 = EOS, as `tokenizers` byte-level BPE with no merges."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from lrattn_lightning.tokenizer import EOS_TOKEN
+    from lrattn_lightning.data.tokenizer import EOS_TOKEN
 
     alphabet = _bytes_to_unicode()
     tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the folder to write (must be new or empty)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     args = parser.parse_args(argv)
-    from lrattn_lightning.checkpoints import EvalError
+    from lrattn_lightning.train.checkpoints import EvalError
 
     try:
         out = export_hf(args.checkpoint, args.out, overwrite=args.overwrite)

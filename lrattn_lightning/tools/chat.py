@@ -20,9 +20,9 @@ from typing import TextIO
 
 import torch
 
-from lrattn_lightning.checkpoints import EvalError, LoadedCheckpoint, load_checkpoint
 from lrattn_lightning.errors import Parser
-from lrattn_lightning.generate import generate_stream
+from lrattn_lightning.model.generate import generate_stream
+from lrattn_lightning.train.checkpoints import EvalError, LoadedCheckpoint, load_checkpoint
 
 
 class TextStream:

@@ -57,8 +57,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lrattn_lightning.config import ModelConfig
-from lrattn_lightning.routing import DepthRouter, RoutingState, compute_dtype, head_rms_norm
+from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.routing.attnres import DepthRouter, RoutingState, compute_dtype, head_rms_norm
 
 
 @dataclass

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from lrattn_lightning.config import ModelConfig
-from lrattn_lightning.decoder import Decoder, build_decoder
-from lrattn_lightning.tokenizer import Tokenizer, load_tokenizer
+from lrattn_lightning.data.tokenizer import Tokenizer, load_tokenizer
+from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.decoder import Decoder, build_decoder
 
 
 class EvalError(ValueError):
@@ -90,7 +90,7 @@ def tokenizer_from_spec(spec: dict[str, Any], where: Path | str) -> Tokenizer:
 
 def check_data_dir(ckpt: LoadedCheckpoint, data_dir: str | Path) -> dict[str, Any]:
     """The prepared folder must use the checkpoint's tokenizer; returns its meta.json."""
-    from lrattn_lightning.data import read_meta
+    from lrattn_lightning.data.datamodule import read_meta
 
     meta = read_meta(data_dir)
     theirs, mine = meta["tokenizer"], ckpt.tokenizer_spec

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+TASKS_DIR = Path(__file__).resolve().parent / "task_configs"
 # local task name -> the key of its data file in the prepared folder's meta.json["tasks"]
 LOCAL_TASKS = {"lrattn_cloze": "cloze", "lrattn_ppl": "perplexity"}
 
@@ -70,7 +70,7 @@ def materialise_local_tasks(names: list[str], data_dir: str | Path | None, out_d
     if data_dir is None:
         raise TaskError(f"tasks {wanted} read the prepared data folder, but none is known: the checkpoint records "
                         "no data_dir; pass --data-dir DIR (a folder written by `lrattn prepare`)")
-    from lrattn_lightning.data import read_meta
+    from lrattn_lightning.data.datamodule import read_meta
 
     root = Path(data_dir).resolve()
     meta = read_meta(root)

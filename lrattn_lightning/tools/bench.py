@@ -23,7 +23,7 @@ memory bandwidth measured in the same process with the same clock (a large out-o
 implied floor time, and routing efficiency = floor / (step - baseline step), the step difference taken
 pairwise per round. `--profile N` adds torch.profiler per-op tables (ablation minus baseline).
 
-    python -m lrattn_lightning.bench --size small --ablations s-lr-block-n8-r64,attnres-full --mode both
+    python -m lrattn_lightning.tools.bench --size small --ablations s-lr-block-n8-r64,attnres-full --mode both
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def _autocast(device, dtype):
 
 
 def _model_config(args, reg, ablation: str):
-    from lrattn_lightning.config import ModelConfig, fit_to_size
+    from lrattn_lightning.model.config import ModelConfig, fit_to_size
 
     if args.fit:
         size = reg.size(args.size)
@@ -142,7 +142,7 @@ def _model_config(args, reg, ablation: str):
 
 def _size_for(cfg, seq_len: int):
     """The config with seq_len replaced (for FLOPs of the sequence actually run)."""
-    from lrattn_lightning.config import ModelConfig
+    from lrattn_lightning.model.config import ModelConfig
 
     return ModelConfig(dataclasses.replace(cfg.size, seq_len=seq_len), cfg.ablation)
 
@@ -174,8 +174,8 @@ def plain_train_step(model, inputs, targets, device, dtype, mode: str = "eager",
 def make_subject(args, reg, ablation: str, mode: str, device, dtype) -> Subject:
     import torch
 
-    from lrattn_lightning.accounting import model_flops_per_token
-    from lrattn_lightning.decoder import KVCache, build_decoder
+    from lrattn_lightning.model.accounting import model_flops_per_token
+    from lrattn_lightning.model.decoder import KVCache, build_decoder
 
     cfg = _model_config(args, reg, ablation)
     T = args.seq_len or cfg.size.seq_len
@@ -234,8 +234,8 @@ def _module_subject(args, cfg, ablation: str, mode: str, device, dtype, idx) -> 
     import torch
     from lightning.fabric import Fabric
 
-    from lrattn_lightning.accounting import model_flops_per_token
-    from lrattn_lightning.lit_module import LRAttnModule
+    from lrattn_lightning.model.accounting import model_flops_per_token
+    from lrattn_lightning.train.lit_module import LRAttnModule
 
     torch.manual_seed(args.seed)
     module = LRAttnModule(model_config=cfg.to_dict(), impl=args.impl)
@@ -314,7 +314,7 @@ def measure_peak_memory(subject: Subject, device) -> int:
         return torch.cuda.max_memory_allocated(device)
     from torch.profiler import ProfilerActivity
 
-    from lrattn_lightning.profiling import quiet_profile
+    from lrattn_lightning.tools.profiling import quiet_profile
 
     with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         subject.step()
@@ -332,7 +332,7 @@ def rss_probes(args, mode: str, ablations: list[str]) -> dict[str, int]:
     """Peak RSS (bytes) of fresh processes, one per ablation, that build the model and run warm-up + 2
     steps. They run concurrently (each process's own peak is what is read), after the timing."""
     env = dict(os.environ)  # the probe imports this very package, wherever it is installed from
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     common = []
     for key in ("size", "phase", "step", "impl", "compile_backend", "batch_size", "seq_len", "prompt_len", "new_tokens",
@@ -345,7 +345,7 @@ def rss_probes(args, mode: str, ablations: list[str]) -> dict[str, int]:
     for item in args.inductor:
         common += ["--inductor", item]
     procs = {
-        name: subprocess.Popen([sys.executable, "-m", "lrattn_lightning.bench", "--rss-probe", f"{mode}:{name}", *common],
+        name: subprocess.Popen([sys.executable, "-m", "lrattn_lightning.tools.bench", "--rss-probe", f"{mode}:{name}", *common],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         for name in ablations
     }
@@ -438,7 +438,7 @@ def _value_bytes(dtype) -> int:
 
 def roofline_row(subject: Subject, base: Subject, args, dtype, bandwidth: float, peak: float) -> dict:
     """Analytic routing bytes, floor time and routing efficiency of one ablation (train/forward phases)."""
-    from lrattn_lightning.roofline import routing_traffic
+    from lrattn_lightning.tools.roofline import routing_traffic
 
     if args.phase == "generate":
         return {"traffic": None, "floor_s": None, "overhead_s": None, "routing_efficiency": None}
@@ -486,7 +486,7 @@ def run_mode(args, reg, mode: str, names: list[str], device, dtype, peak: float,
         rss = rss_probes(args, mode, list(subjects))
     profiles = {}
     if args.profile:
-        from lrattn_lightning.profiling import op_diff, op_times
+        from lrattn_lightning.tools.profiling import op_diff, op_times
 
         times = {n: op_times(s.step, args.profile) for n, s in subjects.items()}
         profiles = {n: op_diff(times[n], times[args.baseline]) for n in names}
@@ -522,8 +522,8 @@ def run_mode(args, reg, mode: str, names: list[str], device, dtype, peak: float,
 def run_bench(args) -> dict[str, Any]:
     import torch
 
-    from lrattn_lightning.registry import load_registry
-    from lrattn_lightning.roofline import measure_bandwidth
+    from lrattn_lightning.model.registry import load_registry
+    from lrattn_lightning.tools.roofline import measure_bandwidth
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -644,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rss_probe:
         import torch
 
-        from lrattn_lightning.registry import load_registry
+        from lrattn_lightning.model.registry import load_registry
 
         if args.threads:
             torch.set_num_threads(args.threads)

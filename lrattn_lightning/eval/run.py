@@ -44,10 +44,9 @@ from lightning.pytorch.callbacks import Callback
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from lrattn_lightning.checkpoints import EvalError, LoadedCheckpoint, check_data_dir, load_checkpoint
-from lrattn_lightning.decoder import Decoder
+from lrattn_lightning.data.tokenizer import Tokenizer
 from lrattn_lightning.errors import Parser
-from lrattn_lightning.eval_tasks import (
+from lrattn_lightning.eval.tasks import (
     LOCAL_TASKS,
     PRESETS,
     TaskError,
@@ -56,8 +55,9 @@ from lrattn_lightning.eval_tasks import (
     load_tasks,
     materialise_local_tasks,
 )
-from lrattn_lightning.generate import generate
-from lrattn_lightning.tokenizer import Tokenizer
+from lrattn_lightning.model.decoder import Decoder
+from lrattn_lightning.model.generate import generate
+from lrattn_lightning.train.checkpoints import EvalError, LoadedCheckpoint, check_data_dir, load_checkpoint
 
 
 # ---- the lm-eval model --------------------------------------------------------------------------
@@ -305,7 +305,7 @@ def validation_loss(model: Decoder, data_dir: str | Path, *, batch_size: int = 1
     """
     from litdata import StreamingDataset, TokensLoader
 
-    from lrattn_lightning.data import check_shards, count_windows, read_meta
+    from lrattn_lightning.data.datamodule import check_shards, count_windows, read_meta
 
     seq_len = seq_len or model.cfg.size.seq_len
     meta = read_meta(data_dir)
@@ -355,8 +355,8 @@ def open_eval_run(ckpt: LoadedCheckpoint, tracking_uri: str, experiment: str = "
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from lrattn_lightning.lit_module import flat_run_params
-    from lrattn_lightning.tracking import artifact_location
+    from lrattn_lightning.train.lit_module import flat_run_params
+    from lrattn_lightning.train.tracking import artifact_location
 
     client = MlflowClient(tracking_uri)
     run_id = (ckpt.mlflow or {}).get("run_id")
@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         raise EvalError(f"nothing to evaluate: --tasks is empty; name tasks or presets ({', '.join(PRESETS)}) "
                         "or pass --val-loss")
     if not args.no_log:
-        from lrattn_lightning.tracking import resolve_tracking_uri
+        from lrattn_lightning.train.tracking import resolve_tracking_uri
 
         recorded = (ckpt.mlflow or {}).get("tracking_uri")
         if recorded and recorded.startswith("sqlite:///") and not Path(recorded[len("sqlite:///"):]).is_file():
@@ -513,7 +513,7 @@ def report(ckpt: LoadedCheckpoint, results: dict[str, Any] | None, val: dict[str
 class EvalCallback(Callback):
     """Evaluate the in-memory model when training ends and log to the training's MLflow run.
 
-        lrattn fit ... --trainer.callbacks+=lrattn_lightning.eval_bridge.EvalCallback --trainer.callbacks.tasks=local
+        lrattn fit ... --trainer.callbacks+=lrattn_lightning.eval.run.EvalCallback --trainer.callbacks.tasks=local
 
     Every rank evaluates its shard (through the trainer's strategy); rank 0 logs.
     """

@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from lrattn_lightning.config import ModelConfig
 from lrattn_lightning.errors import Parser
+from lrattn_lightning.model.config import ModelConfig
 
 # The reference's ModelConfig defaults for the flags we set (so the table can list only departures).
 REFERENCE_DEFAULTS: dict[str, Any] = {
@@ -160,9 +160,9 @@ def fidelity_rows(golden_path: str, registry_path: str | None = None, impl: str 
                   only: list[str] | None = None) -> list[dict[str, Any]]:
     """One row per registry entry: params (ours, the reference's), max |Δlogit| and the gradients'
     relative error against the golden data, and the reference flags."""
-    from lrattn_lightning import golden
-    from lrattn_lightning.accounting import count_params
-    from lrattn_lightning.registry import load_registry
+    from lrattn_lightning.model.accounting import count_params
+    from lrattn_lightning.model.registry import load_registry
+    from lrattn_lightning.tools import golden
 
     reg = load_registry(registry_path)
     data = golden.load(golden_path)
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write the markdown table here (default: print it)")
     parser.add_argument("--entries", default=None, help="comma-separated registry entries (default: all)")
     args = parser.parse_args(argv)
-    from lrattn_lightning import golden
+    from lrattn_lightning.tools import golden
 
     only = args.entries.split(",") if args.entries else None
     rows = fidelity_rows(args.golden, args.registry, impl=args.impl, only=only)

@@ -1,0 +1,63 @@
+"""The package is layered: a module imports only from its own layer or the ones below it, lazily or not.
+
+errors (shared one-line errors and flags) <- model (no Lightning, no MLflow) <- data <- train <- eval <- tools <- cli.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "lrattn_lightning"
+LAYERS = ["errors", "model", "data", "train", "eval", "tools", "cli"]
+# third-party frameworks the model layer must not need (its users import it without a training stack)
+MODEL_FORBIDDEN = ("lightning", "mlflow", "litdata", "lm_eval", "torchmetrics")
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    if parts[0] != "lrattn_lightning" or len(parts) == 1:
+        return LAYERS.index("cli")
+    head = parts[1]
+    if head in ("cli", "lightning_cli"):
+        return LAYERS.index("cli")
+    return LAYERS.index(head)
+
+
+def modules() -> list[tuple[str, Path]]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        name = ".".join(rel.parts).removesuffix(".__init__")
+        out.append((name, path))
+    return out
+
+
+def imports_of(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert not node.level, f"{path.name}: a relative import (the package imports absolutely)"
+            found.append(node.module)
+            if node.module == "lrattn_lightning":
+                found += [f"lrattn_lightning.{a.name}" for a in node.names]
+    return found
+
+
+@pytest.mark.parametrize("name,path", modules(), ids=[m for m, _ in modules()])
+def test_a_module_imports_only_its_layer_or_below(name, path):
+    mine = layer_of(name)
+    for target in imports_of(path):
+        if target.startswith("lrattn_lightning"):
+            assert layer_of(target) <= mine, f"{name} ({LAYERS[mine]}) imports {target} ({LAYERS[layer_of(target)]})"
+        elif LAYERS[mine] in ("errors", "model"):
+            assert target.split(".")[0] not in MODEL_FORBIDDEN, f"{name} imports {target}"
+
+
+def test_every_module_says_what_it_holds():
+    missing = [n for n, p in modules() if p.read_text().strip() and not ast.get_docstring(ast.parse(p.read_text()))]
+    assert not missing, f"modules without an opening docstring: {missing}"
