@@ -61,3 +61,10 @@ def test_a_module_imports_only_its_layer_or_below(name, path):
 def test_every_module_says_what_it_holds():
     missing = [n for n, p in modules() if p.read_text().strip() and not ast.get_docstring(ast.parse(p.read_text()))]
     assert not missing, f"modules without an opening docstring: {missing}"
+
+
+def test_every_subcommand_resolves_to_a_function():
+    from lrattn_lightning.cli import COMMANDS, _function
+
+    for name, (spec, _) in COMMANDS.items():
+        assert callable(_function(spec)), name
