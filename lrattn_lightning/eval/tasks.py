@@ -70,7 +70,7 @@ def materialise_local_tasks(names: list[str], data_dir: str | Path | None, out_d
     if data_dir is None:
         raise TaskError(f"tasks {wanted} read the prepared data folder, but none is known: the checkpoint records "
                         "no data_dir; pass --data-dir DIR (a folder written by `lrattn prepare`)")
-    from lrattn_lightning.data.datamodule import read_meta
+    from lrattn_lightning.data.shards import read_meta
 
     root = Path(data_dir).resolve()
     meta = read_meta(root)
