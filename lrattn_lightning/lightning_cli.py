@@ -21,7 +21,8 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lrattn_lightning.data.datamodule import TokenDataModule, validate_data_dir
+from lrattn_lightning.data.datamodule import TokenDataModule
+from lrattn_lightning.data.shards import validate_data_dir
 from lrattn_lightning.errors import Parser, UsageError, packaged
 from lrattn_lightning.train import checkpointing
 from lrattn_lightning.train.checkpointing import AtomicCheckpointIO, LastCheckpoint, load_checkpoint_file
@@ -250,7 +251,7 @@ def demo_main(argv: list[str]) -> int:
     parser.add_argument("--data", default="data/stdlib-docs-byte")
     args, rest = parser.parse_known_args(argv)
     if not Path(args.data, "meta.json").exists():
-        from lrattn_lightning.cli import prepare_main
+        from lrattn_lightning.data.prepare import prepare_main
 
         prepare_main(["--source", "stdlib-docs", "--tokenizer", "byte", "--out", args.data])
     recipe = Path("experiments/cpu-demo.yaml")

@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import lightning  # noqa: F401  (its log handler binds sys.stderr at import: not a test's captured, later closed one)
 import pytest
 import torch
 

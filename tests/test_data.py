@@ -15,7 +15,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from lrattn_lightning.data import datamodule as D
+from lrattn_lightning.data import corpora
+from lrattn_lightning.data import prepare as prepare_module
+from lrattn_lightning.data.corpora import Document, iter_documents
+from lrattn_lightning.data.datamodule import TokenDataModule
+from lrattn_lightning.data.prepare import prepare, split_of
+from lrattn_lightning.data.shards import (
+    FORMAT_VERSION,
+    SPLITS,
+    bits_per_byte,
+    check_shards,
+    read_meta,
+    validate_data_dir,
+)
+from lrattn_lightning.data.task_files import build_cloze_items
 from lrattn_lightning.data.tokenizer import ByteTokenizer, load_tokenizer, parse_tokenizer_name, train_bpe
 from lrattn_lightning.model.registry import load_registry
 
@@ -25,14 +38,14 @@ COMMON_WORDS = {"the", "a", "of", "to", "and", "is", "in", "that", "for", "be", 
 
 
 @pytest.fixture(scope="module")
-def data_test_docs() -> list[D.Document]:
-    return list(D.iter_documents("stdlib-docs", max_bytes=MAX_BYTES))
+def data_test_docs() -> list[Document]:
+    return list(iter_documents("stdlib-docs", max_bytes=MAX_BYTES))
 
 
 @pytest.fixture(scope="module")
 def data_test_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("data") / "stdlib-byte"
-    D.prepare(out_dir=out, max_bytes=MAX_BYTES, chunk_bytes="64KB", cloze_items=100)
+    prepare(out_dir=out, max_bytes=MAX_BYTES, chunk_bytes="64KB", cloze_items=100)
     return out
 
 
@@ -40,8 +53,8 @@ def _tiny_size(**changes):
     return dataclasses.replace(load_registry().size("tiny"), **changes)  # vocab 512, seq_len 32
 
 
-def _split_texts(docs: list[D.Document], split: str) -> list[str]:
-    return [d.text for d in docs if D.split_of(d.key, 0.05) == split] or []
+def _split_texts(docs: list[Document], split: str) -> list[str]:
+    return [d.text for d in docs if split_of(d.key, 0.05) == split] or []
 
 
 # ---------------------------------------------------------------------------------------------- tokenizers
@@ -90,7 +103,7 @@ def test_tokenizer_name_errors(tmp_path):
 
 
 def test_stdlib_corpus_is_real_english():
-    docs = list(D.iter_documents("stdlib-docs", max_bytes=600_000))
+    docs = list(iter_documents("stdlib-docs", max_bytes=600_000))
     text = "\n".join(d.text for d in docs)
     assert len(text.encode()) >= 600_000
     words = text.lower().split()
@@ -100,19 +113,19 @@ def test_stdlib_corpus_is_real_english():
     kinds = {d.key.split(":")[0] for d in docs}
     assert kinds == {"pydoc", "stdlib"}  # reference docs and module docstrings
     assert len({d.text for d in docs}) == len(docs)  # deduplicated
-    assert min(len(d.text) for d in docs) >= D.MIN_FRAGMENT_CHARS
+    assert min(len(d.text) for d in docs) >= corpora.MIN_FRAGMENT_CHARS
     assert not any("  " in line.strip() for d in docs for line in d.text.splitlines())  # runs collapsed
 
 
 def test_split_is_deterministic_and_disjoint(data_test_docs):
-    first = D._split_documents(data_test_docs, 0.05, "stdlib-docs")
-    second = D._split_documents(list(D.iter_documents("stdlib-docs", max_bytes=MAX_BYTES)), 0.05, "stdlib-docs")
+    first = prepare_module._split_documents(data_test_docs, 0.05, "stdlib-docs")
+    second = prepare_module._split_documents(list(iter_documents("stdlib-docs", max_bytes=MAX_BYTES)), 0.05, "stdlib-docs")
     assert [d.key for d in first["val"]] == [d.key for d in second["val"]]
     train_keys, val_keys = {d.key for d in first["train"]}, {d.key for d in first["val"]}
     assert val_keys and train_keys and not train_keys & val_keys
     assert len(first["train"]) + len(first["val"]) == len(data_test_docs)
     keys = [f"doc-{i}" for i in range(4000)]
-    frac = sum(D.split_of(k, 0.05) == "val" for k in keys) / len(keys)
+    frac = sum(split_of(k, 0.05) == "val" for k in keys) / len(keys)
     assert 0.04 < frac < 0.06
 
 
@@ -120,15 +133,15 @@ def test_text_folder_and_jsonl_sources(tmp_path):
     para = "This paragraph is long enough to be kept as prose by the cleaner, it has many words in it."
     (tmp_path / "a.txt").write_text(f"{para}\n\nshort\n\n{para} Again.\n")
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": para + " From jsonl."}) + "\n\n")
-    docs = list(D.iter_documents(str(tmp_path)))
+    docs = list(iter_documents(str(tmp_path)))
     assert [d.key for d in docs] == ["a.txt", "b.jsonl"]  # a file stays on one side of the split
     assert "short" not in docs[0].text
-    assert list(D.iter_documents(str(tmp_path / "a.txt")))[0].key == "a.txt:0"
+    assert list(iter_documents(str(tmp_path / "a.txt")))[0].key == "a.txt:0"
     (tmp_path / "c.jsonl").write_text('{"body": "no text field"}\n')
     with pytest.raises(ValueError, match=r"c\.jsonl:1: .*'text'"):
-        list(D.iter_documents(str(tmp_path)))
+        list(iter_documents(str(tmp_path)))
     with pytest.raises(ValueError, match="not a built-in corpus"):
-        list(D.iter_documents(str(tmp_path / "nope")))
+        list(iter_documents(str(tmp_path / "nope")))
 
 
 def test_hf_source_wraps_errors(monkeypatch):
@@ -138,27 +151,27 @@ def test_hf_source_wraps_errors(monkeypatch):
         return iter([{"text": "A row of a Hugging Face dataset that is long enough to keep as a document."}])
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
-    assert [d.key for d in D.iter_documents("hf:user/ds")] == ["hf:user/ds:0"]
+    assert [d.key for d in iter_documents("hf:user/ds")] == ["hf:user/ds:0"]
     with pytest.raises(ValueError, match="could not load Hugging Face dataset 'offline/x'.*network"):
-        list(D.iter_documents("hf:offline/x"))
+        list(iter_documents("hf:offline/x"))
 
 
 def test_debian_corpora_name_their_package(monkeypatch, tmp_path):
-    monkeypatch.setattr(D, "JARGON_DIR", tmp_path / "none")
+    monkeypatch.setattr(corpora, "JARGON_DIR", tmp_path / "none")
     with pytest.raises(ValueError, match="apt-get install jargon-text"):
-        next(D.iter_documents("jargon"))
-    monkeypatch.setattr(D.shutil, "which", lambda name: None)
+        next(iter_documents("jargon"))
+    monkeypatch.setattr(corpora.shutil, "which", lambda name: None)
     with pytest.raises(ValueError, match="apt-get install bible-kjv"):
-        next(D.iter_documents("bible-kjv"))
+        next(iter_documents("bible-kjv"))
 
 
 @pytest.mark.parametrize("source,word", [("jargon", "hacker"), ("bible-kjv", "LORD")])
 def test_debian_corpora_when_installed(source, word):
-    if (source == "jargon" and not (D.JARGON_DIR / "jargon.txt.gz").exists()) or (
+    if (source == "jargon" and not (corpora.JARGON_DIR / "jargon.txt.gz").exists()) or (
         source == "bible-kjv" and shutil.which("bible") is None
     ):
         pytest.skip(f"Debian corpus {source} is not installed")
-    docs = list(D.iter_documents(source, max_documents=300))
+    docs = list(iter_documents(source, max_documents=300))
     assert len(docs) == 300 and word in "\n".join(d.text for d in docs)
 
 
@@ -166,16 +179,16 @@ def test_debian_corpora_when_installed(source, word):
 
 
 def test_prepare_writes_shards_meta_and_tasks(data_test_dir, data_test_docs):
-    meta = D.read_meta(data_test_dir)
-    assert meta["format_version"] == D.FORMAT_VERSION and meta["source"] == "stdlib-docs"
+    meta = read_meta(data_test_dir)
+    assert meta["format_version"] == FORMAT_VERSION and meta["source"] == "stdlib-docs"
     assert meta["tokenizer"] == {"kind": "byte"} and meta["vocab_size"] == 257 and meta["dtype"] == "uint16"
-    for split in D.SPLITS:
+    for split in SPLITS:
         counts = meta["splits"][split]
         assert counts["tokens"] == counts["bytes"] + counts["documents"]  # bytes + one EOS per document
         assert counts["bytes_per_token"] == pytest.approx(counts["bytes"] / counts["tokens"])
-        chunks = D.check_shards(data_test_dir, split)
+        chunks = check_shards(data_test_dir, split)
         assert sum(c["dim"] for c in chunks) == counts["tokens"]
-    assert len(D.check_shards(data_test_dir, "train")) > 1  # several chunks at 64KB
+    assert len(check_shards(data_test_dir, "train")) > 1  # several chunks at 64KB
     assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == len(data_test_docs)
     assert not list(data_test_dir.parent.glob(".*"))  # no staging leftovers
 
@@ -183,22 +196,22 @@ def test_prepare_writes_shards_meta_and_tasks(data_test_dir, data_test_docs):
 def test_task_files_come_from_held_out_documents(data_test_dir, data_test_docs):
     val_flat = [" ".join(t.split()) for t in _split_texts(data_test_docs, "val")]
     rows = [json.loads(line) for line in (data_test_dir / "tasks" / "cloze.jsonl").read_text().splitlines()]
-    assert rows and len(rows) == D.read_meta(data_test_dir)["tasks"]["cloze"]["items"]
+    assert rows and len(rows) == read_meta(data_test_dir)["tasks"]["cloze"]["items"]
     for row in rows:
         assert len(row["choices"]) == 4 and len(set(row["choices"])) == 4 and 0 <= row["gold"] < 4
         true = row["context"] + " " + row["choices"][row["gold"]]
         assert any(true in t for t in val_flat)
     ppl = [json.loads(line) for line in (data_test_dir / "tasks" / "perplexity.jsonl").read_text().splitlines()]
     assert ppl and all(any(r["text"] in t for t in _split_texts(data_test_docs, "val")) for r in ppl)
-    val_docs = [d for d in data_test_docs if D.split_of(d.key, 0.05) == "val"]
-    assert D.build_cloze_items(val_docs, 50, seed=7) == D.build_cloze_items(val_docs, 50, seed=7)
-    assert D.build_cloze_items(val_docs, 50, seed=7) != D.build_cloze_items(val_docs, 50, seed=8)
+    val_docs = [d for d in data_test_docs if split_of(d.key, 0.05) == "val"]
+    assert build_cloze_items(val_docs, 50, seed=7) == build_cloze_items(val_docs, 50, seed=7)
+    assert build_cloze_items(val_docs, 50, seed=7) != build_cloze_items(val_docs, 50, seed=8)
 
 
 def test_second_prepare_without_overwrite_fails(data_test_dir):
     before = sorted(p.name for p in data_test_dir.parent.iterdir())
     with pytest.raises(FileExistsError, match="overwrite"):
-        D.prepare(out_dir=data_test_dir, max_bytes=MAX_BYTES)
+        prepare(out_dir=data_test_dir, max_bytes=MAX_BYTES)
     assert sorted(p.name for p in data_test_dir.parent.iterdir()) == before
 
 
@@ -206,29 +219,29 @@ def test_failed_prepare_leaves_nothing(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("simulated failure after the shards were written")
 
-    monkeypatch.setattr(D, "write_task_files", boom)
+    monkeypatch.setattr(prepare_module, "write_task_files", boom)
     with pytest.raises(RuntimeError, match="simulated"):
-        D.prepare(out_dir=tmp_path / "new", max_bytes=20_000)
+        prepare(out_dir=tmp_path / "new", max_bytes=20_000)
     assert list(tmp_path.iterdir()) == []  # neither the output nor the staging folder
     old = tmp_path / "old"
     old.mkdir()
     (old / "marker").write_text("kept")
     with pytest.raises(RuntimeError, match="simulated"):
-        D.prepare(out_dir=old, max_bytes=20_000, overwrite=True)
+        prepare(out_dir=old, max_bytes=20_000, overwrite=True)
     assert [p.name for p in tmp_path.iterdir()] == ["old"] and (old / "marker").read_text() == "kept"
 
 
 def test_prepare_with_bpe(tmp_path):
-    meta = D.prepare(out_dir=tmp_path / "bpe", tokenizer="bpe:300", max_bytes=30_000, cloze_items=10)
+    meta = prepare(out_dir=tmp_path / "bpe", tokenizer="bpe:300", max_bytes=30_000, cloze_items=10)
     assert (tmp_path / "bpe" / "tokenizer.json").is_file() and meta["tokenizer"]["kind"] == "bpe"
     assert meta["vocab_size"] <= 300 and meta["splits"]["train"]["bytes_per_token"] > 1.2
-    dm = D.TokenDataModule(str(tmp_path / "bpe"), batch_size=2, seq_len=16)
+    dm = TokenDataModule(str(tmp_path / "bpe"), batch_size=2, seq_len=16)
     batch = next(iter(dm.train_dataloader()))
     assert batch.shape == (2, 17) and int(batch.max()) < meta["vocab_size"]
     assert dm.tokenizer().decode(batch[0].tolist())
     # hf:<tokenizer.json>: the user's file is copied in, so the prepared folder stands alone
     user_file = shutil.copy(tmp_path / "bpe" / "tokenizer.json", tmp_path / "mine.json")
-    meta_hf = D.prepare(out_dir=tmp_path / "hf", tokenizer=f"hf:{user_file}", max_bytes=30_000, cloze_items=10)
+    meta_hf = prepare(out_dir=tmp_path / "hf", tokenizer=f"hf:{user_file}", max_bytes=30_000, cloze_items=10)
     assert meta_hf["tokenizer"]["file"] == "tokenizer.json" and meta_hf["splits"] == meta["splits"]
 
 
@@ -240,7 +253,7 @@ def _windows(loader) -> list[tuple[int, ...]]:
 
 
 def test_streaming_windows_are_corpus_substrings(data_test_dir, data_test_docs):
-    dm = D.TokenDataModule(str(data_test_dir), batch_size=4, seq_len=32)
+    dm = TokenDataModule(str(data_test_dir), batch_size=4, seq_len=32)
     tok = dm.tokenizer()
     assert dm.vocab_size == 257 and dm.bytes_per_token("val") < 1.0  # EOS tokens carry no bytes
     for split, loader in (("train", dm.train_dataloader()), ("val", dm.val_dataloader())):
@@ -254,13 +267,13 @@ def test_streaming_windows_are_corpus_substrings(data_test_dir, data_test_docs):
 
 
 def test_two_ranks_see_disjoint_data(data_test_dir, monkeypatch):
-    everything = _windows(D.TokenDataModule(str(data_test_dir), batch_size=4, seq_len=64).train_dataloader())
+    everything = _windows(TokenDataModule(str(data_test_dir), batch_size=4, seq_len=64).train_dataloader())
     assert len(set(everything)) == len(everything)  # windows are unique, so content identifies them
     per_rank = []
     for rank in (0, 1):  # litdata's _DistributedEnv.detect() reads these when iteration starts
         monkeypatch.setenv("WORLD_SIZE", "2")
         monkeypatch.setenv("GLOBAL_RANK", str(rank))
-        per_rank.append(set(_windows(D.TokenDataModule(str(data_test_dir), batch_size=4, seq_len=64).train_dataloader())))
+        per_rank.append(set(_windows(TokenDataModule(str(data_test_dir), batch_size=4, seq_len=64).train_dataloader())))
     assert per_rank[0] and per_rank[1] and not per_rank[0] & per_rank[1]
     assert abs(len(per_rank[0]) - len(per_rank[1])) <= 4  # drop_last: equal batches per rank
     assert per_rank[0] | per_rank[1] <= set(everything)
@@ -268,8 +281,8 @@ def test_two_ranks_see_disjoint_data(data_test_dir, monkeypatch):
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_loader_state_resumes_at_the_same_batch(data_test_dir, num_workers):
-    def make() -> D.TokenDataModule:
-        return D.TokenDataModule(str(data_test_dir), batch_size=4, seq_len=32, num_workers=num_workers)
+    def make() -> TokenDataModule:
+        return TokenDataModule(str(data_test_dir), batch_size=4, seq_len=32, num_workers=num_workers)
 
     dm = make()
     it = iter(dm.train_dataloader())
@@ -307,7 +320,7 @@ def test_trainer_checkpoint_resumes_data_position(data_test_dir, tmp_path):
             max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
             limit_val_batches=0, callbacks=list(callbacks), enable_checkpointing=bool(callbacks), default_root_dir=tmp_path,
         )
-        trainer.fit(model, datamodule=D.TokenDataModule(str(data_test_dir), batch_size=2, seq_len=16), ckpt_path=ckpt_path)
+        trainer.fit(model, datamodule=TokenDataModule(str(data_test_dir), batch_size=2, seq_len=16), ckpt_path=ckpt_path)
         return model.seen
 
     full = fit(6)
@@ -328,7 +341,7 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def test_validate_for_accepts_and_fills_seq_len(data_test_dir):
-    dm = D.TokenDataModule(str(data_test_dir))
+    dm = TokenDataModule(str(data_test_dir))
     with pytest.raises(ValueError, match="seq_len is unset"):
         dm.train_dataloader()
     dm.validate_for(_tiny_size())
@@ -339,10 +352,10 @@ def test_validate_missing_or_empty_dir(tmp_path):
     size = _tiny_size()
     for path in (tmp_path / "missing", tmp_path):
         with pytest.raises(ValueError, match="missing or empty.*lrattn prepare"):
-            D.TokenDataModule(str(path)).validate_for(size)
+            TokenDataModule(str(path)).validate_for(size)
     (tmp_path / "stray.txt").write_text("x")
     with pytest.raises(ValueError, match=r"meta\.json is missing.*lrattn prepare"):
-        D.validate_data_dir(tmp_path, size)
+        validate_data_dir(tmp_path, size)
 
 
 def test_validate_corrupt_meta_and_shards(data_test_dir, tmp_path):
@@ -350,37 +363,37 @@ def test_validate_corrupt_meta_and_shards(data_test_dir, tmp_path):
     bad = _copy(data_test_dir, tmp_path / "meta")
     (bad / "meta.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"meta\.json is corrupt"):
-        D.validate_data_dir(bad, size)
-    (bad / "meta.json").write_text(json.dumps({"format_version": D.FORMAT_VERSION}))
+        validate_data_dir(bad, size)
+    (bad / "meta.json").write_text(json.dumps({"format_version": FORMAT_VERSION}))
     with pytest.raises(ValueError, match="corrupt: missing"):
-        D.validate_data_dir(bad, size)
+        validate_data_dir(bad, size)
 
     bad = _copy(data_test_dir, tmp_path / "truncated")
     chunk = sorted((bad / "train").glob("chunk-*.bin"))[0]
     chunk.write_bytes(chunk.read_bytes()[:-10])
     with pytest.raises(ValueError, match=f"shard .*{chunk.name} is corrupt: expected \\d+ bytes, found"):
-        D.validate_data_dir(bad, size)
+        validate_data_dir(bad, size)
     chunk.unlink()
     with pytest.raises(ValueError, match="found missing"):
-        D.TokenDataModule(str(bad), seq_len=8).train_dataloader()
+        TokenDataModule(str(bad), seq_len=8).train_dataloader()
     (bad / "val" / "index.json").unlink()
     with pytest.raises(ValueError, match=r"val/index\.json is missing or unreadable"):
-        D.check_shards(bad, "val")
+        check_shards(bad, "val")
 
 
 def test_validate_vocab_and_seq_len_against_size(data_test_dir):
     with pytest.raises(ValueError, match="data vocab_size 257 .* exceeds model vocab_size 200 .*byte"):
-        D.validate_data_dir(data_test_dir, _tiny_size(vocab_size=200))
+        validate_data_dir(data_test_dir, _tiny_size(vocab_size=200))
     with pytest.raises(ValueError, match="seq_len 64 exceeds the 32 positions"):
-        D.TokenDataModule(str(data_test_dir), seq_len=64).validate_for(_tiny_size())
+        TokenDataModule(str(data_test_dir), seq_len=64).validate_for(_tiny_size())
 
 
 def test_validate_val_split_shorter_than_a_window(data_test_dir):
-    val_tokens = D.read_meta(data_test_dir)["splits"]["val"]["tokens"]
+    val_tokens = read_meta(data_test_dir)["splits"]["val"]["tokens"]
     size = _tiny_size(seq_len=val_tokens)
     with pytest.raises(ValueError, match=f"val split .* has {val_tokens} tokens .* fewer than one window"):
-        D.validate_data_dir(data_test_dir, size)
+        validate_data_dir(data_test_dir, size)
 
 
 def test_bits_per_byte():
-    assert D.bits_per_byte(2 * 0.6931471805599453, 2.0) == pytest.approx(1.0)
+    assert bits_per_byte(2 * 0.6931471805599453, 2.0) == pytest.approx(1.0)

@@ -21,10 +21,13 @@ from lm_eval.api.instance import Instance
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
-from lrattn_lightning.data.datamodule import TokenDataModule, prepare
-from lrattn_lightning.eval import run as eval_bridge
-from lrattn_lightning.eval.run import LRAttnLM, load_checkpoint, validation_loss
+from lrattn_lightning.data.datamodule import TokenDataModule
+from lrattn_lightning.data.prepare import prepare
+from lrattn_lightning.eval.lm import LRAttnLM
+from lrattn_lightning.eval.run import log_eval, validation_loss
+from lrattn_lightning.eval.tasks import expand_tasks
 from lrattn_lightning.model.generate import generate
+from lrattn_lightning.train.checkpoints import load_checkpoint
 from lrattn_lightning.train.lit_module import token_losses
 
 REPO = Path(__file__).resolve().parent.parent
@@ -243,7 +246,7 @@ def test_two_evaluations_in_one_second_keep_both_results_files(tmp_path):
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("e", artifact_location=str(tmp_path / "art"))).info.run_id
     for _ in range(2):
-        eval_bridge.log_eval(client, run_id, 3, None, {"loss": 2.0, "bpb": 3.0, "tokens": 10.0})
+        log_eval(client, run_id, 3, None, {"loss": 2.0, "bpb": 3.0, "tokens": 10.0})
     names = [a.path for a in client.list_artifacts(run_id, "eval")]
     assert len(names) == 2 and all(n.startswith("eval/results-step000003-") for n in names), names
 
@@ -325,7 +328,7 @@ def test_unreachable_dataset_names_task_and_dataset(trained, tmp_path, capsys, m
 
 
 def test_presets_expand():
-    names, shots = eval_bridge.expand_tasks("paper")
+    names, shots = expand_tasks("paper")
     assert shots == 5 and names == ["mmlu", "arc_challenge", "arc_easy", "commonsense_qa", "hellaswag", "openbookqa",
                                     "piqa", "winogrande"]
-    assert eval_bridge.expand_tasks("local,lrattn_ppl,hellaswag") == (["lrattn_cloze", "lrattn_ppl", "hellaswag"], None)
+    assert expand_tasks("local,lrattn_ppl,hellaswag") == (["lrattn_cloze", "lrattn_ppl", "hellaswag"], None)

@@ -51,7 +51,7 @@ def test_the_wheel_holds_the_registry_recipes_and_tasks(installed):
     names = set(zipfile.ZipFile(installed["wheel"]).namelist())
     for path in ("lrattn_lightning/registry.yaml", "lrattn_lightning/experiments/cpu-demo.yaml",
                  "lrattn_lightning/experiments/paper-0.5b-multinode.yaml",
-                 "lrattn_lightning/experiments/sweeps/cpu-study.yaml", "lrattn_lightning/tasks/lrattn_cloze.yaml"):
+                 "lrattn_lightning/experiments/sweeps/cpu-study.yaml", "lrattn_lightning/eval/task_configs/lrattn_cloze.yaml"):
         assert path in names, path
     where = subprocess.run([str(installed["python"]), "-c", "import lrattn_lightning; print(lrattn_lightning.__file__)"],
                            cwd=installed["cwd"], env=installed["env"], capture_output=True, text=True, check=True)

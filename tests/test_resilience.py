@@ -25,7 +25,7 @@ from conftest import mlflow_server
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
-from lrattn_lightning.data.datamodule import prepare
+from lrattn_lightning.data.prepare import prepare
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent

@@ -17,7 +17,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
-from lrattn_lightning.data.datamodule import prepare
+from lrattn_lightning.data.prepare import prepare
 from lrattn_lightning.model.accounting import added_flops_percent, count_params
 from lrattn_lightning.model.registry import load_registry
 from lrattn_lightning.tools.sweep import load_sweep

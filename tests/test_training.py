@@ -19,7 +19,7 @@ from conftest import free_port, mlflow_server
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
-from lrattn_lightning.data.datamodule import prepare, split_of
+from lrattn_lightning.data.prepare import prepare, split_of
 from lrattn_lightning.model.accounting import added_flops_percent, count_params
 from lrattn_lightning.model.registry import load_registry
 

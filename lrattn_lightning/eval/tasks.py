@@ -4,8 +4,9 @@
     --tasks paper              the LR-AttnRes paper's list at 5 shots (needs the Hugging Face datasets)
     --tasks hellaswag,arc_easy any lm-eval task, group or tag; presets and names can be mixed
 
-The local task YAMLs ship in `lrattn_lightning/tasks/`. Their data files are not committed: `lrattn
-prepare` writes them from the held-out split (`<data_dir>/tasks/*.jsonl`), so an evaluation copies
+The local task YAMLs ship in `lrattn_lightning/eval/task_configs/`. Their data files are not
+committed: `lrattn prepare` writes them from the held-out split (`<data_dir>/tasks/*.jsonl`,
+data/task_files.py), so an evaluation copies
 the YAMLs into a temporary include folder with `data_files` pointing at that folder (lm-eval's
 `dataset_path: json`). Only when a name is not local or in `--include-path` is lm-eval's default
 task index built (about 14 s).
@@ -70,7 +71,7 @@ def materialise_local_tasks(names: list[str], data_dir: str | Path | None, out_d
     if data_dir is None:
         raise TaskError(f"tasks {wanted} read the prepared data folder, but none is known: the checkpoint records "
                         "no data_dir; pass --data-dir DIR (a folder written by `lrattn prepare`)")
-    from lrattn_lightning.data.datamodule import read_meta
+    from lrattn_lightning.data.shards import read_meta
 
     root = Path(data_dir).resolve()
     meta = read_meta(root)

@@ -319,7 +319,7 @@ def plan(sweep: Sweep, tracking_uri: str) -> list[tuple[SweepRun, str]]:
 # ---- running ---------------------------------------------------------------------------------------
 def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False) -> int:
     """Run the unfinished runs one after another, each as its own `lrattn fit` process."""
-    from lrattn_lightning.data.datamodule import validate_data_dir
+    from lrattn_lightning.data.shards import validate_data_dir
     from lrattn_lightning.train.checkpointing import PREEMPTED_EXIT_CODE
 
     registry = load_registry(sweep.registry)

@@ -90,7 +90,7 @@ def tokenizer_from_spec(spec: dict[str, Any], where: Path | str) -> Tokenizer:
 
 def check_data_dir(ckpt: LoadedCheckpoint, data_dir: str | Path) -> dict[str, Any]:
     """The prepared folder must use the checkpoint's tokenizer; returns its meta.json."""
-    from lrattn_lightning.data.datamodule import read_meta
+    from lrattn_lightning.data.shards import read_meta
 
     meta = read_meta(data_dir)
     theirs, mine = meta["tokenizer"], ckpt.tokenizer_spec

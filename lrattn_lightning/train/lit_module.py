@@ -22,6 +22,7 @@ import torchmetrics
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import grad_norm
 
+from lrattn_lightning.data.shards import bits_per_byte
 from lrattn_lightning.model.accounting import added_flops_percent, count_params
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.decoder import build_decoder
@@ -317,7 +318,7 @@ class LRAttnModule(L.LightningModule):
         if callable(bytes_per_token):
             bpt = bytes_per_token("val")
             if bpt:
-                self._report("val/bpb", loss / math.log(2) / bpt)
+                self._report("val/bpb", bits_per_byte(loss, bpt))
         if self._routing_weights is not None:
             self._log_routing(self._routing_weights)
             self._routing_weights = None
