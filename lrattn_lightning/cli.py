@@ -25,13 +25,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "list": ("cli:list_main", "the registry's sizes and ablations with parameters and added FLOPs %"),
     "prepare": ("cli:prepare_main", "tokenise a corpus into litdata shards (+ the offline eval tasks)"),
     "eval": ("eval_bridge:main", "lm-eval tasks on a checkpoint, logged to its training run"),
-    "generate": ("chat:generate_main", "continue a prompt from a checkpoint, streaming the text"),
-    "chat": ("chat:chat_main", "an interactive loop over a checkpoint"),
-    "export": ("export:main", "a checkpoint as a Hugging Face transformers folder"),
-    "sweep": ("sweep:main", "a grid or list of runs from a sweep file (local, commands or SLURM)"),
-    "compare": ("compare:main", "the comparison report of an MLflow experiment: table, Figure 1, heatmaps"),
-    "bench": ("bench:main", "interleaved step time, memory, MFU and roofline against the baseline"),
-    "fidelity": ("fidelity:main", "every registry entry against the paper's reference code (docs/fidelity.md)"),
+    "generate": ("tools.chat:generate_main", "continue a prompt from a checkpoint, streaming the text"),
+    "chat": ("tools.chat:chat_main", "an interactive loop over a checkpoint"),
+    "export": ("tools.export:main", "a checkpoint as a Hugging Face transformers folder"),
+    "sweep": ("tools.sweep:main", "a grid or list of runs from a sweep file (local, commands or SLURM)"),
+    "compare": ("tools.compare:main", "the comparison report of an MLflow experiment: table, Figure 1, heatmaps"),
+    "bench": ("tools.bench:main", "interleaved step time, memory, MFU and roofline against the baseline"),
+    "fidelity": ("tools.fidelity:main", "every registry entry against the paper's reference code (docs/fidelity.md)"),
 }
 LIGHTNING = ("fit", "validate", "test")
 
