@@ -51,7 +51,7 @@ MODES = ("eager", "compile")
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="lrattn bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="small", help="registry size name")
     p.add_argument("--ablations", default="s-lr-block-n8-r64,p-lr-block-n8-r32,attnres-block-n8,attnres-full",
                    help="comma-separated ablation names, each timed against --baseline")
