@@ -19,7 +19,7 @@ ROW_FIELDS = {
 }
 META_FIELDS = {"date", "command", "size", "baseline", "phase", "impl", "batch_size", "seq_len", "steps", "warmup",
                "dtype", "device", "device_name", "threads", "torch", "peak_flops", "peak_flops_source", "memory",
-               "git_commit", "registry_sha256", "bandwidth_bytes_per_s", "bandwidth_source", "step"}
+               "git_commit", "registry_sha256", "bandwidth_bytes_per_s", "bandwidth_source", "step", "optimizer"}
 TINY = ["--size", "tiny", "--fit", "--batch-size", "2", "--seq-len", "16", "--threads", "1", "--device", "cpu"]
 
 
@@ -117,10 +117,22 @@ def test_mfu_above_100_percent_is_an_error(tmp_path):
     assert json.loads(path.read_text())["results"][0]["mfu"] > 1  # written before the error
 
 
-def test_module_train_step(tmp_path):
-    """--step module times LRAttnModule.training_step with the module's own optimiser (Muon + AdamW)."""
-    report = _run(tmp_path, "--step", "module", "--ablations", "s-lr-block-n8-r64", "--steps", "1", "--warmup", "1",
-                  "--memory", "alloc")
-    assert report["meta"]["step"] == "module"
+def test_train_step_is_the_modules_own(tmp_path, monkeypatch):
+    """The train phase calls LRAttnModule.training_step, with the optimiser `--optimizer` names (Muon + AdamW here)."""
+    from lrattn_lightning.train.lit_module import LRAttnModule
+
+    calls = []
+    original = LRAttnModule.training_step
+
+    def counting(self, batch, batch_idx):
+        calls.append(self.hparams.optimizer)
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(LRAttnModule, "training_step", counting)
+    report = _run(tmp_path, "--optimizer", "muon_adamw", "--ablations", "s-lr-block-n8-r64", "--steps", "1",
+                  "--warmup", "1", "--memory", "alloc")
+    assert report["meta"]["step"] == "module" and report["meta"]["optimizer"] == "muon_adamw"
+    assert calls and set(calls) == {"muon_adamw"}
+    assert len(calls) == 2 * 1 + 2 * 1 + 2  # warm-up, the timed round (B A), the memory step of each
     base, row = report["results"]
     assert row["peak_mem_bytes"] > 0 and row["median_step_s"] > 0

@@ -81,7 +81,8 @@ def test_contracts():
 
 
 def test_dry_run(tmp_path):
-    """The CPU dry run: every entry, eager and compiled (aot_eager), without Lightning, MLflow, litdata or lm-eval."""
+    """The CPU dry run: every entry, eager and compiled (aot_eager), through the LightningModule's train step,
+    without MLflow, litdata or lm-eval."""
     proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

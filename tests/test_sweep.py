@@ -20,7 +20,7 @@ from lrattn_lightning.cli import main
 from lrattn_lightning.data.prepare import prepare
 from lrattn_lightning.model.accounting import added_flops_percent, count_params
 from lrattn_lightning.model.registry import load_registry
-from lrattn_lightning.tools.sweep import load_sweep
+from lrattn_lightning.tools.sweep_file import load_sweep
 
 REPO = Path(__file__).resolve().parent.parent
 REGISTRY = str(REPO / "registry.yaml")

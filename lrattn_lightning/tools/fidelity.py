@@ -29,6 +29,12 @@ REFERENCE_DEFAULTS: dict[str, Any] = {
 }
 
 
+# Our key source / embedding key -> the reference flag that selects it (set to True).
+KEY_SOURCE_FLAGS = {"sliced": "lrid_key_from_output_tail", "value_projected": "lrid_key_from_value",
+                    "value_projected_shared": "lrid_key_from_value_shared"}
+EMBEDDING_KEY_FLAGS = {"static": "lrid_static_embedding_key", "projected_plus_static": "lrid_add_static_embedding_key"}
+
+
 class NotExpressible(ValueError):
     """The entry has no equivalent in the reference's flags (said why)."""
 
@@ -57,16 +63,9 @@ def reference_flags(cfg: ModelConfig) -> dict[str, Any]:
         flags["lrid_use_logit_scale"] = True
     else:
         flags.update(lrid_use_logit_scale=True, lrid_logit_scale=float(a.logit_scale))
-    if a.key_source == "sliced":
-        flags["lrid_key_from_output_tail"] = True
-    elif a.key_source == "value_projected":
-        flags["lrid_key_from_value"] = True
-    elif a.key_source == "value_projected_shared":
-        flags["lrid_key_from_value_shared"] = True
-    if a.embedding_key == "static":
-        flags["lrid_static_embedding_key"] = True
-    elif a.embedding_key == "projected_plus_static":
-        flags["lrid_add_static_embedding_key"] = True
+    for flag in (KEY_SOURCE_FLAGS.get(a.key_source), EMBEDDING_KEY_FLAGS.get(a.embedding_key)):
+        if flag is not None:
+            flags[flag] = True
     if a.query == "gated_dynamic":
         flags["lrid_input_dependent_query"] = True
     return flags
@@ -127,14 +126,13 @@ def from_reference_state_dict(ref: dict[str, Any], cfg: ModelConfig) -> dict[str
     emb_projected = a.embedding_key in ("projected", "projected_plus_static")
     if a.embedding_key in ("static", "projected_plus_static"):
         out["router.embedding_key_static"] = ref["transformer.lrid_static_embedding_key.key"]
+    embedding_proj = "transformer.lrid_embedding_key.proj.weight"
     if a.key_source == "projected" and emb_projected:
-        out["router.embedding_key_proj.weight"] = ref["transformer.lrid_embedding_key.proj.weight"]
-    elif a.key_source == "value_projected_shared":
-        out["router.value_key_proj.0.weight"] = ref["transformer.lrid_embedding_key.proj.weight"]
-    elif a.key_source == "value_projected":
+        out["router.embedding_key_proj.weight"] = ref[embedding_proj]
+    elif a.key_source == "value_projected_shared" or (a.key_source == "value_projected" and emb_projected):
+        out["router.value_key_proj.0.weight"] = ref[embedding_proj]  # the shared projection, or the embedding's own
+    if a.key_source == "value_projected":
         first = 0 if emb_projected else 1
-        if emb_projected:
-            out["router.value_key_proj.0.weight"] = ref["transformer.lrid_embedding_key.proj.weight"]
         for layer in range(L):
             for i, part in ((2 * layer + 1, "attn.c_proj"), (2 * layer + 2, "mlp.fc2")):
                 out[f"router.value_key_proj.{i - first}.weight"] = ref[
@@ -204,12 +202,14 @@ def render_markdown(rows: list[dict[str, Any]], golden_path: str, size_line: str
         "|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        ref = "—" if r["reference_params"] is None else f"{r['reference_params']:,}"
-        dl = "—" if r["dlogit"] is None else f"{r['dlogit']:.1e}"
-        dg = "—" if r["dgrad"] is None else f"{r['dgrad']:.1e}"
+        ref, dl, dg = (_cell(r[key], fmt) for key, fmt in (("reference_params", ","), ("dlogit", ".1e"), ("dgrad", ".1e")))
         mark = " †" if r.get("clipped") else ""
         lines.append(f"| `{r['entry']}`{mark} | {r['params']:,} | {ref} | {dl} | {dg} | {r['flags']} |")
     return "\n".join(lines) + "\n"
+
+
+def _cell(value: Any, fmt: str) -> str:
+    return "—" if value is None else format(value, fmt)
 
 
 def main(argv: list[str] | None = None) -> int:

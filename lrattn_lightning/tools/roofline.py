@@ -33,6 +33,9 @@ stream's gradient added to the sublayer input's): the floor of the step-time dif
 is the net traffic (routing - residual) at the measured bandwidth, plus the key-row matmuls of P-LR (and
 value-projected keys) at the measured matmul peak. Not counted: softmax statistics and weights (O(S G)
 floats per token against O(S D) value elements), parameters and their gradients (queries: O(M R)).
+
+The two ceilings, the matmul peak (`measure_peak_flops`) and the memory bandwidth (`measure_bandwidth`),
+are measured on the spot with the clock the steps are timed with.
 """
 
 from __future__ import annotations
@@ -128,6 +131,33 @@ def routing_traffic(
     return Traffic(forward * vector, backward * vector, residual * vector, float(matmul * tokens * mult), units)
 
 
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_peak_flops(device, dtype, clock: Callable[[], float] = time.perf_counter) -> float:
+    """FLOP/s of the best of a few large square matmuls in `dtype` on `device`, timed with `clock` (the
+    clock the steps are timed with: with --clock cpu, FLOP per CPU-second, like the steps)."""
+    import torch
+
+    n = 4096 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for i in range(8):
+        _sync(device)
+        t0 = clock()
+        for _ in range(4):
+            a @ b
+        _sync(device)
+        if i:  # the first call warms up
+            best = min(best, (clock() - t0) / 4)
+    return 2 * n**3 / max(best, 1e-12)
+
+
 def measure_bandwidth(device, clock: Callable[[], float] = time.perf_counter, mib: int | None = None) -> float:
     """Bytes/s of the best of a few large out-of-place adds (c = a + b: two reads and a write), timed with
     `clock` (the clock the steps are timed with). The tensors are larger than any last-level cache."""
@@ -139,12 +169,10 @@ def measure_bandwidth(device, clock: Callable[[], float] = time.perf_counter, mi
     c = torch.empty_like(a)
     best = float("inf")
     for i in range(8):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _sync(device)
         t0 = clock()
         torch.add(a, b, out=c)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _sync(device)
         if i:  # the first call warms up (page faults, caches)
             best = min(best, clock() - t0)
     return 3 * n * 4 / max(best, 1e-9)

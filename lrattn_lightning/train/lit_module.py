@@ -258,7 +258,7 @@ class LRAttnModule(L.LightningModule):
             self.log("train/tokens_seen", float((self.global_step) * per_step))
 
     def make_optimizer(self) -> torch.optim.Optimizer:
-        """The optimiser of `configure_optimizers`, without its schedule (`lrattn bench --step module`)."""
+        """The optimiser of `configure_optimizers`, without its schedule (`lrattn bench`'s train step)."""
         hp = self.hparams
         return build_optimizer(
             self.model, kind=hp.optimizer, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
