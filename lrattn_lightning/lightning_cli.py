@@ -3,8 +3,11 @@
 The architecture comes only from the registry (`--size`, `--ablation`, on the command line or in the
 recipe); recipes in experiments/ hold the training knobs. Everything is checked before the first step:
 names (closest names on a typo), numbers, the data folder, a checkpoint's architecture; then the run
-folder is claimed (a lock), the MLflow store opened (under a lock), and training starts. `cli.py` is the
-`lrattn` dispatcher that imports this module only for these subcommands.
+folder is claimed (a lock), the MLflow store opened (under a lock), and training starts. The provenance
+of a run (resolved config, registry hash, git commit) is the module's to resolve, not a flag. Only
+LightningCLI's public hooks are overridden; the trainer gets the MLflow logger, atomic checkpoint
+writes, last.ckpt and the step monitors of train/callbacks.py as `instantiate_trainer` arguments.
+`cli.py` is the `lrattn` dispatcher that imports this module only for these subcommands.
 """
 
 from __future__ import annotations
