@@ -3,8 +3,11 @@
 The architecture comes only from the registry (`--size`, `--ablation`, on the command line or in the
 recipe); recipes in experiments/ hold the training knobs. Everything is checked before the first step:
 names (closest names on a typo), numbers, the data folder, a checkpoint's architecture; then the run
-folder is claimed (a lock), the MLflow store opened (under a lock), and training starts. `cli.py` is the
-`lrattn` dispatcher that imports this module only for these subcommands.
+folder is claimed (a lock), the MLflow store opened (under a lock), and training starts. The provenance
+of a run (resolved config, registry hash, git commit) is the module's to resolve, not a flag. Only
+LightningCLI's public hooks are overridden; the trainer gets the MLflow logger, atomic checkpoint
+writes, last.ckpt and the step monitors of train/callbacks.py as `instantiate_trainer` arguments.
+`cli.py` is the `lrattn` dispatcher that imports this module only for these subcommands.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from lrattn_lightning.data.datamodule import TokenDataModule
 from lrattn_lightning.data.shards import validate_data_dir
 from lrattn_lightning.errors import Parser, UsageError, packaged
 from lrattn_lightning.train import checkpointing
+from lrattn_lightning.train.callbacks import training_monitors
 from lrattn_lightning.train.checkpointing import AtomicCheckpointIO, LastCheckpoint, load_checkpoint_file
 from lrattn_lightning.train.lit_module import LRAttnModule, NonFiniteLossError, architecture_differences
 from lrattn_lightning.train.tracking import (
@@ -71,6 +75,10 @@ class LRAttnCLI(LightningCLI):
         parser.link_arguments("size", "model.size", compute_fn=lambda name: name or "")
         parser.link_arguments("ablation", "model.ablation", compute_fn=lambda name: name or "")
         parser.link_arguments("registry", "model.registry")
+        # Provenance is resolved by the module (registry, git), never given: as link targets these fields
+        # are off the command line and out of config.yaml, and a checkpoint's stored values are replaced.
+        for field in PROVENANCE:
+            parser.link_arguments("registry", f"model.{field}", compute_fn=resolved_by_the_module)
 
     # ---- checks before any work ----------------------------------------------------------------
     def parse_arguments(self, parser, args) -> None:
@@ -139,9 +147,7 @@ class LRAttnCLI(LightningCLI):
             stored = _read_checkpoint(ckpt_path)
         if stored is None:
             return None
-        # LightningCLI copies the checkpoint's hyper-parameters into the model config; the
-        # architecture and provenance are re-resolved from the registry (and checked equal here).
-        cfg.model.model_config = cfg.model.registry_sha256 = cfg.model.git_commit = None
+        # the architecture is re-resolved from the registry (provenance links) and checked equal here
         config = stored["model_config"]
         diffs = architecture_differences(config, model_cfg)
         if diffs:
@@ -173,30 +179,45 @@ class LRAttnCLI(LightningCLI):
         trainer.validate(model, datamodule=self.datamodule, verbose=False)
 
     def instantiate_trainer(self, **kwargs: Any):
-        cfg = self.config[self.subcommand]
-        trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
-        callbacks = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
-        if trainer_config.get("logger") is None:
-            logger = TrackingLogger(
-                experiment_name=cfg.experiment, experiment_id=self.experiment_id, run_name=cfg.run_name,
-                tracking_uri=self.tracking_uri, run_id=self.resume_run_id,
-                artifact_location=artifact_location(self.tracking_uri),
-                tags=dict(cfg.run_tags or {}),  # applied when the run is created; a resumed run keeps its own
-            )
-            logger.open_run()
-            if self.subcommand == "fit" and self.resume_run_id and checkpointing.launched_as_rank_zero():
-                logger.skip_logged_steps()
-            trainer_config["logger"] = logger
-        plugins = trainer_config.get("plugins") or []
-        plugins = list(plugins) if isinstance(plugins, list | tuple) else [plugins]
+        """Lightning's trainer with this run's defaults where the command line gives none: the MLflow
+        logger, atomic checkpoint writes, the run folder; `fit` adds last.ckpt and the step monitors
+        (learning rate, Muon momentum, tokens/s: train/callbacks.py)."""
+        cfg, given = self.config[self.subcommand], self.config_init[self.subcommand].trainer
+        if given.logger is None:
+            kwargs["logger"] = self._tracking_logger(cfg)
+        plugins = _as_list(given.plugins)
         if not any(isinstance(p, CheckpointIO) for p in plugins):
-            plugins.append(AtomicCheckpointIO())
-        trainer_config["plugins"] = plugins
+            kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
+        if given.default_root_dir is None:
+            kwargs["default_root_dir"] = str(self.run_dir)
         if self.subcommand == "fit":
-            callbacks.append(LastCheckpoint(self.run_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every))
-        if trainer_config.get("default_root_dir") is None:
-            trainer_config["default_root_dir"] = str(self.run_dir)
-        return self._instantiate_trainer(trainer_config, callbacks)
+            last = LastCheckpoint(self.run_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every)
+            kwargs["callbacks"] = [*_as_list(given.callbacks), last, *training_monitors()]
+        return super().instantiate_trainer(**kwargs)
+
+    def _tracking_logger(self, cfg) -> TrackingLogger:
+        logger = TrackingLogger(
+            experiment_name=cfg.experiment, experiment_id=self.experiment_id, run_name=cfg.run_name,
+            tracking_uri=self.tracking_uri, run_id=self.resume_run_id,
+            artifact_location=artifact_location(self.tracking_uri),
+            tags=dict(cfg.run_tags or {}),  # applied when the run is created; a resumed run keeps its own
+        )
+        logger.open_run()
+        if self.subcommand == "fit" and self.resume_run_id and checkpointing.launched_as_rank_zero():
+            logger.skip_logged_steps()
+        return logger
+
+
+PROVENANCE = ("model_config", "registry_sha256", "git_commit")
+
+
+def resolved_by_the_module(registry: str | None) -> None:
+    """The value of a provenance field on the command line: none (LRAttnModule resolves it)."""
+    return None
+
+
+def _as_list(value: Any) -> list:
+    return [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
 
 
 def _check_numbers(subcommand: str, cfg) -> None:

@@ -140,17 +140,15 @@ def test_polar_express_singular_values_land_in_the_band():
 
 
 # ---- the torch variant against torch.optim.Muon, the AdamW group against torch.optim.AdamW ---------
-@pytest.mark.parametrize("scale", ["match_rms_adamw", "original"])
-@pytest.mark.parametrize("nesterov", [True, False])
-def test_torch_variant_equals_torch_muon(scale, nesterov):
-    gen = torch.Generator().manual_seed(3)
-    ours = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(8, 16), (16, 8), (32, 32), (64, 24)]]
-    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+def _twins(gen: torch.Generator, shapes: list[tuple[int, ...]]) -> tuple[list, list]:
+    ours = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    return ours, [torch.nn.Parameter(p.detach().clone()) for p in ours]
+
+
+def _assert_steps_alike(opt, ref, ours: list, theirs: list, gen: torch.Generator, steps: int = 4) -> None:
+    """The same random gradients into both optimisers; after every step the change from init agrees."""
     init = [p.detach().clone() for p in ours]
-    opt = MuonWithAuxAdamW([{"params": ours, "use_muon": True, "lr": 0.02, "weight_decay": 0.1, "momentum": 0.9,
-                             "nesterov": nesterov, **{**MUON_VARIANTS["torch"], "scale": scale}}])
-    ref = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=scale)
-    for _ in range(4):
+    for _ in range(steps):
         for a, b in zip(ours, theirs, strict=True):
             a.grad = torch.randn(a.shape, generator=gen)
             b.grad = a.grad.clone()
@@ -160,21 +158,23 @@ def test_torch_variant_equals_torch_muon(scale, nesterov):
             assert rel_err(a.detach() - w, b.detach() - w) <= 1e-6
 
 
+@pytest.mark.parametrize("scale", ["match_rms_adamw", "original"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_torch_variant_equals_torch_muon(scale, nesterov):
+    gen = torch.Generator().manual_seed(3)
+    ours, theirs = _twins(gen, [(8, 16), (16, 8), (32, 32), (64, 24)])
+    opt = MuonWithAuxAdamW([{"params": ours, "use_muon": True, "lr": 0.02, "weight_decay": 0.1, "momentum": 0.9,
+                             "nesterov": nesterov, **{**MUON_VARIANTS["torch"], "scale": scale}}])
+    ref = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=scale)
+    _assert_steps_alike(opt, ref, ours, theirs, gen)
+
+
 def test_adamw_group_equals_torch_adamw():
     gen = torch.Generator().manual_seed(4)
-    ours = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(10, 4), (7,)]]
-    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    init = [p.detach().clone() for p in ours]
+    ours, theirs = _twins(gen, [(10, 4), (7,)])
     opt = MuonWithAuxAdamW([{"params": ours, "use_muon": False, "lr": 0.01, "weight_decay": 0.1, "betas": (0.8, 0.9)}])
     ref = torch.optim.AdamW(theirs, lr=0.01, weight_decay=0.1, betas=(0.8, 0.9))
-    for _ in range(4):
-        for a, b in zip(ours, theirs, strict=True):
-            a.grad = torch.randn(a.shape, generator=gen)
-            b.grad = a.grad.clone()
-        opt.step()
-        ref.step()
-    for a, b, w in zip(ours, theirs, init, strict=True):
-        assert rel_err(a.detach() - w, b.detach() - w) <= 1e-6
+    _assert_steps_alike(opt, ref, ours, theirs, gen)
 
 
 # ---- which parameters go where ----------------------------------------------------------------------
@@ -332,8 +332,8 @@ def test_resume_after_sigkill_in_decay_matches_uninterrupted_run(tiny_data, tmp_
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client, run_full = only_run(uri, "full")
     _, run_resumed = only_run(uri, "killed")
-    for key, rel in [("train/loss", 1e-5), ("train/lr_muon", 1e-12), ("train/lr_adamw", 1e-12),
-                     ("train/momentum_muon", 1e-12)]:
+    for key, rel in [("train/loss", 1e-5), ("train/lr/muon", 1e-12), ("train/lr/adamw", 1e-12),
+                     ("train/momentum/muon", 1e-12)]:
         a = losses_by_step(client, run_full.info.run_id, key)
         b = losses_by_step(client, run_resumed.info.run_id, key)
         assert sorted(a) == sorted(b) == list(range(steps)), key
@@ -341,7 +341,7 @@ def test_resume_after_sigkill_in_decay_matches_uninterrupted_run(tiny_data, tmp_
             assert b[step] == pytest.approx(a[step], rel=rel, abs=1e-7), (key, step, a[step], b[step])
     assert run_resumed.data.metrics["val/loss"] == pytest.approx(run_full.data.metrics["val/loss"], rel=1e-5)
     # the resumed stretch really crossed the phases
-    lr = losses_by_step(client, run_full.info.run_id, "train/lr_muon")
-    mom = losses_by_step(client, run_full.info.run_id, "train/momentum_muon")
+    lr = losses_by_step(client, run_full.info.run_id, "train/lr/muon")
+    mom = losses_by_step(client, run_full.info.run_id, "train/momentum/muon")
     assert lr[0] < lr[3] == lr[12] == lr[18] > lr[19] > lr[23]  # decay starts from 1.0 at step 18
     assert mom[12] < mom[14] == mom[20] > mom[21] > mom[23] and mom[20] == pytest.approx(0.95)

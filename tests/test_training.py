@@ -83,8 +83,9 @@ def test_fit_logs_everything_to_sqlite_mlflow(tiny_data, tmp_path, monkeypatch):
     assert float(params["added_flops_pct"]) == pytest.approx(added_flops_percent(cfg), rel=1e-4)
     assert tags["ablation"] == "s-lr-grid-n4-r16" and tags["control"] == "attnres-block-n8"
     assert tags["registry_sha256"] == reg.sha256 and tags["git_commit"]
-    for key in ("train/loss", "train/ce", "val/loss", "val/bpb", "train/grad_norm", "train/tokens_per_s",
-                "train/lr_adamw", "train/lr_muon", "train/tokens_seen", "routing/mean/entropy",
+    for key in ("train/loss", "train/ce", "val/loss", "val/bpb", "train/grad_norm", "train/device/items_per_sec",
+                "train/lr/adamw", "train/lr/muon", "train/momentum/muon", "train/device/flops_per_sec",
+                "train/tokens_seen", "routing/mean/entropy",
                 "routing/mean/eff_sources", "routing/mean/top1", "routing/mean/embedding"):
         assert key in metrics, key
     assert not [k for k in metrics if k.startswith("routing/site")]  # per-site numbers live in routing/sites.json
@@ -96,7 +97,7 @@ def test_fit_logs_everything_to_sqlite_mlflow(tiny_data, tmp_path, monkeypatch):
                        ("train_seed", "0"), ("train_precision", "32-true"), ("train_devices", "1"),
                        ("train_num_nodes", "1"), ("train_tokenizer", "byte"), ("train_muon_variant", "reference")):
         assert params[key] == value, key
-    assert metrics["train/tokens_per_s"] > 0
+    assert metrics["train/device/items_per_sec"] > 0
     # byte tokenizer: ~1 byte per token, so bits per byte ~ loss / ln 2
     assert metrics["val/bpb"] == pytest.approx(metrics["val/loss"] / 0.6931471805599453, rel=0.1)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "routing")}
@@ -109,6 +110,39 @@ def test_fit_logs_everything_to_sqlite_mlflow(tiny_data, tmp_path, monkeypatch):
     assert ckpt["hyper_parameters"]["model_config"]["ablation"]["name"] == "s-lr-grid-n4-r16"
     assert ckpt["mlflow"]["run_id"] == run.info.run_id
     assert ckpt["tokenizer"]["kind"] == "byte"
+
+
+def test_a_trainer_built_in_python_records_what_lrattn_fit_records(tiny_data, tmp_path):
+    """The module installs the MLflow and checkpoint callbacks itself (configure_callbacks)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    from lrattn_lightning.data.datamodule import TokenDataModule
+    from lrattn_lightning.train.lit_module import LRAttnModule
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    logger = MLFlowLogger(experiment_name="py", tracking_uri=uri, artifact_location=str(tmp_path / "artifacts"))
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=logger, limit_val_batches=1, val_check_interval=2,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)])
+    module = LRAttnModule(size="tiny", ablation="s-lr-grid-n4-r16", registry=REGISTRY, warmup_steps=1)
+    trainer.fit(module, datamodule=TokenDataModule(str(tiny_data), batch_size=2, seq_len=16))
+    client, run = only_run(uri, "py")
+    assert run.data.tags["ablation"] == "s-lr-grid-n4-r16" and run.data.params["train_seq_len"] == "16"
+    assert "routing/heatmap.png" in {a.path for a in client.list_artifacts(run.info.run_id, "routing")}
+    ckpt = torch.load(tmp_path / "ck/last.ckpt", weights_only=True)
+    assert ckpt["tokenizer"]["kind"] == "byte" and ckpt["mlflow"]["run_id"] == run.info.run_id
+
+
+def test_provenance_is_not_a_command_line_argument(tiny_data, tmp_path, monkeypatch, capsys):
+    """The resolved config, registry hash and git commit come from the registry and git, never a flag."""
+    monkeypatch.chdir(tmp_path)
+    for flag, value in (("--model.git_commit", "fake"), ("--model.registry_sha256", "0"), ("--model.model_config", "{}")):
+        with pytest.raises(SystemExit) as exited:
+            main(fit_args(tiny_data, flag, value))
+        assert exited.value.code == 2 and flag[2:] in capsys.readouterr().err  # jsonargparse: a link target
+    assert not (tmp_path / "runs").exists()
 
 
 def test_validate_and_test_a_checkpoint_log_into_its_training_run(tiny_data, tmp_path, monkeypatch):

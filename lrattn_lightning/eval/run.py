@@ -148,7 +148,7 @@ def open_eval_run(ckpt: LoadedCheckpoint, tracking_uri: str, experiment: str = "
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from lrattn_lightning.train.lit_module import flat_run_params
+    from lrattn_lightning.train.callbacks import flat_run_params
     from lrattn_lightning.train.tracking import artifact_location
 
     client = MlflowClient(tracking_uri)

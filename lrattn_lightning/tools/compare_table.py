@@ -120,7 +120,7 @@ def read_runs(client: Any, experiment: str, sweep: str | None = None, curves: bo
             latest[key] = record
     records = sorted(latest.values(), key=lambda r: (r.size, r.ablation, r.seed if r.seed is not None else -1))
     for record in records:
-        speed = [m.value for m in client.get_metric_history(record.run_id, "train/tokens_per_s")]
+        speed = [m.value for m in client.get_metric_history(record.run_id, "train/device/items_per_sec")]
         record.tokens_per_s = statistics.median(speed) if speed else None
         if curves:
             for key in ("train/loss", "val/loss"):

@@ -1,17 +1,17 @@
-"""The LightningModule: loss, optimiser groups, schedule, torchmetrics, MLflow-facing logging.
+"""The LightningModule: loss, optimiser groups, schedule, metrics (train/*, val/*, routing/mean/*).
 
 Checkpoints describe themselves with plain values: the resolved size and ablation as dicts, the
 registry hash and the git commit sit in `hyper_parameters` (so `torch.load(weights_only=True)`
-works), and the MLflow run id sits under `checkpoint["mlflow"]`. Resuming or loading a checkpoint
-into a module built for a different size/ablation is an error.
+works); the tokenizer, data folder and MLflow run are added by train/callbacks.py, which the module
+installs itself (`configure_callbacks`) with the MLflow params, tags and routing figures. Resuming or
+loading a checkpoint into a module built for a different size/ablation is an error.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import os
 import subprocess
-import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,15 +19,21 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import grad_norm
 
 from lrattn_lightning.data.shards import bits_per_byte
-from lrattn_lightning.model.accounting import added_flops_percent, count_params
+from lrattn_lightning.model.accounting import model_flops_per_token
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.model.registry import load_registry
 from lrattn_lightning.train import diagnostics
+from lrattn_lightning.train.callbacks import (
+    CheckpointContents,
+    RoutingArtifacts,
+    RunDescription,
+    tokens_per_step,
+)
 from lrattn_lightning.train.optim import (
     MUON_VARIANTS,
     MomentumSchedule,
@@ -51,19 +57,6 @@ def current_git_commit() -> str:
         return (commit + ("-dirty" if dirty else "")) if commit else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-def flat_run_params(cfg: ModelConfig) -> dict[str, Any]:
-    """Every resolved size and ablation field as one flat, searchable dict (MLflow params)."""
-    size, abl = cfg.to_dict()["size"], cfg.to_dict()["ablation"]
-    params = {"size": size.pop("name"), "ablation": abl.pop("name")}
-    params.update({k: v for k, v in size.items() if k != "doc"})
-    params.update({k: ("null" if v is None else v) for k, v in abl.items() if k not in ("doc", "tags")})
-    params["key_dim"] = cfg.key_dim if cfg.ablation.routing == "attnres" else 0
-    params["block_ends"] = ",".join(map(str, cfg.block_ends())) or "full"
-    params["params"] = count_params(cfg)
-    params["added_flops_pct"] = round(added_flops_percent(cfg), 6)
-    return params
 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,8 +139,7 @@ class LRAttnModule(L.LightningModule):
         self._check_gate_schedule(cfg)
         self._last_train_ce: float | None = None
         self.val_loss = torchmetrics.MeanMetric()
-        self._routing_weights: list[torch.Tensor] | None = None
-        self._step_clock: float | None = None
+        self.routing_weights: list[torch.Tensor] | None = None  # of a validation's first batch, for the diagnostics
         self._loaded_step: int | None = None
         self.last_validated_step: int | None = None
 
@@ -232,10 +224,6 @@ class LRAttnModule(L.LightningModule):
             self.log("train/gates_held", float(self.model.router.gates_held))
             if self.hparams.gate_release_loss is not None and self.model.router.gates_held:
                 self._last_train_ce = float(self.trainer.strategy.reduce(ce.detach(), reduce_op="mean"))
-        for group in self.optimizers().param_groups:  # the live groups, also after a resume
-            self.log(f"train/lr_{group.get('name', 'group')}", group["lr"])
-            if group.get("use_muon"):
-                self.log(f"train/momentum_{group.get('name', 'group')}", group["momentum"])
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -245,17 +233,22 @@ class LRAttnModule(L.LightningModule):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._update_gate_hold()
-        self._step_clock = time.perf_counter()
 
     def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
-        if self._step_clock is None:
-            return
-        seconds = time.perf_counter() - self._step_clock
-        tokens = (batch.shape[1] - 1) * batch.shape[0] * self.trainer.world_size
-        self.log("train/tokens_per_s", tokens / max(seconds, 1e-9), prog_bar=True)
-        per_step = self._tokens_per_step()
+        per_step = tokens_per_step(self.trainer)
         if per_step:
-            self.log("train/tokens_seen", float((self.global_step) * per_step))
+            self.log("train/tokens_seen", float(self.global_step * per_step))
+
+    @property
+    def flops_per_batch(self) -> int | None:
+        """Model FLOPs of one batch on one device (training: x3), from the data's batch_size and seq_len:
+        ThroughputMonitor's FLOP/s and MFU (train/callbacks.py TokenThroughput)."""
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        batch, seq = getattr(dm, "batch_size", None), getattr(dm, "seq_len", None)
+        if not batch or not seq:
+            return None
+        cfg = ModelConfig(dataclasses.replace(self.cfg.size, seq_len=int(seq)), self.cfg.ablation)
+        return model_flops_per_token(cfg, training=self.trainer.training) * int(batch) * int(seq)
 
     def make_optimizer(self) -> torch.optim.Optimizer:
         """The optimiser of `configure_optimizers`, without its schedule (`lrattn bench`'s train step)."""
@@ -276,10 +269,16 @@ class LRAttnModule(L.LightningModule):
             )
         opt = self.make_optimizer()
         total = self.trainer.max_steps if self.trainer.max_steps > 0 else int(self.trainer.estimated_stepping_batches)
-        # one scheduler: the learning rate of every group and the momentum of the Muon group, per step
+        # one scheduler: the learning rate of every group and the momentum of the Muon group, per step;
+        # its name is LearningRateMonitor's metric prefix: train/lr/muon, train/lr/adamw
         schedule = WarmupStableDecay(opt, total, hp.warmup_steps, hp.decay_fraction, hp.final_lr_fraction,
                                      self.momentum_schedule)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step", "name": "train/lr"}}
+
+    def configure_callbacks(self) -> list[Callback]:
+        """What every run records besides metrics (train/callbacks.py): MLflow params, tags and routing
+        figures, and the tokenizer / data / MLflow run in checkpoints; also for a Trainer built in Python."""
+        return [RunDescription(), RoutingArtifacts(), CheckpointContents()]
 
     # ---- validation ----------------------------------------------------------------------------
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
@@ -288,7 +287,7 @@ class LRAttnModule(L.LightningModule):
         out = self.model(inputs, return_routing=record)
         logits = out.logits if record else out
         if record:
-            self._routing_weights = out.routing
+            self.routing_weights = out.routing
         ce, _ = token_losses(logits, targets)
         self.val_loss.update(ce, weight=targets.numel())
 
@@ -319,130 +318,22 @@ class LRAttnModule(L.LightningModule):
             bpt = bytes_per_token("val")
             if bpt:
                 self._report("val/bpb", bits_per_byte(loss, bpt))
-        if self._routing_weights is not None:
-            self._log_routing(self._routing_weights)
-            self._routing_weights = None
+        if self.routing_weights is not None:  # RoutingArtifacts logged the figures before this hook
+            self._report_routing(self.routing_weights)
+            self.routing_weights = None
 
-    def _log_routing(self, weights: list[torch.Tensor]) -> None:
-        if self.cfg.ablation.routing == "gated":
-            self._log_gates(weights)
-            return
-        # per read site: one table artifact per validation (routing/sites.json), not 4 x 2L metrics;
-        # the mean over sites stays a metric to plot
-        stats = diagnostics.site_stats(weights)
-        for stat in diagnostics.STATS:
+    def _report_routing(self, weights: list[torch.Tensor]) -> None:
+        """The mean over read sites as metrics routing/mean/<stat> (the gated residual: over sublayers,
+        routing/mean/alpha and saturated); per site they are artifacts (RoutingArtifacts)."""
+        gated = self.cfg.ablation.routing == "gated"
+        stats = diagnostics.gate_stats(weights) if gated else diagnostics.site_stats(weights)
+        for stat in diagnostics.GATE_STATS if gated else diagnostics.STATS:
             self._report(f"routing/mean/{stat}", sum(r[stat] for r in stats) / len(stats))
-        if self.trainer.sanity_checking or not self.trainer.is_global_zero:
-            return
-        if isinstance(self.logger, MLFlowLogger):
-            step = self.report_step
-            matrix = diagnostics.mean_weights(weights)
-            fig = diagnostics.heatmap_figure(
-                matrix, f"{self.cfg.ablation.name} @ {self.cfg.size.name}, step {step}"
-            )
-            client, run_id = self.logger.experiment, self.logger.run_id
-            client.log_figure(run_id, fig, "routing/heatmap.png")
-            client.log_dict(run_id, {"step": step, "sites_by_sources": matrix}, "routing/weights.json")
-            client.log_dict(run_id, {"step": step, "sites": [{"site": j, **row} for j, row in enumerate(stats, 1)]},
-                            "routing/sites.json")
-            import matplotlib.pyplot as plt
-
-            plt.close(fig)
-
-    def _log_gates(self, weights: list[torch.Tensor]) -> None:
-        """The gated residual: the mean over sublayers as metrics (routing/mean/alpha, saturated); alpha per
-        sublayer in routing/gates.json and a figure of it, routing/gates.png, in the heatmap's place."""
-        stats = diagnostics.gate_stats(weights)
-        for stat in diagnostics.GATE_STATS:  # per sublayer: routing/gates.json; the mean stays a metric
-            self._report(f"routing/mean/{stat}", sum(r[stat] for r in stats) / len(stats))
-        if self.trainer.sanity_checking or not self.trainer.is_global_zero or not isinstance(self.logger, MLFlowLogger):
-            return
-        alphas = [r["alpha"] for r in stats]
-        fig = diagnostics.gate_figure(
-            {self.cfg.ablation.name: alphas}, f"{self.cfg.ablation.name} @ {self.cfg.size.name}, step {self.report_step}",
-            initial=self.cfg.initial_gates())
-        client, run_id = self.logger.experiment, self.logger.run_id
-        client.log_figure(run_id, fig, "routing/gates.png")
-        client.log_dict(run_id, {"step": self.report_step, "held": self.model.router.gates_held, "alpha": alphas,
-                                 "saturated": [r["saturated"] for r in stats]}, "routing/gates.json")
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
 
     test_step = validation_step
     on_test_epoch_end = on_validation_epoch_end
 
-    # ---- run description -----------------------------------------------------------------------
-    def on_fit_start(self) -> None:
-        if not isinstance(self.logger, MLFlowLogger) or not self.trainer.is_global_zero:
-            return
-        client, run_id = self.logger.experiment, self.logger.run_id
-        run = client.get_run(run_id)  # None when the store is unreachable (the logger drops the calls)
-        if run is not None and "ablation" not in run.data.params:  # a resumed run keeps its original params
-            self.logger.log_hyperparams({
-                **flat_run_params(self.cfg),
-                "registry_sha256": self.hparams.registry_sha256,
-                **{f"train_{k}": v for k, v in self.hparams.items()
-                   if k in ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_decay", "muon_variant",
-                            "muon_momentum", "muon_momentum_min", "muon_momentum_warmup_steps",
-                            "muon_momentum_cooldown_steps", "warmup_steps", "decay_fraction", "final_lr_fraction",
-                            "z_loss", "compile", "document_masking", "impl", "gate_freeze_steps",
-                            "gate_release_loss", "gate_grad_normalize")},
-                **self._recipe_params(),
-            })
-        tags = {
-            "ablation": self.cfg.ablation.name,
-            "size": self.cfg.size.name,
-            "control": self.cfg.ablation.control or "none",
-            "git_commit": self.hparams.git_commit,
-            "registry_sha256": self.hparams.registry_sha256,
-        }
-        for key, value in tags.items():
-            client.set_tag(run_id, key, value)
-
-    def _recipe_params(self) -> dict[str, Any]:
-        """The training settings that decide a result, as flat params (also in config.yaml)."""
-        trainer, dm = self.trainer, self.trainer.datamodule
-        meta = getattr(dm, "meta", None) if dm is not None else None
-        tokenizer = meta.get("tokenizer", {}) if isinstance(meta, dict) else {}
-        return {
-            "train_max_steps": trainer.max_steps,
-            "train_batch_size": getattr(dm, "batch_size", None),
-            "train_seq_len": getattr(dm, "seq_len", None),
-            "train_tokens_per_step": self._tokens_per_step(),
-            "train_seed": os.environ.get("PL_GLOBAL_SEED"),
-            "train_data_dir": str(getattr(dm, "data_dir", None)),
-            "train_tokenizer": tokenizer.get("kind", "unknown") + (f":{tokenizer['vocab_size']}" if "vocab_size" in tokenizer else ""),
-            "train_precision": str(trainer.precision),
-            "train_devices": trainer.num_devices,
-            "train_num_nodes": trainer.num_nodes,
-            "train_accumulate_grad_batches": trainer.accumulate_grad_batches,
-            "train_gradient_clip_val": trainer.gradient_clip_val,
-        }
-
-    def _tokens_per_step(self) -> int | None:
-        dm = self.trainer.datamodule if self._trainer is not None else None
-        batch, seq = getattr(dm, "batch_size", None), getattr(dm, "seq_len", None)
-        if not batch or not seq:
-            return None
-        return int(batch) * int(seq) * self.trainer.world_size * self.trainer.accumulate_grad_batches
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        datamodule = self.trainer.datamodule if self._trainer is not None else None
-        meta = getattr(datamodule, "meta", None)
-        if isinstance(meta, dict):  # what evaluation needs to rebuild the tokenizer, as plain values
-            spec = dict(meta["tokenizer"])
-            if "file" in spec:  # file-backed tokenizers travel inside the checkpoint
-                spec["content"] = (Path(datamodule.data_dir) / spec["file"]).read_text(encoding="utf-8")
-            checkpoint["tokenizer"] = spec
-            checkpoint["data"] = {"data_dir": str(Path(datamodule.data_dir).resolve()), "source": meta.get("source")}
-        if isinstance(self.logger, MLFlowLogger):
-            checkpoint["mlflow"] = {
-                "run_id": self.logger.run_id,
-                "experiment_id": self.logger.experiment_id,
-                "tracking_uri": self.logger._tracking_uri,
-            }
-
+    # ---- checkpoints ---------------------------------------------------------------------------
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._loaded_step = checkpoint.get("global_step")
         stored = checkpoint.get("hyper_parameters", {}).get("model_config")
