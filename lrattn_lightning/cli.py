@@ -14,7 +14,7 @@ from collections.abc import Callable
 from importlib import import_module
 from pathlib import Path
 
-from lrattn_lightning.errors import Parser, one_line, packaged
+from lrattn_lightning.errors import InputError, Parser, one_line, packaged
 
 # name -> (module:function, one line for `lrattn --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         if command in LIGHTNING:
             return _function(COMMANDS[command][0])([command, *rest])
         return _function(COMMANDS[command][0])(rest)
-    except (ValueError, OSError) as err:  # UsageError, CheckpointError, TrackingError, ...
+    except (InputError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as err:
+        # bad input (UsageError, CheckpointError, TrackingError, a registry entry, ...) is one line; anything
+        # else (a bug, a library failing mid-run) keeps its traceback
         if os.environ.get("LRATTN_DEBUG"):
             raise
         print(f"lrattn: error: {one_line(err)}", file=sys.stderr)

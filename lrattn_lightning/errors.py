@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Any
 
 
-class UsageError(ValueError):
+class InputError(ValueError):
+    """Bad input (a flag, a file, a registry entry, a config value): `lrattn` prints it as one line, exit 2.
+
+    Every error the project raises about what it was given derives from this class, so `lrattn` can tell
+    them from a failure inside the work (a plain ValueError from torch mid-training keeps its traceback).
+    """
+
+
+class UsageError(InputError):
     """Bad command-line input, reported as one line before any work starts."""
 
 

@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from lrattn_lightning.errors import InputError
+
 
 @dataclass(frozen=True)
 class Document:
@@ -88,7 +90,7 @@ def _source_documents(source: str) -> Iterator[Document]:
         return (Document(t, f"{path.name}:{i}") for i, t in enumerate(_group_paragraphs(_read_text(path))))
     if path.is_dir():
         return _folder_documents(path)
-    raise ValueError(
+    raise InputError(
         f"unknown source '{source}': not a built-in corpus {list(BUILTIN_SOURCES)}, nor an existing .txt file or "
         "folder; for a Hugging Face dataset use hf:<name>"
     )
@@ -143,7 +145,7 @@ def _jargon_documents() -> Iterator[Document]:
     folder = JARGON_DIR
     path = next((p for p in (folder / "jargon.txt.gz", folder / "jargon.txt") if p.is_file()), None)
     if path is None:
-        raise ValueError(f"source 'jargon' needs the Debian package jargon-text ({folder} not found): apt-get install jargon-text")
+        raise InputError(f"source 'jargon' needs the Debian package jargon-text ({folder} not found): apt-get install jargon-text")
     text = _read_text(path)
     pieces = re.split(r"(?m)^(?=[ \t]*:[^:\n]+:)", text)  # an entry starts with a line like '   :cruft: n.'
     for i, piece in enumerate(_group_paragraphs(pieces[0])):
@@ -157,7 +159,7 @@ def _bible_documents() -> Iterator[Document]:
     """The King James Bible (Debian bible-kjv-text, read through bible-kjv's `bible`): one document per chapter."""
     exe = shutil.which("bible")
     if exe is None:
-        raise ValueError(
+        raise InputError(
             "source 'bible-kjv' needs the Debian packages bible-kjv-text (the text) and bible-kjv (the `bible` "
             "program that decompresses it): apt-get install bible-kjv"
         )
@@ -167,7 +169,7 @@ def _bible_documents() -> Iterator[Document]:
             check=True, timeout=300,
         ).stdout
     except (OSError, subprocess.SubprocessError) as err:
-        raise ValueError(f"source 'bible-kjv': `bible` failed ({err}); reinstall with apt-get install --reinstall bible-kjv") from err
+        raise InputError(f"source 'bible-kjv': `bible` failed ({err}); reinstall with apt-get install --reinstall bible-kjv") from err
     title, verses = None, []
     for line in [*out.splitlines(), "END"]:
         if line and not line[0].isspace():  # a chapter heading such as 'Genesis 1'
@@ -181,7 +183,7 @@ def _bible_documents() -> Iterator[Document]:
 def _folder_documents(folder: Path) -> Iterator[Document]:
     files = sorted(p for p in folder.rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file())
     if not files:
-        raise ValueError(f"source folder {folder} has no .txt or .jsonl files")
+        raise InputError(f"source folder {folder} has no .txt or .jsonl files")
     for path in files:
         rel = path.relative_to(folder).as_posix()
         if path.suffix == ".txt":
@@ -198,7 +200,7 @@ def _folder_documents(folder: Path) -> Iterator[Document]:
                     row = json.loads(line)
                     text = row["text"]
                 except (json.JSONDecodeError, KeyError, TypeError) as err:
-                    raise ValueError(f"{path}:{lineno}: expected a JSON object with a string field 'text' ({err!r})") from err
+                    raise InputError(f"{path}:{lineno}: expected a JSON object with a string field 'text' ({err!r})") from err
                 yield Document(str(text), rel)
         if undecodable:
             _warn_undecodable(path, undecodable)
@@ -213,12 +215,12 @@ def _hf_documents(name: str) -> Iterator[Document]:
         rows = datasets.load_dataset(path, config or None, split="train", streaming=True)
         for i, row in enumerate(rows):
             if "text" not in row:
-                raise ValueError(f"hf:{name}: rows have no 'text' field (fields: {sorted(row)})")
+                raise InputError(f"hf:{name}: rows have no 'text' field (fields: {sorted(row)})")
             yield Document(str(row["text"]), f"hf:{name}:{i}")
     except ValueError:
         raise
     except Exception as err:  # network, missing dataset, missing package: one clear message
-        raise ValueError(f"could not load Hugging Face dataset '{name}' ({type(err).__name__}: {err}); "
+        raise InputError(f"could not load Hugging Face dataset '{name}' ({type(err).__name__}: {err}); "
                          "it needs network access or a local Hugging Face cache") from err
 
 

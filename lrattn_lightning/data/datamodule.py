@@ -15,6 +15,7 @@ import torch
 
 from lrattn_lightning.data.shards import check_shards, read_meta, validate_data_dir
 from lrattn_lightning.data.tokenizer import load_tokenizer
+from lrattn_lightning.errors import InputError
 from lrattn_lightning.model.config import SizeConfig
 
 
@@ -79,7 +80,7 @@ class TokenDataModule(L.LightningDataModule):
         from litdata import StreamingDataset, TokensLoader
 
         if self.seq_len is None:
-            raise ValueError("TokenDataModule.seq_len is unset: pass seq_len or call validate_for(size) first")
+            raise InputError("TokenDataModule.seq_len is unset: pass seq_len or call validate_for(size) first")
         _ = self.meta  # a missing or corrupt folder fails here, with its fix
         check_shards(self.data_dir, split)
         return StreamingDataset(

@@ -30,7 +30,7 @@ from lrattn_lightning.data.corpora import Document, iter_documents
 from lrattn_lightning.data.shards import FORMAT_VERSION, SPLITS, check_shards, max_token_id
 from lrattn_lightning.data.task_files import write_task_files
 from lrattn_lightning.data.tokenizer import encode_document, load_tokenizer, parse_tokenizer_name, train_bpe
-from lrattn_lightning.errors import Parser, UsageError
+from lrattn_lightning.errors import InputError, Parser, UsageError
 
 
 def key_hash(key: str) -> float:
@@ -66,7 +66,7 @@ def prepare(
     """
     out = Path(out_dir)
     if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        raise InputError(f"val_fraction must be in (0, 1), got {val_fraction}")
     parse_tokenizer_name(tokenizer)  # fail fast on a bad name
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; pass overwrite=True (--overwrite) to replace it")
@@ -120,7 +120,7 @@ def _write_split(docs: list[Document], staging: Path, split: str, tok: Any, dtyp
 def _split_documents(docs: list[Document], val_fraction: float, source: str) -> dict[str, list[Document]]:
     """Train/val by key hash. If no key falls in val, the lowest-hash key goes there (tiny corpora)."""
     if not docs:
-        raise ValueError(f"source '{source}' yielded no documents")
+        raise InputError(f"source '{source}' yielded no documents")
     out: dict[str, list[Document]] = {"train": [], "val": []}
     for doc in docs:
         out[split_of(doc.key, val_fraction)].append(doc)
@@ -129,7 +129,7 @@ def _split_documents(docs: list[Document], val_fraction: float, source: str) -> 
         out["val"] = [d for d in docs if d.key == lowest.key]
         out["train"] = [d for d in docs if d.key != lowest.key]
     if not out["train"]:
-        raise ValueError(f"source '{source}': too few documents ({len(docs)}) for a train/val split")
+        raise InputError(f"source '{source}': too few documents ({len(docs)}) for a train/val split")
     return out
 
 
@@ -141,7 +141,7 @@ def _make_tokenizer(name: str, train_texts: list[str], staging: Path) -> Any:
         return train_bpe(train_texts, int(arg), staging / "tokenizer.json")
     src = Path(arg)
     if not src.is_file():
-        raise ValueError(f"tokenizer '{name}': file {src} not found")
+        raise InputError(f"tokenizer '{name}': file {src} not found")
     dst = staging / ("tokenizer.json" if kind == "hf" else "tokenizer.tiktoken")
     shutil.copyfile(src, dst)  # the prepared folder carries its own tokenizer
     return load_tokenizer({"kind": kind, "file": dst.name}, base_dir=staging)

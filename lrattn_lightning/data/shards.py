@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from lrattn_lightning.errors import InputError
 from lrattn_lightning.model.config import SizeConfig
 
 FORMAT_VERSION = 1
@@ -31,19 +32,19 @@ def read_meta(data_dir: str | Path) -> dict[str, Any]:
     """Parsed meta.json; ValueError (saying what to run) if the folder or file is missing or corrupt."""
     root = Path(data_dir)
     if not root.is_dir() or not any(root.iterdir()):
-        raise ValueError(f"data dir {root} is missing or empty; {PREPARE_HINT}")
+        raise InputError(f"data dir {root} is missing or empty; {PREPARE_HINT}")
     path = root / "meta.json"
     if not path.is_file():
-        raise ValueError(f"{path} is missing, so {root} is not a prepared data dir; {REPREPARE_HINT}")
+        raise InputError(f"{path} is missing, so {root} is not a prepared data dir; {REPREPARE_HINT}")
     try:
         meta = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path} is corrupt ({err}); {REPREPARE_HINT}") from err
+        raise InputError(f"{path} is corrupt ({err}); {REPREPARE_HINT}") from err
     missing = [k for k in ("format_version", "tokenizer", "vocab_size", "splits") if not isinstance(meta, dict) or k not in meta]
     if missing:
-        raise ValueError(f"{path} is corrupt: missing {missing}; {REPREPARE_HINT}")
+        raise InputError(f"{path} is corrupt: missing {missing}; {REPREPARE_HINT}")
     if meta["format_version"] != FORMAT_VERSION:
-        raise ValueError(
+        raise InputError(
             f"{path} has format_version {meta['format_version']}, this code reads {FORMAT_VERSION}; {REPREPARE_HINT}"
         )
     return meta
@@ -56,13 +57,13 @@ def check_shards(data_dir: str | Path, split: str) -> list[dict[str, Any]]:
     try:
         chunks = json.loads(index.read_text())["chunks"]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
-        raise ValueError(f"{index} is missing or unreadable ({err}); {REPREPARE_HINT}") from err
+        raise InputError(f"{index} is missing or unreadable ({err}); {REPREPARE_HINT}") from err
     for chunk in chunks:
         path = shard_dir / chunk["filename"]
         size = path.stat().st_size if path.is_file() else None
         if size != chunk["chunk_bytes"]:
             found = "missing" if size is None else f"{size} bytes"
-            raise ValueError(
+            raise InputError(
                 f"shard {path} is corrupt: expected {chunk['chunk_bytes']} bytes, found {found}; {REPREPARE_HINT}"
             )
     return chunks
@@ -94,13 +95,13 @@ def validate_data_dir(data_dir: str | Path, size: SizeConfig, seq_len: int | Non
     meta = read_meta(data_dir)
     seq_len = size.seq_len if seq_len is None else seq_len
     if meta["vocab_size"] > size.vocab_size:
-        raise ValueError(
+        raise InputError(
             f"data vocab_size {meta['vocab_size']} ({meta['tokenizer'].get('kind')} tokenizer in {data_dir}) exceeds "
             f"model vocab_size {size.vocab_size} of size '{size.name}'; choose a size with vocab_size >= "
             f"{meta['vocab_size']} or prepare the data with a smaller tokenizer (byte, or bpe:{size.vocab_size})"
         )
     if seq_len > size.seq_len:
-        raise ValueError(f"seq_len {seq_len} exceeds the {size.seq_len} positions of size '{size.name}'; use seq_len <= {size.seq_len}")
+        raise InputError(f"seq_len {seq_len} exceeds the {size.seq_len} positions of size '{size.name}'; use seq_len <= {size.seq_len}")
     for split in ("val", "train"):
         chunks = check_shards(data_dir, split)
         # An id the embedding does not have crashes the first step (a device-side assert on GPUs).
@@ -109,14 +110,14 @@ def validate_data_dir(data_dir: str | Path, size: SizeConfig, seq_len: int | Non
         if top is None:
             top = max_token_id(Path(data_dir) / split, chunks, meta.get("dtype", "uint16"))
         if top >= size.vocab_size:
-            raise ValueError(
+            raise InputError(
                 f"the {split} split of {data_dir} holds token id {top}, beyond the vocab_size {size.vocab_size} of size "
                 f"'{size.name}' (ids must be < {size.vocab_size}); prepare the data with a tokenizer that fits the "
                 "model or choose a size with a larger vocab_size"
             )
         if count_windows(chunks, seq_len + 1) == 0:
             tokens = sum(c["dim"] for c in chunks)
-            raise ValueError(
+            raise InputError(
                 f"the {split} split of {data_dir} has {tokens} tokens in {len(chunks)} chunk(s), fewer than one "
                 f"window of seq_len + 1 = {seq_len + 1}; use a shorter seq_len, a larger val_fraction or more data"
             )

@@ -18,6 +18,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from lrattn_lightning.errors import InputError
+
 EOS_TOKEN = "<|endoftext|>"
 # Special tokens accepted as end-of-sequence in a user's tokenizer.json, in order of preference.
 _EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>", "<|eos|>", "[SEP]")
@@ -111,9 +113,9 @@ def parse_tokenizer_name(name: str) -> tuple[str, str | None]:
         return "byte", None
     if kind in ("bpe", "hf", "tiktoken") and arg:
         if kind == "bpe" and (not arg.isdigit() or int(arg) < 258):
-            raise ValueError(f"tokenizer '{name}': bpe needs a vocabulary size >= 258 (256 bytes + EOS + merges), e.g. bpe:4096")
+            raise InputError(f"tokenizer '{name}': bpe needs a vocabulary size >= 258 (256 bytes + EOS + merges), e.g. bpe:4096")
         return kind, arg
-    raise ValueError(f"unknown tokenizer '{name}'; use byte, bpe:<vocab_size>, hf:<tokenizer.json> or tiktoken:<file.tiktoken>")
+    raise InputError(f"unknown tokenizer '{name}'; use byte, bpe:<vocab_size>, hf:<tokenizer.json> or tiktoken:<file.tiktoken>")
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, path: str | Path) -> HFTokenizer:
@@ -143,18 +145,18 @@ def load_tokenizer(spec: dict[str, Any] | str, base_dir: str | Path | None = Non
     if isinstance(spec, str):
         kind, arg = parse_tokenizer_name(spec)
         if kind == "bpe":
-            raise ValueError("a bpe tokenizer is trained by `prepare`; load it from the prepared folder's meta.json spec")
+            raise InputError("a bpe tokenizer is trained by `prepare`; load it from the prepared folder's meta.json spec")
         spec = {"kind": kind} if arg is None else {"kind": kind, "file": arg}
     kind = spec.get("kind")
     if kind == "byte":
         return ByteTokenizer()
     if kind not in ("bpe", "hf", "tiktoken") or not spec.get("file"):
-        raise ValueError(f"bad tokenizer spec {spec!r}: expected kind byte, or bpe/hf/tiktoken with a file")
+        raise InputError(f"bad tokenizer spec {spec!r}: expected kind byte, or bpe/hf/tiktoken with a file")
     path = Path(spec["file"])
     if not path.is_absolute() and base_dir is not None:
         path = Path(base_dir) / path
     if not path.is_file():
-        raise ValueError(f"tokenizer file {path} not found (tokenizer spec {spec!r})")
+        raise InputError(f"tokenizer file {path} not found (tokenizer spec {spec!r})")
     if kind == "tiktoken":
         return TiktokenTokenizer(path, spec_file=spec["file"])
     return HFTokenizer(path, kind=kind, spec_file=spec["file"])
@@ -178,14 +180,14 @@ def _find_eos(tok: Any, path: Path) -> int:
         token_id = tok.token_to_id(name)
         if token_id is not None:
             return token_id
-    raise ValueError(f"{path}: no end-of-sequence token found; the tokenizer needs one of {list(_EOS_CANDIDATES)}")
+    raise InputError(f"{path}: no end-of-sequence token found; the tokenizer needs one of {list(_EOS_CANDIDATES)}")
 
 
 def _import_tiktoken() -> Any:
     try:
         import tiktoken
     except ImportError as err:
-        raise ValueError(
+        raise InputError(
             "tokenizer 'tiktoken:...' needs the optional package tiktoken, which is not installed "
             "(pip install tiktoken); or use byte, bpe:<vocab_size> or hf:<tokenizer.json>"
         ) from err

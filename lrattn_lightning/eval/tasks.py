@@ -22,12 +22,14 @@ from typing import Any
 
 import yaml
 
+from lrattn_lightning.errors import InputError
+
 TASKS_DIR = Path(__file__).resolve().parent / "task_configs"
 # local task name -> the key of its data file in the prepared folder's meta.json["tasks"]
 LOCAL_TASKS = {"lrattn_cloze": "cloze", "lrattn_ppl": "perplexity"}
 
 
-class TaskError(ValueError):
+class TaskError(InputError):
     """A task that cannot be found or loaded; the message names the task and what to do."""
 
 

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from lrattn_lightning.errors import InputError
+
 Routing = Literal["residual", "attnres", "gated"]
 # Where a source's routing key comes from (SPEC §3):
 #   value                  the value itself (standard AttnRes, k = d)
@@ -54,9 +56,9 @@ _EMBEDDING_KEYS_FOR = {
 }
 
 
-def config_error(entry: str, field: str, message: str) -> ValueError:
+def config_error(entry: str, field: str, message: str) -> InputError:
     """The one error format for bad configuration: the entry, the field, what is wrong and the fix."""
-    return ValueError(f"{entry}: field '{field}': {message}")
+    return InputError(f"{entry}: field '{field}': {message}")
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lrattn_lightning.errors import Parser
+from lrattn_lightning.errors import InputError, Parser
 from lrattn_lightning.model.decoder import Decoder, KVCache
 
 
@@ -74,9 +74,9 @@ def generate_stream(
     B, T = prompt_BT.shape
     seq_len = model.cfg.size.seq_len
     if T < 1:
-        raise ValueError("generate needs a prompt of at least one token")
+        raise InputError("generate needs a prompt of at least one token")
     if T + max_new_tokens > seq_len:
-        raise ValueError(f"prompt of {T} tokens + {max_new_tokens} new tokens exceeds seq_len={seq_len}")
+        raise InputError(f"prompt of {T} tokens + {max_new_tokens} new tokens exceeds seq_len={seq_len}")
     cache = KVCache.empty(len(model.layers)) if use_cache else None
     logits = model(prompt_BT, cache=cache)[:, -1]  # prefill: (B, V)
     done = torch.zeros(B, dtype=torch.bool, device=prompt_BT.device)

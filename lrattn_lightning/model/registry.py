@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from lrattn_lightning.errors import InputError
 from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig, config_error
 
 DEFAULT_PATH = Path("registry.yaml")
@@ -28,7 +29,7 @@ PACKAGED_PATH = Path(__file__).resolve().parents[1] / "registry.yaml"  # shipped
 _SECTIONS = ("sizes", "ablations", "grids")
 
 
-class UnknownNameError(ValueError, KeyError):
+class UnknownNameError(InputError, KeyError):
     """An unknown size/ablation name; the message lists the closest known names."""
 
     def __str__(self) -> str:  # KeyError would repr() the message
@@ -84,14 +85,14 @@ def load_registry(path: str | Path | None = None) -> Registry:
 def read_yaml_text(path: Path, what: str) -> str:
     """The text of a YAML file; a folder, an unreadable or a non-UTF-8 file is a ValueError naming it."""
     if path.is_dir():
-        raise ValueError(f"{what} file {path} is a directory; pass the path of a YAML file")
+        raise InputError(f"{what} file {path} is a directory; pass the path of a YAML file")
     try:
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ValueError(f"{what} file {path} is not UTF-8 text (byte {err.start}: {err.reason}); "
+        raise InputError(f"{what} file {path} is not UTF-8 text (byte {err.start}: {err.reason}); "
                          "save it as UTF-8") from err
     except OSError as err:
-        raise ValueError(f"{what} file {path} cannot be read ({err.strerror or err})") from err
+        raise InputError(f"{what} file {path} cannot be read ({err.strerror or err})") from err
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -123,17 +124,17 @@ def load_yaml_strict(text: str, path: str | Path) -> Any:
     try:
         return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
     except DuplicateKeyError as err:
-        raise ValueError(f"{path}: {err}") from err
+        raise InputError(f"{path}: {err}") from err
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ValueError(f"{path}: not valid YAML{where}: {problem}") from err
+        raise InputError(f"{path}: not valid YAML{where}: {problem}") from err
 
 
 def parse_registry(raw: dict[str, Any], *, path: str = "<dict>", sha256: str = "") -> Registry:
     if not isinstance(raw, dict):
-        raise ValueError(f"{path}: the top level must be a mapping with sections {list(_SECTIONS)}")
+        raise InputError(f"{path}: the top level must be a mapping with sections {list(_SECTIONS)}")
     for key in raw:
         if key not in _SECTIONS:
             raise config_error(path, key, f"unknown section; expected one of {list(_SECTIONS)}")

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lrattn_lightning.errors import Parser
+from lrattn_lightning.errors import InputError, Parser
 from lrattn_lightning.tools.bench_steps import OPTIMIZERS
 
 PHASES = ("train", "forward", "generate")
@@ -115,7 +115,7 @@ def apply_inductor_options(options: list[str]) -> dict[str, Any]:
     for item in options:
         key, sep, raw = item.partition("=")
         if not sep:
-            raise ValueError(f"--inductor {item!r}: expected KEY=VALUE")
+            raise InputError(f"--inductor {item!r}: expected KEY=VALUE")
         value: Any = {"true": True, "false": False}.get(raw.lower(), raw)
         if isinstance(value, str):
             with contextlib.suppress(ValueError):
@@ -125,7 +125,7 @@ def apply_inductor_options(options: list[str]) -> dict[str, Any]:
         for part in path:
             target = getattr(target, part)
         if not hasattr(target, leaf):
-            raise ValueError(f"--inductor {item!r}: torch._inductor.config has no option {key!r}")
+            raise InputError(f"--inductor {item!r}: torch._inductor.config has no option {key!r}")
         setattr(target, leaf, value)
         applied[key] = value
     return applied
@@ -152,9 +152,9 @@ def _check_args(args, reg, device) -> set[str]:
         model_config(args, reg, name)
     memory = {m for m in args.memory.split(",") if m and m != "none"}
     if memory - {"alloc", "rss"}:
-        raise ValueError(f"--memory: unknown {sorted(memory - {'alloc', 'rss'})}; use alloc, rss or none")
+        raise InputError(f"--memory: unknown {sorted(memory - {'alloc', 'rss'})}; use alloc, rss or none")
     if args.clock == "cpu" and device.type != "cpu":
-        raise ValueError("--clock cpu measures this process's CPU time: use it with --device cpu")
+        raise InputError("--clock cpu measures this process's CPU time: use it with --device cpu")
     return memory
 
 

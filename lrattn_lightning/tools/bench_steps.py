@@ -18,6 +18,8 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
+from lrattn_lightning.errors import InputError
+
 OPTIMIZERS = ("adamw", "muon_adamw")  # LRAttnModule's `optimizer` choices
 
 
@@ -141,10 +143,10 @@ def _generate_subject(args, ablation: str, cfg, model, idx, mode: str, device, d
     from lrattn_lightning.model.generate import generate
 
     if mode == "compile":
-        raise ValueError("--phase generate supports --mode eager only (the KV cache changes shape every token)")
+        raise InputError("--phase generate supports --mode eager only (the KV cache changes shape every token)")
     P, G = args.prompt_len, args.new_tokens
     if P + G > cfg.size.seq_len:
-        raise ValueError(f"--prompt-len + --new-tokens = {P + G} exceeds seq_len={cfg.size.seq_len}")
+        raise InputError(f"--prompt-len + --new-tokens = {P + G} exceeds seq_len={cfg.size.seq_len}")
     prompt = idx[:, :P]
 
     def step() -> None:

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lrattn_lightning.errors import Parser
+from lrattn_lightning.errors import InputError, Parser
 from lrattn_lightning.tools.compare_figures import (
     gate_curves,
     plot_curves,
@@ -54,7 +54,7 @@ def write_report(client: Any, experiment: str, out: Path, sweep: str | None = No
                  command: str | None = None) -> tuple[list[Row], list[Path]]:
     records = read_runs(client, experiment, sweep)
     if not records:
-        raise ValueError(f"experiment '{experiment}' has no FINISHED training runs with val/loss"
+        raise InputError(f"experiment '{experiment}' has no FINISHED training runs with val/loss"
                          + (f" tagged sweep={sweep}" if sweep else ""))
     rows = summarise(records, reference)
     out.mkdir(parents=True, exist_ok=True)

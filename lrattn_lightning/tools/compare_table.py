@@ -18,6 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from lrattn_lightning.errors import InputError
 from lrattn_lightning.tools.runs import search_all
 from lrattn_lightning.tools.significance import welch
 
@@ -94,7 +95,7 @@ def read_runs(client: Any, experiment: str, sweep: str | None = None, curves: bo
     """The experiment's finished training runs (one per size, ablation, seed: the latest)."""
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
-        raise ValueError(f"no MLflow experiment '{experiment}' at {client.tracking_uri}; check --experiment/--tracking_uri")
+        raise InputError(f"no MLflow experiment '{experiment}' at {client.tracking_uri}; check --experiment/--tracking_uri")
     query = "attributes.status = 'FINISHED'" + (f" and tags.sweep = '{sweep}'" if sweep else "")
     latest: dict[tuple, RunRecord] = {}
     runs = search_all(client, exp.experiment_id, query)

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from lrattn_lightning.errors import Parser
+from lrattn_lightning.errors import InputError, Parser
 
 MODEL_TYPE = "lrattn"
 MODELING_FILE = "modeling_lrattn.py"
@@ -100,7 +100,7 @@ class LRAttnForCausalLM(PreTrainedModel, GenerationMixin):
 '''
 
 
-class ExportError(ValueError):
+class ExportError(InputError):
     """A checkpoint that cannot be exported, said in one line."""
 
 

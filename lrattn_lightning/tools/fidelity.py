@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from lrattn_lightning.errors import Parser
+from lrattn_lightning.errors import InputError, Parser
 from lrattn_lightning.model.config import ModelConfig
 
 # The reference's ModelConfig defaults for the flags we set (so the table can list only departures).
@@ -35,7 +35,7 @@ KEY_SOURCE_FLAGS = {"sliced": "lrid_key_from_output_tail", "value_projected": "l
 EMBEDDING_KEY_FLAGS = {"static": "lrid_static_embedding_key", "projected_plus_static": "lrid_add_static_embedding_key"}
 
 
-class NotExpressible(ValueError):
+class NotExpressible(InputError):
     """The entry has no equivalent in the reference's flags (said why)."""
 
 

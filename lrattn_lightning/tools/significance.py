@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 import statistics
 
+from lrattn_lightning.errors import InputError
+
 _TINY = 1e-300  # keeps the Lentz recurrences off zero
 
 
@@ -35,7 +37,7 @@ def welch(a: list[float], b: list[float]) -> tuple[float, float | None]:
 def student_t_two_sided_p(t: float, df: float) -> float:
     """P(|T| >= |t|) for Student's t with `df` (> 0, not necessarily whole) degrees of freedom."""
     if df <= 0:
-        raise ValueError(f"degrees of freedom must be positive, got {df}")
+        raise InputError(f"degrees of freedom must be positive, got {df}")
     return regularized_beta(df / (df + t * t), df / 2, 0.5)
 
 

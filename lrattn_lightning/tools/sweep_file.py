@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lrattn_lightning.errors import InputError
 from lrattn_lightning.model.registry import (
     Registry,
     UnknownNameError,
@@ -46,7 +47,7 @@ _RUN_FIELDS = {"size", "ablation", "seed", "variant", "args"}
 _SLURM_FIELDS = ("time", "partition", "account", "cpus_per_task", "max_parallel", "extra")
 
 
-class SweepError(ValueError):
+class SweepError(InputError):
     """A bad sweep file or sweep invocation, reported before any run starts."""
 
 

@@ -29,12 +29,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lrattn_lightning.errors import InputError
+
 TMP_SUFFIX = ".tmp"
 PREEMPTED_EXIT_CODE = 128 + 15  # what a shell reports for a process ended by SIGTERM; non-zero for schedulers
 LAST_STOP: tuple[int, Path] | None = None  # (step, checkpoint) of the last fit this process stopped on SIGTERM
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint that cannot be written or read; the message names the file, the cause and the fix."""
 
 
@@ -201,7 +203,7 @@ class LastCheckpoint(ModelCheckpoint):
             self._save_now(trainer)
 
 
-class RunFolderError(ValueError):
+class RunFolderError(InputError):
     """The run folder cannot be used: another live process holds it, or it cannot be written."""
 
 

@@ -16,11 +16,12 @@ from typing import Any
 import torch
 
 from lrattn_lightning.data.tokenizer import Tokenizer, load_tokenizer
+from lrattn_lightning.errors import InputError
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.decoder import Decoder, build_decoder
 
 
-class EvalError(ValueError):
+class EvalError(InputError):
     """Bad evaluation input (checkpoint, tokenizer, data); the message names the file and the fix."""
 
 

@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import grad_norm
 
 from lrattn_lightning.data.shards import bits_per_byte
+from lrattn_lightning.errors import InputError
 from lrattn_lightning.model.accounting import model_flops_per_token
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.decoder import build_decoder
@@ -130,7 +131,7 @@ class LRAttnModule(L.LightningModule):
                             registry_sha256=registry_sha256, git_commit=git_commit)
         self.cfg = cfg
         if muon_variant not in MUON_VARIANTS:
-            raise ValueError(f"model.muon_variant: unknown '{muon_variant}'; use one of {', '.join(MUON_VARIANTS)}")
+            raise InputError(f"model.muon_variant: unknown '{muon_variant}'; use one of {', '.join(MUON_VARIANTS)}")
         self.momentum_schedule = MomentumSchedule(  # checked now, before any work
             peak=muon_momentum, low=muon_momentum_min, warmup_steps=muon_momentum_warmup_steps,
             cooldown_steps=muon_momentum_cooldown_steps)
@@ -151,17 +152,17 @@ class LRAttnModule(L.LightningModule):
         if cfg.ablation.routing != "gated":
             for name, set_ in given.items():
                 if set_:
-                    raise ValueError(f"model.{name}: only the gated residual (routing: gated) has gates; ablation "
+                    raise InputError(f"model.{name}: only the gated residual (routing: gated) has gates; ablation "
                                      f"'{cfg.ablation.name}' has routing '{cfg.ablation.routing}'")
             return
         steps = hp.gate_freeze_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"model.gate_freeze_steps: must be an integer >= 0 (steps with alpha held at 0.5), got {steps!r}")
+            raise InputError(f"model.gate_freeze_steps: must be an integer >= 0 (steps with alpha held at 0.5), got {steps!r}")
         loss = hp.gate_release_loss
         if loss is not None and (isinstance(loss, bool) or not isinstance(loss, int | float) or not 0 < loss < math.inf):
-            raise ValueError(f"model.gate_release_loss: must be a positive training loss in nats or null, got {loss!r}")
+            raise InputError(f"model.gate_release_loss: must be a positive training loss in nats or null, got {loss!r}")
         if not isinstance(hp.gate_grad_normalize, bool):
-            raise ValueError(f"model.gate_grad_normalize: must be true or false, got {hp.gate_grad_normalize!r}")
+            raise InputError(f"model.gate_grad_normalize: must be true or false, got {hp.gate_grad_normalize!r}")
         router = self.model.router
         router.gate_grad_normalize = hp.gate_grad_normalize
         router.set_gate_hold(self._gate_schedule_active)  # a checkpoint's stored hold replaces this on load
@@ -193,7 +194,7 @@ class LRAttnModule(L.LightningModule):
         if eos is None:
             eos = self.hparams.doc_separator
         if eos is None:
-            raise ValueError("model.document_masking: the data names no EOS id (meta.json 'eos_id'); prepare the "
+            raise InputError("model.document_masking: the data names no EOS id (meta.json 'eos_id'); prepare the "
                              "data with `lrattn prepare`, or set --model.document_masking false")
         self.hparams.doc_separator = int(eos)
         self.model.doc_separator = int(eos)
@@ -263,7 +264,7 @@ class LRAttnModule(L.LightningModule):
         hp = self.hparams
         strategy = type(self.trainer.strategy).__name__
         if hp.optimizer == "muon_adamw" and "FSDP" in strategy:
-            raise ValueError(
+            raise InputError(
                 "model.optimizer: Muon orthogonalises whole matrices, which FSDP shards across ranks; "
                 "use --model.optimizer adamw with --trainer.strategy fsdp, or keep Muon with ddp"
             )
@@ -338,10 +339,10 @@ class LRAttnModule(L.LightningModule):
         self._loaded_step = checkpoint.get("global_step")
         stored = checkpoint.get("hyper_parameters", {}).get("model_config")
         if stored is None:
-            raise ValueError("checkpoint has no 'model_config' hyper-parameter: it was not written by lrattn_lightning")
+            raise InputError("checkpoint has no 'model_config' hyper-parameter: it was not written by lrattn_lightning")
         diffs = architecture_differences(stored, self.cfg)
         if diffs:
-            raise ValueError(
+            raise InputError(
                 "checkpoint was trained with a different architecture; pass the same --size/--ablation "
                 f"({stored['size']['name']} / {stored['ablation']['name']}). Differences: " + "; ".join(diffs)
             )

@@ -29,6 +29,8 @@ from typing import Literal, get_args
 
 import torch
 
+from lrattn_lightning.errors import InputError
+
 Orthogonalizer = Literal["polar_express", "newton_schulz"]
 UpdateScale = Literal["original", "match_rms_adamw"]
 
@@ -82,7 +84,7 @@ def update_scale(rule: str, shape: torch.Size) -> float:
         return math.sqrt(max(1.0, m / n))
     if rule == "match_rms_adamw":
         return 0.2 * math.sqrt(max(m, n))
-    raise ValueError(f"scale: '{rule}' is not one of {', '.join(get_args(UpdateScale))}")
+    raise InputError(f"scale: '{rule}' is not one of {', '.join(get_args(UpdateScale))}")
 
 
 def variance_shape(shape: torch.Size) -> tuple[int, int]:

@@ -31,6 +31,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
+from lrattn_lightning.errors import InputError
 from lrattn_lightning.train.muon import (
     Orthogonalizer,
     UpdateScale,
@@ -101,11 +102,11 @@ class MuonWithAuxAdamW(torch.optim.Optimizer):
         groups = []
         for i, group in enumerate(param_groups):
             if "use_muon" not in group:
-                raise ValueError(f"param group {i}: use_muon: missing (True for Muon, False for AdamW)")
+                raise InputError(f"param group {i}: use_muon: missing (True for Muon, False for AdamW)")
             defaults = MUON_DEFAULTS if group["use_muon"] else ADAMW_DEFAULTS
             unknown = set(group) - set(defaults) - {"params", "use_muon", "name"}
             if unknown:
-                raise ValueError(f"param group {i}: unknown option(s) {', '.join(sorted(unknown))}")
+                raise InputError(f"param group {i}: unknown option(s) {', '.join(sorted(unknown))}")
             group = {**defaults, **group, "params": list(group["params"])}
             _check_group(i, group)
             groups.append(group)
@@ -113,13 +114,13 @@ class MuonWithAuxAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         if "optimizers" in state_dict:
-            raise ValueError("optimizer state: written by the old two-part MuonAdamW wrapper, which this version "
+            raise InputError("optimizer state: written by the old two-part MuonAdamW wrapper, which this version "
                              "cannot resume; start the run again (or load only its weights)")
         # torch restores every group option from the state; the update rule must not change silently
         for saved, now in zip(state_dict["param_groups"], self.param_groups, strict=False):
             for key in ("use_muon", *(MUON_VARIANTS["reference"] if now["use_muon"] else ())):
                 if saved.get(key) != now[key]:
-                    raise ValueError(f"optimizer state: group '{now.get('name')}' was trained with {key}="
+                    raise InputError(f"optimizer state: group '{now.get('name')}' was trained with {key}="
                                      f"{saved.get(key)!r}, this run has {now[key]!r} (model.muon_variant); "
                                      "resume with the same variant")
         super().load_state_dict(state_dict)
@@ -185,9 +186,9 @@ def build_optimizer(
             [{"params": adamw_params + muon_params, "name": "adamw"}], lr=lr, betas=betas, weight_decay=weight_decay
         )
     if kind != "muon_adamw":
-        raise ValueError(f"optimizer: unknown kind '{kind}'; use 'muon_adamw' or 'adamw'")
+        raise InputError(f"optimizer: unknown kind '{kind}'; use 'muon_adamw' or 'adamw'")
     if muon_variant not in MUON_VARIANTS:
-        raise ValueError(f"muon_variant: unknown '{muon_variant}'; use one of {', '.join(MUON_VARIANTS)}")
+        raise InputError(f"muon_variant: unknown '{muon_variant}'; use one of {', '.join(MUON_VARIANTS)}")
     groups = [{"params": adamw_params, "use_muon": False, "name": "adamw", "lr": lr, "betas": tuple(betas),
                "weight_decay": weight_decay}]
     if muon_params:
@@ -225,10 +226,10 @@ class MomentumSchedule:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.low <= self.peak < 1.0:
-            raise ValueError(f"muon_momentum_min: need 0 <= {self.low} <= muon_momentum ({self.peak}) < 1")
+            raise InputError(f"muon_momentum_min: need 0 <= {self.low} <= muon_momentum ({self.peak}) < 1")
         for field in ("warmup_steps", "cooldown_steps"):
             if getattr(self, field) < 0:
-                raise ValueError(f"muon_momentum_{field}: {getattr(self, field)} must be >= 0")
+                raise InputError(f"muon_momentum_{field}: {getattr(self, field)} must be >= 0")
 
     def __call__(self, step: int, total_steps: int) -> float:
         cooldown_start = total_steps - self.cooldown_steps

@@ -29,6 +29,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from lrattn_lightning.errors import InputError
 from lrattn_lightning.train.checkpointing import FileLock, launched_as_rank_zero
 
 LOCAL_TRACKING_URI = "sqlite:///mlflow.db"
@@ -46,7 +47,7 @@ HTTP_LIMITS = {
 _SCHEMES = ("", "file", "sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks", "databricks-uc", "uc")
 
 
-class TrackingError(ValueError):
+class TrackingError(InputError):
     """A tracking URI or store that cannot be used; one line naming the URI, the cause and the fix."""
 
 
