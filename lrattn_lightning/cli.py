@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         if command in LIGHTNING:
             return _function(COMMANDS[command][0])([command, *rest])
         return _function(COMMANDS[command][0])(rest)
+    except BrokenPipeError:  # `lrattn list | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (InputError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as err:
         # bad input (UsageError, CheckpointError, TrackingError, a registry entry, ...) is one line; anything
         # else (a bug, a library failing mid-run) keeps its traceback

@@ -30,3 +30,13 @@ def test_other_failures_keep_their_traceback(monkeypatch, error):
     _install(monkeypatch, error)
     with pytest.raises(type(error)):
         cli.main(["list"])
+
+
+def test_a_closed_pipe_is_not_an_error(tmp_path):
+    """`lrattn list | head -1`: no traceback when the reader goes away."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(f"'{sys.executable}' -m lrattn_lightning.cli list | head -1", shell=True, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.startswith("registry:") and "Traceback" not in proc.stderr, proc.stderr
