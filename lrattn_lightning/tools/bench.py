@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--registry", default=None, help="registry.yaml path (default: the packaged one)")
     p.add_argument("--phase", choices=PHASES, default="train")
     p.add_argument("--mode", choices=(*MODES, "both"), default="eager", help="eager, torch.compile, or both")
-    p.add_argument("--impl", choices=("fast", "reference"), default="fast", help="depth-routing code path")
+    p.add_argument("--impl", choices=("fast", "reference", "compiled"), default="fast",
+                   help="AttnRes backend (--mode compile runs fast as compiled)")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --mode compile")
     p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                    help="set a torch._inductor.config option for every model (repeatable), e.g. cpp_wrapper=true")
@@ -176,12 +177,13 @@ def make_subject(args, reg, ablation: str, mode: str, device, dtype) -> Subject:
 
     from lrattn_lightning.model.accounting import model_flops_per_token
     from lrattn_lightning.model.decoder import KVCache, build_decoder
+    from lrattn_lightning.model.routing.base import compile_impl
 
     cfg = _model_config(args, reg, ablation)
     T = args.seq_len or cfg.size.seq_len
     B = args.batch_size
     torch.manual_seed(args.seed)
-    model = build_decoder(cfg, impl=args.impl).to(device)
+    model = build_decoder(cfg, impl=compile_impl(args.impl) if mode == "compile" else args.impl).to(device)
     gen = torch.Generator().manual_seed(args.seed + 1)
     idx = torch.randint(0, cfg.size.vocab_size, (B, T + 1), generator=gen).to(device)
     inputs, targets = idx[:, :-1], idx[:, 1:]
@@ -235,10 +237,11 @@ def _module_subject(args, cfg, ablation: str, mode: str, device, dtype, idx) -> 
     from lightning.fabric import Fabric
 
     from lrattn_lightning.model.accounting import model_flops_per_token
+    from lrattn_lightning.model.routing.base import compile_impl
     from lrattn_lightning.train.lit_module import LRAttnModule
 
     torch.manual_seed(args.seed)
-    module = LRAttnModule(model_config=cfg.to_dict(), impl=args.impl)
+    module = LRAttnModule(model_config=cfg.to_dict(), impl=compile_impl(args.impl) if mode == "compile" else args.impl)
     fabric = Fabric(accelerator=device.type, devices=1, precision="32-true")
     opt = module.make_optimizer()
     module, opt = fabric.setup(module, opt)
