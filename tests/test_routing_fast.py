@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import randomize_routing
 
 from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig, fit_to_size
 from lrattn_lightning.model.decoder import KVCache, build_decoder
@@ -58,14 +59,6 @@ def _config(name: str) -> ModelConfig:
     return ModelConfig(SIZE, ablation)
 
 
-def _randomize(model: torch.nn.Module) -> None:
-    """Random queries and static keys, so that routing is far from uniform."""
-    with torch.no_grad():
-        for name, p in model.router.named_parameters():
-            if name in ("queries", "query_gates") or "static" in name:
-                p.normal_(std=0.5)
-
-
 def _run(model, idx, *, dtype=torch.float32):
     model.zero_grad(set_to_none=True)
     out = model.to(dtype)(idx, return_routing=True)
@@ -81,7 +74,7 @@ def _pair(name: str, dtype=torch.float32, impl: str = "fast"):
     cfg = _config(name)
     torch.manual_seed(0)
     ref = build_decoder(cfg, impl="reference")
-    _randomize(ref)
+    randomize_routing(ref)  # random queries, query gates and static keys: routing far from uniform
     other = build_decoder(cfg, impl=impl)
     other.load_state_dict(ref.state_dict())  # strict: same parameter names in every backend
     return ref.to(dtype), other.to(dtype)
