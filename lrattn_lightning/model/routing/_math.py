@@ -9,7 +9,8 @@ summary's key read from its *value*: a sliced key is the slice of the raw sum c^
 value), and RMSNorm(c^a y) = y * rstd(y) with eps / c^(2a), so that key's rstd takes `summary_eps_factor`.
 
 Routing computes in `compute_dtype`: float32 for bf16 and float32 models, float64 for float64 ones.
-Shape legend: N = B*T tokens, M depth heads, r = R/M key width per head, J read sites.
+Shape legend (SPEC letters): N = B*T tokens, r = key width (the rank), m = depth heads, k = r/m,
+J = 2L read sites.
 """
 
 from __future__ import annotations
@@ -32,18 +33,18 @@ def rms_norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.shape[-1],))
 
 
-def head_rms_norm(x_R: Tensor, heads: int) -> Tensor:
+def head_rms_norm(x_r: Tensor, heads: int) -> Tensor:
     """RMSNorm of each of `heads` equal slices of the last dimension; same shape out."""
     if heads == 1:
-        return rms_norm(x_R)
-    return rms_norm(x_R.unflatten(-1, (heads, -1))).flatten(-2)
+        return rms_norm(x_r)
+    return rms_norm(x_r.unflatten(-1, (heads, -1))).flatten(-2)
 
 
-def rstd(x_NMr: Tensor, eps_factor: float = 1.0) -> Tensor:
-    """1 / sqrt(mean(x^2) + eps * eps_factor) per depth head -> [N, M, 1] in x's dtype (a vector norm)."""
-    eps = torch.finfo(x_NMr.dtype).eps * eps_factor
-    norm = torch.linalg.vector_norm(x_NMr, dim=-1, keepdim=True)
-    return (norm.square() / x_NMr.shape[-1] + eps).rsqrt()
+def rstd(x_Nmk: Tensor, eps_factor: float = 1.0) -> Tensor:
+    """1 / sqrt(mean(x^2) + eps * eps_factor) per depth head -> [N, m, 1] in x's dtype (a vector norm)."""
+    eps = torch.finfo(x_Nmk.dtype).eps * eps_factor
+    norm = torch.linalg.vector_norm(x_Nmk, dim=-1, keepdim=True)
+    return (norm.square() / x_Nmk.shape[-1] + eps).rsqrt()
 
 
 def summary_eps_factor(count: int, exponent: float) -> float:
@@ -67,12 +68,12 @@ def count_prior(beta: float, count: int) -> float:
     return beta * math.log(count)
 
 
-def site_matmul(keys_NMr: Tensor, queries_JMr: Tensor) -> Tensor:
-    """<x, q_j> for every key against every query, per depth head: [N, M, r] x [J, M, r] -> [N, M, J]."""
-    N, M, r = keys_NMr.shape
-    if M == 1:
-        return (keys_NMr.view(N, r) @ queries_JMr.view(-1, r).t()).view(N, 1, -1)
-    return torch.bmm(keys_NMr.transpose(0, 1), queries_JMr.permute(1, 2, 0)).transpose(0, 1)
+def site_matmul(keys_Nmk: Tensor, queries_Jmk: Tensor) -> Tensor:
+    """<x, q_j> for every key against every query, per depth head: [N, m, k] x [J, m, k] -> [N, m, J]."""
+    N, m, k = keys_Nmk.shape
+    if m == 1:
+        return (keys_Nmk.view(N, k) @ queries_Jmk.view(-1, k).t()).view(N, 1, -1)
+    return torch.bmm(keys_Nmk.transpose(0, 1), queries_Jmk.permute(1, 2, 0)).transpose(0, 1)
 
 
 def summarise(total: Tensor, count: int, exponent: float) -> Tensor:
@@ -85,18 +86,18 @@ class PartialBlock:
     """Raw running sums of the current block's outputs (full routing: a block of one output)."""
 
     value: Tensor | None = None  # sum of the values [B, T, D]
-    key: Tensor | None = None  # sum of the emitted keys [B, T, R] (P-LR), else None
+    key: Tensor | None = None  # sum of the emitted keys [B, T, r] (P-LR), else None
     count: int = 0
     last: int = 0  # the block's most recent sublayer (its projection keys value_projected)
 
-    def add(self, value_BTD: Tensor, key_BTR: Tensor | None, i: int) -> None:
+    def add(self, value_BTD: Tensor, key_BTr: Tensor | None, i: int) -> None:
         """Add sublayer i's output (and its emitted key)."""
         if self.count == 0:
-            self.value, self.key = value_BTD, key_BTR
+            self.value, self.key = value_BTD, key_BTr
         else:
             self.value = self.value + value_BTD
-            if key_BTR is not None:
-                self.key = self.key + key_BTR
+            if key_BTr is not None:
+                self.key = self.key + key_BTr
         self.count += 1
         self.last = i
 

@@ -1,6 +1,6 @@
 """Attention residuals (AttnRes, LR-AttnRes; SPEC §2-3): the parameters, and the readable `reference` backend.
 
-A decoder with L layers has 2L residual-writing sublayers. o_0 is the embedding, o_i what sublayer i
+A decoder with L layers has M = 2L residual-writing sublayers. o_0 is the embedding, o_i what sublayer i
 writes. Read site j (0..2L) forms the hidden state that feeds sublayer j+1 (site 2L feeds the final
 norm and the head). Site j >= 1 owns a pseudo-query q_j and reads
 
@@ -21,7 +21,8 @@ gate per depth head; RMS-normalised per depth head with query_norm.
 (`reference` here, `fast` in attnres_fast.py, `compiled` in attnres_compiled.py) subclass it with their
 own state and read/write code, and give the same results.
 
-Shape legend: S sources, B batch, T tokens, D = d_model, R = key width r, M = depth heads.
+Shape legend (SPEC letters): M = 2L sublayers, S sources, B batch, T tokens, D = d_model,
+r = key width (the rank; d for key_source value), m = depth heads, k = r/m, e = D/m.
 """
 
 from __future__ import annotations
@@ -82,18 +83,18 @@ class AttnResRouter(nn.Module):
         return None
 
     def split_output(self, out_BTE: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """A sublayer's output rows -> value [.., D], emitted key [.., R] (P-LR, normalised) or None, and the
-        dynamic query's rows [.., R] or None."""
-        query_BTR = out_BTE[..., -self.rank :] if self.dynamic_query else None
-        return out_BTE[..., : self.d], self.key_source.emitted(out_BTE), query_BTR
+        """A sublayer's output rows -> value [.., D], emitted key [.., r] (P-LR, normalised) or None, and the
+        dynamic query's rows [.., r] or None."""
+        query_BTr = out_BTE[..., -self.rank :] if self.dynamic_query else None
+        return out_BTE[..., : self.d], self.key_source.emitted(out_BTE), query_BTr
 
-    def site_query(self, queries_JR: Tensor, j: int, dynamic_BTR: Tensor | None = None) -> Tensor:
-        """Site j's query: [R] static, or [B, T, R] with the gated dynamic query; query-normed if set."""
-        query = queries_JR[j - 1]
+    def site_query(self, queries_Jr: Tensor, j: int, dynamic_BTr: Tensor | None = None) -> Tensor:
+        """Site j's query: [r] static, or [B, T, r] with the gated dynamic query; query-normed if set."""
+        query = queries_Jr[j - 1]
         if self.dynamic_query:
-            M = self.heads
-            gate_M1 = self.query_gates[j - 1].view(M, 1)
-            query = (query.view(M, -1) + gate_M1 * dynamic_BTR.unflatten(-1, (M, -1))).flatten(-2)
+            m = self.heads
+            gate_m1 = self.query_gates[j - 1].view(m, 1)
+            query = (query.view(m, -1) + gate_m1 * dynamic_BTr.unflatten(-1, (m, -1))).flatten(-2)
         if self.query_norm:
             query = head_rms_norm(query.to(compute_dtype(query.dtype)), self.heads)
         return query
@@ -112,29 +113,29 @@ def depth_read(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """One read over stacked sources.
 
-    values [S, B, T, D], keys [S, B, T, R], query [R] or [M, R/M] (static) or [B, T, R] (per token),
-    bias [S] or None -> [B, T, D] (and the weights alpha [S, B, T, M] in the compute dtype when
+    values [S, B, T, D], keys [S, B, T, r], query [r] or [m, k] (static) or [B, T, r] (per token),
+    bias [S] or None -> [B, T, D] (and the weights alpha [S, B, T, m] in the compute dtype when
     return_weights). Logits and softmax in compute_dtype(values.dtype).
     """
     S, B, T, D = values.shape
-    R = keys.shape[-1]
-    if R % heads or D % heads:
-        raise ValueError(f"key width {R} and value width {D} must be divisible by heads={heads}")
+    r = keys.shape[-1]
+    if r % heads or D % heads:
+        raise ValueError(f"key width {r} and value width {D} must be divisible by heads={heads}")
     cdtype = compute_dtype(values.dtype)
-    keys_SBTMr = keys.to(cdtype).unflatten(-1, (heads, R // heads))
+    keys_SBTmk = keys.to(cdtype).unflatten(-1, (heads, r // heads))
     if key_norm:
-        keys_SBTMr = rms_norm(keys_SBTMr)
-    if query.dim() == 3:  # per token: [B, T, R]
-        query_BTMr = query.to(cdtype).unflatten(-1, (heads, R // heads))
-        dots_SBTM = torch.einsum("sbtmr,btmr->sbtm", keys_SBTMr, query_BTMr)
+        keys_SBTmk = rms_norm(keys_SBTmk)
+    if query.dim() == 3:  # per token: [B, T, r]
+        query_BTmk = query.to(cdtype).unflatten(-1, (heads, r // heads))
+        dots_SBTm = torch.einsum("sbtmk,btmk->sbtm", keys_SBTmk, query_BTmk)
     else:
-        query_Mr = query.to(cdtype).reshape(heads, R // heads)
-        dots_SBTM = torch.einsum("sbtmr,mr->sbtm", keys_SBTMr, query_Mr)
+        query_mk = query.to(cdtype).reshape(heads, r // heads)
+        dots_SBTm = torch.einsum("sbtmk,mk->sbtm", keys_SBTmk, query_mk)
     prior = 0.0 if bias is None else bias.to(cdtype).view(S, 1, 1, 1)
-    alpha_SBTM = logits(dots_SBTM, scale=scale, prior=prior).softmax(dim=0)
-    values_SBTMd = values.unflatten(-1, (heads, D // heads))
-    out_BTD = torch.einsum("sbtm,sbtmd->btmd", alpha_SBTM.to(values.dtype), values_SBTMd).flatten(-2)
-    return (out_BTD, alpha_SBTM) if return_weights else out_BTD
+    alpha_SBTm = logits(dots_SBTm, scale=scale, prior=prior).softmax(dim=0)
+    values_SBTme = values.unflatten(-1, (heads, D // heads))
+    out_BTD = torch.einsum("sbtm,sbtme->btme", alpha_SBTm.to(values.dtype), values_SBTme).flatten(-2)
+    return (out_BTD, alpha_SBTm) if return_weights else out_BTD
 
 
 @dataclass
@@ -142,11 +143,11 @@ class ReferenceState:
     """What one forward pass has written so far (reference backend)."""
 
     values: list[Tensor] = field(default_factory=list)  # completed sources [B, T, D]
-    keys: list[Tensor] = field(default_factory=list)  # their keys, already normalised [B, T, R]
+    keys: list[Tensor] = field(default_factory=list)  # their keys, already normalised [B, T, r]
     counts: list[int] = field(default_factory=list)  # outputs each completed source summarises
     partial: PartialBlock = field(default_factory=PartialBlock)
     dynamic_query: Tensor | None = None  # gated dynamic query: what the last written sublayer emitted
-    weights: list[Tensor] | None = None  # per site j = 1..2L when recording: alpha [S_j, B, T, M]
+    weights: list[Tensor] | None = None  # per site j = 1..2L when recording: alpha [S_j, B, T, m]
 
 
 class ReferenceAttnRes(AttnResRouter):
@@ -161,8 +162,8 @@ class ReferenceAttnRes(AttnResRouter):
 
     def write(self, state: ReferenceState, i: int, out_BTE: Tensor) -> None:
         """Record sublayer i's raw output ([B, T, D], or [B, T, D + extra rows] for P-LR / dynamic query)."""
-        value_BTD, key_BTR, state.dynamic_query = self.split_output(out_BTE)
-        state.partial.add(value_BTD, key_BTR, i)
+        value_BTD, key_BTr, state.dynamic_query = self.split_output(out_BTE)
+        state.partial.add(value_BTD, key_BTr, i)
         if i in self.ends:  # the block is complete
             value, key = self.key_source.summary(state.partial)
             state.values.append(value)
@@ -193,7 +194,7 @@ class ReferenceAttnRes(AttnResRouter):
             state.weights.append(alpha.detach().float())
         return out
 
-    def _norm_key(self, key_BTR: Tensor) -> Tensor:
+    def _norm_key(self, key_BTr: Tensor) -> Tensor:
         """The read's key norm, per depth head, in the routing's compute dtype."""
-        key_BTR = key_BTR.to(compute_dtype(key_BTR.dtype))
-        return head_rms_norm(key_BTR, self.heads) if self.key_norm else key_BTR
+        key_BTr = key_BTr.to(compute_dtype(key_BTr.dtype))
+        return head_rms_norm(key_BTr, self.heads) if self.key_norm else key_BTr

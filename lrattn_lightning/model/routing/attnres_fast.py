@@ -5,8 +5,9 @@ autograd Functions are in fast_functions.py.
 
 1. Logits at write time. Queries are static (one learned vector per read site), so the logits of a
    source against *every* later site are computed once, when the source is written: one
-   [N, R] @ [R, J] matmul per source. With key norm, <RMSNorm(x), q> = rstd <x, q>: the normalised
-   key is never materialised, and its backward needs only the stored logits (`_key_grads`). The key gradients of all sites that read a source are folded in one matmul.
+   [N, r] @ [r, J] matmul per source. With key norm, <RMSNorm(x), q> = rstd <x, q>: the normalised
+   key is never materialised, and its backward needs only the stored logits (`_key_grads` in
+   fast_functions.py). The key gradients of all sites that read a source are folded in one matmul.
 
 2. Two-phase block routing (AttnRes report). The read sites between two block ends form a *group*:
    they all see the same completed sources C (embedding + finished block summaries). Phase 1 runs once
@@ -25,7 +26,7 @@ autograd Functions are in fast_functions.py.
    sublayer per block: the partial source is always empty at a read and phase 2 never runs.
 
 3. Completed sources live in buffers allocated once per forward pass (values [S_max, N, D], logits
-   [S_max, N, M, J]), written once: no stacking or copying of the growing source list at each read.
+   [S_max, N, m, J]), written once: no stacking or copying of the growing source list at each read.
    The buffers are outside autograd. `StoreSource` writes a source and returns a dependency token;
    `GroupRead` takes the tokens of the sources it reads, so autograd runs every read's backward before
    the store's. In backward the reads accumulate value and logit gradients into buffers, and
@@ -45,8 +46,9 @@ RMSNorm(c^a x) = x rstd with eps / c^(2a), so such a source's key norm uses that
 Repeated backward (retain_graph=True): the accumulators are reset when the embedding's store runs its
 backward, which autograd always runs last (every read depends on it).
 
-Shape legend: S sources, J = 2L read sites, G sites of a group, B batch, T tokens, N = B*T, D = d_model,
-R = key width r, M = depth heads.
+Shape legend (SPEC letters): S sources, J = 2L read sites, G sites of a group, B batch, T tokens,
+N = B*T, D = d_model, r = key width (the rank; d for key_source value), m = depth heads, k = r/m,
+e = D/m.
 """
 
 from __future__ import annotations
@@ -73,16 +75,16 @@ class FastState:
     """One forward pass of the fast backend: its buffers and the current group's phase-1 results."""
 
     embedding: Tensor  # site 0 reads it unchanged
-    queries: Tensor  # [J, R], query-normed if configured (computed once per pass)
+    queries: Tensor  # [J, r], query-normed if configured (computed once per pass)
     buffers: SourceBuffers
     shape: tuple[int, int, int]  # B, T, D
     partial: PartialBlock = field(default_factory=PartialBlock)
     tokens: list[Tensor] = field(default_factory=list)  # one dependency token per stored source
     group: int = -1
     group_out: list[Tensor] | tuple[Tensor, ...] = ()  # per site g of the group: [N, D]
-    group_lse: list[Tensor] | tuple[Tensor, ...] = ()  # per site g: [N, M] float32
-    group_alpha: Tensor | None = None  # [S, N, M, G] float32, detached
-    weights: list[Tensor] | None = None  # per site j = 1..2L when recording: alpha [S_j, B, T, M]
+    group_lse: list[Tensor] | tuple[Tensor, ...] = ()  # per site g: [N, m] float32
+    group_alpha: Tensor | None = None  # [S, N, m, G] float32, detached
+    weights: list[Tensor] | None = None  # per site j = 1..2L when recording: alpha [S_j, B, T, m]
 
 
 class FastAttnRes(AttnResRouter):
@@ -93,16 +95,16 @@ class FastAttnRes(AttnResRouter):
         if self.dynamic_query:
             raise ValueError("routing backend 'fast' does not serve query 'gated_dynamic' (per-token queries); "
                              "use impl 'compiled' or 'reference'")
-        M = self.n_sublayers
+        M = self.n_sublayers  # 2L
         bounds = [0, *sorted(self.ends)]
-        self.group_sites: list[list[int]] = []  # group k: the sites reading sources 0..k (k blocks done)
-        self.site_group: dict[int, tuple[int, int]] = {}  # j -> (group k, index g in the group)
-        for k in range(len(bounds)):
-            hi = bounds[k + 1] if k + 1 < len(bounds) else M + 1
-            sites = list(range(max(bounds[k], 1), hi))
+        self.group_sites: list[list[int]] = []  # group grp: the sites reading sources 0..grp
+        self.site_group: dict[int, tuple[int, int]] = {}  # j -> (group grp, index g in the group)
+        for grp in range(len(bounds)):
+            hi = bounds[grp + 1] if grp + 1 < len(bounds) else M + 1
+            sites = list(range(max(bounds[grp], 1), hi))
             self.group_sites.append(sites)
             for g, j in enumerate(sites):
-                self.site_group[j] = (k, g)
+                self.site_group[j] = (grp, g)
         counts = [1] + [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         self.plan = Plan(
             heads=self.heads, rank=self.rank, scale=self.scale, key_norm=self.key_norm, keys=self.key_source,
@@ -119,17 +121,17 @@ class FastAttnRes(AttnResRouter):
         queries = self.queries
         if self.query_norm:
             queries = head_rms_norm(queries.to(compute_dtype(queries.dtype)), self.heads)
-        key_BTR = self.key_source.embedding(emb_BTD) if self.key_source.carried else None
-        key_dtype = emb_BTD.dtype if key_BTR is None else key_BTR.dtype
+        key_BTr = self.key_source.embedding(emb_BTD) if self.key_source.carried else None
+        key_dtype = emb_BTD.dtype if key_BTr is None else key_BTr.dtype
         buffers = SourceBuffers(self.plan, len(self.group_sites), self.n_sublayers, B * T, D, emb_BTD.dtype,
                                 key_dtype, emb_BTD.device)
         state = FastState(emb_BTD, queries, buffers, (B, T, D), weights=[] if record else None)
-        state.tokens.append(StoreSource.apply(emb_BTD, key_BTR, queries, buffers))
+        state.tokens.append(StoreSource.apply(emb_BTD, key_BTr, queries, buffers))
         return state
 
     def write(self, state: FastState, i: int, out_BTE: Tensor) -> None:
-        value_BTD, key_BTR, _ = self.split_output(out_BTE)
-        state.partial.add(value_BTD, key_BTR, i)
+        value_BTD, key_BTr, _ = self.split_output(out_BTE)
+        state.partial.add(value_BTD, key_BTr, i)
         if i in self.ends:  # the block is complete: summarise it once
             value, key = self.key_source.summary(state.partial)
             key = key if self.key_source.carried else None
@@ -139,31 +141,32 @@ class FastAttnRes(AttnResRouter):
     def read(self, state: FastState, j: int) -> Tensor:
         if j == 0:
             return state.embedding
-        k, g = self.site_group[j]
-        if state.group != k:
-            self._phase_one(state, k)
+        grp, g = self.site_group[j]
+        if state.group != grp:
+            self._phase_one(state, grp)
         B, T, D = state.shape
-        M = self.heads
+        m = self.heads
         out_ND = state.group_out[g]
-        alpha_SNM = state.group_alpha[..., g]
+        alpha_SNm = state.group_alpha[..., g]
         if state.partial.count == 0:
             if state.weights is not None:
-                state.weights.append(alpha_SNM.view(-1, B, T, M).float())
+                state.weights.append(alpha_SNm.view(-1, B, T, m).float())
             return out_ND.view(B, T, D)
         # phase 2: merge the partial block p into the group's softmax (online-softmax update)
         v_p, key_p = self.key_source.summary(state.partial)
         key_p = key_p if self.key_source.carried else None
-        h, w_NM = PartialRead.apply(out_ND, state.group_lse[g], v_p, key_p, state.queries, alpha_SNM,
-                                    state.buffers, j, state.partial.count, (k, g))
+        h, w_Nm = PartialRead.apply(out_ND, state.group_lse[g], v_p, key_p, state.queries, alpha_SNm,
+                                    state.buffers, j, state.partial.count, (grp, g))
         if state.weights is not None:
-            state.weights.append(torch.cat((alpha_SNM * (1 - w_NM), w_NM[None])).view(-1, B, T, M).float())
+            state.weights.append(torch.cat((alpha_SNm * (1 - w_Nm), w_Nm[None])).view(-1, B, T, m).float())
         return h
 
-    def _phase_one(self, state: FastState, k: int) -> None:
-        sites = self.group_sites[k]
-        S, c0, c1 = k + 1, sites[0] - 1, sites[-1]
+    def _phase_one(self, state: FastState, grp: int) -> None:
+        sites = self.group_sites[grp]
+        S, c0, c1 = grp + 1, sites[0] - 1, sites[-1]
         if state.buffers.n_stored != S:
-            raise RuntimeError(f"group {k} read with {state.buffers.n_stored} sources stored, expected {S}")
-        outputs = GroupRead.apply(state.buffers, k, c0, c1, *state.tokens)
+            raise RuntimeError(f"group {grp} read with {state.buffers.n_stored} sources stored, expected {S}")
+        outputs = GroupRead.apply(state.buffers, grp, c0, c1, *state.tokens)
         G = c1 - c0
-        state.group, state.group_out, state.group_lse, state.group_alpha = k, outputs[:G], outputs[G : 2 * G], outputs[-1]
+        state.group, state.group_alpha = grp, outputs[-1]
+        state.group_out, state.group_lse = outputs[:G], outputs[G : 2 * G]

@@ -16,6 +16,9 @@ cache object across passes (`new_cache`; the decoder's KVCache holds it without 
 `fast` is not traceable by torch.compile (it raises there; `compile_impl` names the backend to use), and
 it does not fold per-token queries into write-time logits: for `query: gated_dynamic` it is served by the
 `compiled` class, run eagerly. Residual and gated routing have one implementation each and ignore `impl`.
+No backend is picked by a runtime rule: KV-cache decoding (one token a pass, bound by per-op overhead) runs
+the named backend too, and on CPU `reference` / `compiled` decode faster than `fast` (~0.10 s against
+~0.13 s for 64 tokens at `small`, s-lr-block-n8-r64).
 """
 
 from __future__ import annotations

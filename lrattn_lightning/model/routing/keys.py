@@ -1,7 +1,7 @@
 """Key sources (SPEC §3): where a source's routing key comes from, with its parameters and costs.
 
 The key of a source summarising c outputs o_i (a single output: c = 1), as the paper's code forms it:
-    value                  key = the summary value                       (standard AttnRes, R = d)
+    value                  key = the summary value                       (standard AttnRes, r = d)
     sliced                 key = (sum o_i)[..., -r:]                     (S-LR; / c^a only without key norm)
     projected              key = sum_i RMSNorm(k_i), k_i the r extra output rows of sublayer i, normalised
                            per depth head where emitted                  (P-LR; / c^a only without key norm)
@@ -17,7 +17,7 @@ asks these). The parameters are registered on the router under flat names (`embe
 `embedding_key_static`, `value_key_proj.N`): the checkpoint names, which the reference mapping
 (tools/fidelity.py) also uses. Every key parameter is initialised N(0, std) by the router.
 
-Shape legend: B batch, T tokens, D = d_model, R = key width r.
+Shape legend (SPEC letters): B batch, T tokens, D = d_model, r = key width (the rank).
 """
 
 from __future__ import annotations
@@ -139,16 +139,19 @@ class ProjectedKeys(_CarriedKeys):
             owner.embedding_key_proj = nn.Linear(self.d, self.r, bias=False)
         super().register(owner)
 
+    def _matrix_params(self) -> int:
+        """The key rows (attention d -> d + r, MLP h -> d + r per layer) and the embedding's projection."""
+        return self.n_layers * self.r * (self.d + self.d_mlp) + (self.r * self.d if self.embedding_projected else 0)
+
     def num_params(self) -> int:
-        rows = self.n_layers * self.r * (self.d + self.d_mlp)  # attention d -> d + r, MLP h -> d + r
-        return super().num_params() + rows + (self.r * self.d if self.embedding_projected else 0)
+        return super().num_params() + self._matrix_params()
 
     def flops(self) -> int:
-        return 2 * (self.n_layers * self.r * (self.d + self.d_mlp) + (self.r * self.d if self.embedding_projected else 0))
+        return 2 * self._matrix_params()
 
-    def emit(self, key_BTR: Tensor) -> Tensor:
+    def emit(self, key_BTr: Tensor) -> Tensor:
         """An emitted key, RMS-normalised per depth head (with key norm)."""
-        return head_rms_norm(key_BTR, self.heads) if self.key_norm else key_BTR
+        return head_rms_norm(key_BTr, self.heads) if self.key_norm else key_BTr
 
     def emitted(self, out_BTE: Tensor) -> Tensor:
         return self.emit(out_BTE[..., self.d : self.d + self.r])
