@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ALL_ABLATIONS, DEEPER, tiny_config, tokens, variant
+from conftest import ALL_ABLATIONS, ATTNRES_ABLATIONS, DEEPER, tiny_config, tokens, variant
 
 from lrattn_lightning.model.accounting import added_flops_percent, core_flops, count_params, sources_per_site
 from lrattn_lightning.model.config import ModelConfig, fit_to_size
 from lrattn_lightning.model.decoder import build_decoder
+from lrattn_lightning.model.routing.keys import key_source
 
 
 def real_params(model: torch.nn.Module) -> int:
@@ -214,3 +215,14 @@ def test_flops_match_the_spec_formula(registry, name):
         sites = [1 + j // size + (j % size != 0) for j in range(1, 49)]
     expected = spec_added_percent(24, 1024, 2816, cfg.key_dim, sites, cfg.ablation.key_source == "projected")
     assert added_flops_percent(cfg) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ATTNRES_ABLATIONS)
+def test_key_sources_count_their_parameters(registry, name):
+    """KeySource.num_params (what accounting asks) = the router's key parameters + P-LR's key output rows."""
+    cfg = tiny_config(registry, name)
+    model = build_decoder(cfg, impl="reference")
+    router = sum(p.numel() for n, p in model.router.named_parameters() if n not in ("queries", "query_gates"))
+    a, s = cfg.ablation, cfg.size
+    rows = s.n_layers * cfg.key_dim * (s.d_model + s.d_mlp) if a.key_source == "projected" else 0
+    assert key_source(cfg).num_params() == router + rows

@@ -17,7 +17,7 @@ from lrattn_lightning.model.accounting import count_params
 from lrattn_lightning.model.config import ModelConfig, fit_to_size
 from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.model.registry import load_registry
-from lrattn_lightning.model.routing.attnres import DepthRouter
+from lrattn_lightning.model.routing.keys import ProjectedKeys
 from lrattn_lightning.tools import golden
 from lrattn_lightning.tools.fidelity import NotExpressible, from_reference_state_dict, reference_flags
 
@@ -88,7 +88,7 @@ def test_the_comparison_discriminates(monkeypatch):
     """Negative controls: P-LR block keys summed raw (our first round), and another summary rule,
     both miss the golden numbers by far more than the tolerance."""
     cfg = golden.config(REGISTRY, "p-lr-block-n8-r32")
-    monkeypatch.setattr(DepthRouter, "_emit_key", lambda self, key: key)
+    monkeypatch.setattr(ProjectedKeys, "emit", lambda self, key: key)
     assert golden.compare(cfg, ENTRIES["p-lr-block-n8-r32"], DATA)["dlogit"] > 50 * TOL_LOGIT
     monkeypatch.undo()
     other = golden.config(REGISTRY, "s-lr-block-n8-r64-sqrtmean")

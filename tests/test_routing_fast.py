@@ -1,10 +1,9 @@
-"""The fast depth-routing path (routing_fast.py) against its readable twin (routing.py).
+"""The AttnRes backends `fast` (attnres_fast.py) and `compiled` (attnres_compiled.py) against `reference`.
 
-Both code paths of the fast router are checked in eager mode: the buffered autograd Functions
-(`functional=False`, the eager default) and the plain-tensor path Inductor compiles (`functional=True`).
-Parity covers logits, every parameter gradient and the recorded routing weights, with routing made
-non-uniform (random queries), for every attnres registry entry plus a grid of full/block routing x
-every key source x depth heads 1 and 4 x block summaries and count prior.
+Both are checked in eager mode: `fast`, the buffered autograd Functions, and `compiled`, the plain tensor
+ops Inductor compiles. Parity covers logits, every parameter gradient and the recorded routing weights,
+with routing made non-uniform (random queries), for every attnres registry entry plus a grid of
+full/block routing x every key source x depth heads 1 and 4 x block summaries and count prior.
 """
 
 from __future__ import annotations
@@ -13,12 +12,15 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import randomize_routing
 
 from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig, fit_to_size
 from lrattn_lightning.model.decoder import KVCache, build_decoder
 from lrattn_lightning.model.registry import load_registry
-from lrattn_lightning.model.routing.attnres import DepthRouter
-from lrattn_lightning.model.routing.attnres_fast import FastDepthRouter
+from lrattn_lightning.model.routing.attnres import ReferenceAttnRes
+from lrattn_lightning.model.routing.attnres_compiled import CompiledAttnRes
+from lrattn_lightning.model.routing.attnres_fast import FastAttnRes
+from lrattn_lightning.model.routing.base import IMPLS, build_router, compile_impl
 
 torch.set_num_threads(1)
 
@@ -57,17 +59,7 @@ def _config(name: str) -> ModelConfig:
     return ModelConfig(SIZE, ablation)
 
 
-def _randomize(model: torch.nn.Module) -> None:
-    """Random queries and static keys, so that routing is far from uniform."""
-    with torch.no_grad():
-        for name, p in model.router.named_parameters():
-            if name in ("queries", "query_gates") or "static" in name:
-                p.normal_(std=0.5)
-
-
-def _run(model, idx, *, functional=None, dtype=torch.float32):
-    if functional is not None:
-        model.router.functional = functional
+def _run(model, idx, *, dtype=torch.float32):
     model.zero_grad(set_to_none=True)
     out = model.to(dtype)(idx, return_routing=True)
     wide = torch.promote_types(dtype, torch.float32)  # results compared in float32 (float64 models: float64)
@@ -77,26 +69,27 @@ def _run(model, idx, *, functional=None, dtype=torch.float32):
     return out.logits.detach().to(wide), grads, out.routing
 
 
-def _pair(name: str, dtype=torch.float32):
-    """The reference model and a fast model loaded from its state_dict (the two must be interchangeable)."""
+def _pair(name: str, dtype=torch.float32, impl: str = "fast"):
+    """The reference model and an `impl` model loaded from its state_dict (the two must be interchangeable)."""
     cfg = _config(name)
     torch.manual_seed(0)
     ref = build_decoder(cfg, impl="reference")
-    _randomize(ref)
-    fast = build_decoder(cfg, impl="fast")
-    fast.load_state_dict(ref.state_dict())  # strict: same parameter names in both impls
-    return ref.to(dtype), fast.to(dtype)
+    randomize_routing(ref)  # random queries, query gates and static keys: routing far from uniform
+    other = build_decoder(cfg, impl=impl)
+    other.load_state_dict(ref.state_dict())  # strict: same parameter names in every backend
+    return ref.to(dtype), other.to(dtype)
 
 
 IDX = torch.randint(0, SIZE.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("functional", [False, True], ids=["buffered", "functional"])
+@pytest.mark.parametrize("impl", ["fast", "compiled"])
 @pytest.mark.parametrize("name", ATTNRES + list(GRID))
-def test_fast_matches_reference_float32(name, functional):
-    ref, fast = _pair(name)
+def test_backend_matches_reference_float32(name, impl):
+    """Every AttnRes registry entry (and the grid): equal forward, backward and routing weights."""
+    ref, fast = _pair(name, impl=impl)
     logits_r, grads_r, routing_r = _run(ref, IDX)
-    logits_f, grads_f, routing_f = _run(fast, IDX, functional=functional)
+    logits_f, grads_f, routing_f = _run(fast, IDX)
     torch.testing.assert_close(logits_f, logits_r, rtol=1e-5, atol=1e-5)
     assert grads_f.keys() == grads_r.keys()
     for n, g in grads_r.items():
@@ -110,19 +103,19 @@ def test_fast_matches_reference_float32(name, functional):
         torch.testing.assert_close(a_f.sum(0), torch.ones_like(a_f[0]))
 
 
-@pytest.mark.parametrize("functional", [False, True], ids=["buffered", "functional"])
+@pytest.mark.parametrize("impl", ["fast", "compiled"])
 @pytest.mark.parametrize("name", ["s-lr-block-n8-r64", "p-lr-block-n4-r32", "attnres-full", "attnres-block-n4",
                                   "vp-lr-block-n8-r32", "grid-sliced-block-h4", "grid-projected-full-h4",
                                   "s-lr-block-n8-r64-refdefault"])
-def test_fast_matches_reference_bfloat16(name, functional):
+def test_backend_matches_reference_bfloat16(name, impl):
     """In bfloat16 both impls round differently; each must be about as close to the float32 truth.
 
     (Not the qnorm-normal entry: normalised queries give logits up to ~r, a near-argmax softmax whose
     bfloat16 gradients are chaotic; the reference itself is ~40 % off its float32 gradients there.)"""
-    ref, fast = _pair(name)
+    ref, fast = _pair(name, impl=impl)
     logits_t, grads_t, _ = _run(ref, IDX)  # float32 truth
     logits_r, grads_r, _ = _run(ref, IDX, dtype=torch.bfloat16)
-    logits_f, grads_f, _ = _run(fast, IDX, functional=functional, dtype=torch.bfloat16)
+    logits_f, grads_f, _ = _run(fast, IDX, dtype=torch.bfloat16)
 
     def err(x, truth):
         return ((x - truth).norm() / (truth.norm() + 1e-12)).item()
@@ -132,53 +125,69 @@ def test_fast_matches_reference_bfloat16(name, functional):
         assert err(grads_f[n], g) <= 2 * err(grads_r[n], g) + 2e-2, n
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", ["baseline", "gated-residual"])
-def test_non_attnres_routing_is_unchanged(name):
-    ref, fast = _pair(name)
-    torch.testing.assert_close(_run(fast, IDX)[0], _run(ref, IDX)[0], rtol=0, atol=0)
+def test_non_attnres_routing_ignores_the_backend(name, impl):
+    ref, other = _pair(name, impl=impl)
+    assert type(other.router) is type(ref.router)
+    torch.testing.assert_close(_run(other, IDX)[0], _run(ref, IDX)[0], rtol=0, atol=0)
 
 
 def test_fast_is_the_default_and_state_dicts_are_interchangeable():
     cfg = _config("p-lr-block-n8-r32")
-    fast, ref = build_decoder(cfg), build_decoder(cfg, impl="reference")
-    assert type(fast.router) is FastDepthRouter and type(ref.router) is DepthRouter
-    assert fast.state_dict().keys() == ref.state_dict().keys()
+    fast, ref, comp = build_decoder(cfg), build_decoder(cfg, impl="reference"), build_decoder(cfg, impl="compiled")
+    assert (type(fast.router), type(ref.router), type(comp.router)) == (FastAttnRes, ReferenceAttnRes, CompiledAttnRes)
+    assert fast.state_dict().keys() == ref.state_dict().keys() == comp.state_dict().keys()
     ref.load_state_dict(fast.state_dict())
     with pytest.raises(ValueError, match="impl"):
         build_decoder(cfg, impl="fused")
 
 
-@pytest.mark.parametrize("impl", ["fast-auto", "fast-buffered", "reference"])
-@pytest.mark.parametrize("name", ["s-lr-block-n8-r64", "p-lr-full-r32", "attnres-block-n4"])
+def test_the_default_backend_serves_every_registry_entry():
+    """`fast` builds and runs every entry; the gated dynamic query it serves with `compiled`'s class."""
+    size = REGISTRY.size("tiny")
+    idx = torch.randint(0, size.vocab_size, (1, 4))
+    for name, ablation in REGISTRY.ablations.items():
+        model = build_decoder(ModelConfig(size, fit_to_size(ablation, size)))
+        assert model(idx).shape == (1, 4, size.vocab_size), name
+        if ablation.query == "gated_dynamic":
+            assert type(model.router) is CompiledAttnRes
+
+
+def _one_line_error(fn) -> str:
+    with pytest.raises(ValueError) as info:
+        fn()
+    message = str(info.value)
+    assert "\n" not in message and "'fast'" in message and "'compiled'" in message, message
+    return message
+
+
+def test_unsupported_cases_raise_one_line_naming_the_backend_that_can():
+    import torch._dynamo
+
+    dynamic = _config("p-lr-block-n8-r32-dynquery")
+    assert "gated_dynamic" in _one_line_error(lambda: FastAttnRes(dynamic))
+    fast = build_router(_config("s-lr-block-n8-r64"), "fast")
+    emb = torch.randn(1, 4, SIZE.d_model)
+    traced = torch.compile(lambda x: fast.read(fast.start(x), 0), backend="eager", fullgraph=True)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        traced(emb)
+    assert "backend 'fast' cannot run under torch.compile" in str(info.value)
+    assert [compile_impl(i) for i in IMPLS] == ["compiled", "reference", "compiled"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", ["s-lr-block-n8-r64", "p-lr-full-r32", "attnres-block-n4", "p-lr-block-n8-r32-dynquery"])
 def test_kv_cache_decoding_matches_full_forward(name, impl):
-    """(Small inference passes take the functional path by default; the buffered one is forced too.)"""
-    ref, fast = _pair(name)
-    model = ref if impl == "reference" else fast
-    if impl == "fast-buffered":
-        fast.router.functional = False
+    ref, other = _pair(name, impl=impl)
+    model = ref if impl == "reference" else other
     with torch.no_grad():
         full = model(IDX)
         cache = KVCache.empty(SIZE.n_layers)
         steps = [model(IDX[:, :5], cache=cache)]
         steps += [model(IDX[:, t : t + 1], cache=cache) for t in range(5, IDX.shape[1])]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
-
-
-def test_path_choice():
-    """Buffered Functions for training and large inference passes, plain tensor ops for small inference
-    passes (decoding is bound by per-op overhead) and under torch.compile."""
-    import lrattn_lightning.model.routing.attnres_fast as rf
-
-    ref, fast = _pair("s-lr-block-n8-r64")
-    emb = torch.randn(1, 4, SIZE.d_model)
-    assert not fast.router.start(emb).functional
-    with torch.inference_mode():
-        assert fast.router.start(emb).functional
-        big = torch.randn(1, rf.FUNCTIONAL_BELOW_TOKENS, SIZE.d_model)
-        assert not fast.router.start(big).functional
-        torch.testing.assert_close(fast(IDX), ref(IDX), rtol=1e-5, atol=1e-5)
-        fast.router.functional = False
-        torch.testing.assert_close(fast(IDX), ref(IDX), rtol=1e-5, atol=1e-5)
 
 
 def test_buffers_do_not_leak_between_steps():
@@ -190,12 +199,12 @@ def test_buffers_do_not_leak_between_steps():
         torch.testing.assert_close(second[n], g, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("impl", ["reference", "fast"])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", ["s-lr-block-n8-r64-refdefault", "p-lr-block-n4-r32", "attnres-full",
                                   "vp-lr-block-n8-r32", "grid-sliced-block-h4", "p-lr-block-n8-r32-dynquery"])
 def test_repeated_backward_accumulates_exactly(name, impl):
     """backward(retain_graph=True) twice gives twice the gradients of one backward (no stale buffers)."""
-    ref, fast = _pair(name)
+    ref, fast = _pair(name, impl=impl)
     model = ref if impl == "reference" else fast
     once = _run(model, IDX)[1]
     model.zero_grad(set_to_none=True)
@@ -211,21 +220,21 @@ def test_repeated_backward_accumulates_exactly(name, impl):
 @pytest.mark.parametrize("name", ["s-lr-block-n8-r64-refdefault", "p-lr-block-n4-r32", "attnres-block-n4",
                                   "vp-shared-lr-block-n8-r32", "grid-projected-full-h4"])
 def test_float64_models_route_in_float64(name):
-    """A float64 model routes in float64: both impls and both fast paths agree to ~1e-12, and KV-cache
-    decoding reproduces the full forward to ~1e-12 (a float32 softmax anywhere would show at ~1e-7)."""
+    """A float64 model routes in float64: every backend agrees to ~1e-12, and KV-cache decoding
+    reproduces the full forward to ~1e-12 (a float32 softmax anywhere would show at ~1e-7)."""
     ref, fast = _pair(name, dtype=torch.float64)
+    _, comp = _pair(name, dtype=torch.float64, impl="compiled")
     with torch.no_grad():
         out_r = ref(IDX, return_routing=True)
         assert out_r.logits.dtype == torch.float64
-        for functional in (False, True):
-            fast.router.functional = functional
-            torch.testing.assert_close(fast(IDX), out_r.logits, rtol=1e-12, atol=1e-12)
-        for model in (ref, fast):
+        for model in (fast, comp):
+            torch.testing.assert_close(model(IDX), out_r.logits, rtol=1e-12, atol=1e-12)
+        for model in (ref, fast, comp):
             cache = KVCache.empty(SIZE.n_layers)
             steps = [model(IDX[:, :5], cache=cache)]
             steps += [model(IDX[:, t : t + 1], cache=cache) for t in range(5, IDX.shape[1])]
             torch.testing.assert_close(torch.cat(steps, dim=1), out_r.logits, rtol=1e-12, atol=1e-12)
-    logits64, grads64, _ = _run(fast, IDX, functional=False, dtype=torch.float64)
+    logits64, grads64, _ = _run(fast, IDX, dtype=torch.float64)
     _, grads_ref64, _ = _run(ref, IDX, dtype=torch.float64)
     for n, g in grads_ref64.items():
         torch.testing.assert_close(grads64[n], g, rtol=1e-10, atol=1e-12 * max(1.0, g.abs().max().item()))
@@ -253,7 +262,7 @@ def test_no_graph_breaks(name):
     import torch._dynamo
 
     size = REGISTRY.size("tiny")
-    model = build_decoder(ModelConfig(size, fit_to_size(REGISTRY.ablation(name), size)))
+    model = build_decoder(ModelConfig(size, fit_to_size(REGISTRY.ablation(name), size)), impl="compiled")
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(model)(torch.randint(0, size.vocab_size, (2, 8)))
     assert explanation.graph_break_count == 0, explanation.break_reasons
@@ -261,10 +270,10 @@ def test_no_graph_breaks(name):
 
 
 def test_compiled_training_step_matches_reference():
-    """Under torch.compile (aot_eager: the graphs AOTAutograd builds, without Inductor codegen) the fast
-    router takes its functional path; values and gradients still match the eager reference. Uneven
-    blocks with partial reads and carried (projected) keys."""
-    ref, fast = _pair("p-lr-block-n4-r32")
+    """Under torch.compile (aot_eager: the graphs AOTAutograd builds, without Inductor codegen) the
+    `compiled` backend's values and gradients match the eager reference. Uneven blocks with partial reads
+    and carried (projected) keys."""
+    ref, fast = _pair("p-lr-block-n4-r32", impl="compiled")
     logits_r, grads_r, _ = _run(ref, IDX)
     compiled = torch.compile(fast, backend="aot_eager", fullgraph=True)
     fast.zero_grad(set_to_none=True)

@@ -2,15 +2,20 @@
 
     core  = 2 L (4 d^2 + 3 d h)                       2 x non-embedding matmul parameters
     read  = sum_{j=1..2L} |S_j| (2 k + 2 d)           k = d for AttnRes, r for LR; site 0 is free
-    proj  = 2 (L r (d + h) + r d)                     P-LR only: the key rows
+    proj  = KeySource.flops()                         forming the keys (routing/keys.py): P-LR's key rows
+                                                      2 (L r (d + h) + r d), value_projected's 2 (2L [+1]) r d
           + 2 L r (d + h) + 2L 2r                     gated dynamic query: the query rows, the gating
     gated = 2L (4 d^2 + 5 d [+ 1 with a gate bias])   gated residual (SPEC §7): W_q, W_k, the dot, the mix
     added % = 100 (read + proj) / core
+
+Parameters likewise: the 2L pseudo-queries, what the key source declares (KeySource.num_params), the
+dynamic query's rows and gates.
 """
 
 from __future__ import annotations
 
 from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig
+from lrattn_lightning.model.routing.keys import key_source
 
 
 def _pair(size: SizeConfig | ModelConfig, ablation: AblationConfig | None) -> ModelConfig:
@@ -33,16 +38,7 @@ def routing_params(size: SizeConfig | ModelConfig, ablation: AblationConfig | No
     if a.routing == "gated":
         return M * 2 * d * d + (M if a.gate_bias != "none" else 0)  # W_q and W_k per sublayer; the biases b_i
     r = cfg.key_dim
-    n = M * r  # the pseudo-queries, one per read site j = 1..2L
-    emb_projected = a.embedding_key in ("projected", "projected_plus_static")
-    if a.embedding_key in ("static", "projected_plus_static"):
-        n += r
-    if a.key_source == "projected":
-        n += L * r * (d + h) + (r * d if emb_projected else 0)
-    elif a.key_source == "value_projected":
-        n += (M + int(emb_projected)) * r * d
-    elif a.key_source == "value_projected_shared":
-        n += r * d
+    n = M * r + key_source(cfg).num_params()  # the pseudo-queries, one per read site j = 1..2L; the keys'
     if a.query == "gated_dynamic":
         n += L * r * (d + h) + M * a.depth_heads  # the query rows of every output projection, the gates
     return n
@@ -84,12 +80,7 @@ def added_flops(size: SizeConfig | ModelConfig, ablation: AblationConfig | None 
         return M * (2 * 2 * d * d + 2 * d + 3 * d + (1 if a.gate_bias != "none" else 0))
     r = cfg.key_dim
     read = sum(sources_per_site(cfg)) * (2 * r + 2 * d)
-    emb_projected = a.embedding_key in ("projected", "projected_plus_static")
-    proj = 0
-    if a.key_source == "projected":
-        proj = 2 * (L * r * (d + h) + (r * d if emb_projected else 0))
-    elif a.key_source in ("value_projected", "value_projected_shared"):
-        proj = 2 * (M + int(emb_projected)) * r * d
+    proj = key_source(cfg).flops()
     if a.query == "gated_dynamic":
         proj += 2 * L * r * (d + h) + M * 2 * r  # the query rows; q_j + g_j * q_dyn at every site
     return read + proj

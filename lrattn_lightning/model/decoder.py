@@ -15,18 +15,15 @@ go through this forward, so all mask alike. Depth routing is per token and needs
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig
-from lrattn_lightning.model.routing.attnres import DepthRouter, rms_norm
-from lrattn_lightning.model.routing.attnres_fast import FastDepthRouter
-
-# How depth routing is computed, apart from what: `reference` is the readable twin (routing.py),
-# `fast` the two-phase buffered path (routing_fast.py). Same parameters, same state_dict keys.
-ROUTER_IMPLS = {"reference": DepthRouter, "fast": FastDepthRouter}
+from lrattn_lightning.model.routing._math import rms_norm
+from lrattn_lightning.model.routing.base import DEFAULT_IMPL, build_router
 
 
 def rope_angles(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -55,20 +52,21 @@ def apply_rope(x_BTHd: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class KVCache:
     """Per-layer keys and values of the token attention, for incremental decoding.
 
-    Depth routing is per token, so only the token attention needs a cache: the routing of a new
-    token reads that token's own sublayer outputs, which the forward pass recomputes.
+    Depth routing is per token, so mostly only the token attention needs a cache: the routing of a new
+    token reads that token's own sublayer outputs, which the forward pass recomputes. A router that
+    needs more (the gated residual's causal means) keeps its own cache object in `routing`.
     """
 
     keys: list[Tensor | None]
     values: list[Tensor | None]
-    # gated residual only: running sums of each sublayer's x and F(x) (the causal means continue)
-    gate_prefix: list | None = None
+    # the router's own decoding cache (`router.new_cache()`, created on the first pass), opaque here
+    routing: Any = None
     # document masking: the segment id of every cached position [B, T_cached]
     segments: Tensor | None = None
 
     @classmethod
     def empty(cls, n_layers: int) -> KVCache:
-        return cls([None] * n_layers, [None] * n_layers, [None] * (2 * n_layers))
+        return cls([None] * n_layers, [None] * n_layers)
 
     @property
     def length(self) -> int:
@@ -146,15 +144,15 @@ class DecoderOutput:
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig, impl: str = "fast"):
+    def __init__(self, cfg: ModelConfig, impl: str = DEFAULT_IMPL):
+        """impl: the AttnRes backend, `fast`, `reference` or `compiled` (routing/base.py): how routing is
+        computed, not what; the same parameters and results. Residual and gated routing ignore it."""
         super().__init__()
-        if impl not in ROUTER_IMPLS:
-            raise ValueError(f"impl must be one of {list(ROUTER_IMPLS)}, got {impl!r}")
         self.cfg, self.impl = cfg, impl
         size = cfg.size
         self.embed = nn.Embedding(size.vocab_size, size.d_model)
         self.layers = nn.ModuleList(Layer(size, cfg.extra_out) for _ in range(size.n_layers))
-        self.router = ROUTER_IMPLS[impl](cfg)
+        self.router = build_router(cfg, impl)
         self.head = nn.Linear(size.d_model, size.vocab_size, bias=False)
         # document masking: the separator (EOS) id, or None to attend across documents (set by the
         # training recipe, stored in checkpoints); not part of the architecture, which has no weights for it
@@ -183,8 +181,12 @@ class Decoder(nn.Module):
         cos, sin = rope_angles(torch.arange(start, start + T, device=idx.device), size.d_model // size.n_heads, size.rope_theta)
         same_doc = self._same_document(idx, cache)
         x = self.embed(idx)  # (B, T, D)
-        gate_prefix = cache.gate_prefix if cache is not None else None
-        state = self.router.start(x, record=return_routing, gate_prefix=gate_prefix, prefix_len=start)
+        routing_cache = None
+        if cache is not None:
+            if cache.routing is None:
+                cache.routing = self.router.new_cache()
+            routing_cache = cache.routing
+        state = self.router.start(x, record=return_routing, cache=routing_cache)
         for layer_index, layer in enumerate(self.layers):
             j = 2 * layer_index
             h = self.router.read(state, j)
@@ -212,11 +214,11 @@ class Decoder(nn.Module):
 
 
 def build_decoder(
-    size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None, *, impl: str = "fast"
+    size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None, *, impl: str = DEFAULT_IMPL
 ) -> Decoder:
     """Build the decoder for a (size, ablation) pair; works under `torch.device("meta")`.
 
-    impl: `fast` or `reference` routing code (a runtime choice, not part of the architecture).
+    impl: the AttnRes backend, `fast`, `reference` or `compiled` (a runtime choice, not part of the architecture).
     """
     cfg = size if isinstance(size, ModelConfig) else ModelConfig(size, ablation)
     return Decoder(cfg, impl)

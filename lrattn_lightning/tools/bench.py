@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--registry", default=None, help="registry.yaml path (default: the packaged one)")
     p.add_argument("--phase", choices=PHASES, default="train")
     p.add_argument("--mode", choices=(*MODES, "both"), default="eager", help="eager, torch.compile, or both")
-    p.add_argument("--impl", choices=("fast", "reference"), default="fast", help="depth-routing code path")
+    p.add_argument("--impl", choices=("fast", "reference", "compiled"), default="fast",
+                   help="AttnRes backend (--mode compile runs fast as compiled)")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --mode compile")
     p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                    help="set a torch._inductor.config option for every model (repeatable), e.g. cpp_wrapper=true")

@@ -109,6 +109,7 @@ def make_subject(args, reg, ablation: str, mode: str, device, dtype) -> Subject:
 
     from lrattn_lightning.model.accounting import model_flops_per_token
     from lrattn_lightning.model.decoder import build_decoder
+    from lrattn_lightning.model.routing.base import compile_impl
 
     cfg = model_config(args, reg, ablation)
     T = args.seq_len or cfg.size.seq_len
@@ -116,12 +117,13 @@ def make_subject(args, reg, ablation: str, mode: str, device, dtype) -> Subject:
     gen = torch.Generator().manual_seed(args.seed + 1)
     idx = torch.randint(0, cfg.size.vocab_size, (B, T + 1), generator=gen).to(device)
     torch.manual_seed(args.seed)
+    impl = compile_impl(args.impl) if mode == "compile" else args.impl  # compiling asks for the compiled backend
     if args.phase == "train":
-        module = build_module(cfg, args.impl, args.optimizer)
+        module = build_module(cfg, impl, args.optimizer)
         step, opt = module_train_step(module, idx, dtype, mode, args.compile_backend)
         return Subject(ablation, cfg, module.model, step, B * T, train_flops(cfg, B, T), optimizer=opt)
 
-    model = build_decoder(cfg, impl=args.impl).to(device)
+    model = build_decoder(cfg, impl=impl).to(device)
     if args.phase == "forward":
         fwd = torch.compile(model, backend=args.compile_backend) if mode == "compile" else model
         inputs = idx[:, :-1]

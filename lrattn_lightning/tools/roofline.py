@@ -3,7 +3,7 @@
 Routing adds < 1 % of the FLOPs (accounting.py), so its floor is memory traffic. The model below counts
 what *any* implementation has to stream, per token, in units of one value vector (D elements of the
 activation dtype, e bytes each); a key of width R counts R / D. Groups, partial sources and blocks are
-those of the two-phase algorithm (routing_fast.py): group k is the read sites that see the same k + 1
+those of the two-phase algorithm (model/routing/attnres_fast.py): group k is the read sites that see the same k + 1
 completed sources (embedding + k block summaries); a site whose block has begun also reads the partial
 source (the running sum of the block's outputs so far). Full routing is block routing with one-output
 blocks: every site is its own group and there are no partial sources.

@@ -28,6 +28,7 @@ from lrattn_lightning.model.accounting import model_flops_per_token
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.model.registry import load_registry
+from lrattn_lightning.model.routing.base import compile_impl
 from lrattn_lightning.train import diagnostics
 from lrattn_lightning.train.callbacks import (
     CheckpointContents,
@@ -90,7 +91,7 @@ class LRAttnModule(L.LightningModule):
         final_lr_fraction: float = 0.1,
         z_loss: float = 1e-5,
         compile: bool = False,
-        impl: Literal["fast", "reference"] = "fast",
+        impl: Literal["fast", "reference", "compiled"] = "fast",
         document_masking: bool = False,
         routing_diagnostics: bool = True,
         gate_freeze_steps: int = 0,
@@ -135,7 +136,8 @@ class LRAttnModule(L.LightningModule):
         self.momentum_schedule = MomentumSchedule(  # checked now, before any work
             peak=muon_momentum, low=muon_momentum_min, warmup_steps=muon_momentum_warmup_steps,
             cooldown_steps=muon_momentum_cooldown_steps)
-        self.model = build_decoder(cfg, impl=impl)  # how routing is computed; not part of the architecture
+        # how AttnRes is computed, not part of the architecture; compiled: the backend torch.compile traces
+        self.model = build_decoder(cfg, impl=compile_impl(impl) if compile else impl)
         self.model.doc_separator = doc_separator if document_masking else None
         self._check_gate_schedule(cfg)
         self._last_train_ce: float | None = None

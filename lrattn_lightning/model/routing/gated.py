@@ -1,4 +1,4 @@
-"""The gated residual (SPEC §7; `routing: gated`), written by `DepthRouter` through `GatedResidual`.
+"""The gated residual (SPEC §7; `routing: gated`): its router, state and decoding cache.
 
 Sublayer i (1..2L) mixes the stream x it read with what it wrote, F(x), by one gate per token:
 
@@ -21,20 +21,23 @@ Two training-time controls live on the router as state, not architecture (set by
                           sublayer) by G / (||G|| + 1e-6), clipped to |.| < 1 (already true after the
                           normalisation; kept because the description states both)
 
+KV-cache decoding: the causal means continue over earlier positions, so the router's own cache
+(`GatedCache`, held opaquely by the decoder's KVCache) keeps per sublayer the sums of x and F(x) over the
+positions seen so far. One implementation (the `impl` backend names only AttnRes code and is ignored here).
+
 Shape legend: B batch, T tokens, D = d_model.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from lrattn_lightning.model.config import ModelConfig
-    from lrattn_lightning.model.routing.attnres import RoutingState
+from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.routing._math import compute_dtype
 
 GRAD_NORM_EPS = 1e-6
 
@@ -46,7 +49,7 @@ def causal_mean(x_BTD: Tensor, prefix: tuple[Tensor, int] | None = None) -> Tens
     Sums in compute_dtype(x): float32, float64 for float64 models.
     """
     T = x_BTD.shape[1]
-    cdtype = _compute_dtype(x_BTD.dtype)
+    cdtype = compute_dtype(x_BTD.dtype)
     sums = x_BTD.to(cdtype).cumsum(dim=1)
     counts = torch.arange(1, T + 1, device=x_BTD.device, dtype=cdtype).view(1, T, 1)
     if prefix is not None:
@@ -68,22 +71,31 @@ class NormalizedGateGrad(torch.autograd.Function):
         return grad.clamp(-1.0, 1.0).to(grad_BT1.dtype)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """At least float32 (routing.compute_dtype, which imports this module)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 def logit(p: float) -> float:
     return math.log(p / (1.0 - p))
 
 
-class GatedResidual:
-    """The gated write of `DepthRouter` (mixed into it, so parameter names stay router.gate_q.N ...)."""
+@dataclass
+class GatedCache:
+    """Incremental decoding: per sublayer i = 1..2L, the sums over earlier positions of x and F(x)
+    ([B, 1, D] each, compute dtype) and how many positions they cover; updated in place."""
 
-    d: int
-    n_sublayers: int
+    sums: list[tuple[Tensor, Tensor, int] | None]
 
-    def _init_gates(self, cfg: ModelConfig) -> None:
+
+@dataclass
+class GatedState:
+    stream: Tensor  # the running hidden state [B, T, D]
+    weights: list[Tensor] | None = None  # recording: per sublayer [alpha_i, 1 - alpha_i] as [2, B, T, 1]
+    cache: GatedCache | None = None
+
+
+class GatedRouter(nn.Module):
+    """The gated write: gate matrices W_q, W_k per sublayer, optional biases b_i, the hold buffer."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.d, self.n_sublayers = cfg.size.d_model, cfg.size.n_sublayers
         M = self.n_sublayers
         self.gate_q = nn.ModuleList(nn.Linear(self.d, self.d, bias=False) for _ in range(M))
         self.gate_k = nn.ModuleList(nn.Linear(self.d, self.d, bias=False) for _ in range(M))
@@ -93,10 +105,10 @@ class GatedResidual:
         self.register_buffer("gate_hold", torch.tensor(False))
         self._held = False  # python mirror of gate_hold: no device sync per write
         self.gate_grad_normalize = False
-        self.register_load_state_dict_post_hook(GatedResidual._after_load)
-        self._register_load_state_dict_pre_hook(GatedResidual._default_hold)
+        self.register_load_state_dict_post_hook(GatedRouter._after_load)
+        self._register_load_state_dict_pre_hook(GatedRouter._default_hold)
 
-    def _reset_gates(self) -> None:
+    def reset_parameters(self) -> None:
         """W_q, W_k orthogonal; b_i = logit(alpha0_i)."""
         for lin in [*self.gate_q, *self.gate_k]:
             if not lin.weight.is_meta:
@@ -116,7 +128,7 @@ class GatedResidual:
         return self._held
 
     @staticmethod
-    def _after_load(module: GatedResidual, _incompatible_keys) -> None:
+    def _after_load(module: GatedRouter, _incompatible_keys) -> None:
         module._held = bool(module.gate_hold)
 
     @staticmethod
@@ -124,41 +136,50 @@ class GatedResidual:
         """Checkpoints written before gates could be held have no gate_hold: they were never held."""
         state_dict.setdefault(prefix + "gate_hold", torch.tensor(False))
 
-    # ---- the write ---------------------------------------------------------------------------------
-    def _gated_write(self, state: RoutingState, i: int, fx_BTD: Tensor) -> None:
-        x_BTD = state.stream
+    # ---- the forward-pass protocol -----------------------------------------------------------------
+    def new_cache(self) -> GatedCache:
+        return GatedCache([None] * self.n_sublayers)
+
+    def start(self, emb_BTD: Tensor, *, record: bool = False, cache: GatedCache | None = None) -> GatedState:
+        return GatedState(emb_BTD, [] if record else None, cache)
+
+    def read(self, state: GatedState, j: int) -> Tensor:
+        return state.stream
+
+    def write(self, state: GatedState, i: int, out_BTE: Tensor) -> None:
+        x_BTD, fx_BTD = state.stream, out_BTE[..., : self.d]
         if self._held:
             gate_BT1 = x_BTD.new_full((*x_BTD.shape[:-1], 1), 0.5)
-            if state.gate_prefix is not None:  # keep the cached sums current for a later release
-                self._gate_means(state, i, x_BTD, fx_BTD)
+            if state.cache is not None:  # keep the cached sums current for a later release
+                self._gate_means(state.cache, i, x_BTD, fx_BTD)
         else:
-            gate_BT1 = self._gate(state, i, x_BTD, fx_BTD)
+            gate_BT1 = self._gate(state.cache, i, x_BTD, fx_BTD)
             if self.gate_grad_normalize and gate_BT1.requires_grad:
                 gate_BT1 = NormalizedGateGrad.apply(gate_BT1)
         if state.weights is not None:  # a two-source read: alpha on the stream, 1 - alpha on F(x)
             state.weights.append(torch.stack((gate_BT1, 1 - gate_BT1)).detach().float())
         state.stream = gate_BT1 * x_BTD + (1 - gate_BT1) * fx_BTD
 
-    def _gate(self, state: RoutingState, i: int, x_BTD: Tensor, fx_BTD: Tensor) -> Tensor:
+    def _gate(self, cache: GatedCache | None, i: int, x_BTD: Tensor, fx_BTD: Tensor) -> Tensor:
         """alpha_i [B, T, 1] in the stream's dtype (computed in float32, float64 for float64 models)."""
-        mean_x, mean_fx = self._gate_means(state, i, x_BTD, fx_BTD)
+        mean_x, mean_fx = self._gate_means(cache, i, x_BTD, fx_BTD)
         gate_logit = (self.gate_q[i - 1](mean_x) * self.gate_k[i - 1](mean_fx)).sum(-1, keepdim=True)
-        cdtype = _compute_dtype(gate_logit.dtype)
+        cdtype = compute_dtype(gate_logit.dtype)
         gate_logit = gate_logit.to(cdtype) / math.sqrt(self.d)
         if self.gate_alpha0 is not None:
             gate_logit = gate_logit + self.gate_bias[i - 1].to(cdtype)
         return torch.sigmoid(gate_logit).to(x_BTD.dtype)
 
     @staticmethod
-    def _gate_means(state: RoutingState, i: int, x: Tensor, fx: Tensor) -> tuple[Tensor, Tensor]:
-        """Causal running means of x and F(x), continuing cached sums when decoding incrementally."""
-        if state.gate_prefix is None:
+    def _gate_means(cache: GatedCache | None, i: int, x: Tensor, fx: Tensor) -> tuple[Tensor, Tensor]:
+        """Causal running means of x and F(x), continuing the cached sums when decoding incrementally."""
+        if cache is None:
             return causal_mean(x), causal_mean(fx)
-        prev = state.gate_prefix[i - 1]
+        prev = cache.sums[i - 1]
+        sums = tuple(t.to(compute_dtype(t.dtype)).sum(dim=1, keepdim=True) for t in (x, fx))
         if prev is None:
-            means = causal_mean(x), causal_mean(fx)
-        else:
-            means = causal_mean(x, (prev[0], state.prefix_len)), causal_mean(fx, (prev[1], state.prefix_len))
-        sums = tuple(t.to(_compute_dtype(t.dtype)).sum(dim=1, keepdim=True) for t in (x, fx))
-        state.gate_prefix[i - 1] = sums if prev is None else (prev[0] + sums[0], prev[1] + sums[1])
-        return means
+            cache.sums[i - 1] = (*sums, x.shape[1])
+            return causal_mean(x), causal_mean(fx)
+        sum_x, sum_fx, n = prev
+        cache.sums[i - 1] = (sum_x + sums[0], sum_fx + sums[1], n + x.shape[1])
+        return causal_mean(x, (sum_x, n)), causal_mean(fx, (sum_fx, n))

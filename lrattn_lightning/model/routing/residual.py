@@ -1,0 +1,44 @@
+"""The plain residual stream (routing: residual), the baseline every ablation is compared against.
+
+    h_0 = o_0 (the embedding)        h_i = h_{i-1} + o_i        read site j returns h_j
+
+With the decoder's parameter-free pre-norm this is exactly the standard pre-norm Transformer. No
+parameters; one implementation (the `impl` backend names only AttnRes code and is ignored here).
+
+Shape legend: B batch, T tokens, D = d_model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from lrattn_lightning.model.config import ModelConfig
+
+
+@dataclass
+class ResidualState:
+    stream: Tensor  # h [B, T, D]
+    weights: list[Tensor] | None = None  # recording: stays empty (no routing weights)
+
+
+class ResidualRouter(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.d = cfg.size.d_model
+
+    def reset_parameters(self) -> None:
+        pass
+
+    def new_cache(self) -> None:
+        return None
+
+    def start(self, emb_BTD: Tensor, *, record: bool = False, cache: None = None) -> ResidualState:
+        return ResidualState(emb_BTD, [] if record else None)
+
+    def write(self, state: ResidualState, i: int, out_BTE: Tensor) -> None:
+        state.stream = state.stream + out_BTE[..., : self.d]
+
+    def read(self, state: ResidualState, j: int) -> Tensor:
+        return state.stream
