@@ -68,3 +68,11 @@ def test_every_subcommand_resolves_to_a_function():
 
     for name, (spec, _) in COMMANDS.items():
         assert callable(_function(spec)), name
+
+
+def test_errors_about_input_derive_from_input_error():
+    """`lrattn` prints InputError as one line and lets anything else trace: the package raises no bare ValueError."""
+    bare = [f"{n}:{node.lineno}" for n, p in modules() for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+            and getattr(node.exc.func, "id", None) == "ValueError"]
+    assert not bare, f"raise InputError (lrattn_lightning.errors) instead of ValueError at {bare}"

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lrattn_lightning.errors import InputError
 from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig
 from lrattn_lightning.model.routing._math import rms_norm
 from lrattn_lightning.model.routing.base import DEFAULT_IMPL, build_router
@@ -177,7 +178,7 @@ class Decoder(nn.Module):
         size = self.cfg.size
         start = 0 if cache is None else cache.length
         if start + T > size.seq_len:
-            raise ValueError(f"sequence of {start + T} tokens exceeds seq_len={size.seq_len} of size '{size.name}'")
+            raise InputError(f"sequence of {start + T} tokens exceeds seq_len={size.seq_len} of size '{size.name}'")
         cos, sin = rope_angles(torch.arange(start, start + T, device=idx.device), size.d_model // size.n_heads, size.rope_theta)
         same_doc = self._same_document(idx, cache)
         x = self.embed(idx)  # (B, T, D)

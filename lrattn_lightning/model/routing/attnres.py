@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from lrattn_lightning.errors import InputError
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.routing._math import (
     PartialBlock,
@@ -120,7 +121,7 @@ def depth_read(
     S, B, T, D = values.shape
     r = keys.shape[-1]
     if r % heads or D % heads:
-        raise ValueError(f"key width {r} and value width {D} must be divisible by heads={heads}")
+        raise InputError(f"key width {r} and value width {D} must be divisible by heads={heads}")
     cdtype = compute_dtype(values.dtype)
     keys_SBTmk = keys.to(cdtype).unflatten(-1, (heads, r // heads))
     if key_norm:

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from lrattn_lightning.errors import InputError
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.routing._math import PartialBlock, compute_dtype, count_prior, head_rms_norm
 from lrattn_lightning.model.routing.attnres import AttnResRouter
@@ -93,7 +94,7 @@ class FastAttnRes(AttnResRouter):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         if self.dynamic_query:
-            raise ValueError("routing backend 'fast' does not serve query 'gated_dynamic' (per-token queries); "
+            raise InputError("routing backend 'fast' does not serve query 'gated_dynamic' (per-token queries); "
                              "use impl 'compiled' or 'reference'")
         M = self.n_sublayers  # 2L
         bounds = [0, *sorted(self.ends)]
@@ -115,7 +116,7 @@ class FastAttnRes(AttnResRouter):
     # ---- the forward-pass protocol ----------------------------------------------------------------
     def start(self, emb_BTD: Tensor, *, record: bool = False, cache: None = None) -> FastState:
         if torch.compiler.is_compiling():
-            raise ValueError("routing backend 'fast' cannot run under torch.compile (autograd Functions over "
+            raise InputError("routing backend 'fast' cannot run under torch.compile (autograd Functions over "
                              "buffers); build the decoder with impl 'compiled'")
         B, T, D = emb_BTD.shape
         queries = self.queries

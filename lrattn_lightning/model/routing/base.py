@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from torch import Tensor, nn
 
+from lrattn_lightning.errors import InputError
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.routing.attnres import ReferenceAttnRes
 from lrattn_lightning.model.routing.attnres_compiled import CompiledAttnRes
@@ -68,7 +69,7 @@ def compile_impl(impl: str) -> str:
 def build_router(cfg: ModelConfig, impl: str = DEFAULT_IMPL) -> nn.Module:
     """The router of `cfg`'s routing kind; for AttnRes computed by backend `impl` (module docstring)."""
     if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
+        raise InputError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
     routing = cfg.ablation.routing
     if routing == "residual":
         return ResidualRouter(cfg)
