@@ -3,7 +3,7 @@
     train      `module_train_step`: LRAttnModule.training_step under Fabric, Fabric's backward and the
                module's own optimiser (`make_optimizer`, the one `configure_optimizers` returns, without its
                LR schedule): the step `lrattn fit` runs, without the hooks around it (grad-norm and
-               throughput logging). Compile mode compiles the decoder in place, as `configure_model` does.
+               throughput logging). Compile mode compiles as `configure_model` does (`LRAttnModule.compile_step`: the decoder, and the loss with it).
     forward    the decoder's forward of a full sequence under inference mode
     generate   `model.generate.generate`: greedy decoding with the KV cache, a prompt then one token at a time
 
@@ -81,7 +81,7 @@ def module_train_step(module, batch, dtype, mode: str = "eager",
     fabric = Fabric(accelerator=batch.device.type, devices=1, precision=precision)
     wrapped, optimizer = fabric.setup(module, module.make_optimizer())
     if mode == "compile":
-        module.model.compile(backend=backend)  # what configure_model does, with the chosen backend
+        module.compile_step(backend)  # what configure_model does, with the chosen backend
     batch = batch.to(fabric.device)
     batch_idx = itertools.count()
 
