@@ -154,7 +154,9 @@ class ProjectedKeys(_CarriedKeys):
         return head_rms_norm(key_BTr, self.heads) if self.key_norm else key_BTr
 
     def emitted(self, out_BTE: Tensor) -> Tensor:
-        return self.emit(out_BTE[..., self.d : self.d + self.r])
+        # a copy of the r key rows: the norm's backward then holds [B, T, r], not a view that would keep the
+        # whole [B, T, d + r] output alive until backward (P-LR's memory overhead was mostly that)
+        return self.emit(out_BTE[..., self.d : self.d + self.r].contiguous())
 
     def _projected_embedding(self, emb_BTD: Tensor) -> Tensor:
         return self.emit(self.owner.embedding_key_proj(emb_BTD))
