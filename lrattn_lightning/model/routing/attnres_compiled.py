@@ -89,8 +89,8 @@ class CompiledAttnRes(AttnResRouter):
             x_Nmk, rstd_Nm1 = self._key(v_p, key, c)
             prior = count_prior(self.count_prior, c)
             if query_Nmk is None:
-                dots_Nm1 = site_matmul(x_Nmk, state.queries[j - 1 : j].to(x_Nmk.dtype).unflatten(-1, (m, -1)))
-                site_logits.append(logits(dots_Nm1, rstd=rstd_Nm1, scale=self.scale, prior=prior)[..., 0])
+                queries_1mk = state.queries[j - 1 : j].to(x_Nmk.dtype).unflatten(-1, (m, -1))
+                site_logits.append(self._static_logits(x_Nmk, rstd_Nm1, queries_1mk, prior)[..., 0])
             else:
                 site_logits.append(self._dynamic_logit(x_Nmk, rstd_Nm1, prior, query_Nmk))
             values.append(v_p)
@@ -125,7 +125,20 @@ class CompiledAttnRes(AttnResRouter):
             state.keys.append((x_Nmk, rstd_Nm1, prior))
             return
         queries_Jmk = state.queries.to(x_Nmk.dtype).unflatten(-1, (self.heads, -1))
-        state.logits.append(logits(site_matmul(x_Nmk, queries_Jmk), rstd=rstd_Nm1, scale=self.scale, prior=prior))
+        state.logits.append(self._static_logits(x_Nmk, rstd_Nm1, queries_Jmk, prior))
+
+    def _static_logits(self, x_Nmk: Tensor, rstd_Nm1: Tensor | None, queries_Jmk: Tensor, prior: float) -> Tensor:
+        """A source's logits [N, m, J] against static queries [J, m, k]. The partial block's key against its
+        one query, when carried (P-LR: the normalised emitted key of the block's first sublayer), is normalised
+        first and dotted as a product and a sum, which Inductor fuses into one reduction: the backward then
+        recomputes the key from the output rows it keeps anyway, where a matmul would make it save the key
+        per read (compiled P-LR at `small`: 8 fewer [N, r] tensors saved)."""
+        if not (self.key_source.carried and queries_Jmk.shape[0] == 1):
+            return logits(site_matmul(x_Nmk, queries_Jmk), rstd=rstd_Nm1, scale=self.scale, prior=prior)
+        if rstd_Nm1 is not None:
+            x_Nmk = x_Nmk * rstd_Nm1
+        dots_Nm1 = (x_Nmk * queries_Jmk[0]).sum(-1, keepdim=True)
+        return logits(dots_Nm1, scale=self.scale, prior=prior)
 
     def _dynamic_logit(self, x_Nmk: Tensor, rstd_Nm1: Tensor | None, prior: float, query_Nmk: Tensor) -> Tensor:
         """One source's logit [N, m] against a per-token query."""
