@@ -123,20 +123,27 @@ def _clip_top(rows: list[Row]) -> float | None:
     return max(r.mean + (r.std or 0.0) for r in inside) + 0.6 * spread
 
 
+def _run_artifacts(client: Any, row: Row, path: str, tmp: str) -> tuple[list[dict], int]:
+    """The JSON artifact `path` of each of the row's runs that has one, and the latest step among them."""
+    found, step = [], 0
+    for run in row.runs:
+        try:
+            local = client.download_artifacts(run.run_id, path, tmp)
+        except Exception:  # runs of another routing kind have no such artifact
+            continue
+        data = json.loads(Path(local).read_text())
+        found.append(data)
+        step = max(step, int(data.get("step", 0)))
+    return found, step
+
+
 def routing_matrices(client: Any, rows: list[Row]) -> dict[str, tuple[list[list[float]], int, int]]:
     """ablation label -> (seed-mean routing weights sites x sources, step, seeds) from routing/weights.json."""
     found = {}
     with tempfile.TemporaryDirectory() as tmp:
         for row in rows:
-            mats, step = [], 0
-            for run in row.runs:
-                try:
-                    path = client.download_artifacts(run.run_id, "routing/weights.json", tmp)
-                except Exception:  # runs without depth routing have no such artifact
-                    continue
-                data = json.loads(Path(path).read_text())
-                mats.append(data["sites_by_sources"])
-                step = max(step, int(data.get("step", 0)))
+            datas, step = _run_artifacts(client, row, "routing/weights.json", tmp)
+            mats = [d["sites_by_sources"] for d in datas]
             if mats and all(len(m) == len(mats[0]) and [len(x) for x in m] == [len(x) for x in mats[0]] for m in mats):
                 mean = [[statistics.fmean(m[j][i] for m in mats) for i in range(len(mats[0][j]))]
                         for j in range(len(mats[0]))]
@@ -149,15 +156,8 @@ def gate_curves(client: Any, rows: list[Row]) -> dict[tuple[str, str], tuple[lis
     found = {}
     with tempfile.TemporaryDirectory() as tmp:
         for row in rows:
-            curves, step = [], 0
-            for run in row.runs:
-                try:
-                    path = client.download_artifacts(run.run_id, "routing/gates.json", tmp)
-                except Exception:  # only the gated residual logs gates
-                    continue
-                data = json.loads(Path(path).read_text())
-                curves.append(data["alpha"])
-                step = max(step, int(data.get("step", 0)))
+            datas, step = _run_artifacts(client, row, "routing/gates.json", tmp)
+            curves = [d["alpha"] for d in datas]
             if curves and all(len(c) == len(curves[0]) for c in curves):
                 found[(row.size, row.ablation)] = (curves, step)
     return found
