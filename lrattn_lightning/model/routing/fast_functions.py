@@ -300,10 +300,13 @@ class PartialRead(torch.autograd.Function):
         logit_Nm1 = logits(dots_Nm1, rstd=rstd_Nm1, scale=plan.scale)  # without the prior (for backward)
         logit_Nm = logits(logit_Nm1.view(N, m), prior=count_prior(plan.count_prior, count))
         w_Nm = torch.sigmoid(logit_Nm - lse_Nm)
-        v_Nme = v_BTD.reshape(N, m, D // m)
-        h = torch.lerp(out_ND.view(N, m, D // m), v_Nme, w_Nm.unsqueeze(-1).to(v_BTD.dtype))
+        # under autocast the buffers hold the embedding's float32 and v_p is a bfloat16 sum: h is float32, as
+        # the reference's stack of the two would be
+        hdtype = torch.promote_types(out_ND.dtype, v_BTD.dtype)
+        v_Nme = v_BTD.reshape(N, m, D // m).to(hdtype)
+        h = torch.lerp(out_ND.view(N, m, D // m).to(hdtype), v_Nme, w_Nm.unsqueeze(-1).to(hdtype))
         ctx.save_for_backward(v_BTD, key_BTr, queries_Jr, alpha_SNm, w_Nm, rstd_Nm1, logit_Nm1)
-        ctx.buffers, ctx.j, ctx.where = buffers, j, where
+        ctx.buffers, ctx.j, ctx.where, ctx.out_dtype = buffers, j, where, out_ND.dtype
         ctx.mark_non_differentiable(w_Nm)
         return h.view(v_BTD.shape), w_Nm
 
@@ -315,15 +318,17 @@ class PartialRead(torch.autograd.Function):
         m, r = plan.heads, plan.rank
         S, N, _ = alpha_SNm.shape
         D = v_BTD.shape[-1]
-        gh_ND = grad_h.to(v_BTD.dtype).contiguous().view(N, D)
+        hdtype = torch.promote_types(ctx.out_dtype, v_BTD.dtype)  # h's dtype (forward)
+        gh_ND = grad_h.to(hdtype).contiguous().view(N, D)
         gh_Nme = gh_ND.view(N, m, D // m)
-        w = w_Nm.unsqueeze(-1).to(v_BTD.dtype)
+        w = w_Nm.unsqueeze(-1).to(hdtype)
         grad_v = (gh_Nme * w).view(N, D)
         grad_out = gh_ND - grad_v
         # <gh, v_p - out_C> with <gh, out_C> = sum_s alpha_s <gh, v_s>
-        grad_alpha_SNm = _grad_alpha(buffers.values_SND[:S], gh_ND, m)
+        values_SND = buffers.values_SND[:S]
+        grad_alpha_SNm = _grad_alpha(values_SND, gh_ND.to(values_SND.dtype), m)
         dot_out = (alpha_SNm * grad_alpha_SNm).sum(0)
-        dot_v = (gh_Nme * v_BTD.reshape(N, m, D // m)).sum(-1, dtype=buffers.cdtype)
+        dot_v = (gh_Nme * v_BTD.reshape(N, m, D // m).to(hdtype)).sum(-1, dtype=buffers.cdtype)
         grad_logit = w_Nm * (1 - w_Nm) * (dot_v - dot_out)  # [N, m]
         # the group's site sees grad out_C = (1 - w) gh: its weights' gradient is this one scaled
         buffers.grad_alpha_stash[ctx.where] = grad_alpha_SNm * (1 - w_Nm)
@@ -340,6 +345,6 @@ class PartialRead(torch.autograd.Function):
             plan.keys.from_value(grad_v).add_(grad_x.to(grad_v.dtype))
         grad_queries = torch.zeros_like(queries_Jr, dtype=buffers.cdtype)
         grad_queries[j - 1] = grad_q.reshape(r)
-        return (grad_out, -grad_logit, grad_v.view(v_BTD.shape), grad_key, grad_queries.to(queries_Jr.dtype),
-                None, None, None, None, None)
+        return (grad_out.to(ctx.out_dtype), -grad_logit, grad_v.to(v_BTD.dtype).view(v_BTD.shape), grad_key,
+                grad_queries.to(queries_Jr.dtype), None, None, None, None, None)
 
