@@ -102,3 +102,76 @@ def test_fit_with_document_masking_keeps_the_separator_for_evaluation(tiny_data,
     hp = torch.load(ckpt, weights_only=True)["hyper_parameters"]
     assert hp["document_masking"] is True and hp["doc_separator"] == 256  # the byte tokenizer's EOS
     assert load_checkpoint(ckpt).model.doc_separator == 256
+
+
+def _gated_model(registry, name="gated-residual"):
+    """The gated residual with its gate matrices scaled up, so the gates depend strongly on the running means."""
+    model = _model(registry, name)
+    with torch.no_grad():
+        for linear in (*model.router.gate_q, *model.router.gate_k):
+            linear.weight.mul_(30.0)
+    return model
+
+
+def _segment_means_float64(x, segments, prefix_sum=None, prefix_count=None):
+    """The running mean within each segment, one position at a time in float64 (independent of causal_mean)."""
+    B, T, D = x.shape
+    out = torch.empty(B, T, D, dtype=torch.float64)
+    for b in range(B):
+        total = torch.zeros(D, dtype=torch.float64) if prefix_sum is None else prefix_sum[b, 0].double().clone()
+        count = 0.0 if prefix_count is None else float(prefix_count[b, 0, 0])
+        for t in range(T):
+            if t > 0 and segments[b, t] != segments[b, t - 1]:
+                total, count = torch.zeros(D, dtype=torch.float64), 0.0
+            total += x[b, t].double()
+            count += 1
+            out[b, t] = total / count
+    return out
+
+
+def test_causal_mean_restarts_at_every_document_against_a_loop():
+    from lrattn_lightning.model.routing.gated import causal_mean
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 11, 4, generator=g)
+    idx = torch.randint(0, 7, (3, 11), generator=g)
+    idx[0] = 1  # no boundary in this row
+    segments = document_segments(idx, SEP)
+    means, _ = causal_mean(x, None, segments)
+    torch.testing.assert_close(means.double(), _segment_means_float64(x, segments), rtol=1e-6, atol=1e-6)
+    # with a prefix (decoding): the first new position continues it, later segments drop it
+    prefix = (torch.randn(3, 1, 4, generator=g), torch.tensor([4.0, 2.0, 7.0]).view(3, 1, 1))
+    means, (last_sum, last_count) = causal_mean(x, prefix, segments)
+    expected = _segment_means_float64(x, segments, *prefix)
+    torch.testing.assert_close(means.double(), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(last_sum[:, 0] / last_count[:, 0], means[:, -1])
+
+
+def test_gated_residual_gates_do_not_see_the_document_packed_before_it(registry):
+    """The gate's running means restart at a document boundary: a packed document's gates and logits are
+    its own (before, the means ran over the whole window and the earlier document leaked into the gates)."""
+    model = _gated_model(registry)
+    a, b = _doc(7, 1), _doc(6, 2)
+    with torch.no_grad():
+        alone = model(b, return_routing=True)
+        packed = model(torch.cat((a, b), dim=1), return_routing=True)
+    n = a.shape[1]
+    for g_alone, g_packed in zip(alone.routing, packed.routing, strict=True):
+        torch.testing.assert_close(g_packed[:, :, n:], g_alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed.logits[:, n:], alone.logits, rtol=1e-5, atol=1e-5)
+    model.doc_separator = None  # negative control: one running mean over the window
+    with torch.no_grad():
+        leaked = model(torch.cat((a, b), dim=1), return_routing=True)
+    assert max((lk[:, :, n:] - al).abs().max().item() for lk, al in zip(leaked.routing, alone.routing, strict=True)) > 1e-2
+
+
+def test_gated_residual_kv_cache_decoding_masks_like_the_full_forward(registry):
+    model = _gated_model(registry)
+    idx = torch.cat((_doc(4, 4), _doc(5, 5), _doc(4, 6)), dim=1).repeat(2, 1)
+    idx[1, 7] = SEP  # rows with different boundaries; row 1 starts a document at the prompt's last token
+    with torch.no_grad():
+        full = model(idx)
+        cache = KVCache.empty(DEEPER.n_layers)
+        steps = [model(idx[:, :7], cache=cache)]  # the prompt ends inside the second document
+        steps += [model(idx[:, t : t + 2], cache=cache) for t in range(7, idx.shape[1], 2)]  # chunks of 2
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)

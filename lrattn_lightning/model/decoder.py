@@ -9,7 +9,8 @@ Document masking (the paper's recipe, `use_doc_masking`): with `Decoder.doc_sepa
 tokenizer's EOS id, a token attends only to earlier tokens of its own document. As in the paper's
 code, every separator token starts a new segment (so it belongs to the document after it) and RoPE
 positions run over the whole packed window. Training, validation, evaluation and KV-cache decoding all
-go through this forward, so all mask alike. Depth routing is per token and needs no mask.
+go through this forward, so all mask alike. AttnRes depth routing is per token and needs no mask; the
+gated residual's running means restart at every document (the router gets the segment ids).
 """
 
 from __future__ import annotations
@@ -180,14 +181,14 @@ class Decoder(nn.Module):
         if start + T > size.seq_len:
             raise InputError(f"sequence of {start + T} tokens exceeds seq_len={size.seq_len} of size '{size.name}'")
         cos, sin = rope_angles(torch.arange(start, start + T, device=idx.device), size.d_model // size.n_heads, size.rope_theta)
-        same_doc = self._same_document(idx, cache)
+        same_doc, segments = self._documents(idx, cache)
         x = self.embed(idx)  # (B, T, D)
         routing_cache = None
         if cache is not None:
             if cache.routing is None:
                 cache.routing = self.router.new_cache()
             routing_cache = cache.routing
-        state = self.router.start(x, record=return_routing, cache=routing_cache)
+        state = self.router.start(x, record=return_routing, cache=routing_cache, segments=segments)
         for layer_index, layer in enumerate(self.layers):
             j = 2 * layer_index
             h = self.router.read(state, j)
@@ -200,18 +201,19 @@ class Decoder(nn.Module):
             return DecoderOutput(logits, state.weights)
         return logits
 
-    def _same_document(self, idx: Tensor, cache: KVCache | None) -> Tensor | None:
-        """[B, 1, T, T_all] bool (document masking), or None where every position shares one document."""
+    def _documents(self, idx: Tensor, cache: KVCache | None) -> tuple[Tensor | None, Tensor | None]:
+        """Document masking: the attention mask [B, 1, T, T_all] bool (None where every position shares one
+        document) and the new positions' segment ids [B, T]; (None, None) without document masking."""
         if self.doc_separator is None:
-            return None
+            return None, None
         before = cache.segments if cache is not None else None
         seg = document_segments(idx, self.doc_separator, before)
         seg_all = seg if before is None else torch.cat((before, seg), dim=1)
         if cache is not None:
             cache.segments = seg_all
         if bool((seg_all[:, -1] == seg_all[:, 0]).all()):  # one document per row: the causal mask suffices
-            return None
-        return (seg[:, :, None] == seg_all[:, None, :]).unsqueeze(1)
+            return None, seg
+        return (seg[:, :, None] == seg_all[:, None, :]).unsqueeze(1), seg
 
 
 def build_decoder(

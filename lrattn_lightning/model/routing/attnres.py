@@ -154,7 +154,8 @@ class ReferenceState:
 class ReferenceAttnRes(AttnResRouter):
     """The readable backend: stacks the sources at every read and calls `depth_read`."""
 
-    def start(self, emb_BTD: Tensor, *, record: bool = False, cache: None = None) -> ReferenceState:
+    def start(self, emb_BTD: Tensor, *, record: bool = False, cache: None = None,
+              segments: Tensor | None = None) -> ReferenceState:
         state = ReferenceState(partial=PartialBlock(), weights=[] if record else None)  # (traceable)
         state.values.append(emb_BTD)
         state.keys.append(self._norm_key(self.key_source.embedding(emb_BTD)))

@@ -52,7 +52,8 @@ class CompiledState:
 class CompiledAttnRes(AttnResRouter):
     """AttnRes in plain tensor ops (module docstring)."""
 
-    def start(self, emb_BTD: Tensor, *, record: bool = False, cache: None = None) -> CompiledState:
+    def start(self, emb_BTD: Tensor, *, record: bool = False, cache: None = None,
+              segments: Tensor | None = None) -> CompiledState:
         queries = self.queries
         if self.query_norm and not self.dynamic_query:
             queries = head_rms_norm(queries.to(compute_dtype(queries.dtype)), self.heads)

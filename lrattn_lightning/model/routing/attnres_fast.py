@@ -114,7 +114,8 @@ class FastAttnRes(AttnResRouter):
         )
 
     # ---- the forward-pass protocol ----------------------------------------------------------------
-    def start(self, emb_BTD: Tensor, *, record: bool = False, cache: None = None) -> FastState:
+    def start(self, emb_BTD: Tensor, *, record: bool = False, cache: None = None,
+              segments: Tensor | None = None) -> FastState:
         if torch.compiler.is_compiling():
             raise InputError("routing backend 'fast' cannot run under torch.compile (autograd Functions over "
                              "buffers); build the decoder with impl 'compiled'")

@@ -50,8 +50,11 @@ class Router(Protocol):
     def new_cache(self) -> Any:
         """A cache for incremental decoding kept across passes, or None when the router needs none."""
 
-    def start(self, emb_BTD: Tensor, *, record: bool = False, cache: Any = None) -> Any:
-        """Begin a pass at the embedding o_0 [B, T, D]; record: keep the routing weights (state.weights)."""
+    def start(self, emb_BTD: Tensor, *, record: bool = False, cache: Any = None,
+              segments: Tensor | None = None) -> Any:
+        """Begin a pass at the embedding o_0 [B, T, D]; record: keep the routing weights (state.weights);
+        segments: document masking's segment id per position [B, T] (None without it). Routing that is per
+        token (residual, AttnRes) ignores it; the gated residual's running means restart at each document."""
 
     def write(self, state: Any, i: int, out_BTE: Tensor) -> None:
         """Sublayer i's raw output ([B, T, D], or [B, T, D + extra rows] for P-LR / dynamic query)."""

@@ -21,9 +21,13 @@ Two training-time controls live on the router as state, not architecture (set by
                           sublayer) by G / (||G|| + 1e-6), clipped to |.| < 1 (already true after the
                           normalisation; kept because the description states both)
 
+Document masking (`Decoder.doc_separator` set): the running means restart at every document boundary,
+so a token's gate sees only its own document, as its attention does (`segments`, the decoder's segment ids).
+
 KV-cache decoding: the causal means continue over earlier positions, so the router's own cache
 (`GatedCache`, held opaquely by the decoder's KVCache) keeps per sublayer the sums of x and F(x) over the
-positions seen so far. One implementation (the `impl` backend names only AttnRes code and is ignored here).
+positions of the current document seen so far. One implementation (the `impl` backend names only AttnRes
+code and is ignored here).
 
 Shape legend: B batch, T tokens, D = d_model.
 """
@@ -42,19 +46,31 @@ from lrattn_lightning.model.routing._math import compute_dtype
 GRAD_NORM_EPS = 1e-6
 
 
-def causal_mean(x_BTD: Tensor, prefix: tuple[Tensor, int] | None = None) -> Tensor:
-    """Running mean over positions <= t (keeps the gated residual causal).
+def causal_mean(x_BTD: Tensor, prefix: tuple[Tensor, Tensor] | None = None,
+                segments_BT: Tensor | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """Running mean over positions <= t of the same segment (keeps the gated residual causal).
 
-    prefix: (sum over earlier positions [B, 1, D] in the compute dtype, their count), for incremental decoding.
-    Sums in compute_dtype(x): float32, float64 for float64 models.
+    prefix: (sum [B, 1, D] in the compute dtype, count [B, 1, 1]) of the earlier positions that the first
+    position continues (count 0 where it starts a new segment), for incremental decoding.
+    segments_BT: segment ids (document masking; None: one segment). Sums in compute_dtype(x): float32,
+    float64 for float64 models. -> (means [B, T, D], the (sum, count) at the last position: the next prefix).
     """
-    T = x_BTD.shape[1]
+    B, T, D = x_BTD.shape
     cdtype = compute_dtype(x_BTD.dtype)
     sums = x_BTD.to(cdtype).cumsum(dim=1)
-    counts = torch.arange(1, T + 1, device=x_BTD.device, dtype=cdtype).view(1, T, 1)
+    counts = torch.arange(1, T + 1, device=x_BTD.device, dtype=cdtype).view(1, T, 1).expand(B, T, 1)
     if prefix is not None:
         sums, counts = sums + prefix[0], counts + prefix[1]
-    return (sums / counts).to(x_BTD.dtype)
+    if segments_BT is not None and T > 1:  # subtract what precedes each position's segment start
+        positions = torch.arange(T, device=x_BTD.device).expand(B, T)
+        new = torch.zeros_like(segments_BT, dtype=torch.bool)
+        new[:, 1:] = segments_BT[:, 1:] != segments_BT[:, :-1]
+        start_BT = torch.where(new, positions, 0).cummax(dim=1).values  # 0: continues the prefix
+        before_BT1 = ((start_BT - 1).clamp(min=0)).unsqueeze(-1)
+        inside_BT1 = (start_BT > 0).unsqueeze(-1).to(cdtype)
+        sums = sums - sums.gather(1, before_BT1.expand(B, T, D)) * inside_BT1
+        counts = counts - counts.gather(1, before_BT1) * inside_BT1
+    return (sums / counts).to(x_BTD.dtype), (sums[:, -1:], counts[:, -1:])
 
 
 class NormalizedGateGrad(torch.autograd.Function):
@@ -77,10 +93,12 @@ def logit(p: float) -> float:
 
 @dataclass
 class GatedCache:
-    """Incremental decoding: per sublayer i = 1..2L, the sums over earlier positions of x and F(x)
-    ([B, 1, D] each, compute dtype) and how many positions they cover; updated in place."""
+    """Incremental decoding: per sublayer i = 1..2L, the sums over the earlier positions of the current
+    document of x and F(x) ([B, 1, D] each, compute dtype) and how many positions they cover ([B, 1, 1]);
+    the segment id of the last cached position ([B], document masking); updated in place."""
 
-    sums: list[tuple[Tensor, Tensor, int] | None]
+    sums: list[tuple[Tensor, Tensor, Tensor] | None]
+    last_segment: Tensor | None = None
 
 
 @dataclass
@@ -88,6 +106,8 @@ class GatedState:
     stream: Tensor  # the running hidden state [B, T, D]
     weights: list[Tensor] | None = None  # recording: per sublayer [alpha_i, 1 - alpha_i] as [2, B, T, 1]
     cache: GatedCache | None = None
+    segments: Tensor | None = None  # document masking: segment id per new position [B, T]
+    continues: Tensor | None = None  # [B, 1, 1]: 1 where the first new position continues the cached document
 
 
 class GatedRouter(nn.Module):
@@ -140,8 +160,14 @@ class GatedRouter(nn.Module):
     def new_cache(self) -> GatedCache:
         return GatedCache([None] * self.n_sublayers)
 
-    def start(self, emb_BTD: Tensor, *, record: bool = False, cache: GatedCache | None = None) -> GatedState:
-        return GatedState(emb_BTD, [] if record else None, cache)
+    def start(self, emb_BTD: Tensor, *, record: bool = False, cache: GatedCache | None = None,
+              segments: Tensor | None = None) -> GatedState:
+        continues = None
+        if segments is not None and cache is not None:
+            if cache.last_segment is not None:
+                continues = (segments[:, :1] == cache.last_segment[:, None]).unsqueeze(-1)
+            cache.last_segment = segments[:, -1]
+        return GatedState(emb_BTD, [] if record else None, cache, segments, continues)
 
     def read(self, state: GatedState, j: int) -> Tensor:
         return state.stream
@@ -151,18 +177,18 @@ class GatedRouter(nn.Module):
         if self._held:
             gate_BT1 = x_BTD.new_full((*x_BTD.shape[:-1], 1), 0.5)
             if state.cache is not None:  # keep the cached sums current for a later release
-                self._gate_means(state.cache, i, x_BTD, fx_BTD)
+                self._gate_means(state, i, x_BTD, fx_BTD)
         else:
-            gate_BT1 = self._gate(state.cache, i, x_BTD, fx_BTD)
+            gate_BT1 = self._gate(state, i, x_BTD, fx_BTD)
             if self.gate_grad_normalize and gate_BT1.requires_grad:
                 gate_BT1 = NormalizedGateGrad.apply(gate_BT1)
         if state.weights is not None:  # a two-source read: alpha on the stream, 1 - alpha on F(x)
             state.weights.append(torch.stack((gate_BT1, 1 - gate_BT1)).detach().float())
         state.stream = gate_BT1 * x_BTD + (1 - gate_BT1) * fx_BTD
 
-    def _gate(self, cache: GatedCache | None, i: int, x_BTD: Tensor, fx_BTD: Tensor) -> Tensor:
+    def _gate(self, state: GatedState, i: int, x_BTD: Tensor, fx_BTD: Tensor) -> Tensor:
         """alpha_i [B, T, 1] in the stream's dtype (computed in float32, float64 for float64 models)."""
-        mean_x, mean_fx = self._gate_means(cache, i, x_BTD, fx_BTD)
+        mean_x, mean_fx = self._gate_means(state, i, x_BTD, fx_BTD)
         gate_logit = (self.gate_q[i - 1](mean_x) * self.gate_k[i - 1](mean_fx)).sum(-1, keepdim=True)
         cdtype = compute_dtype(gate_logit.dtype)
         gate_logit = gate_logit.to(cdtype) / math.sqrt(self.d)
@@ -171,15 +197,18 @@ class GatedRouter(nn.Module):
         return torch.sigmoid(gate_logit).to(x_BTD.dtype)
 
     @staticmethod
-    def _gate_means(cache: GatedCache | None, i: int, x: Tensor, fx: Tensor) -> tuple[Tensor, Tensor]:
-        """Causal running means of x and F(x), continuing the cached sums when decoding incrementally."""
-        if cache is None:
-            return causal_mean(x), causal_mean(fx)
-        prev = cache.sums[i - 1]
-        sums = tuple(t.to(compute_dtype(t.dtype)).sum(dim=1, keepdim=True) for t in (x, fx))
-        if prev is None:
-            cache.sums[i - 1] = (*sums, x.shape[1])
-            return causal_mean(x), causal_mean(fx)
-        sum_x, sum_fx, n = prev
-        cache.sums[i - 1] = (sum_x + sums[0], sum_fx + sums[1], n + x.shape[1])
-        return causal_mean(x, (sum_x, n)), causal_mean(fx, (sum_fx, n))
+    def _gate_means(state: GatedState, i: int, x: Tensor, fx: Tensor) -> tuple[Tensor, Tensor]:
+        """Causal running means of x and F(x) within each document, continuing the cached sums when
+        decoding incrementally (dropped in rows whose first new token starts a new document)."""
+        cache, prefix_x, prefix_fx = state.cache, None, None
+        if cache is not None and cache.sums[i - 1] is not None:
+            sum_x, sum_fx, n = cache.sums[i - 1]
+            if state.continues is not None:
+                keep = state.continues.to(sum_x.dtype)
+                sum_x, sum_fx, n = sum_x * keep, sum_fx * keep, n * keep
+            prefix_x, prefix_fx = (sum_x, n), (sum_fx, n)
+        mean_x, (last_x, count) = causal_mean(x, prefix_x, state.segments)
+        mean_fx, (last_fx, _) = causal_mean(fx, prefix_fx, state.segments)
+        if cache is not None:
+            cache.sums[i - 1] = (last_x, last_fx, count)
+        return mean_x, mean_fx

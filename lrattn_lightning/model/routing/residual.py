@@ -34,7 +34,8 @@ class ResidualRouter(nn.Module):
     def new_cache(self) -> None:
         return None
 
-    def start(self, emb_BTD: Tensor, *, record: bool = False, cache: None = None) -> ResidualState:
+    def start(self, emb_BTD: Tensor, *, record: bool = False, cache: None = None,
+              segments: Tensor | None = None) -> ResidualState:
         return ResidualState(emb_BTD, [] if record else None)
 
     def write(self, state: ResidualState, i: int, out_BTE: Tensor) -> None:
