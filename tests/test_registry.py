@@ -178,6 +178,16 @@ def test_unknown_section(raw_registry):
         ("rank", -8),
         ("depth_heads", 0),
         ("count_prior", "one"),
+        ("count_prior", float("nan")),
+        ("count_prior", float("inf")),
+        ("logit_scale", float("inf")),
+        ("doc", None),
+        ("doc", 5),
+        ("control", 5),
+        ("control", "slr"),  # itself
+        ("tags", "abc"),
+        ("tags", 5),
+        ("extends", ["full"]),
     ],
 )
 def test_bad_value(raw_registry, field, value):
@@ -330,3 +340,29 @@ def test_grid_point_with_a_bad_value(raw_registry):
         "g": {"extends": "slr", "doc": "grid", "name": "g-{block_summary}", "axes": {"block_summary": ["sum", "avg"]}},
     }
     raises_naming(raw_registry, "ablations.g-avg", "block_summary")
+
+
+@pytest.mark.parametrize("field, value", [("rank", 8), ("blocks", 2), ("key_source", "projected"), ("count_prior", 1.0),
+                                          ("depth_heads", 2)])
+@pytest.mark.parametrize("routing", ["residual", "gated"])
+def test_attnres_fields_on_other_routing_are_an_error_not_ignored(raw_registry, routing, field, value):
+    raw_registry["ablations"]["baseline"].update({"routing": routing, field: value})
+    raises_naming(raw_registry, "ablations.baseline", field, "routing: attnres")
+
+
+def test_extending_an_attnres_entry_with_other_routing_must_reset_its_fields(raw_registry):
+    raw_registry["ablations"]["g"] = {"doc": "gated", "control": "baseline", "extends": "slr", "routing": "gated"}
+    raises_naming(raw_registry, "ablations.g", "key_source")
+
+
+@pytest.mark.parametrize("field, value", [("rope_theta", float("nan")), ("rope_theta", "big"), ("init_std", True),
+                                          ("init_std", -0.1)])
+def test_bad_size_number(raw_registry, field, value):
+    raw_registry["sizes"]["t"][field] = value
+    raises_naming(raw_registry, "sizes.t", field)
+
+
+def test_grid_template_with_an_unknown_placeholder(raw_registry):
+    raw_registry["grids"] = {"g": {"name": "x-{rank}-{foo}", "extends": "slr", "doc": "d", "control": "full",
+                                   "axes": {"rank": [4, 8]}}}
+    raises_naming(raw_registry, "grids.g", "name", "foo")

@@ -56,6 +56,14 @@ _EMBEDDING_KEYS_FOR = {
 }
 
 
+_ATTNRES_FIELDS = ("key_source", "rank", "depth_heads", "key_norm", "query_norm", "query_init", "query",
+                   "logit_scale", "blocks", "block_size", "block_summary", "count_prior", "embedding_key")
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def config_error(entry: str, field: str, message: str) -> InputError:
     """The one error format for bad configuration: the entry, the field, what is wrong and the fix."""
     return InputError(f"{entry}: field '{field}': {message}")
@@ -90,8 +98,10 @@ class SizeConfig:
             raise config_error(where, "n_heads", f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if (self.d_model // self.n_heads) % 2:
             raise config_error(where, "n_heads", "the attention head size d_model/n_heads must be even for RoPE")
-        if self.rope_theta <= 0 or self.init_std <= 0:
-            raise config_error(where, "rope_theta/init_std", "must be positive")
+        for field in ("rope_theta", "init_std"):
+            value = getattr(self, field)
+            if not _finite_number(value) or value <= 0:
+                raise config_error(where, field, f"must be a positive number, got {value!r}")
         return self
 
 
@@ -131,6 +141,13 @@ class AblationConfig:
     def validate(self) -> AblationConfig:
         """Checks that need no size. Size-dependent checks live in `ModelConfig.validate`."""
         where = f"ablations.{self.name}"
+        if not isinstance(self.doc, str) or not self.doc.strip():
+            raise config_error(where, "doc", f"must say in words what the entry tests, got {self.doc!r}")
+        if self.control is not None and not isinstance(self.control, str):
+            raise config_error(where, "control", f"must name one ablation or be null, got {self.control!r}")
+        if self.control == self.name:
+            raise config_error(where, "control", "an entry cannot be its own control; name the ablation it is "
+                               "compared with, or null")
         _check_literal(where, "routing", self.routing, Routing)
         _check_literal(where, "key_source", self.key_source, KeySource)
         _check_literal(where, "key_norm", self.key_norm, KeyNorm)
@@ -142,7 +159,7 @@ class AblationConfig:
             raise config_error(where, "query_norm", f"must be true or false, got {self.query_norm!r}")
         if isinstance(self.logit_scale, str):
             _check_literal(where, "logit_scale", self.logit_scale, LogitScaleName)
-        elif isinstance(self.logit_scale, bool) or not isinstance(self.logit_scale, int | float) or self.logit_scale <= 0:
+        elif not _finite_number(self.logit_scale) or self.logit_scale <= 0:
             raise config_error(where, "logit_scale", f"must be 'none', 'inv_sqrt_head_dim' or a positive number, got {self.logit_scale!r}")
         for field in ("rank", "blocks", "block_size"):
             value = getattr(self, field)
@@ -150,10 +167,11 @@ class AblationConfig:
                 raise config_error(where, field, f"must be a positive integer or null, got {value!r}")
         if isinstance(self.depth_heads, bool) or not isinstance(self.depth_heads, int) or self.depth_heads < 1:
             raise config_error(where, "depth_heads", f"must be a positive integer, got {self.depth_heads!r}")
-        if isinstance(self.count_prior, bool) or not isinstance(self.count_prior, int | float):
-            raise config_error(where, "count_prior", f"must be a number, got {self.count_prior!r}")
+        if not _finite_number(self.count_prior):
+            raise config_error(where, "count_prior", f"must be a finite number, got {self.count_prior!r}")
         self._validate_gate(where)
         if self.routing != "attnres":
+            self._no_attnres_fields(where)
             return self
         if self.blocks is not None and self.block_size is not None:
             raise config_error(where, "blocks", "give either 'blocks' (a count) or 'block_size' (sublayers per block), not both")
@@ -180,6 +198,14 @@ class AblationConfig:
                 f"key_source '{self.key_source}' needs embedding_key in {list(allowed)}, got '{self.embedding_key}'",
             )
         return self
+
+    def _no_attnres_fields(self, where: str) -> None:
+        """Residual and gated routing read none of AttnRes's fields: a set one would be silently ignored."""
+        for f in dataclasses.fields(self):
+            if f.name in _ATTNRES_FIELDS and getattr(self, f.name) != f.default:
+                raise config_error(where, f.name, f"only AttnRes routing (routing: attnres) reads it; routing is "
+                                   f"'{self.routing}': remove it (over an `extends`, reset it to "
+                                   f"{'null' if f.default is None else repr(f.default)})")
 
     def _validate_gate(self, where: str) -> None:
         """gate_bias / gate_alpha: only for routing gated; gate_alpha exactly when the bias needs one."""

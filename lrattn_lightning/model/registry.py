@@ -154,7 +154,10 @@ def parse_registry(raw: dict[str, Any], *, path: str = "<dict>", sha256: str = "
             if required not in fields:
                 raise config_error(f"ablations.{name}", required, f"every ablation must state its '{required}' (control may be null)")
         if "tags" in fields:
-            fields["tags"] = tuple(fields["tags"] or ())
+            tags = fields["tags"] or []
+            if not isinstance(tags, list) or not all(isinstance(tag, str) for tag in tags):
+                raise config_error(f"ablations.{name}", "tags", f"must be a list of strings, got {tags!r}")
+            fields["tags"] = tuple(tags)
         ablations[name] = _build(AblationConfig, "ablations", name, fields)
     for name, abl in ablations.items():
         if abl.control is not None and abl.control not in ablations:
@@ -182,6 +185,8 @@ def _resolve_extends(table: dict[str, dict], section: str, name: str, chain: tup
     parent = entry.pop("extends", None)
     if parent is None:
         return entry
+    if not isinstance(parent, str):
+        raise config_error(f"{section}.{name}", "extends", f"must name one entry, got {parent!r}")
     if parent not in table:
         hint = ", ".join(closest_names(str(parent), list(table)))
         raise config_error(f"{section}.{name}", "extends", f"unknown entry '{parent}'; closest: {hint}")
@@ -221,6 +226,10 @@ def _expand_grid(grid_name: str, grid: dict[str, Any]) -> dict[str, dict[str, An
     out = {}
     for combo in itertools.product(*axes.values()):
         point = dict(zip(axes, combo, strict=True))
-        name = template.format(**point)
+        try:
+            name = template.format(**point)
+        except (KeyError, IndexError, ValueError) as err:
+            raise config_error(where, "name", f"template {template!r} names a placeholder that is not an axis "
+                               f"({err}); use only {sorted('{' + a + '}' for a in axes)}") from err
         out[name] = {**grid, **point, "tags": [*grid.get("tags", []), f"grid:{grid_name}"]}
     return out
