@@ -74,3 +74,16 @@ def test_eos_and_stop_condition_end_rows(registry):
     assert stopped.shape == (2, 4) and torch.equal(stopped, free[:, :4])
     with pytest.raises(ValueError, match="exceeds seq_len"):
         generate(model, prompt, model.cfg.size.seq_len)
+
+
+def test_a_request_that_fills_the_window_exactly_is_served(registry):
+    """The last new token is returned, never fed back: prompt + new tokens may be seq_len + 1 long."""
+    model = _model(registry, "s-lr-block-n8-r64")
+    L = model.cfg.size.seq_len
+    prompt = tokens(model.cfg.size.vocab_size, batch=2, length=L - 1)
+    out = generate(model, prompt, 2)
+    assert out.shape == (2, 2)
+    assert torch.equal(out, generate(model, prompt, 2, use_cache=False))
+    assert generate(model, tokens(model.cfg.size.vocab_size, batch=1, length=L), 1).shape == (1, 1)
+    with pytest.raises(ValueError, match=f"needs {L + 1} positions"):
+        generate(model, prompt, 3)

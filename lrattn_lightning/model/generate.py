@@ -75,8 +75,9 @@ def generate_stream(
     seq_len = model.cfg.size.seq_len
     if T < 1:
         raise InputError("generate needs a prompt of at least one token")
-    if T + max_new_tokens > seq_len:
-        raise InputError(f"prompt of {T} tokens + {max_new_tokens} new tokens exceeds seq_len={seq_len}")
+    if T + max_new_tokens - 1 > seq_len:  # the last new token is returned, never fed back
+        raise InputError(f"prompt of {T} tokens + {max_new_tokens} new tokens needs {T + max_new_tokens - 1} "
+                         f"positions, which exceeds seq_len={seq_len}; shorten the prompt or max_new_tokens")
     cache = KVCache.empty(len(model.layers)) if use_cache else None
     logits = model(prompt_BT, cache=cache)[:, -1]  # prefill: (B, V)
     done = torch.zeros(B, dtype=torch.bool, device=prompt_BT.device)
