@@ -332,3 +332,36 @@ def test_presets_expand():
     assert shots == 5 and names == ["mmlu", "arc_challenge", "arc_easy", "commonsense_qa", "hellaswag", "openbookqa",
                                     "piqa", "winogrande"]
     assert expand_tasks("local,lrattn_ppl,hellaswag") == (["lrattn_cloze", "lrattn_ppl", "hellaswag"], None)
+
+
+def test_evaluation_uses_the_trained_window_not_the_sizes(trained, tmp_path, capsys):
+    """`--data.seq_len 16` on size `tiny` (seq_len 32): the checkpoint records the trained window, and the
+    validation loss, lm-eval's truncation and chat all use it (they used 32: positions never trained on)."""
+    from lrattn_lightning.data.shards import check_shards, count_windows
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        rc = main(["fit", "--size", "tiny", "--ablation", "s-lr-grid-n4-r16", "--registry", str(REPO / "registry.yaml"),
+                   "--data.data_dir", str(trained["data"]), "--data.batch_size", "4", "--data.seq_len", "16",
+                   "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1", "--trainer.enable_progress_bar",
+                   "false", "--trainer.accelerator", "cpu", "--model.warmup_steps", "1",
+                   "--tracking_uri", f"sqlite:///{tmp_path}/mlflow.db"])
+    finally:
+        os.chdir(cwd)
+    assert rc == 0
+    ckpt_path = tmp_path / "runs/lrattn/tiny-s-lr-grid-n4-r16-seed0/checkpoints/last.ckpt"
+    ckpt = load_checkpoint(ckpt_path)
+    assert (ckpt.seq_len, ckpt.cfg.size.seq_len) == (16, 32)
+    assert LRAttnLM(checkpoint=str(ckpt_path)).max_length == 16
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(ckpt_path), "--tasks", "lrattn_ppl", "--limit", "2", "--val-loss",
+                 "--no-log", "--accelerator", "cpu", "--bootstrap-iters", "0"]) == 0
+    tokens = int(re.search(r"over (\d+) tokens", capsys.readouterr().out).group(1))
+    chunks = check_shards(trained["data"], "val")
+    assert tokens == count_windows(chunks, 17) * 16 != count_windows(chunks, 33) * 32
+    # a checkpoint from before the window was recorded evaluates at the size's seq_len
+    raw = torch.load(ckpt_path, weights_only=True)
+    del raw["data"]["seq_len"]
+    torch.save(raw, tmp_path / "old.ckpt")
+    assert load_checkpoint(tmp_path / "old.ckpt").seq_len == 32

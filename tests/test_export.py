@@ -130,3 +130,14 @@ def test_lm_eval_cli_scores_the_export(tmp_path, tiny_data):  # noqa: F811
     results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
     assert 0.0 <= results["lrattn_cloze"]["acc,none"] <= 1.0
     assert 1.0 < results["lrattn_ppl"]["bits_per_byte,none"] < 20.0
+
+
+def test_the_trained_window_is_the_exported_context_length(tmp_path):
+    """A run trained with `--data.seq_len 16` on a 64-position size: HF and lm-eval see a 16-token window."""
+    make_checkpoint(tmp_path / "last.ckpt", "s-lr-block-n8-r64")
+    raw = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    raw["data"] = {"data_dir": None, "source": None, "seq_len": 16}
+    torch.save(raw, tmp_path / "last.ckpt")
+    out = export_hf(tmp_path / "last.ckpt", tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 16
+    assert json.loads((out / "generation_config.json").read_text())["max_length"] == 16

@@ -59,15 +59,19 @@ class LRAttnLM(TemplateLM):
 
     def __init__(self, checkpoint: str | None = None, *, model: Decoder | None = None, tokenizer: Tokenizer | None = None,
                  batch_size: int | str = 16, max_gen_toks: int = 256, device: str | torch.device | None = None,
-                 seed: int = 1234, collectives: Any = None, **_ignored: Any):
+                 seed: int = 1234, collectives: Any = None, max_length: int | None = None, **_ignored: Any):
+        """max_length: the window contexts are truncated to, the trained one (`--data.seq_len`); default the
+        checkpoint's, else the model size's seq_len."""
         super().__init__()
         self.checkpoint = None
         if checkpoint is not None:
             self.checkpoint = load_checkpoint(checkpoint)
             model, tokenizer = self.checkpoint.model, self.checkpoint.tokenizer
+            max_length = max_length or self.checkpoint.seq_len
         if model is None or tokenizer is None:
             raise EvalError("LRAttnLM needs checkpoint=PATH, or model= and tokenizer=")
         self.model, self.tok = model, tokenizer
+        self._max_length = min(int(max_length or model.cfg.size.seq_len), model.cfg.size.seq_len)
         self._device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model.to(self._device)
         self.batch_size = 16 if str(batch_size).startswith("auto") else int(batch_size)
@@ -83,7 +87,7 @@ class LRAttnLM(TemplateLM):
 
     @property
     def max_length(self) -> int:
-        return self.model.cfg.size.seq_len
+        return self._max_length
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
         return self.tok.encode(string)

@@ -263,7 +263,7 @@ def _evaluate(fabric: Any, args: argparse.Namespace, data_dir: str | None) -> di
     ckpt = _LOADED.pop(args.checkpoint, None) or load_checkpoint(args.checkpoint)
     model = ckpt.model.to(fabric.device)
     lm = LRAttnLM(model=model, tokenizer=ckpt.tokenizer, batch_size=args.batch_size, device=fabric.device,
-                  collectives=fabric if fabric.world_size > 1 else None)
+                  collectives=fabric if fabric.world_size > 1 else None, max_length=ckpt.seq_len)
     lm.checkpoint = ckpt
     names, _ = expand_tasks(args.tasks)
     results = None
@@ -273,7 +273,8 @@ def _evaluate(fabric: Any, args: argparse.Namespace, data_dir: str | None) -> di
     val = None
     if args.val_loss:
         val = validation_loss(model, data_dir, batch_size=args.batch_size, rank=fabric.global_rank,
-                              world_size=fabric.world_size, all_reduce=lambda t: fabric.all_reduce(t, reduce_op="sum"))
+                              world_size=fabric.world_size, all_reduce=lambda t: fabric.all_reduce(t, reduce_op="sum"),
+                              seq_len=ckpt.seq_len)
     if fabric.global_rank != 0:
         return None
     return report(ckpt, results, val, args)
@@ -328,7 +329,7 @@ class EvalCallback(Callback):
         model.eval()
         strategy = trainer.strategy if trainer.world_size > 1 else None
         lm = LRAttnLM(model=model, tokenizer=datamodule.tokenizer(), batch_size=self.batch_size,
-                      device=pl_module.device, collectives=strategy)
+                      device=pl_module.device, collectives=strategy, max_length=datamodule.seq_len)
         limit = int(self.limit) if self.limit is not None and self.limit >= 1 else self.limit
         try:
             results = run_lm_eval(lm, self.tasks, data_dir=datamodule.data_dir,
@@ -338,7 +339,8 @@ class EvalCallback(Callback):
             if self.val_loss:
                 val = validation_loss(model, datamodule.data_dir, batch_size=self.batch_size,
                                       rank=trainer.global_rank, world_size=trainer.world_size,
-                                      all_reduce=lambda t: trainer.strategy.reduce(t, reduce_op="sum"))
+                                      all_reduce=lambda t: trainer.strategy.reduce(t, reduce_op="sum"),
+                                      seq_len=datamodule.seq_len)
         finally:
             model.train(was_training)
         if not trainer.is_global_zero:

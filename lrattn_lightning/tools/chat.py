@@ -66,7 +66,7 @@ def _check_sampling(args: argparse.Namespace) -> None:
 def stream_reply(ckpt: LoadedCheckpoint, ids: list[int], args: argparse.Namespace, out: TextIO,
                  stop_at_blank_line: bool = False, generator: torch.Generator | None = None) -> list[int]:
     """Decode a continuation of `ids`, writing it to `out` piece by piece; returns the new ids."""
-    seq_len = ckpt.cfg.size.seq_len
+    seq_len = ckpt.seq_len  # the trained window
     max_new = min(args.max_new_tokens, seq_len)
     ids = ids[-(seq_len + 1 - max_new):] or [ckpt.tokenizer.eos_id]  # the last new token is never fed back
     device = next(ckpt.model.parameters()).device
@@ -102,8 +102,8 @@ def generate_main(argv: list[str] | None = None) -> int:
     try:
         ckpt, generator = _load(args)
         ids = ckpt.tokenizer.encode(args.prompt)
-        if len(ids) > ckpt.cfg.size.seq_len:
-            raise EvalError(f"--prompt is {len(ids)} tokens; the model's window is {ckpt.cfg.size.seq_len}")
+        if len(ids) > ckpt.seq_len:
+            raise EvalError(f"--prompt is {len(ids)} tokens; the model's trained window is {ckpt.seq_len}")
     except EvalError as err:
         print(f"lrattn generate: error: {err}", file=sys.stderr)
         return 2

@@ -133,7 +133,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, overwrite: bool = Fals
             "hidden_size": cfg.size.d_model,
             "num_hidden_layers": cfg.size.n_layers,
             "num_attention_heads": cfg.size.n_heads,
-            "max_position_embeddings": cfg.size.seq_len,
+            "max_position_embeddings": ckpt.seq_len,  # the trained window: lm-eval's HF model truncates to it
             "eos_token_id": eos,
             "bos_token_id": eos,
             "tie_word_embeddings": False,
@@ -142,7 +142,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, overwrite: bool = Fals
         }
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         generation = {"eos_token_id": eos, "bos_token_id": eos, "pad_token_id": eos,
-                      "max_length": cfg.size.seq_len, "do_sample": False}
+                      "max_length": ckpt.seq_len, "do_sample": False}
         (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         (staging / MODELING_FILE).write_text(MODELING_SOURCE)
         hf_tokenizer.save_pretrained(str(staging))

@@ -146,7 +146,8 @@ class RoutingArtifacts(Callback):
 
 
 class CheckpointContents(Callback):
-    """The tokenizer, the data folder and the MLflow run in every checkpoint, as plain values."""
+    """The tokenizer, the data folder, the trained window (`--data.seq_len`) and the MLflow run in every
+    checkpoint, as plain values."""
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         datamodule = trainer.datamodule
@@ -156,7 +157,8 @@ class CheckpointContents(Callback):
             if "file" in spec:  # file-backed tokenizers travel inside the checkpoint
                 spec["content"] = (Path(datamodule.data_dir) / spec["file"]).read_text(encoding="utf-8")
             checkpoint["tokenizer"] = spec
-            checkpoint["data"] = {"data_dir": str(Path(datamodule.data_dir).resolve()), "source": meta.get("source")}
+            checkpoint["data"] = {"data_dir": str(Path(datamodule.data_dir).resolve()), "source": meta.get("source"),
+                                  "seq_len": getattr(datamodule, "seq_len", None)}  # the trained window
         if isinstance(trainer.logger, MLFlowLogger):
             checkpoint["mlflow"] = {
                 "run_id": trainer.logger.run_id,

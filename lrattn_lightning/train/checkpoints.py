@@ -35,6 +35,7 @@ class LoadedCheckpoint:
     global_step: int
     mlflow: dict[str, Any] | None  # the training run: run_id, experiment_id, tracking_uri
     data_dir: str | None
+    seq_len: int  # the window it was trained on (`--data.seq_len`, at most the size's seq_len)
 
 
 def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
@@ -70,8 +71,9 @@ def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
     if tokenizer.vocab_size > cfg.size.vocab_size:
         raise EvalError(f"tokenizer mismatch: checkpoint {path} holds a {spec.get('kind')} tokenizer of "
                         f"{tokenizer.vocab_size} ids but its model has vocab_size {cfg.size.vocab_size}")
+    seq_len = data.get("seq_len") or cfg.size.seq_len  # (checkpoints before it was recorded: the size's)
     return LoadedCheckpoint(path, model.eval(), tokenizer, spec, cfg, int(ckpt.get("global_step", 0)),
-                            ckpt.get("mlflow"), data.get("data_dir"))
+                            ckpt.get("mlflow"), data.get("data_dir"), min(int(seq_len), cfg.size.seq_len))
 
 
 def tokenizer_from_spec(spec: dict[str, Any], where: Path | str) -> Tokenizer:
