@@ -82,6 +82,11 @@ def test_bpe_training_round_trip(tmp_path, data_test_docs):
     assert spec["file"] == "tokenizer.json"  # relative: the prepared folder carries it
     again = load_tokenizer(spec, base_dir=tmp_path)
     assert again.encode(texts[1]) == tok.encode(texts[1]) and again.eos_id == tok.eos_id
+    # the EOS token's text inside a document is text, not a document boundary (as for byte and tiktoken)
+    quoted = "a file ends with <|endoftext|> here"
+    for t in (tok, again):
+        ids = t.encode(quoted)
+        assert t.eos_id not in ids and t.decode(ids) == quoted
 
 
 def test_tokenizer_name_errors(tmp_path):

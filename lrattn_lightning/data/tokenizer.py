@@ -67,6 +67,8 @@ class HFTokenizer:
         self.kind = kind
         self.spec_file = spec_file or str(self.path)
         self._tok = _HF.from_file(str(self.path))
+        # the EOS token's text inside a document is text: only `prepare` puts EOS between documents
+        self._tok.encode_special_tokens = True
         self.eos_id = _find_eos(self._tok, self.path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 

@@ -171,8 +171,9 @@ def _hf_tokenizer(tokenizer: Any, spec: dict[str, Any]) -> Any:
     else:
         raise ExportError(f"checkpoint tokenizer {kind!r}: export writes byte, bpe and hf (tokenizer.json) "
                           "tokenizers; convert the tokenizer to a tokenizer.json first")
+    # split_special_tokens: the EOS token's text inside a document is text, as our tokenizers read it
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos_token, pad_token=eos_token,
-                                   model_max_length=None)
+                                   model_max_length=None, split_special_tokens=True)
     fast.padding_side = "left"  # generation pads on the left; the wrapper drops padding row by row
     return fast
 
