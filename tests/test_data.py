@@ -402,3 +402,15 @@ def test_validate_val_split_shorter_than_a_window(data_test_dir):
 
 def test_bits_per_byte():
     assert bits_per_byte(2 * 0.6931471805599453, 2.0) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("source, tokenizer, out", [
+    ("stdlib-docs", "byte", "data/stdlib-docs-byte"),
+    ("stdlib-docs", "bpe:4096", "data/stdlib-docs-bpe4096"),
+    ("stdlib-docs", "hf:/tmp/some/where/bpe600.json", "data/stdlib-docs-hf-bpe600"),  # was data/stdlib-docs-hf/tmp/...
+    ("/home/u/corpus/", "tiktoken:/x/cl100k_base.tiktoken", "data/corpus-tiktoken-cl100k_base"),
+])
+def test_default_out_is_one_folder_under_data(source, tokenizer, out):
+    from lrattn_lightning.data.prepare import default_out
+
+    assert default_out(source, tokenizer) == out

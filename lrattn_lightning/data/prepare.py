@@ -225,6 +225,13 @@ def _publish(staging: Path, out: Path, overwrite: bool) -> None:
         os.replace(staging, out)
 
 
+def default_out(source: str, tokenizer: str) -> str:
+    """data/SOURCE-TOKENIZER, one folder level: `hf:/a/b/tok.json` names itself by the file's stem."""
+    kind, arg = parse_tokenizer_name(tokenizer)
+    tok = kind if arg is None else f"{kind}{arg}" if kind == "bpe" else f"{kind}-{Path(arg).stem}"
+    return f"data/{Path(source.replace(':', '-')).name}-{tok}"
+
+
 def prepare_main(argv: list[str]) -> int:
     """`lrattn prepare`: the command line of `prepare`."""
     parser = Parser(prog="lrattn prepare", description="Tokenise a corpus into litdata shards.")
@@ -238,7 +245,7 @@ def prepare_main(argv: list[str]) -> int:
     parser.add_argument("--num_workers", type=int, default=1)
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
-    out = args.out or f"data/{Path(args.source).name.replace(':', '-')}-{args.tokenizer.replace(':', '')}"
+    out = args.out or default_out(args.source, args.tokenizer)
     if Path(out).exists() and not args.overwrite:
         raise UsageError(f"--out {out} already exists; pass --overwrite to replace it, or choose another --out")
     prepare(source=args.source, out_dir=out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
