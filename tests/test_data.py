@@ -414,3 +414,19 @@ def test_default_out_is_one_folder_under_data(source, tokenizer, out):
     from lrattn_lightning.data.prepare import default_out
 
     assert default_out(source, tokenizer) == out
+
+
+def test_tiktoken_rank_file_round_trip_and_out_of_vocab_ids(tmp_path):
+    """A `.tiktoken` rank file (here: the 256 bytes and two merges): lossless round trip, the EOS text inside
+    a document is text, and ids the model's larger vocabulary can sample beyond EOS decode to nothing."""
+    import base64
+
+    pytest.importorskip("tiktoken")  # a dev dependency (pyproject), optional for users
+    ranks = [bytes([b]) for b in range(256)] + [b"th", b"the"]
+    (tmp_path / "mini.tiktoken").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(ranks)))
+    tok = load_tokenizer(f"tiktoken:{tmp_path / 'mini.tiktoken'}")
+    assert (tok.eos_id, tok.vocab_size) == (258, 259)
+    text = "the theory of <|endoftext|> — naïve"
+    ids = tok.encode(text)
+    assert 257 in ids and tok.eos_id not in ids and tok.decode(ids) == text
+    assert tok.decode([*ids, tok.eos_id, tok.eos_id + 1, tok.eos_id + 20]) == text

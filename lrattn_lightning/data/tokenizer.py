@@ -102,7 +102,7 @@ class TiktokenTokenizer:
         return self._enc.encode_ordinary(text)
 
     def decode(self, ids: list[int]) -> str:
-        return self._enc.decode([i for i in ids if i != self.eos_id])
+        return self._enc.decode([i for i in ids if i < self.eos_id])  # EOS and ids the model's padded vocabulary adds
 
     def spec(self) -> dict[str, Any]:
         return {"kind": "tiktoken", "file": self.spec_file, "vocab_size": self.vocab_size}
