@@ -89,7 +89,7 @@ def test_bpe_training_round_trip(tmp_path, data_test_docs):
         assert t.eos_id not in ids and t.decode(ids) == quoted
 
 
-def test_tokenizer_name_errors(tmp_path):
+def test_tokenizer_name_errors(tmp_path, monkeypatch):
     assert parse_tokenizer_name("bpe:4096") == ("bpe", "4096")
     for bad in ("bpe:100", "bpe:x", "word", "hf:"):
         with pytest.raises(ValueError, match="tokenizer"):
@@ -97,9 +97,8 @@ def test_tokenizer_name_errors(tmp_path):
     with pytest.raises(ValueError, match="not found"):
         load_tokenizer(f"hf:{tmp_path / 'missing.json'}")
     (tmp_path / "x.tiktoken").write_text("")
-    try:
-        import tiktoken  # noqa: F401
-    except ImportError:  # optional: without it the kind fails with the fix, not an ImportError
+    with monkeypatch.context() as m:  # optional for users: without it the kind fails with the fix
+        m.setitem(sys.modules, "tiktoken", None)  # makes `import tiktoken` raise ImportError
         with pytest.raises(ValueError, match="pip install tiktoken"):
             load_tokenizer(f"tiktoken:{tmp_path / 'x.tiktoken'}")
 
