@@ -198,9 +198,10 @@ def build_optimizer(
 
 
 def wsd_lambda(total_steps: int, warmup_steps: int, decay_fraction: float, final_lr_fraction: float) -> Callable[[int], float]:
-    """LR multiplier for step s: warmup, stable at 1, linear decay to final_lr_fraction."""
+    """LR multiplier for step s: warmup, stable at 1, linear decay to final_lr_fraction over the last
+    int(decay_fraction * T) steps (the reference's warmdown length, so its decay starts at the same step)."""
     warmup = min(warmup_steps, max(total_steps - 1, 0))
-    decay_start = int(total_steps * (1.0 - decay_fraction))
+    decay_start = total_steps - int(total_steps * decay_fraction)
 
     def factor(step: int) -> float:
         if step < warmup:
