@@ -304,10 +304,25 @@ def test_other_bad_options(registry):
         opt.load_state_dict(other.state_dict())
 
 
+@pytest.mark.parametrize("total, warmup", [(38146, 500), (1000, 50), (24, 4), (7, 2)])
+def test_lr_schedule_is_the_references_warmup_stable_linear_warmdown(total, warmup):
+    """The paper's schedule restated: (s + 1) / warmup, then 1, then over the last W = int(0.2 T) steps
+    0.1 + 0.9 (T - s) / W. At T = 38146 the warmdown starts at step 30517 (it started one step early)."""
+    from lrattn_lightning.train.optim import wsd_lambda
+
+    factor = wsd_lambda(total, warmup, 0.2, 0.1)
+    W = int(0.2 * total)
+    for s in range(total):
+        expected = (s + 1) / warmup if s < warmup else 1.0 if s < total - W else 0.1 + 0.9 * (total - s) / W
+        assert factor(s) == pytest.approx(expected, rel=1e-12), s
+    if total == 38146:
+        assert factor(30516) == 1.0 and factor(30517) == 1.0 > factor(30518)
+
+
 # ---- a real run, SIGKILLed in the decay phase and resumed ---------------------------------------------
 SCHEDULE = ["--model.warmup_steps", "4", "--model.decay_fraction", "0.25",  # LR: warmup 0-3, decay from 18
             "--model.muon_momentum_warmup_steps", "14", "--model.muon_momentum_cooldown_steps", "4",
-            "--trainer.val_check_interval", "12", "--checkpoint_every", "12"]
+            "--trainer.val_check_interval", "10", "--checkpoint_every", "12"]  # val 10, 20, final 24
 
 
 def test_resume_after_sigkill_in_decay_matches_uninterrupted_run(tiny_data, tmp_path):  # noqa: F811
@@ -340,6 +355,13 @@ def test_resume_after_sigkill_in_decay_matches_uninterrupted_run(tiny_data, tmp_
         for step in range(steps):
             assert b[step] == pytest.approx(a[step], rel=rel, abs=1e-7), (key, step, a[step], b[step])
     assert run_resumed.data.metrics["val/loss"] == pytest.approx(run_full.data.metrics["val/loss"], rel=1e-5)
+    # the final validation (24 is no multiple of 10) sits at step 24 in both: after a resume it was logged at
+    # the resume step 12, where MLflow already had values, and dropped
+    val_full = losses_by_step(client, run_full.info.run_id, "val/loss")
+    val_resumed = losses_by_step(client, run_resumed.info.run_id, "val/loss")
+    assert sorted(val_full) == sorted(val_resumed) == [10, 20, 24]
+    for step in (10, 20, 24):
+        assert val_resumed[step] == pytest.approx(val_full[step], rel=1e-5), step
     # the resumed stretch really crossed the phases
     lr = losses_by_step(client, run_full.info.run_id, "train/lr/muon")
     mom = losses_by_step(client, run_full.info.run_id, "train/momentum/muon")

@@ -349,6 +349,11 @@ class LRAttnModule(L.LightningModule):
     on_test_epoch_end = on_validation_epoch_end
 
     # ---- checkpoints ---------------------------------------------------------------------------
+    def on_train_end(self) -> None:
+        # the weights are now the fit's own, at trainer.global_step: a validation of them after the fit
+        # (lrattn fit's final one) reports there, not at the step a resumed fit was loaded from
+        self._loaded_step = None
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._loaded_step = checkpoint.get("global_step")
         stored = checkpoint.get("hyper_parameters", {}).get("model_config")
