@@ -34,13 +34,15 @@ class PoisonAtStep(Callback):
 
 
 class SigtermAtStep(Callback):
-    """Send this process a real SIGTERM when optimizer step `step` is about to run (what SLURM does on preemption)."""
+    """Send this process a real SIGTERM when optimizer step `step` is about to run (what SLURM does on preemption);
+    with `rank`, only that rank's process gets it (the others learn of it from the run)."""
 
-    def __init__(self, step: int):
-        self.step = step
+    def __init__(self, step: int, rank: int | None = None):
+        self.step, self.rank, self.sent = step, rank, False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.step:
+        if trainer.global_step == self.step and not self.sent and self.rank in (None, trainer.global_rank):
+            self.sent = True
             os.kill(os.getpid(), signal.SIGTERM)
 
 

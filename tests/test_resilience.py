@@ -143,6 +143,75 @@ def test_sigterm_saves_the_current_step_exits_nonzero_and_resume_continues(data,
     assert_same_losses(loss_history(client, resumed.info.run_id), loss_history(client, full.info.run_id))
 
 
+def metric_history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def test_with_gradient_accumulation_the_logged_loss_is_the_global_batchs(data, tmp_path):
+    """2 micro-batches of 2 windows per step against 1 batch of 4 (same order, no shuffle): the same global
+    batches, so every step's loss, gradient norm and learning rate agree (it logged the last micro-batch)."""
+    common = ["--data.shuffle", "false", "--trainer.val_check_interval", "4"]
+    one = run_cli(fit_args(data, *common, "--experiment", "one", "--data.batch_size", "4", steps=5), tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    acc = run_cli(fit_args(data, *common, "--experiment", "acc", "--trainer.accumulate_grad_batches", "2", steps=5),
+                  tmp_path)
+    assert acc.returncode == 0, acc.stderr[-3000:]
+    client, r1 = the_run(tmp_path, "one")
+    _, r2 = the_run(tmp_path, "acc")
+    for key in ("train/loss", "train/grad_norm", "train/lr/adamw"):
+        a, b = metric_history(client, r1.info.run_id, key), metric_history(client, r2.info.run_id, key)
+        assert [s for s, _ in a] == [s for s, _ in b] == list(range(5)), key
+        for (step, x), (_, y) in zip(a, b, strict=True):
+            assert y == pytest.approx(x, rel=2e-4), (key, step, a, b)
+
+
+def test_sigterm_in_the_middle_of_an_accumulation_finishes_the_step_and_resumes_exactly(data, tmp_path, monkeypatch):
+    """SIGTERM on the first of two micro-batches of step 3: the step completes (both micro-batches, one
+    optimizer step), last.ckpt is step 4, and the resumed run equals the uninterrupted one at every step
+    (Lightning alone stopped after the first micro-batch and lost its gradients)."""
+    steps, acc = 7, ["--trainer.accumulate_grad_batches", "2", "--trainer.val_check_interval", "6"]
+    stopped = run_cli(fit_args(data, *acc, "--experiment", "stopped", "--config",
+                               hooks(tmp_path, "term.yaml", ("SigtermAtStep", {"step": 3})), steps=steps, every=4),
+                      tmp_path)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "lrattn: stopped by SIGTERM at step 4" in stopped.stderr
+    assert step_of(ckpt_dir(tmp_path, "stopped") / "last.ckpt") == 4
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(fit_args(data, *acc, "--experiment", "stopped", "--ckpt_path", "last", steps=steps, every=4)) == 0
+    assert main(fit_args(data, *acc, "--experiment", "full", steps=steps, every=4)) == 0
+    client, resumed = the_run(tmp_path, "stopped")
+    _, full = the_run(tmp_path, "full")
+    for key in ("train/loss", "train/grad_norm"):
+        a, b = metric_history(client, full.info.run_id, key), metric_history(client, resumed.info.run_id, key)
+        assert [s for s, _ in a] == [s for s, _ in b] == list(range(steps)), key
+        for (step, x), (_, y) in zip(a, b, strict=True):
+            assert y == pytest.approx(x, rel=1e-5, abs=1e-6), (key, step, a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [1, None])
+def test_ddp_ranks_stop_together_on_a_sigterm_to_one_or_all_of_them(data, tmp_path, rank):
+    """2 gloo ranks; SIGTERM to rank 1 only, or to every rank (a process-group kill). The ranks agree on it
+    at the end of the step in progress, save it and exit 143 (Lightning's handler broadcast from inside the
+    signal handler and could hang the ranks). The checkpoint resumes to the uninterrupted run's losses."""
+    ddp = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
+    stopped = run_cli(fit_args(data, *ddp, "--experiment", "stopped", "--config",
+                               hooks(tmp_path, "term.yaml", ("SigtermAtStep", {"step": 3, "rank": rank})),
+                               steps=6, every=4), tmp_path, timeout=400)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "lrattn: stopped by SIGTERM at step 4" in stopped.stderr
+    assert step_of(ckpt_dir(tmp_path, "stopped") / "last.ckpt") == 4
+    resumed = run_cli(fit_args(data, *ddp, "--experiment", "stopped", "--ckpt_path", "last", steps=6, every=4),
+                      tmp_path, timeout=400)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    full = run_cli(fit_args(data, *ddp, "--experiment", "full", steps=6, every=4), tmp_path, timeout=400)
+    assert full.returncode == 0, full.stderr[-3000:]
+    client, r1 = the_run(tmp_path, "stopped")
+    _, r2 = the_run(tmp_path, "full")
+    assert_same_losses(loss_history(client, r1.info.run_id), loss_history(client, r2.info.run_id))
+
+
 def test_sweep_passes_a_sigterm_on_and_sees_the_run_did_not_finish(data, tmp_path, monkeypatch, capsys):
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({
         "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 60, "val_check_interval": 30, "limit_val_batches": 2,

@@ -72,8 +72,8 @@ def build_module(cfg, impl: str = "fast", optimizer: str = "adamw"):
 def module_train_step(module, batch, dtype, mode: str = "eager",
                       backend: str = "inductor") -> tuple[Callable[[], None], Any]:
     """One training step of `module` on `batch` [B, T + 1], repeated at every call: training_step under Fabric
-    (no loggers; bfloat16 as Fabric's bf16-mixed: autocast, float32 parameters), backward, the module's own
-    optimiser. -> (step, optimizer)."""
+    (no loggers; bfloat16 as Fabric's bf16-mixed: autocast, float32 parameters), backward, the module's
+    on_before_optimizer_step (the step's loss, the gradient norm) and its own optimiser. -> (step, optimizer)."""
     import torch
     from lightning.fabric import Fabric
 
@@ -89,6 +89,7 @@ def module_train_step(module, batch, dtype, mode: str = "eager",
         with fabric.autocast():
             loss = wrapped.training_step(batch, next(batch_idx))
         fabric.backward(loss)
+        module.on_before_optimizer_step(optimizer)  # as the Trainer calls it
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -3,8 +3,9 @@
     AtomicCheckpointIO  writes `.NAME.PID.tmp` beside NAME, fsyncs it and renames it over NAME, so NAME
                         is always a complete checkpoint (the previous one until the new one is whole,
                         whatever $TMPDIR is); loads with `torch.load(weights_only=True)` only.
-    LastCheckpoint      the run's one `last.ckpt`: every N steps, once when training ends, and at the
-                        end of the batch in progress when SIGTERM arrives (then the run exits non-zero).
+    LastCheckpoint      the run's one `last.ckpt`: every N steps, once when training ends, and when SIGTERM
+                        arrives, at the end of the optimizer step in progress (all its accumulated
+                        micro-batches), on every rank at once; then the run exits non-zero.
     lock_run_folder     one live `lrattn fit` per run folder (a `.lock` file held with flock, naming its pid).
 
 Errors are `CheckpointError`s whose message is one line naming the file, the cause and the fix.
@@ -16,7 +17,9 @@ import contextlib
 import errno
 import fcntl
 import os
+import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -166,6 +169,9 @@ class LastCheckpoint(ModelCheckpoint):
                          save_last=True, enable_version_counter=False)
         global LAST_STOP
         LAST_STOP = None
+        self._signalled = False  # this process received SIGTERM (all the handler does, besides passing it on)
+        self._launcher: Any = None
+        self._step_at_batch_start = -1
 
     @property
     def path(self) -> Path:
@@ -178,12 +184,49 @@ class LastCheckpoint(ModelCheckpoint):
         return (trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
                 and not trainer.fast_dev_run and self._last_global_step_saved != trainer.global_step)
 
+    # ---- SIGTERM ----------------------------------------------------------------------------------
+    # Lightning's own handler broadcasts from inside the signal handler, so ranks that get the signal at
+    # different moments issue mismatched collectives and can hang; and it stops at the next micro-batch,
+    # losing the gradients accumulated so far. Here the handler only notes the signal; at the end of each
+    # optimizer step (and of each validation batch) the ranks agree on it with one all-reduce, the same
+    # collective at the same point on every rank, and then hand it to Lightning, which stops them together.
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        if threading.current_thread() is threading.main_thread():  # (Lightning registered its handler just now)
+            self._launcher = trainer.strategy.launcher
+            signal.signal(signal.SIGTERM, self._note_sigterm)  # Lightning's teardown restores the original
+
+    def _note_sigterm(self, signum: int, _frame: Any) -> None:
+        if not self._signalled and self._launcher is not None:
+            self._launcher.kill(signum)  # pass it on to the ranks this process launched (as Lightning does)
+        self._signalled = True
+
+    def _agreed_sigterm(self, trainer) -> bool:
+        """Whether any rank received SIGTERM (a collective: every rank calls it at the same point)."""
+        if trainer.world_size == 1:
+            return self._signalled
+        flag = torch.tensor(float(self._signalled), device=trainer.strategy.root_device)
+        return bool(trainer.strategy.reduce(flag, reduce_op="sum") > 0)
+
+    def _stop(self, trainer) -> None:
+        trainer._signal_connector.received_sigterm = True  # Lightning raises SIGTERMException on every rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._step_at_batch_start = trainer.global_step
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        # Lightning raises SIGTERMException after this batch (or inside the validation that follows);
-        # the batch is complete here, so this is the state to resume from.
-        if trainer.received_sigterm and self._unsaved(trainer):
+        stepped = trainer.global_step != self._step_at_batch_start  # not in the middle of an accumulation
+        if stepped and not trainer.received_sigterm and self._agreed_sigterm(trainer):
+            self._stop(trainer)  # Lightning raises SIGTERMException after this batch: this is the state to resume
+        if stepped and trainer.received_sigterm and self._unsaved(trainer):
             self._save_now(trainer)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+        if (trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and not trainer.received_sigterm
+                and self._agreed_sigterm(trainer)):
+            self._stop(trainer)  # Lightning stops the validation; on_exception saves the step it validates
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         global LAST_STOP

@@ -144,6 +144,7 @@ class LRAttnModule(L.LightningModule):
         self.val_loss = torchmetrics.MeanMetric()
         self.routing_weights: list[torch.Tensor] | None = None  # of a validation's first batch, for the diagnostics
         self._loaded_step: int | None = None
+        self._step_losses: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loss, ce) per micro-batch of this step
         self.last_validated_step: int | None = None
 
     # ---- the gated residual's training-time controls --------------------------------------------
@@ -232,9 +233,7 @@ class LRAttnModule(L.LightningModule):
                 f"non-finite loss ({loss.item()}) at step {self.global_step}; training stopped. The last good "
                 f"checkpoint is the newest one in the run's checkpoint folder (resume with --ckpt_path last)."
             )
-        # averaged over ranks, so a DDP run logs the loss of its global batch
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
-        self.log("train/ce", ce, sync_dist=True)
+        self._step_losses.append((loss.detach(), ce.detach()))  # logged once per optimizer step (below)
         if self._gate_schedule_active:
             self.log("train/gates_held", float(self.model.router.gates_held))
             if self.hparams.gate_release_loss is not None and self.model.router.gates_held:
@@ -242,6 +241,16 @@ class LRAttnModule(L.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # the loss of the global batch: the mean over this step's micro-batches (gradient accumulation)
+        # and over ranks (DDP); Lightning alone would log the last micro-batch's
+        if self._step_losses:
+            loss, ce = (torch.stack(column).mean() for column in zip(*self._step_losses, strict=True))
+            self._step_losses.clear()
+            self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+            self.log("train/ce", ce, sync_dist=True)
+        per_step = tokens_per_step(self._trainer) if self._trainer is not None else None
+        if per_step:  # tokens trained on once this step is taken
+            self.log("train/tokens_seen", float((self.global_step + 1) * per_step))
         norms = grad_norm(self.model, norm_type=2)  # Lightning's: per parameter and the total, before clipping
         if norms:
             self.log("train/grad_norm", norms["grad_2.0_norm_total"])
@@ -249,10 +258,6 @@ class LRAttnModule(L.LightningModule):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._update_gate_hold()
 
-    def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
-        per_step = tokens_per_step(self.trainer)
-        if per_step:
-            self.log("train/tokens_seen", float(self.global_step * per_step))
 
     @property
     def flops_per_batch(self) -> int | None:

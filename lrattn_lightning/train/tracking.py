@@ -244,11 +244,14 @@ class TrackingLogger(MLFlowLogger):
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """One value per metric and step, steps increasing: what a resumed run already holds is not logged
+        again, nor a step's value twice (monitors that run per micro-batch under gradient accumulation)."""
         self._step = step if step is not None else self._step
-        if step is not None and self._logged_up_to:
+        if step is not None:
             metrics = {k: v for k, v in metrics.items() if step > self._logged_up_to.get(k, -1)}
             if not metrics:
                 return
+            self._logged_up_to.update(dict.fromkeys(metrics, step))
         super().log_metrics(metrics, step)
 
     @rank_zero_only
