@@ -516,3 +516,18 @@ def test_last_of_a_folder_from_before_one_last_ckpt_is_the_newest(tmp_path):
     torch.save({"global_step": 147}, tmp_path / "last.ckpt")
     assert newest_last(tmp_path) == tmp_path / "last.ckpt"
     assert newest_last(tmp_path / "none") is None
+
+
+def test_resuming_with_a_changed_learning_rate_is_refused_not_ignored(data, tmp_path, monkeypatch, capsys):
+    """The optimizer state carries its learning rates and weight decays: a resume that passes other values
+    would silently train with the checkpoint's. One line names the flag; resuming with the same values works."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(fit_args(data, steps=2)) == 0
+    capsys.readouterr()
+    assert main(fit_args(data, "--ckpt_path", "last", "--model.lr", "1e-3", steps=4)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--model.lr" in err[0] and "0.0003" in err[0] and "0.001" in err[0], err
+    assert step_of(ckpt_dir(tmp_path) / "last.ckpt") == 2  # nothing trained, nothing overwritten
+    assert main(fit_args(data, "--ckpt_path", "last", steps=4)) == 0
+    assert step_of(ckpt_dir(tmp_path) / "last.ckpt") == 4

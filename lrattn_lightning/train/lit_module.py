@@ -370,7 +370,22 @@ class LRAttnModule(L.LightningModule):
                 "checkpoint was trained with a different architecture; pass the same --size/--ablation "
                 f"({stored['size']['name']} / {stored['ablation']['name']}). Differences: " + "; ".join(diffs)
             )
+        if self._trainer is not None and self.trainer.state.fn == "fit":
+            self._check_restored_optimizer(checkpoint.get("hyper_parameters", {}))
 
+    def _check_restored_optimizer(self, stored: dict[str, Any]) -> None:
+        """A resumed fit restores the optimizer's settings with its state (torch's load_state_dict), so a
+        changed learning rate or weight decay would be silently ignored: refuse it instead."""
+        for key in RESTORED_WITH_OPTIMIZER:
+            if key in stored and _plain(stored[key]) != _plain(self.hparams[key]):
+                raise InputError(
+                    f"--model.{key}: the checkpoint was trained with {_plain(stored[key])!r}, this run passes "
+                    f"{_plain(self.hparams[key])!r}; resuming restores the optimizer's settings from the checkpoint, "
+                    "so resume with the same value (or start a new run)")
+
+
+# Optimizer settings a resumed fit takes from the checkpoint's optimizer state, not from the command line.
+RESTORED_WITH_OPTIMIZER = ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_decay", "betas")
 
 # What describes an entry rather than builds it: editing these in registry.yaml keeps checkpoints loadable.
 DESCRIPTIVE_FIELDS = frozenset({"doc", "control", "tags"})
