@@ -202,6 +202,7 @@ class LRAttnCLI(LightningCLI):
             artifact_location=artifact_location(self.tracking_uri),
             tags=dict(cfg.run_tags or {}),  # applied when the run is created; a resumed run keeps its own
         )
+        logger.keep_status = self.subcommand != "fit" and bool(self.resume_run_id)
         logger.open_run()
         if self.subcommand == "fit" and self.resume_run_id and checkpointing.launched_as_rank_zero():
             logger.skip_logged_steps()

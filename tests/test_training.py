@@ -152,9 +152,12 @@ def test_validate_and_test_a_checkpoint_log_into_its_training_run(tiny_data, tmp
     common = ["--size", "tiny", "--ablation", "s-lr-grid-n4-r16", "--registry", REGISTRY, "--data.data_dir", str(tiny_data),
               "--data.batch_size", "4", "--trainer.limit_val_batches", "3", "--trainer.limit_test_batches", "3",
               "--trainer.enable_progress_bar", "false", "--ckpt_path", str(ckpt)]
+    client, run = only_run(f"sqlite:///{tmp_path}/mlflow.db")
+    client.set_terminated(run.info.run_id, "KILLED")  # as a preempted fit leaves it
     assert main(["validate", *common]) == 0
     assert main(["test", *common]) == 0
     client, run = only_run(f"sqlite:///{tmp_path}/mlflow.db")  # still one run: the training run
+    assert run.info.status == "KILLED"  # scoring a checkpoint does not finish its run (a sweep would skip it)
     history = sorted(client.get_metric_history(run.info.run_id, "val/loss"), key=lambda m: m.timestamp)
     assert len(history) >= 3  # fit's validation, then validate and test
     assert history[-1].value == pytest.approx(history[-2].value, rel=1e-6)  # same weights, same held-out data

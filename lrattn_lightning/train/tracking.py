@@ -199,6 +199,8 @@ class TrackingLogger(MLFlowLogger):
         self._step = 0
         self._finalized = False
         self.stopped_by: str | None = None  # "SIGTERM": the run ends as KILLED, not FAILED
+        # validate/test into a training run: its status stays the fit's (KILLED, RUNNING, ...), not FINISHED
+        self.keep_status = False
 
     @property
     @rank_zero_experiment
@@ -259,6 +261,8 @@ class TrackingLogger(MLFlowLogger):
         if not self._initialized or self._finalized:
             return
         self._finalized = True
+        if self.keep_status:
+            return
         if status == "failed" and self.stopped_by:
             status = "KILLED"
         if self._failed_at is not None:
