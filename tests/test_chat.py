@@ -37,6 +37,23 @@ def test_generate_prints_the_greedy_continuation(tmp_path, capsys):
     assert out == "abc" + expected + "\n"
 
 
+def test_generate_keeps_the_whole_prompt_and_says_where_the_window_ends(tmp_path, capsys):
+    """A 50-token prompt on a 64-token window with --max_new_tokens 200: the model sees all 50 tokens (it saw
+    only the last few before) and writes the 15 that fit, and stderr says why it stopped."""
+    model = make_checkpoint(tmp_path / "last.ckpt", "s-lr-block-n8-r64", seq_len=64)
+    prompt = "The quick brown fox jumps over the lazy dog; then "  # 50 bytes
+    assert generate_main(["--checkpoint", str(tmp_path / "last.ckpt"), "--prompt", prompt,
+                          "--max_new_tokens", "200", "--temperature", "0"]) == 0
+    captured = capsys.readouterr()
+    tok = ByteTokenizer()
+    ids = generate(model, torch.tensor([tok.encode(prompt)]), 15)[0].tolist()  # the whole prompt as context
+    if tok.eos_id in ids:
+        ids = ids[: ids.index(tok.eos_id)]
+    assert captured.out == prompt + tok.decode(ids) + "\n"
+    if len(ids) == 15:
+        assert "stopped after 15 new tokens" in captured.err and "64" in captured.err
+
+
 def test_generate_sampling_is_seeded_and_bad_options_are_one_line(tmp_path, capsys):
     make_checkpoint(tmp_path / "last.ckpt", "s-lr-block-n8-r64", seq_len=64)
     args = ["--checkpoint", str(tmp_path / "last.ckpt"), "--prompt", "x", "--max_new_tokens", "20",

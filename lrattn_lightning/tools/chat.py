@@ -64,11 +64,18 @@ def _check_sampling(args: argparse.Namespace) -> None:
 
 
 def stream_reply(ckpt: LoadedCheckpoint, ids: list[int], args: argparse.Namespace, out: TextIO,
-                 stop_at_blank_line: bool = False, generator: torch.Generator | None = None) -> list[int]:
-    """Decode a continuation of `ids`, writing it to `out` piece by piece; returns the new ids."""
+                 stop_at_blank_line: bool = False, generator: torch.Generator | None = None,
+                 keep_prompt: bool = False) -> list[int]:
+    """Decode a continuation of `ids`, writing it to `out` piece by piece; returns the new ids.
+
+    The model sees at most its trained window, and the last new token is never fed back: prompt + new <=
+    seq_len + 1. The prompt is kept whole as far as it leaves room for min(--max_new_tokens, seq_len / 2) new
+    tokens (chat: older text is trimmed on the left beyond that; keep_prompt: always whole, `generate` checked
+    it fits); the reply then ends where the window is full."""
     seq_len = ckpt.seq_len  # the trained window
-    max_new = min(args.max_new_tokens, seq_len)
-    ids = ids[-(seq_len + 1 - max_new):] or [ckpt.tokenizer.eos_id]  # the last new token is never fed back
+    room = 1 if keep_prompt else min(args.max_new_tokens, max(1, seq_len // 2))
+    ids = ids[-(seq_len + 1 - room):] or [ckpt.tokenizer.eos_id]
+    max_new = min(args.max_new_tokens, seq_len + 1 - len(ids))
     device = next(ckpt.model.parameters()).device
     prompt = torch.tensor([ids], device=device)
     text = TextStream(ckpt.tokenizer)
@@ -108,8 +115,11 @@ def generate_main(argv: list[str] | None = None) -> int:
         print(f"lrattn generate: error: {err}", file=sys.stderr)
         return 2
     sys.stdout.write(args.prompt)
-    stream_reply(ckpt, ids, args, sys.stdout, generator=generator)
+    new = stream_reply(ckpt, ids, args, sys.stdout, generator=generator, keep_prompt=True)
     sys.stdout.write("\n")
+    if len(new) == ckpt.seq_len + 1 - len(ids) < args.max_new_tokens:
+        print(f"[lrattn generate] stopped after {len(new)} new tokens: the model's trained window is "
+              f"{ckpt.seq_len} tokens", file=sys.stderr)
     return 0
 
 
