@@ -130,18 +130,18 @@ def _segment_means_float64(x, segments, prefix_sum=None, prefix_count=None):
 
 
 def test_causal_mean_restarts_at_every_document_against_a_loop():
-    from lrattn_lightning.model.routing.gated import causal_mean
+    from lrattn_lightning.model.routing.gated import causal_mean, segment_starts
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 11, 4, generator=g)
     idx = torch.randint(0, 7, (3, 11), generator=g)
     idx[0] = 1  # no boundary in this row
     segments = document_segments(idx, SEP)
-    means, _ = causal_mean(x, None, segments)
+    means, _ = causal_mean(x, None, segment_starts(segments))
     torch.testing.assert_close(means.double(), _segment_means_float64(x, segments), rtol=1e-6, atol=1e-6)
     # with a prefix (decoding): the first new position continues it, later segments drop it
     prefix = (torch.randn(3, 1, 4, generator=g), torch.tensor([4.0, 2.0, 7.0]).view(3, 1, 1))
-    means, (last_sum, last_count) = causal_mean(x, prefix, segments)
+    means, (last_sum, last_count) = causal_mean(x, prefix, segment_starts(segments))
     expected = _segment_means_float64(x, segments, *prefix)
     torch.testing.assert_close(means.double(), expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(last_sum[:, 0] / last_count[:, 0], means[:, -1])

@@ -46,14 +46,29 @@ from lrattn_lightning.model.routing._math import compute_dtype
 GRAD_NORM_EPS = 1e-6
 
 
+def segment_starts(segments_BT: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Per position, where its segment's sums must be cut: the index before its segment's start within this
+    pass [B, T, 1] and whether that start lies in this pass [B, T, 1] (False: it continues the prefix).
+    Computed once per pass, shared by every sublayer's running means; None when T = 1 (nothing to cut)."""
+    B, T = segments_BT.shape
+    if T == 1:
+        return None
+    new = torch.zeros_like(segments_BT, dtype=torch.bool)
+    new[:, 1:] = segments_BT[:, 1:] != segments_BT[:, :-1]
+    positions = torch.arange(T, device=segments_BT.device).expand(B, T)
+    start_BT = torch.where(new, positions, 0).cummax(dim=1).values  # 0: continues the prefix
+    return (start_BT - 1).clamp(min=0).unsqueeze(-1), (start_BT > 0).unsqueeze(-1)
+
+
 def causal_mean(x_BTD: Tensor, prefix: tuple[Tensor, Tensor] | None = None,
-                segments_BT: Tensor | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+                starts: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """Running mean over positions <= t of the same segment (keeps the gated residual causal).
 
     prefix: (sum [B, 1, D] in the compute dtype, count [B, 1, 1]) of the earlier positions that the first
     position continues (count 0 where it starts a new segment), for incremental decoding.
-    segments_BT: segment ids (document masking; None: one segment). Sums in compute_dtype(x): float32,
-    float64 for float64 models. -> (means [B, T, D], the (sum, count) at the last position: the next prefix).
+    starts: `segment_starts` of the segment ids (document masking; None: one segment). Sums in
+    compute_dtype(x): float32, float64 for float64 models.
+    -> (means [B, T, D], the (sum, count) at the last position: the next prefix).
     """
     B, T, D = x_BTD.shape
     cdtype = compute_dtype(x_BTD.dtype)
@@ -61,13 +76,8 @@ def causal_mean(x_BTD: Tensor, prefix: tuple[Tensor, Tensor] | None = None,
     counts = torch.arange(1, T + 1, device=x_BTD.device, dtype=cdtype).view(1, T, 1).expand(B, T, 1)
     if prefix is not None:
         sums, counts = sums + prefix[0], counts + prefix[1]
-    if segments_BT is not None and T > 1:  # subtract what precedes each position's segment start
-        positions = torch.arange(T, device=x_BTD.device).expand(B, T)
-        new = torch.zeros_like(segments_BT, dtype=torch.bool)
-        new[:, 1:] = segments_BT[:, 1:] != segments_BT[:, :-1]
-        start_BT = torch.where(new, positions, 0).cummax(dim=1).values  # 0: continues the prefix
-        before_BT1 = ((start_BT - 1).clamp(min=0)).unsqueeze(-1)
-        inside_BT1 = (start_BT > 0).unsqueeze(-1).to(cdtype)
+    if starts is not None:  # subtract what precedes each position's segment start
+        before_BT1, inside_BT1 = starts[0], starts[1].to(cdtype)
         sums = sums - sums.gather(1, before_BT1.expand(B, T, D)) * inside_BT1
         counts = counts - counts.gather(1, before_BT1) * inside_BT1
     return (sums / counts).to(x_BTD.dtype), (sums[:, -1:], counts[:, -1:])
@@ -106,7 +116,7 @@ class GatedState:
     stream: Tensor  # the running hidden state [B, T, D]
     weights: list[Tensor] | None = None  # recording: per sublayer [alpha_i, 1 - alpha_i] as [2, B, T, 1]
     cache: GatedCache | None = None
-    segments: Tensor | None = None  # document masking: segment id per new position [B, T]
+    starts: tuple[Tensor, Tensor] | None = None  # document masking: `segment_starts` of this pass
     continues: Tensor | None = None  # [B, 1, 1]: 1 where the first new position continues the cached document
 
 
@@ -167,7 +177,8 @@ class GatedRouter(nn.Module):
             if cache.last_segment is not None:
                 continues = (segments[:, :1] == cache.last_segment[:, None]).unsqueeze(-1)
             cache.last_segment = segments[:, -1]
-        return GatedState(emb_BTD, [] if record else None, cache, segments, continues)
+        starts = None if segments is None else segment_starts(segments)
+        return GatedState(emb_BTD, [] if record else None, cache, starts, continues)
 
     def read(self, state: GatedState, j: int) -> Tensor:
         return state.stream
@@ -207,8 +218,8 @@ class GatedRouter(nn.Module):
                 keep = state.continues.to(sum_x.dtype)
                 sum_x, sum_fx, n = sum_x * keep, sum_fx * keep, n * keep
             prefix_x, prefix_fx = (sum_x, n), (sum_fx, n)
-        mean_x, (last_x, count) = causal_mean(x, prefix_x, state.segments)
-        mean_fx, (last_fx, _) = causal_mean(fx, prefix_fx, state.segments)
+        mean_x, (last_x, count) = causal_mean(x, prefix_x, state.starts)
+        mean_fx, (last_fx, _) = causal_mean(fx, prefix_fx, state.starts)
         if cache is not None:
             cache.sums[i - 1] = (last_x, last_fx, count)
         return mean_x, mean_fx
