@@ -108,3 +108,15 @@ def test_parity_check_runs_and_flags_a_wrong_operator():
         return torch.stack(sources).float().mean(0)
 
     assert not gpu_check.parity(REGISTRY, args, cpu, "s-lr-block-n8-r64", uniform)["ok"]
+
+
+@pytest.mark.parametrize("flags, says", [(["--modes", "eagr"], "--modes: unknown 'eagr'"),
+                                         (["--packages", "liger-kernel"], "--packages: unknown 'liger-kernel'"),
+                                         (["--arms", "s-lr-blok-n8-r64"], "closest: s-lr-block-n8-r64")])
+def test_bad_input_fails_with_one_line_before_any_work(tmp_path, flags, says):
+    """On the GPU machine a typo must cost seconds, not a batch search of paper-0.5b."""
+    done = subprocess.run([sys.executable, str(SCRIPT), *flags, "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert says in done.stderr and "Traceback" not in done.stderr
+    assert not list(tmp_path.iterdir())  # nothing written
