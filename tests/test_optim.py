@@ -15,7 +15,7 @@ from test_training import cli_subprocess, fit_args, losses_by_step, only_run, ti
 
 from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.train.lit_module import LRAttnModule
-from lrattn_lightning.train.muon import POLAR_EXPRESS_COEFFS, newton_schulz, polar_express
+from lrattn_lightning.train.muon import ORTHOGONALIZERS, POLAR_EXPRESS_COEFFS, newton_schulz, polar_express
 from lrattn_lightning.train.optim import (
     MUON_VARIANTS,
     MomentumSchedule,
@@ -33,6 +33,37 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 # ---- the reference variant against the paper's code -------------------------------------------------
+# Which bound holds where. Polar Express rounds to bfloat16 between its iterations; its float32 matmuls
+# round differently on different CPUs (kernel blocking, AVX-512/AMX paths), so an element near a bfloat16
+# rounding boundary flips by one bfloat16 step (2^-8 relative) on one machine and not on another. Computing
+# the same matmuls in float64 and rounding to float32 (a legitimate "other CPU") moves one Polar Express
+# output by 5.5e-3 of its largest element, and a whole 8-step Muon run by up to 25 % of the weights' change
+# (the cautious weight decay's sign mask and the second moment amplify single flips). So:
+#   - the optimiser against the reference: the golden run whose Polar Express ran in float64 (every other
+#     ingredient the reference's own code), strict to 1e-5 on every CPU;
+#   - the bfloat16 Polar Express against the reference's output: at bfloat16 tolerance (BF16_BOUND);
+#   - the bfloat16 Polar Express bit for bit against the same operation sequence run here (same machine,
+#     same kernels, so no rounding can differ).
+BF16_BOUND = 2e-2  # five bfloat16 steps of the largest element: one flipped rounding per iteration at most
+
+
+def polar_express_float64(g: torch.Tensor) -> torch.Tensor:
+    """The Polar Express iteration with every step in float64: X <- G / (1.02 ||G||_F + 1e-6) on the wide
+    orientation, then X <- a X + (b A + c A^2) X with A = X X^T (the golden file's float64 run is the same)."""
+    tall = g.size(-2) > g.size(-1)
+    x = g.double().mT if tall else g.double()
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
+    for a, b, c in GOLDEN["polar_express_coefficients"]:
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return x.mT if tall else x
+
+
+@pytest.fixture
+def float64_polar_express(monkeypatch):
+    monkeypatch.setitem(ORTHOGONALIZERS, "polar_express", polar_express_float64)
+
+
 def run_golden_scenario(**change):
     """Our optimiser and schedule on the golden scenario; yields (step, params, group) after each step."""
     c = GOLDEN["config"]
@@ -53,36 +84,61 @@ def run_golden_scenario(**change):
         yield step, params, group
 
 
-def test_reference_variant_matches_the_papers_muon_at_every_step():
-    worst = 0.0
+def test_reference_variant_matches_the_papers_muon_at_every_step(float64_polar_express):
+    golden = GOLDEN["params_float64_polar_express"]
     for step, params, group in run_golden_scenario():
         assert group["lr"] == pytest.approx(GOLDEN["lr"][step], rel=1e-12), step
         assert group["momentum"] == pytest.approx(GOLDEN["momentum"][step], rel=1e-12), step
         for k, p in params.items():  # compare the change from init: the weights themselves hide small errors
-            err = rel_err(p.detach() - GOLDEN["init"][k], GOLDEN["params"][k][step] - GOLDEN["init"][k])
+            err = rel_err(p.detach() - GOLDEN["init"][k], golden[k][step] - GOLDEN["init"][k])
             assert err <= 1e-5, (step, k, err)
-            worst = max(worst, err)
     # the scenario crosses warmup, stable and decay of the LR and both momentum ramps
     assert len(set(GOLDEN["lr"])) >= 4 and min(GOLDEN["momentum"]) < max(GOLDEN["momentum"]) == 0.95
     assert GOLDEN["momentum"][-1] < 0.95
 
 
+def test_reference_variant_first_step_matches_the_papers_bfloat16_muon():
+    """One step of the real (bfloat16) update against the reference's: one orthogonalisation, so the
+    bfloat16 bound applies; later steps compound flipped roundings through the sign mask (see above)."""
+    _, params, _ = next(run_golden_scenario())
+    for k, p in params.items():
+        err = rel_err(p.detach() - GOLDEN["init"][k], GOLDEN["params"][k][0] - GOLDEN["init"][k])
+        assert err <= BF16_BOUND, (k, err)
+
+
 @pytest.mark.parametrize("change", [{"cautious": False}, {"variance_beta2": None},
                                     {"orthogonalizer": "newton_schulz"}, {"scale": "match_rms_adamw"}])
-def test_golden_scenario_tells_each_ingredient_apart(change):
+def test_golden_scenario_tells_each_ingredient_apart(change, float64_polar_express):
     """Switching off any one ingredient of the reference update moves the result far outside tolerance."""
     *_, (step, params, _) = run_golden_scenario(**change)
-    errs = [rel_err(p.detach() - GOLDEN["init"][k], GOLDEN["params"][k][step] - GOLDEN["init"][k])
-            for k, p in params.items()]
-    assert max(errs) > 1e-3, errs
+    golden = GOLDEN["params_float64_polar_express"]
+    errs = [rel_err(p.detach() - GOLDEN["init"][k], golden[k][step] - GOLDEN["init"][k]) for k, p in params.items()]
+    assert max(errs) > 1e-2, errs
 
 
-def test_polar_express_matches_the_reference_bit_for_bit():
+def polar_express_same_sequence(g: torch.Tensor) -> torch.Tensor:
+    """The reference's PyTorch Polar Express as a sequence of operations (bfloat16 between iterations,
+    float32 inside them), written from its description: on one machine it must agree with ours bit for bit."""
+    tall = g.size(-2) > g.size(-1)
+    x = g.bfloat16().mT if tall else g.bfloat16()
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
+    for a, b, c in GOLDEN["polar_express_coefficients"]:
+        x32 = x.float()
+        gram = x32 @ x32.mT
+        x = (a * x32 + (b * gram + c * (gram @ gram)) @ x32).bfloat16()
+    return x.mT if tall else x
+
+
+def test_polar_express_matches_the_reference():
     assert [list(c) for c in POLAR_EXPRESS_COEFFS] == GOLDEN["polar_express_coefficients"]
     for g, ref in zip(GOLDEN["polar_express_in"], GOLDEN["polar_express_out"], strict=True):
         out = polar_express(g)
         assert out.dtype == torch.bfloat16 and out.shape == g.shape
-        assert rel_err(out, ref) <= 1e-5
+        assert torch.equal(out, polar_express_same_sequence(g))  # same machine: bit for bit
+        assert rel_err(out, ref) <= BF16_BOUND  # the reference's CPU: bfloat16 tolerance
+        # and the bfloat16 result is the float64 iteration's up to the rounding of five iterations
+        # (measured 0.6-2.5 % on these inputs: each iteration's bf16 error is carried into the next)
+        assert rel_err(out, polar_express_float64(g)) <= 5e-2
 
 
 def _minimax_odd_quintic(lo: float, hi: float) -> np.ndarray:
