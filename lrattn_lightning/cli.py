@@ -62,6 +62,9 @@ def _function(spec: str) -> Callable[[list[str]], int]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # The platform runs offline and writes only where it is told: MLflow 3's usage telemetry (a file under
+    # ~/.config/mlflow and calls home) is off unless the user's environment says otherwise.
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0 if argv else 2

@@ -86,7 +86,8 @@ def materialise_local_tasks(names: list[str], data_dir: str | Path | None, out_d
             raise TaskError(f"task '{name}': its data file {path} is missing or empty; prepare the folder again with "
                             f"`lrattn prepare --out {root} --overwrite` (it writes tasks/*.jsonl from the held-out split)")
         config = yaml.safe_load((TASKS_DIR / f"{name}.yaml").read_text())
-        config["dataset_kwargs"] = {"data_files": {"test": str(path)}}
+        # the datasets library's cache of this file goes into out_dir (removed after the run), not ~/.cache
+        config["dataset_kwargs"] = {"data_files": {"test": str(path)}, "cache_dir": str(out_dir / "hf-datasets")}
         (out_dir / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     return wanted
 

@@ -1,0 +1,98 @@
+"""No command writes outside the folders it was given.
+
+Every everyday command runs, as an installed user would, from a scratch working folder whose parent, home
+folder and temp folder are watched: afterwards the working folder holds only what the commands were told to
+write (the data folder, the runs folder, the MLflow store and its artifacts, the export, the report), the
+parent and the checkout are unchanged, the home folder holds nothing but matplotlib's font cache (a library
+cache, rebuilt when missing), and the temp folder is empty.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_resilience import REPO, lrattn
+
+GIVEN = {"data", "runs", "mlflow.db", "mlartifacts", "hf", "report", "sweep.yaml"}
+HOME_CACHES = (Path(".cache/matplotlib"), Path(".config/matplotlib"))  # matplotlib's font list
+
+
+def snapshot(root: Path, skip: tuple[str, ...] = ()) -> dict[str, tuple[int, int]]:
+    """path -> (mtime_ns, size) of everything under root, except folders named in `skip`."""
+    out = {}
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip]
+        for name in dirs + files:
+            path = Path(folder, name)
+            st = path.lstat()
+            out[str(path.relative_to(root))] = (st.st_mtime_ns, st.st_size if path.is_file() else 0)
+    return out
+
+
+def changed(before: dict, after: dict) -> list[str]:
+    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+
+
+@pytest.fixture
+def sandbox(tmp_path):
+    """(run, work, home, tmp): `run(*args)` runs `lrattn ARGS` in work/ with HOME and TMPDIR inside tmp_path."""
+    work, home, tmp = (tmp_path / name for name in ("work", "home", "tmp"))
+    for folder in (work, home, tmp):
+        folder.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "HF_", "XDG_"))}
+    env.update(HOME=str(home), TMPDIR=str(tmp), OMP_NUM_THREADS="1", PYTHONPATH="")
+
+    def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+        proc = subprocess.run(lrattn(*args), cwd=work, env=env, input=stdin, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, (args, proc.stderr[-2000:])
+        return proc
+
+    return run, work, home, tmp
+
+
+SWEEP = f"""doc: a one-run sweep for the stray-writes check
+recipe: {REPO / 'experiments' / 'cpu-demo.yaml'}
+experiment: stray-check
+sizes: [tiny]
+ablations: [baseline]
+seeds: [0]
+"""
+
+
+def test_no_command_writes_outside_the_folders_it_was_given(sandbox, tmp_path):
+    run, work, home, tmp = sandbox
+    skip = ("__pycache__", ".git", ".venv", ".pytest_cache", ".ruff_cache")
+    repo_before, parent_before = snapshot(REPO, skip), snapshot(tmp_path, ("work", "tmp"))
+    (work / "sweep.yaml").write_text(SWEEP)
+
+    run("prepare", "--source", "stdlib-docs", "--tokenizer", "byte", "--out", "data", "--max_documents", "60")
+    run("fit", "--config", "experiments/cpu-demo.yaml", "--size", "tiny", "--ablation", "p-lr-full-r32",
+        "--data.data_dir", "data", "--data.batch_size", "2", "--trainer.max_steps", "4",
+        "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2", "--checkpoint_every", "2",
+        "--run_name", "r1", "--trainer.enable_progress_bar", "false")
+    ckpt = "runs/cpu-demo/r1/checkpoints/last.ckpt"
+    run("validate", "--ckpt_path", ckpt, "--data.data_dir", "data", "--trainer.limit_val_batches", "2")
+    run("eval", "--checkpoint", ckpt, "--tasks", "local", "--limit", "4")
+    run("generate", "--checkpoint", ckpt, "--prompt", "def ", "--max_new_tokens", "4")
+    run("chat", "--checkpoint", ckpt, "--max_new_tokens", "4", stdin="hello\n/quit\n")
+    run("export", "--checkpoint", ckpt, "--out", "hf/model")
+    run("list", "--size", "tiny")
+    run("sweep", "sweep.yaml", "--dry-run")
+    run("compare", "--experiment", "cpu-demo", "--out", "report")
+
+    assert {p.name for p in work.iterdir()} <= GIVEN, sorted(p.name for p in work.iterdir())
+    assert changed(repo_before, snapshot(REPO, skip)) == [], "the checkout was written to"
+    strays = [p for p in changed(parent_before, snapshot(tmp_path, ("work", "tmp"))) if not home_cache(Path(p))]
+    assert strays == [], strays
+    left = [str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file()]
+    assert left == [], left  # (empty folders a library made once, e.g. torchinductor_root, are left alone)
+
+
+def home_cache(path: Path) -> bool:
+    """home/ itself, a folder on the way to a library cache, or something inside one."""
+    caches = [Path("home") / c for c in HOME_CACHES]
+    return any(path == c or path.is_relative_to(c) or c.is_relative_to(path) for c in caches)
