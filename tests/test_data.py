@@ -230,6 +230,7 @@ def test_failed_prepare_leaves_nothing(tmp_path, monkeypatch):
     old = tmp_path / "old"
     old.mkdir()
     (old / "marker").write_text("kept")
+    (old / "meta.json").write_text("{}")  # a prepared folder: --overwrite may replace it
     with pytest.raises(RuntimeError, match="simulated"):
         prepare(out_dir=old, max_bytes=20_000, overwrite=True)
     assert [p.name for p in tmp_path.iterdir()] == ["old"] and (old / "marker").read_text() == "kept"

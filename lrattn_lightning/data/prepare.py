@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from lrattn_lightning.data.corpora import Document, iter_documents
-from lrattn_lightning.data.shards import FORMAT_VERSION, SPLITS, check_shards, max_token_id
+from lrattn_lightning.data.shards import FORMAT_VERSION, SPLITS, check_shards, max_token_id, shard_files
 from lrattn_lightning.data.task_files import write_task_files
 from lrattn_lightning.data.tokenizer import encode_document, load_tokenizer, parse_tokenizer_name, train_bpe
 from lrattn_lightning.errors import InputError, Parser, UsageError
@@ -70,6 +70,7 @@ def prepare(
     parse_tokenizer_name(tokenizer)  # fail fast on a bad name
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; pass overwrite=True (--overwrite) to replace it")
+    _check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -92,6 +93,9 @@ def prepare(
             "val_fraction": val_fraction,
             "limits": {"max_documents": max_documents, "max_bytes": max_bytes},
             "splits": counts,
+            # each shard file's size and sha256, checked before every run (`validate_data_dir`); apart from
+            # "splits" because index.json holds a timestamp: the same tokens give the same "splits"
+            "checksums": {split: shard_files(staging / split) for split in SPLITS},
             "tasks": tasks,
             # stdlib-docs is the running interpreter's documentation: it changes with the Python version.
             "created_with": {"python": platform.python_version(), "litdata": _litdata_version()},
@@ -210,6 +214,29 @@ def _current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def _check_out(out: Path) -> None:
+    """InputError, before any work, for an --out that cannot be made a folder (a path under a regular file,
+    an unwritable parent) or that must never be replaced (a file, the working folder or one of its parents,
+    the home folder: `--overwrite` would move it away and delete it)."""
+    resolved = out.resolve()
+    if out.exists() and (not out.is_dir() or resolved in (Path.cwd().resolve(), *Path.cwd().resolve().parents,
+                                                            Path.home().resolve())):
+        what = "a file" if not out.is_dir() else "the working folder, one of its parents or the home folder"
+        raise InputError(f"--out {out} is {what}; --overwrite replaces only a prepared folder: choose another --out")
+    if out.is_dir() and not (out / "meta.json").is_file() and any(out.iterdir()):
+        foreign = sorted(p.name for p in out.iterdir())[0]
+        raise InputError(f"--out {out} holds files that `lrattn prepare` did not write (e.g. {foreign}) and no "
+                         "meta.json; --overwrite replaces only a prepared folder: choose another --out")
+    ancestor = resolved.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise InputError(f"--out {out}: {ancestor} is a file, not a folder, so nothing can be written under it; "
+                         "choose another --out")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise InputError(f"--out {out}: cannot write in {ancestor} (permission denied); choose another --out")
 
 
 def _publish(staging: Path, out: Path, overwrite: bool) -> None:

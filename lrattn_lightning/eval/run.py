@@ -35,7 +35,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lrattn_lightning.data.datamodule import collate_windows
-from lrattn_lightning.data.shards import bits_per_byte, check_shards, count_windows, read_meta
+from lrattn_lightning.data.shards import bits_per_byte, check_shards, count_windows, read_meta, verify_files
 from lrattn_lightning.errors import Parser
 from lrattn_lightning.eval.lm import LRAttnLM
 from lrattn_lightning.eval.tasks import (
@@ -103,6 +103,8 @@ def validation_loss(model: Decoder, data_dir: str | Path, *, batch_size: int = 1
     seq_len = seq_len or model.cfg.size.seq_len
     meta = read_meta(data_dir)
     n_windows = count_windows(check_shards(data_dir, "val"), seq_len + 1)
+    if "val" in (meta.get("checksums") or {}):  # a chunk changed since prepare is one line, not a crash mid-run
+        verify_files(Path(data_dir) / "val", meta["checksums"]["val"])
     dataset = StreamingDataset(str(Path(data_dir) / "val"), item_loader=TokensLoader(block_size=seq_len + 1),
                                shuffle=False, drop_last=True)
     device = next(model.parameters()).device
