@@ -141,3 +141,156 @@ def test_the_trained_window_is_the_exported_context_length(tmp_path):
     out = export_hf(tmp_path / "last.ckpt", tmp_path / "hf")
     assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 16
     assert json.loads((out / "generation_config.json").read_text())["max_length"] == 16
+
+
+# ---- --out safety: only ever replace a previous export, atomically, with the umask's modes -----------------------
+def lrattn_export(*args: str, cwd: Path, preexec=None) -> subprocess.CompletedProcess:
+    """`lrattn export ...` as a real process (a real umask, a real file-size limit)."""
+    return subprocess.run([sys.executable, "-m", "lrattn_lightning.cli", "export", *args], cwd=cwd,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, preexec_fn=preexec,
+                          capture_output=True, text=True, timeout=300)
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` (hidden ones too) with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def no_temp_folders(parent: Path) -> bool:
+    return not [p for p in parent.iterdir() if p.name.startswith(".") and ("-export-" in p.name or "-old-" in p.name)]
+
+
+@pytest.mark.parametrize("out", [".", "..", "/", "HOME", "D", "D/..", "taken", "half"])
+def test_overwrite_refuses_any_folder_an_export_did_not_write(tmp_path, monkeypatch, capsys, out):
+    """The working folder, its parents, home, /, the checkpoint's folder, a folder with a foreign file (with or
+    without the marker): one line, exit 2, and every file there byte for byte as it was."""
+    from lrattn_lightning.cli import main
+
+    work = tmp_path / "work"
+    (work / "D").mkdir(parents=True)
+    make_checkpoint(work / "D" / "last.ckpt", "baseline")
+    (work / "notes.txt").write_text("mine")
+    (work / "taken").mkdir()
+    (work / "taken" / "results.csv").write_text("a,b\n")
+    export_hf(work / "D" / "last.ckpt", work / "half")  # a real export, plus a file of the user's in it
+    (work / "half" / "README.md").write_text("my notes")
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("HOME", str(work))
+    before = snapshot(work)
+    assert main(["export", "--checkpoint", "D/last.ckpt", "--out", str(work) if out == "HOME" else out,
+                 "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--out" in err, err
+    expected = {"taken": "'results.csv'", "half": "'README.md'", "D": "checkpoint", ".": "working folder",
+                "D/..": "working folder", "HOME": "working folder", "/": "filesystem root"}.get(out, "parent of the working folder")
+    assert expected in err, err
+    assert snapshot(work) == before and no_temp_folders(work)
+
+
+def test_home_and_its_parents_are_refused(tmp_path, monkeypatch, capsys):
+    from lrattn_lightning.tools.export import main
+
+    make_checkpoint(tmp_path / "last.ckpt", "baseline")
+    (tmp_path / "users" / "me").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(tmp_path / "users" / "me"))
+    for out, said in [(tmp_path / "users" / "me", "the home folder"), (tmp_path / "users", "parent of the home")]:
+        assert main(["--checkpoint", str(tmp_path / "last.ckpt"), "--out", str(out), "--overwrite"]) == 2
+        assert said in capsys.readouterr().err
+    assert (tmp_path / "users" / "me").is_dir()
+
+
+@pytest.mark.parametrize("out", ["file.txt/sub", "file.txt/a/b", "file.txt"])
+def test_out_at_or_under_a_file_is_one_line(tmp_path, monkeypatch, capsys, out):
+    from lrattn_lightning.cli import main
+
+    make_checkpoint(tmp_path / "last.ckpt", "baseline")
+    (tmp_path / "file.txt").write_text("keep")
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", "--checkpoint", "last.ckpt", "--out", out, "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "file.txt" in err and "not a folder" in err, err
+    assert (tmp_path / "file.txt").read_text() == "keep" and no_temp_folders(tmp_path)
+
+
+def test_overwrite_replaces_a_previous_export_whole(tmp_path):
+    """The marker names what an export wrote; --overwrite swaps in the new export and drops the old one's files
+    (here one an older version wrote), leaving no temporary folder; the result loads."""
+    from lrattn_lightning.tools.export import MARKER
+
+    make_checkpoint(tmp_path / "a.ckpt", "baseline")
+    ours = make_checkpoint(tmp_path / "b.ckpt", "s-lr-block-n8-r64")
+    out = export_hf(tmp_path / "a.ckpt", tmp_path / "hf")
+    listed = json.loads((out / MARKER).read_text())["files"]
+    assert set(listed) == {p.name for p in out.iterdir()} - {MARKER}
+    (out / "legacy.bin").write_bytes(b"old")  # an older export's file, named in its marker
+    (out / MARKER).write_text(json.dumps({"written_by": "lrattn export", "files": [*listed, "legacy.bin"]}))
+    with pytest.raises(Exception, match="previous export; pass --overwrite"):
+        export_hf(tmp_path / "b.ckpt", out)
+    export_hf(tmp_path / "b.ckpt", out, overwrite=True)
+    assert not (out / "legacy.bin").exists() and no_temp_folders(tmp_path)
+    assert json.loads((out / "config.json").read_text())["model_config"]["ablation"]["name"].startswith("s-lr-block-n8-r64")
+    model, _ = load_hf(out)
+    idx = torch.randint(0, 257, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx).logits, ours(idx), rtol=1e-5, atol=1e-5)
+
+
+def _file_size_limit() -> None:
+    """In the child: files past 64 KiB fail with EFBIG (SIGXFSZ ignored), so the 200 KiB model.safetensors
+    fails midway through the export, after the temporary folder exists."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+
+def test_a_write_failing_midway_leaves_the_previous_export(tmp_path):
+    make_checkpoint(tmp_path / "a.ckpt", "baseline")
+    make_checkpoint(tmp_path / "b.ckpt", "s-lr-block-n8-r64")
+    export_hf(tmp_path / "a.ckpt", tmp_path / "hf")
+    before = snapshot(tmp_path / "hf")
+    proc = lrattn_export("--checkpoint", "b.ckpt", "--out", "hf", "--overwrite", cwd=tmp_path,
+                         preexec=_file_size_limit)
+    assert proc.returncode == 1 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "File too large" in proc.stderr and "previous export is unchanged" in proc.stderr
+    assert snapshot(tmp_path / "hf") == before and no_temp_folders(tmp_path)
+    # a new --out: neither it nor the parents made for it are left behind
+    proc = lrattn_export("--checkpoint", "b.ckpt", "--out", "new/deep/hf", cwd=tmp_path, preexec=_file_size_limit)
+    assert proc.returncode == 1 and "nothing was written" in proc.stderr, proc.stderr
+    assert not (tmp_path / "new").exists() and no_temp_folders(tmp_path)
+
+
+def test_a_failed_rename_in_puts_the_old_export_back(tmp_path):
+    """The swap's second rename failing for real (its source is gone): the old export is renamed back."""
+    from lrattn_lightning.tools.export import _swap_in
+
+    make_checkpoint(tmp_path / "a.ckpt", "baseline")
+    export_hf(tmp_path / "a.ckpt", tmp_path / "hf")
+    before = snapshot(tmp_path / "hf")
+    with pytest.raises(FileNotFoundError):
+        _swap_in(tmp_path / ".hf-export-gone", tmp_path / "hf")
+    assert snapshot(tmp_path / "hf") == before and no_temp_folders(tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder anyway")
+def test_an_unwritable_parent_is_refused_before_any_work(tmp_path, capsys):
+    from lrattn_lightning.tools.export import main
+
+    make_checkpoint(tmp_path / "last.ckpt", "baseline")
+    (tmp_path / "ro").mkdir(mode=0o555)
+    assert main(["--checkpoint", str(tmp_path / "last.ckpt"), "--out", str(tmp_path / "ro" / "hf")]) == 2
+    assert "permission denied" in capsys.readouterr().err and not list((tmp_path / "ro").iterdir())
+
+
+@pytest.mark.parametrize(("umask", "folder", "file"), [(0o022, 0o755, 0o644), (0o077, 0o700, 0o600)],
+                         ids=["umask-022", "umask-077"])
+def test_the_export_gets_the_modes_the_umask_gives(tmp_path, umask, folder, file):
+    """Not a temporary folder's 0700 nor safetensors' 0600: other users can load a 022 export."""
+    make_checkpoint(tmp_path / "last.ckpt", "baseline")
+    proc = lrattn_export("--checkpoint", "last.ckpt", "--out", "hf", cwd=tmp_path, preexec=lambda: os.umask(umask))
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "hf"
+    assert out.stat().st_mode & 0o777 == folder
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {file}, modes

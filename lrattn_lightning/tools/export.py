@@ -11,18 +11,24 @@ generation_config.json, and modeling_lrattn.py: a thin wrapper whose model *is* 
 imports lrattn_lightning, so the package must be installed where the folder is loaded; no second copy
 of the model). Document masking travels in the config. Generation through `generate()` recomputes the
 window at every step (the wrapper keeps no cache); `lrattn generate` uses our KV cache.
+
+--out is written whole into a temporary folder beside it and swapped in; an existing --out is replaced only
+when it is a previous export (its `.lrattn-export` marker names every file in it), never the working folder,
+a parent of it, home, / or the folder holding the checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from lrattn_lightning.errors import InputError, Parser
+from lrattn_lightning.errors import InputError, Parser, one_line
 
 MODEL_TYPE = "lrattn"
 MODELING_FILE = "modeling_lrattn.py"
@@ -101,58 +107,188 @@ class LRAttnForCausalLM(PreTrainedModel, GenerationMixin):
 
 
 class ExportError(InputError):
-    """A checkpoint that cannot be exported, said in one line."""
+    """A checkpoint or an --out that cannot be exported, said in one line (exit 2, before any work)."""
+
+
+class ExportFailed(RuntimeError):
+    """Writing the export failed midway (a full disk, a file-size limit); nothing of --out was changed."""
+
+
+# Written into every export: the names of the files it wrote. --overwrite replaces only a folder holding this
+# marker and nothing but the files it names, so a mistyped --out never deletes anything an export did not write.
+MARKER = ".lrattn-export"
 
 
 def export_hf(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
-    """Write the Hugging Face folder for `checkpoint` to `out` (atomically: a temporary folder, then renamed)."""
-    from safetensors.torch import save_file
+    """Write the Hugging Face folder for `checkpoint` to `out`.
+
+    The export is written whole into a temporary folder beside `out` (same parent: the renames stay on one
+    filesystem, so each is atomic), then swapped in: the old export renamed aside, the new one renamed in, the
+    old one removed. A failure at any point leaves the previous export (or nothing) and no temporary folder.
+    """
+    from safetensors import SafetensorError
 
     from lrattn_lightning.train.checkpoints import load_checkpoint
 
-    out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ExportError(f"--out {out}: the folder exists and is not empty; choose a new folder or pass --overwrite")
+    target = check_out(out, checkpoint, overwrite=overwrite)
     ckpt = load_checkpoint(checkpoint)
     hf_tokenizer = _hf_tokenizer(ckpt.tokenizer, ckpt.tokenizer_spec)
-    cfg = ckpt.cfg
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    existed = target.exists()
+    created = _make_parents(target.parent)
+    staging = None
     try:
-        state = {f"model.{k}": v.detach().contiguous() for k, v in ckpt.model.state_dict().items()}
-        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        eos = ckpt.tokenizer.eos_id
-        config = {
-            "model_type": MODEL_TYPE,
-            "architectures": ["LRAttnForCausalLM"],
-            "auto_map": {"AutoConfig": "modeling_lrattn.LRAttnConfig",
-                         "AutoModelForCausalLM": "modeling_lrattn.LRAttnForCausalLM"},
-            "model_config": cfg.to_dict(),
-            "doc_separator": ckpt.model.doc_separator,
-            "vocab_size": cfg.size.vocab_size,
-            "hidden_size": cfg.size.d_model,
-            "num_hidden_layers": cfg.size.n_layers,
-            "num_attention_heads": cfg.size.n_heads,
-            "max_position_embeddings": ckpt.seq_len,  # the trained window: lm-eval's HF model truncates to it
-            "eos_token_id": eos,
-            "bos_token_id": eos,
-            "tie_word_embeddings": False,
-            "torch_dtype": str(next(ckpt.model.parameters()).dtype).removeprefix("torch."),
-            "lrattn": {"checkpoint": str(Path(checkpoint).resolve()), "global_step": ckpt.global_step},
-        }
-        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        generation = {"eos_token_id": eos, "bos_token_id": eos, "pad_token_id": eos,
-                      "max_length": ckpt.seq_len, "do_sample": False}
-        (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        (staging / MODELING_FILE).write_text(MODELING_SOURCE)
-        hf_tokenizer.save_pretrained(str(staging))
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-export-", dir=target.parent))
+        _write_export(staging, ckpt, hf_tokenizer, checkpoint)
+        _swap_in(staging, target)
+    except BaseException as err:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        for folder in reversed(created):  # the parents this export made, if still empty
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        if isinstance(err, (OSError, SafetensorError)):
+            kept = "the previous export is unchanged" if existed else "nothing was written"
+            raise ExportFailed(f"--out {out}: writing the export failed ({one_line(err)}); {kept}") from err
         raise
-    return out
+    return Path(out)
+
+
+def check_out(out: str | Path, checkpoint: str | Path, *, overwrite: bool) -> Path:
+    """The resolved --out folder, or an ExportError if writing there could destroy anything not an export's."""
+    target = Path(os.path.abspath(out)).resolve()  # symlinks and `..` resolved: compare real folders
+    out = out if str(out) else "''"  # `--out ""` is the working folder: show it as given
+    danger = _protected(target, checkpoint)
+    if danger:
+        raise ExportError(f"--out {out} is {danger}; an export replaces its --out folder whole, "
+                          "choose a new folder (e.g. --out hf/my-model)")
+    ancestor = next(p for p in (target, *target.parents) if p.exists() or p.is_symlink())
+    if not ancestor.is_dir():
+        what = "is a file" if ancestor == target else f"is under {ancestor}, which is a file"
+        raise ExportError(f"--out {out} {what}, not a folder; choose a new folder")
+    writable = target.parent if ancestor == target else ancestor
+    if not os.access(writable, os.W_OK | os.X_OK):
+        raise ExportError(f"--out {out}: cannot create files in {writable} (permission denied); "
+                          "choose a folder you can write")
+    if ancestor != target or not any(target.iterdir()):
+        return target
+    foreign = _foreign_entry(target)
+    if foreign is not None:
+        raise ExportError(f"--out {out} holds {foreign!r}, which no lrattn export wrote; choose a new or empty "
+                          f"folder (--overwrite replaces only a previous export, a folder with {MARKER})")
+    if not overwrite:
+        raise ExportError(f"--out {out} holds a previous export; pass --overwrite to replace it "
+                          "or choose a new folder")
+    return target
+
+
+def _protected(target: Path, checkpoint: str | Path) -> str | None:
+    """Why `target` must never be replaced (the working folder, a parent of it, home, /, the checkpoint's)."""
+    cwd = Path.cwd().resolve()
+    if target == Path(target.anchor):
+        return "the filesystem root"
+    if target == cwd:
+        return "the working folder"
+    if cwd.is_relative_to(target):
+        return f"a parent of the working folder ({cwd})"
+    with contextlib.suppress(RuntimeError, KeyError):  # no home folder known: nothing to protect
+        home = Path.home().resolve()
+        if home.is_relative_to(target):
+            return "the home folder" if home == target else f"a parent of the home folder ({home})"
+    ckpt = Path(os.path.abspath(checkpoint))
+    if ckpt.resolve().is_relative_to(target) or ckpt.is_relative_to(target):
+        return f"the folder holding the checkpoint being exported ({checkpoint})"
+    return None
+
+
+def _foreign_entry(folder: Path) -> str | None:
+    """The first entry of `folder` that no export wrote (not named by its marker, or not a plain file)."""
+    try:
+        listed = set(json.loads((folder / MARKER).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = None  # no marker (or not one an export wrote): every entry is foreign
+    for name in sorted(os.listdir(folder)):
+        path = folder / name
+        plain = path.is_file() and not path.is_symlink()
+        if listed is None or not plain or (name != MARKER and name not in listed):
+            return name
+    return None
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    """mkdir -p `folder`; the folders it created, outermost first (removed again if the export fails)."""
+    missing = [p for p in (folder, *folder.parents) if not p.exists()][::-1]
+    for path in missing:
+        path.mkdir()
+    return missing
+
+
+def _swap_in(staging: Path, target: Path) -> None:
+    """Replace `target` (if any) by `staging`: each rename is atomic; a failed rename-in puts the old one back."""
+    aside = None
+    if target.exists():
+        aside = Path(tempfile.mkdtemp(prefix=f".{target.name}-old-", dir=target.parent))
+        try:
+            os.rename(target, aside)  # onto the empty folder mkdtemp reserved
+        except BaseException:
+            aside.rmdir()
+            raise
+    try:
+        os.rename(staging, target)
+    except BaseException:
+        if aside is not None:
+            os.rename(aside, target)
+        raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _umask() -> int:
+    """The process umask (read by setting and restoring it: os has no getter)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _write_export(staging: Path, ckpt: Any, hf_tokenizer: Any, checkpoint: str | Path) -> None:
+    """Every file of the export into `staging`, the marker last, with the modes the umask gives."""
+    from safetensors.torch import save_file
+
+    cfg = ckpt.cfg
+    state = {f"model.{k}": v.detach().contiguous() for k, v in ckpt.model.state_dict().items()}
+    save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
+    eos = ckpt.tokenizer.eos_id
+    config = {
+        "model_type": MODEL_TYPE,
+        "architectures": ["LRAttnForCausalLM"],
+        "auto_map": {"AutoConfig": "modeling_lrattn.LRAttnConfig",
+                     "AutoModelForCausalLM": "modeling_lrattn.LRAttnForCausalLM"},
+        "model_config": cfg.to_dict(),
+        "doc_separator": ckpt.model.doc_separator,
+        "vocab_size": cfg.size.vocab_size,
+        "hidden_size": cfg.size.d_model,
+        "num_hidden_layers": cfg.size.n_layers,
+        "num_attention_heads": cfg.size.n_heads,
+        "max_position_embeddings": ckpt.seq_len,  # the trained window: lm-eval's HF model truncates to it
+        "eos_token_id": eos,
+        "bos_token_id": eos,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(next(ckpt.model.parameters()).dtype).removeprefix("torch."),
+        "lrattn": {"checkpoint": str(Path(checkpoint).resolve()), "global_step": ckpt.global_step},
+    }
+    (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"eos_token_id": eos, "bos_token_id": eos, "pad_token_id": eos,
+                  "max_length": ckpt.seq_len, "do_sample": False}
+    (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    (staging / MODELING_FILE).write_text(MODELING_SOURCE)
+    hf_tokenizer.save_pretrained(str(staging))
+    files = sorted(os.listdir(staging))
+    (staging / MARKER).write_text(json.dumps({"written_by": "lrattn export", "files": files}, indent=2) + "\n")
+    # mkdtemp makes a 0700 folder and safetensors 0600 files: give what the umask gives (0755/0644 under 022),
+    # or other users cannot load the model
+    mask = _umask()
+    for name in (*files, MARKER):
+        os.chmod(staging / name, 0o666 & ~mask)
+    os.chmod(staging, 0o777 & ~mask)
 
 
 def _hf_tokenizer(tokenizer: Any, spec: dict[str, Any]) -> Any:
@@ -210,8 +346,9 @@ def _bytes_to_unicode() -> dict[int, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="lrattn export", description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, help="a last.ckpt / step*.ckpt written by `lrattn fit`")
-    parser.add_argument("--out", required=True, help="the folder to write (must be new or empty)")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+    parser.add_argument("--out", required=True, help="the folder to write (new, empty, or a previous export)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help=f"replace a previous export (a folder holding {MARKER} and only the files it names)")
     args = parser.parse_args(argv)
     from lrattn_lightning.train.checkpoints import EvalError
 
@@ -220,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ExportError, EvalError) as err:
         print(f"lrattn export: error: {err}", file=sys.stderr)
         return 2
+    except ExportFailed as err:  # the work failed (disk full, ...), not the input: exit 1, still one line
+        print(f"lrattn export: error: {err}", file=sys.stderr)
+        return 1
     print(f"wrote {out}: load with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
     return 0
 
