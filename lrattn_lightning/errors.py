@@ -7,6 +7,7 @@ Options are declared and shown with underscores, as LightningCLI spells its flag
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 from importlib import resources
@@ -48,6 +49,35 @@ class Parser(argparse.ArgumentParser):
     def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None):
         args = sys.argv[1:] if args is None else args
         return super().parse_known_args(underscore_flags(args), namespace)
+
+
+NAME_MAX = 100  # characters: a name is one folder among longer paths (file systems allow 255 bytes)
+_NAME_RULES = {  # (first character, the others, in words); lower: sweep variant labels, which join the
+    # registry's lower-case names in a run's name
+    False: ("[A-Za-z0-9]", "[A-Za-z0-9._-]", "letters, digits, '-', '_' and '.'"),
+    True: ("[a-z0-9]", "[a-z0-9.-]", "lower-case letters, digits, '-' and '.'"),
+}
+
+
+def check_name(value: Any, what: str, lower: bool = False) -> str:
+    """`value` if it is one safe path component (run, experiment and sweep names, variant labels), else a
+    UsageError naming `what`. Such names become folders under --runs_dir: a separator, `..`, an absolute
+    path or a control character would put files elsewhere, and "" would silently mean a default."""
+    first, rest, chars = _NAME_RULES[lower]
+    rule = f"a name is one folder: {chars}, starting with a letter or digit, at most {NAME_MAX} characters"
+    if not isinstance(value, str) or not value:
+        raise UsageError(f"{what} is empty; {rule}")
+    shown = repr(value if len(value) <= 60 else value[:60] + "...")  # repr: a newline stays on the line
+    if len(value) > NAME_MAX:
+        raise UsageError(f"{what} {shown} is too long ({len(value)} characters, at most {NAME_MAX}); give a shorter name")
+    if "/" in value or "\\" in value or value in (".", ".."):
+        raise UsageError(f"{what} {shown} is a path, not a name; {rule}")
+    if not re.fullmatch(first, value[0]):
+        raise UsageError(f"{what} {shown} starts with {value[0]!r}; {rule}")
+    bad = next((c for c in value if not re.fullmatch(rest, c)), None)
+    if bad is not None:
+        raise UsageError(f"{what} {shown} holds {bad!r}; {rule}")
+    return value
 
 
 def one_line(err: BaseException) -> str:

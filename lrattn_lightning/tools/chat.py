@@ -20,7 +20,7 @@ from typing import TextIO
 
 import torch
 
-from lrattn_lightning.errors import Parser
+from lrattn_lightning.errors import Parser, one_line
 from lrattn_lightning.model.generate import generate_stream
 from lrattn_lightning.train.checkpoints import EvalError, LoadedCheckpoint, load_checkpoint
 
@@ -112,7 +112,7 @@ def generate_main(argv: list[str] | None = None) -> int:
         if len(ids) > ckpt.seq_len:
             raise EvalError(f"--prompt is {len(ids)} tokens; the model's trained window is {ckpt.seq_len}")
     except EvalError as err:
-        print(f"lrattn generate: error: {err}", file=sys.stderr)
+        print(f"lrattn generate: error: {one_line(err)}", file=sys.stderr)
         return 2
     sys.stdout.write(args.prompt)
     new = stream_reply(ckpt, ids, args, sys.stdout, generator=generator, keep_prompt=True)
@@ -131,7 +131,7 @@ def chat_main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout
     try:
         ckpt, generator = _load(args)
     except EvalError as err:
-        print(f"lrattn chat: error: {err}", file=sys.stderr)
+        print(f"lrattn chat: error: {one_line(err)}", file=sys.stderr)
         return 2
     stdout.write(f"lrattn chat: {ckpt.cfg.ablation.name} @ {ckpt.cfg.size.name}, step {ckpt.global_step}. "
                  "Each line continues the text; /reset forgets it, /quit leaves.\n")

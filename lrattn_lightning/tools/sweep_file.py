@@ -26,12 +26,11 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lrattn_lightning.errors import InputError
+from lrattn_lightning.errors import InputError, UsageError, check_name
 from lrattn_lightning.model.registry import (
     Registry,
     UnknownNameError,
@@ -140,8 +139,8 @@ def load_sweep(path: str | Path, registry: Registry | None = None) -> tuple[Swee
         if not isinstance(value, str) or not value.strip():
             raise fail(key, "required, a non-empty string")
     experiment = raw.get("experiment", name)
-    if not isinstance(experiment, str) or not experiment:
-        raise fail("experiment", "must be a non-empty string (the MLflow experiment name)")
+    for key, value in (("name", name), ("experiment", experiment)):  # both name folders under runs_dir
+        _check_label(value, key if key in raw else f"{key} (by default the file's stem)", fail)
     recipe = _resolve_recipe(raw["recipe"], path)
     if recipe is None:
         raise fail("recipe", f"{raw['recipe']} not found (a path relative to the sweep file, e.g. ../cpu-study.yaml)")
@@ -190,6 +189,7 @@ def _check_runs(reg: Registry, grid: list[SweepRun], listed: list[SweepRun], fai
             reg.model(run.size, run.ablation)  # impossible pairs (rank > d, blocks > 2L) name the field
         except ValueError as err:
             raise fail(where, f"size '{run.size}' x ablation '{run.ablation}': {err}") from err
+        _check_label(run.name, f"{where} (the run name)", fail)  # its folder: e.g. not too long
 
 
 def _options(raw: dict[str, Any], fail) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
@@ -244,6 +244,16 @@ def _grid_runs(raw: dict[str, Any], fail) -> list[SweepRun]:
     return [SweepRun(size, abl, seed) for seed, size, abl in itertools.product(axes["seeds"], axes["sizes"], axes["ablations"])]
 
 
+def _check_label(value: Any, where: str, fail, lower: bool = False) -> None:
+    """A name that becomes a path (the sweep's name and experiment, a variant label): one safe folder name."""
+    if not isinstance(value, str):
+        raise fail(where, f"{value!r} is not a string (a name)")
+    try:
+        check_name(value, "value", lower=lower)
+    except UsageError as err:
+        raise fail(where, str(err)) from err
+
+
 def _list_runs(entries: Any, fail) -> list[SweepRun]:
     if entries is None:
         return []
@@ -259,8 +269,8 @@ def _list_runs(entries: Any, fail) -> list[SweepRun]:
         if not isinstance(entry["size"], str) or not isinstance(entry["ablation"], str):
             raise fail(f"runs[{i}]", "size and ablation are registry names (strings)")
         variant = entry.get("variant", "")
-        if not isinstance(variant, str) or (variant and not re.fullmatch(r"[a-z0-9][a-z0-9.-]*", variant)):
-            raise fail(f"runs[{i}].variant", f"{variant!r}: a label of lower-case letters, digits, '-' and '.'")
+        if variant != "":
+            _check_label(variant, f"runs[{i}].variant", fail, lower=True)
         args = _check_args(entry.get("args") or {}, f"runs[{i}].args", fail)
         if args and not variant:
             raise fail(f"runs[{i}].variant", "a run with its own args needs a variant label (it names the run)")

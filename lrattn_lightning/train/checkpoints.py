@@ -8,6 +8,8 @@ folder) and `mlflow` (the training run). Errors name the file and the fix.
 
 from __future__ import annotations
 
+import pickle
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,13 +43,8 @@ class LoadedCheckpoint:
 def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
     """Rebuild the Decoder and its tokenizer from a checkpoint written by `lrattn fit` (on CPU, eval mode)."""
     path = Path(path)
-    if not path.is_file():
-        raise EvalError(f"checkpoint {path}: no such file")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise EvalError(f"checkpoint {path} is not a readable torch checkpoint ({type(err).__name__}: {err})") from err
-    stored = ckpt.get("hyper_parameters", {}).get("model_config") if isinstance(ckpt, dict) else None
+    ckpt = read_checkpoint_file(path)
+    stored = ckpt.get("hyper_parameters", {}).get("model_config")
     if not isinstance(stored, dict) or "state_dict" not in ckpt:
         raise EvalError(f"checkpoint {path} was not written by lrattn_lightning (no hyper_parameters.model_config "
                         "and state_dict); evaluate a last.ckpt / step*.ckpt from `lrattn fit`")
@@ -74,6 +71,56 @@ def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
     seq_len = data.get("seq_len") or cfg.size.seq_len  # (checkpoints before it was recorded: the size's)
     return LoadedCheckpoint(path, model.eval(), tokenizer, spec, cfg, int(ckpt.get("global_step", 0)),
                             ckpt.get("mlflow"), data.get("data_dir"), min(int(seq_len), cfg.size.seq_len))
+
+
+# torch.save writes a zip archive (since torch 1.6); its older format opens with this pickle
+_ZIP_MAGIC = b"PK\x03\x04"
+_LEGACY_MAGIC = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)
+
+
+def read_checkpoint_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False,
+                         error: type[InputError] = EvalError) -> dict[str, Any]:
+    """torch.load(weights_only=True) of a checkpoint file; anything else is one-line `error` naming the file.
+
+    The file's first bytes tell a torch.save file from anything else (random bytes, a plain pickle) before
+    torch reads it; a file that asks to unpickle Python objects is refused, never retried unsafely."""
+    path = Path(path)
+    if path.is_dir():
+        raise error(f"checkpoint {path} is a folder; pass a checkpoint file such as {path / 'last.ckpt'}")
+    if not path.is_file():
+        raise error(f"checkpoint {path}: no such file")
+    try:
+        with open(path, "rb") as file:
+            head = file.read(len(_LEGACY_MAGIC))
+    except OSError as err:
+        raise error(f"checkpoint {path} cannot be read ({err.strerror or err})") from err
+    if not head:
+        raise error(f"checkpoint {path} is empty (0 bytes); use an older checkpoint or start a new run")
+    zipped = head.startswith(_ZIP_MAGIC)
+    if not zipped and head != _LEGACY_MAGIC:
+        raise error(f"checkpoint {path} cannot be read: it is not a checkpoint (not a torch.save file); "
+                    "pass a last.ckpt / step*.ckpt written by `lrattn fit`")
+    try:  # mmap reads only the zip format
+        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap and zipped)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL ([\w.]+?)\.?(?:\s|$)", str(err))
+        if found is not None:
+            raise error(f"checkpoint {path} was not loaded: it asks to unpickle {found.group(1)}, which a checkpoint "
+                        "of `lrattn fit` (plain values and tensors) never holds; use a checkpoint you trained") from None
+        raise error(f"checkpoint {path} cannot be read ({_first_line(err)}): it is corrupt; use another checkpoint") from None
+    except Exception as err:
+        raise error(f"checkpoint {path} cannot be read ({_first_line(err)}): it is truncated or corrupt; use another "
+                    "checkpoint") from err
+    if not isinstance(ckpt, dict):
+        raise error(f"checkpoint {path} holds a {type(ckpt).__name__}, not a checkpoint written by `lrattn fit`")
+    return ckpt
+
+
+def _first_line(err: BaseException) -> str:
+    """The cause in a few words: torch's first line, without its advice about weights_only."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    lines = [line for line in lines if "weights_only" not in line and not line.startswith("Weights only load failed")]
+    return f"{type(err).__name__}: {lines[0][:160]}" if lines else type(err).__name__
 
 
 def tokenizer_from_spec(spec: dict[str, Any], where: Path | str) -> Tokenizer:
