@@ -100,12 +100,14 @@ def list_main(argv: list[str]) -> int:
 
     parser = Parser(prog="lrattn list", description="List the registry's sizes and ablations.")
     parser.add_argument("--registry", default=None)
-    parser.add_argument("--size", default="paper-0.5b", help="size used for the parameter/FLOPs columns")
+    parser.add_argument("--size", default="paper-0.5b", help="size of the parameter/FLOPs columns (default: paper-0.5b)")
     args = parser.parse_args(argv)
     reg = load_registry(args.registry)
     size = reg.size(args.size)
     print(f"registry: {reg.path}")
     print(f"sizes: {', '.join(reg.sizes)}")
+    print(f"parameters and added FLOPs at size '{size.name}' (L={size.n_layers}, d={size.d_model}, vocab "
+          f"{size.vocab_size}; another with --size NAME)")
     print(f"{'ablation':40s} {'params':>13s} {'added FLOPs %':>13s}  control")
     for name, abl in reg.ablations.items():
         try:

@@ -12,6 +12,10 @@ writes, last.ckpt and the step monitors of train/callbacks.py as `instantiate_tr
 
 from __future__ import annotations
 
+import argparse
+import difflib
+import re
+import logging
 import sys
 import time
 import warnings
@@ -26,7 +30,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lrattn_lightning.data.datamodule import TokenDataModule
 from lrattn_lightning.data.shards import validate_data_dir
-from lrattn_lightning.errors import Parser, UsageError, packaged
+from lrattn_lightning.errors import Parser, UsageError, check_name, packaged
 from lrattn_lightning.train import checkpointing
 from lrattn_lightning.train.callbacks import training_monitors
 from lrattn_lightning.train.checkpointing import AtomicCheckpointIO, LastCheckpoint, load_checkpoint_file
@@ -70,6 +74,8 @@ class LRAttnCLI(LightningCLI):
         parser.add_argument("--checkpoint_every", type=int, default=100, help="save last.ckpt every N steps")
         parser.add_argument("--tracking_uri", type=str | None, default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
         parser.add_argument("--mlflow_fallback_local", type=bool, default=False, help="log locally if the server is down")
+        parser.add_argument("--log_counters", type=bool, default=False,
+                            help="also log Lightning's running counts (train/batches, samples, lengths, time)")
         parser.add_argument("--run_tags", type=dict[str, str] | None, default=None,
                             help='extra MLflow tags of a new run, e.g. \'{"sweep": "cpu-study", "seed": "0"}\'')
         parser.link_arguments("size", "model.size", compute_fn=lambda name: name or "")
@@ -82,11 +88,23 @@ class LRAttnCLI(LightningCLI):
 
     # ---- checks before any work ----------------------------------------------------------------
     def parse_arguments(self, parser, args) -> None:
-        super().parse_arguments(parser, args)
-        # Read a --ckpt_path file now: Lightning loads it next for its hyper-parameters, and would
-        # show a truncated or foreign file as a traceback.
+        # jsonargparse's errors (an unknown flag, a missing --config file) raise instead of printing the
+        # whole usage: they become one line naming the flag and the closest ones
+        for each in (parser, *getattr(self, "_subcommand_parsers", {}).values()):
+            each.exit_on_error = False
+        try:
+            super().parse_arguments(parser, args)
+        except argparse.ArgumentError as err:
+            sub = next((a for a in (args or sys.argv[1:]) if a in self.subcommands()), None)
+            raise UsageError(_parse_error(str(err), getattr(self, "_subcommand_parsers", {}).get(sub, parser), sub)) from None
         self._ckpt_head = None
         sub = self.config.get("subcommand")
+        if sub:  # names become folders: checked before anything is read or written
+            if self.config[sub].get("run_name") is not None:
+                check_name(self.config[sub].run_name, "--run_name")
+            check_name(self.config[sub].experiment, "--experiment")
+        # Read a --ckpt_path file now: Lightning loads it next for its hyper-parameters, and would
+        # show a truncated or foreign file as a traceback.
         path = self.config[sub].get("ckpt_path") if sub else None
         if path and path != "last":
             self._ckpt_head = _read_checkpoint(path)
@@ -107,8 +125,14 @@ class LRAttnCLI(LightningCLI):
             raise UsageError(f"--data.seq_len={cfg.data.seq_len} exceeds seq_len={model_cfg.size.seq_len} of size "
                              f"'{cfg.size}'; use a shorter window or a larger size")
         validate_data_dir(cfg.data.data_dir, model_cfg.size, cfg.data.seq_len)
+        if cfg.model.get("impl") == "triton" and model_cfg.ablation.routing == "attnres":  # CUDA or the interpreter
+            from lrattn_lightning.model.routing.triton_ops import availability_error
+
+            if (error := availability_error()) is not None:
+                raise UsageError(error)
         seed = cfg.seed_everything if isinstance(cfg.seed_everything, int) else 0
-        cfg.run_name = cfg.run_name or f"{cfg.size}-{cfg.ablation}-seed{seed}"
+        if cfg.run_name is None:  # (the registry's names could still make one too long)
+            cfg.run_name = check_name(f"{cfg.size}-{cfg.ablation}-seed{seed}", "the default run name SIZE-ABLATION-seedN")
         self.run_dir = Path(cfg.runs_dir) / cfg.experiment / cfg.run_name
         self.resume_run_id = self._check_checkpoint(cfg, model_cfg)
         self.tracking_uri = self.experiment_id = None
@@ -155,6 +179,8 @@ class LRAttnCLI(LightningCLI):
                 f"--ckpt_path {ckpt_path} was trained with a different architecture (size '{config['size']['name']}', "
                 f"ablation '{config['ablation']['name']}'); pass those names. Differences: " + "; ".join(diffs[:6]))
         # resuming, validating or testing a checkpoint logs into the MLflow run that trained it
+        if self.subcommand == "fit":
+            _check_schedule(cfg, stored)
         return stored["mlflow"].get("run_id")
 
     def _claim_run(self, cfg) -> None:
@@ -192,7 +218,7 @@ class LRAttnCLI(LightningCLI):
             kwargs["default_root_dir"] = str(self.run_dir)
         if self.subcommand == "fit":
             last = LastCheckpoint(self.run_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every)
-            kwargs["callbacks"] = [*_as_list(given.callbacks), last, *training_monitors()]
+            kwargs["callbacks"] = [*_as_list(given.callbacks), last, *training_monitors(cfg.log_counters)]
         return super().instantiate_trainer(**kwargs)
 
     def _tracking_logger(self, cfg) -> TrackingLogger:
@@ -240,18 +266,91 @@ def _check_numbers(subcommand: str, cfg) -> None:
                   f"pass 1.0 for the whole validation split", file=sys.stderr)
 
 
+def _parse_error(message: str, parser, subcommand: str | None) -> str:
+    """jsonargparse's error as one line; an unknown flag (command line) or key (--config file) with the closest."""
+    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--") and not o.endswith((".help", "+"))]
+    help_ = f"`lrattn {subcommand or 'fit'} --help` lists them"
+    unknown = re.findall(r"(?:^|\s)(--?[^\s=]+)", message.partition("unrecognized arguments:")[2])
+    if unknown:
+        return f"unknown flag{'s' if len(unknown) > 1 else ''} " + "; ".join(_closest(f, flags) for f in unknown) + f"; {help_}"
+    keys = re.findall(r"does not accept option '([^']+)'", message)
+    if keys:
+        keys_known = [f[2:] for f in flags]
+        return (f"unknown key{'s' if len(keys) > 1 else ''} in a --config file: " +
+                "; ".join(_closest(k, keys_known) for k in keys) + f"; {help_}")
+    # e.g. 'Parser key "config": File does not exist: ...' -> '--config: File does not exist: ...'
+    return re.sub(r'^Parser key "([^"]+)":\s*', r"--\1: ", " ".join(message.split()))
+
+
+def _closest(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    return f"{name} (closest: {', '.join(close)})" if close else name
+
+
+def _check_schedule(cfg, stored: dict) -> None:
+    """A resume keeps the schedule's length: another --trainer.max_steps would change the learning rate and
+    momentum of steps already shaped by the old one (a longer run restarted the warm-down). With
+    --model.allow_schedule_change the new length is taken when the two schedules agree on every step so far:
+    the run then equals one launched with the new length (extending the stable phase, decay at the new end)."""
+    from lrattn_lightning.train.optim import MomentumSchedule, first_schedule_difference
+
+    old, new, step = stored["schedule"].get("total_steps"), cfg.trainer.max_steps, stored.get("global_step") or 0
+    if old is None or new == old or new < 0:
+        return
+    m = cfg.model
+    if not m.allow_schedule_change:
+        raise UsageError(f"--trainer.max_steps {new}: the checkpoint's schedule is {old} steps; resuming with another "
+                         f"length changes the learning rate of a run in progress. Resume with --trainer.max_steps {old}, "
+                         "or pass --model.allow_schedule_change true to continue as a run launched with "
+                         f"{new} steps (possible until its schedule departs from the old one)")
+    momentum = (MomentumSchedule(peak=m.muon_momentum, low=m.muon_momentum_min, warmup_steps=m.muon_momentum_warmup_steps,
+                                 cooldown_steps=m.muon_momentum_cooldown_steps) if m.optimizer == "muon_adamw" else None)
+    differs = first_schedule_difference(old, new, step, m.warmup_steps, m.decay_fraction, m.final_lr_fraction, momentum)
+    if differs is not None:
+        raise UsageError(f"--trainer.max_steps {new} with --model.allow_schedule_change: the {old}-step schedule this "
+                         f"checkpoint (step {step}) followed departs from a {new}-step one at step {differs} (its "
+                         "warm-down or momentum cooldown had begun); resume with --trainer.max_steps "
+                         f"{old}, or change the length from an earlier checkpoint")
+    print(f"[lrattn] schedule length {old} -> {new} steps at step {step} (--model.allow_schedule_change): the run "
+          f"continues as one launched with {new} steps", file=sys.stderr)
+
+
 def _read_checkpoint(path: str) -> dict:
     """The plain-value head of a checkpoint: its model_config and MLflow run; one-line errors otherwise."""
     ckpt = load_checkpoint_file(path, mmap=True)  # tensors stay on disk: only the plain values are read
     stored = (ckpt.get("hyper_parameters") or {}).get("model_config")
     if not isinstance(stored, dict):
         raise UsageError(f"--ckpt_path {path}: not an lrattn_lightning checkpoint (no model_config hyper-parameter)")
-    return {"model_config": stored, "mlflow": ckpt.get("mlflow") or {}}
+    return {"model_config": stored, "mlflow": ckpt.get("mlflow") or {}, "schedule": ckpt.get("schedule") or {},
+            "global_step": ckpt.get("global_step")}
+
+
+# What Lightning prints that does not concern the run: cloud tips, the seed (it is in config.yaml and the
+# MLflow params), deprecations inside Lightning itself, and remarks on choices made here on purpose.
+QUIET_MESSAGES = ("💡 Tip", "Seed set to")
+QUIET_WARNINGS = (r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"Your `IterableDataset` has `__len__` defined",
+                  r"Be aware that when using `ckpt_path`", r".*callbacks used to create the Trainer.*will override",
+                  r"The number of training batches \(\d+\) is smaller than the logging interval")
+
+
+class _QuietFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(QUIET_MESSAGES)
+
+
+def quiet_lightning() -> None:
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, _QuietFilter) for f in handler.filters):
+                handler.addFilter(_QuietFilter())
+    for pattern in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
 
 
 def run_lightning(argv: list[str]) -> LRAttnCLI:
     # From the console script the arguments are sys.argv itself, which DDP re-executes in each child.
     args = None if argv == sys.argv[1:] else argv
+    quiet_lightning()
     # `lrattn demo` and shipped recipe paths hand LightningCLI rewritten arguments on purpose
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
     return LRAttnCLI(
@@ -260,6 +359,9 @@ def run_lightning(argv: list[str]) -> LRAttnCLI:
         args=args,
         seed_everything_default=0,
         save_config_callback=MLflowSaveConfig,
+        # the optimiser is the module's (--model.optimizer, lr, ...): Lightning's automatic --optimizer and
+        # --lr_scheduler would train with another one while MLflow records ours
+        auto_configure_optimizers=False,
         trainer_defaults={"gradient_clip_val": 1.0, "log_every_n_steps": 10},
     )
 
@@ -271,14 +373,19 @@ def demo_main(argv: list[str]) -> int:
     parser.add_argument("--ablation", default="s-lr-block-n8-r64")
     parser.add_argument("--size", default="small")
     parser.add_argument("--data", default="data/stdlib-docs-byte")
+    parser.add_argument("--run_name", default=None, help="default: SIZE-ABLATION-DATE-TIME (each demo a new run)")
+    parser.add_argument("--experiment", default=None, help="MLflow experiment name (fit's default)")
     args, rest = parser.parse_known_args(argv)
+    for flag, value in (("--experiment", args.experiment), ("--run_name", args.run_name)):
+        if value is not None:  # checked before the corpus is prepared; fit checks them again
+            rest = [flag, check_name(value, flag), *rest]
     if not Path(args.data, "meta.json").exists():
         from lrattn_lightning.data.prepare import prepare_main
 
         prepare_main(["--source", "stdlib-docs", "--tokenizer", "byte", "--out", args.data])
     recipe = Path("experiments/cpu-demo.yaml")
     recipe = recipe if recipe.is_file() else packaged(str(recipe))
-    if not any(a.startswith("--run_name") for a in rest):  # each demo is a new run
+    if args.run_name is None:  # each demo is a new run
         rest = ["--run_name", f"{args.size}-{args.ablation}-{time.strftime('%Y%m%d-%H%M%S')}", *rest]
     try:
         cli = run_lightning(["fit", "--config", str(recipe), "--size", args.size,

@@ -365,3 +365,58 @@ def test_evaluation_uses_the_trained_window_not_the_sizes(trained, tmp_path, cap
     del raw["data"]["seq_len"]
     torch.save(raw, tmp_path / "old.ckpt")
     assert load_checkpoint(tmp_path / "old.ckpt").seq_len == 32
+
+
+# ---- the local tasks sized to the trained window -----------------------------------------------------
+def test_cloze_contexts_are_cut_to_the_window_at_word_boundaries():
+    """Each request (context + " " + choice) fits window + 1 tokens, dropping the fewest leading words;
+    items that fit stay as they are, items whose choice fits with no context word stay whole (counted)."""
+    from lrattn_lightning.data.tokenizer import ByteTokenizer
+    from lrattn_lightning.eval.tasks import fit_cloze_items
+
+    words = "naïve café déjà vu — the quick brown fox jumps over the lazy dog ✓ again and again".split(" ")
+    items = [{"id": i, "context": " ".join(words[: 6 + i]), "choices": ["over the lazy dog", "ü ü ü", "x"], "gold": 0}
+             for i in range(len(words) - 6)]
+    items.append({"id": 99, "context": "a b", "choices": [" ".join(["toolong"] * 14)], "gold": 0})
+    # bytes (multi-byte characters), and a word-level tokenizer
+    for encode, window in ((ByteTokenizer().encode, 60), (lambda text: text.split(" "), 12)):
+        limit = window + 1
+        fitted, cut, unfit = fit_cloze_items(items, window, encode)
+        assert [f["id"] for f in fitted] == [i["id"] for i in items] and unfit == 1
+        for item, new in zip(items, fitted, strict=True):
+            longest = max(len(encode(f"{new['context']} {c}")) for c in new["choices"])
+            kept = new["context"].split(" ")
+            assert item["context"].split(" ")[-len(kept):] == kept and new["choices"] == item["choices"]
+            if new["context"] != item["context"]:
+                assert longest <= limit  # fits, and one more word would not
+                one_more = " ".join(item["context"].split(" ")[-len(kept) - 1:])
+                assert max(len(encode(f"{one_more} {c}")) for c in new["choices"]) > limit
+            elif longest > limit:  # whole because even one word of context cannot fit
+                assert max(len(encode(f"{kept[-1]} {c}")) for c in new["choices"]) > limit
+        assert cut == sum(f != i for f, i in zip(fitted, items, strict=True)) and cut >= 3
+        assert fitted[-1] == items[-1]  # the unfit one, whole
+    assert fit_cloze_items(items, 60, ByteTokenizer().encode)[0][0] == items[0]  # fits as is: untouched
+
+
+def test_write_tasks_gives_lm_eval_a_folder_for_this_checkpoint(trained, tmp_path, capsys):
+    """`lrattn eval --write_tasks DIR`: the YAMLs and the cut cloze items, the lm_eval command printed; a folder
+    holding anything else, a file, or no local task are refused in one line and left as they were."""
+    out = tmp_path / "tasks"
+    assert main(["eval", "--checkpoint", str(trained["ckpt"]), "--write_tasks", str(out)]) == 0
+    said = capsys.readouterr()
+    assert f"--include_path {out}" in said.out and "lm_eval --model hf" in said.out and "window of 32 tokens" in said.out
+    assert {p.name for p in out.iterdir()} == {"lrattn_cloze.yaml", "lrattn_ppl.yaml", "lrattn_cloze.jsonl"}
+    header = (out / "lrattn_cloze.yaml").read_text().splitlines()[:2]
+    assert header[0].startswith("# lrattn_cloze: written by") and "trained window of 32 tokens" in header[1]
+    # tiny's 32-token window holds no 12-word choice: the items stay whole, and the terminal says so
+    assert "do not fit the trained window of 32 tokens" in said.err
+    assert main(["eval", "--checkpoint", str(trained["ckpt"]), "--write_tasks", str(out)]) == 0  # its own folder
+    capsys.readouterr()
+    (out / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    err = eval_error(capsys, "--checkpoint", str(trained["ckpt"]), "--write_tasks", str(out))
+    assert err.strip().count("\n") == 0 and "'notes.txt'" in err and "new or empty folder" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert "is a file" in eval_error(capsys, "--checkpoint", str(trained["ckpt"]), "--write_tasks", str(out / "notes.txt"))
+    err = eval_error(capsys, "--checkpoint", str(trained["ckpt"]), "--tasks", "hellaswag", "--write_tasks", str(tmp_path / "n"))
+    assert "--tasks local" in err and not (tmp_path / "n").exists()

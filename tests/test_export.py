@@ -109,15 +109,23 @@ def test_export_refuses_a_non_empty_folder_and_bad_checkpoints(tmp_path, capsys)
     assert "junk.ckpt" in capsys.readouterr().err and not (tmp_path / "new").exists()
 
 
-def test_lm_eval_cli_scores_the_export(tmp_path, tiny_data):  # noqa: F811
-    """lm-eval's own command line (`--model hf`) scores the exported folder on the offline tasks."""
-    from lrattn_lightning.eval.tasks import materialise_local_tasks
+def test_lm_eval_cli_scores_the_export(tmp_path, tiny_data, capsys):  # noqa: F811
+    """lm-eval's own command line (`--model hf`) scores the exported folder on the offline tasks that
+    `lrattn eval --write_tasks` wrote for the checkpoint: every cloze request fits the 256-token window, so
+    lm-eval truncates none (it warned "exceeds model's maximum length" for each choice of each item)."""
+    from lrattn_lightning.cli import main
 
-    make_checkpoint(tmp_path / "last.ckpt", "p-lr-block-n8-r32", seq_len=512)
+    make_checkpoint(tmp_path / "last.ckpt", "p-lr-block-n8-r32", seq_len=256)
+    raw = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    raw["data"] = {"data_dir": str(tiny_data), "source": "stdlib-docs", "seq_len": 256}
+    torch.save(raw, tmp_path / "last.ckpt")
     folder = export_hf(tmp_path / "last.ckpt", tmp_path / "hf")
     tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    materialise_local_tasks(["lrattn_cloze", "lrattn_ppl"], tiny_data, tasks)
+    assert main(["eval", "--checkpoint", str(tmp_path / "last.ckpt"), "--write_tasks", str(tasks)]) == 0
+    assert f"--include_path {tasks}" in capsys.readouterr().out
+    items = [json.loads(line) for line in (tiny_data / "tasks/cloze.jsonl").read_text().splitlines()]
+    longest = [max(len((it["context"] + " " + c).encode()) for c in it["choices"]) for it in items[:6]]
+    assert min(longest) > 257, longest  # as prepared, each of the scored items is longer than the window
     lm_eval = Path(sys.executable).with_name("lm_eval")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     proc = subprocess.run(
@@ -127,6 +135,7 @@ def test_lm_eval_cli_scores_the_export(tmp_path, tiny_data):  # noqa: F811
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "exceeds model's maximum length" not in proc.stdout + proc.stderr, proc.stderr[-2000:]
     results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
     assert 0.0 <= results["lrattn_cloze"]["acc,none"] <= 1.0
     assert 1.0 < results["lrattn_ppl"]["bits_per_byte,none"] < 20.0
@@ -140,7 +149,45 @@ def test_the_trained_window_is_the_exported_context_length(tmp_path):
     torch.save(raw, tmp_path / "last.ckpt")
     out = export_hf(tmp_path / "last.ckpt", tmp_path / "hf")
     assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 16
-    assert json.loads((out / "generation_config.json").read_text())["max_length"] == 16
+    # the window is not also generation_config's max_length: generate(max_new_tokens=...) would warn each time
+    assert "max_length" not in json.loads((out / "generation_config.json").read_text())
+
+
+# Loads the export as a user would, in a fresh interpreter with no terminal to answer a prompt.
+LOAD_AND_GENERATE = """
+import sys, warnings
+warnings.simplefilter("always")
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+folder = sys.argv[1]
+tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+stock = PreTrainedTokenizerFast.from_pretrained(folder)  # no remote code at all
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+ids = torch.tensor([tok("def f(x):")["input_ids"]])
+assert stock("def f(x):")["input_ids"] == ids[0].tolist()
+new = model.generate(ids, max_new_tokens=8)[0, ids.shape[1]:]
+print(len(new), type(stock).__name__)
+"""
+
+
+def test_the_export_loads_and_generates_without_warnings(tmp_path):
+    """The tokenizer is a stock class (no auto_map of ours); the model's own code loads and generates
+    without a warning: no "model of type lrattn to instantiate", no max_new_tokens-and-max_length."""
+    make_checkpoint(tmp_path / "last.ckpt", "s-lr-block-n8-r64")
+    out = export_hf(tmp_path / "last.ckpt", tmp_path / "hf")
+    tok_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert tok_config["tokenizer_class"] == "PreTrainedTokenizerFast" and "auto_map" not in tok_config
+    assert "AutoTokenizer" not in json.loads((out / "config.json").read_text())["auto_map"]
+    proc = subprocess.run([sys.executable, "-c", LOAD_AND_GENERATE, str(out)], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "warning"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[0] == "8", proc.stdout  # 8 new tokens
+    # what is left on stderr: transformers' weight-loading progress bar, nothing else
+    noise = [line for line in proc.stderr.replace("\r", "\n").splitlines() if line.strip()
+             and not line.startswith("Loading weights")]
+    assert noise == [], noise
 
 
 # ---- --out safety: only ever replace a previous export, atomically, with the umask's modes -----------------------

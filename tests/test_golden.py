@@ -131,8 +131,28 @@ def test_fidelity_table_command(tmp_path):
     rows = [line for line in out.read_text().splitlines() if line.startswith("| `")]
     assert len(rows) == 3
     plr = next(r for r in rows if "`p-lr-block-n8-r32`" in r).split("|")
-    assert float(plr[4]) <= TOL_LOGIT and "use_lrid=True" in plr[6] and "lrid_rank=32" in plr[6]
+    assert float(plr[4].strip().removeprefix("≤ ")) <= TOL_LOGIT and "use_lrid=True" in plr[6] and "lrid_rank=32" in plr[6]
     assert "not part of the reference" in next(r for r in rows if "gated-residual" in r)
+
+
+def test_fidelity_file_is_the_same_on_a_rerun(tmp_path):
+    """Errors are written as upper bounds on the 1-2-5 grid (rounding noise dropped): two runs, one file,
+    and every bound holds the measured value."""
+    from lrattn_lightning.tools import fidelity
+
+    entries = "baseline,attnres-block-n8,s-lr-full-r16"
+    args = ["--golden", str(GOLDEN_DIR / "reference.pt"), "--entries", entries]
+    assert fidelity.main([*args, "--out", str(tmp_path / "a.md")]) == 0
+    assert fidelity.main([*args, "--out", str(tmp_path / "b.md")]) == 0
+    text = (tmp_path / "a.md").read_text()
+    assert text == (tmp_path / "b.md").read_text()
+    raw = {r["entry"]: r for r in fidelity.fidelity_rows(str(GOLDEN_DIR / "reference.pt"), only=entries.split(","))}
+    for line in (ln for ln in text.splitlines() if ln.startswith("| `")):
+        cells = [c.strip() for c in line.split("|")]
+        row = raw[cells[1].strip("`")]
+        for cell, value in ((cells[4], row["dlogit"]), (cells[5], row["dgrad"])):
+            assert cell == "0" if value == 0 else cell.partition("e")[0] in ("≤ 1", "≤ 2", "≤ 5"), (cell, value)
+            assert value <= (0.0 if cell == "0" else float(cell.removeprefix("≤ ")))
 
 
 def test_flag_language_states_departures_from_the_reference_defaults():

@@ -3,7 +3,10 @@
     tasks/cloze.jsonl       multiple-choice continuation items from held-out documents (lrattn_cloze)
     tasks/perplexity.jsonl  held-out documents for loglikelihood_rolling (lrattn_ppl)
 
-The task YAMLs that read these files live in `lrattn_lightning/eval/task_configs/`.
+The task YAMLs that read these files live in `lrattn_lightning/eval/task_configs/`. The items are
+sized in words, for no particular model: an evaluation cuts each cloze context to the checkpoint's
+trained window in its tokens (eval/tasks.py `fit_cloze_items`; `lrattn eval --write_tasks DIR` for
+lm_eval's own command line).
 """
 
 from __future__ import annotations

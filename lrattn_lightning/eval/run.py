@@ -46,6 +46,7 @@ from lrattn_lightning.eval.tasks import (
     expand_tasks,
     load_tasks,
     materialise_local_tasks,
+    write_tasks,
 )
 from lrattn_lightning.model.decoder import Decoder
 from lrattn_lightning.train.checkpoints import EvalError, LoadedCheckpoint, check_data_dir, load_checkpoint
@@ -67,7 +68,7 @@ def run_lm_eval(lm: LRAttnLM, tasks: str | list[str], *, data_dir: str | Path | 
         raise TaskError(f"no tasks given; name lm-eval tasks or a preset ({', '.join(PRESETS)})")
     shots = num_fewshot if num_fewshot is not None else preset_shots
     with tempfile.TemporaryDirectory(prefix="lrattn-tasks-") as tmp:
-        local = materialise_local_tasks(names, data_dir, Path(tmp))
+        local = materialise_local_tasks(names, data_dir, Path(tmp), window=lm.max_length, encode=lm.tok_encode)
         manager, resolved = build_task_manager(names, ([tmp] if local else []) + list(include_paths))
         loaded = manager.load(load_tasks(manager, resolved))
         random.seed(0)  # lm-eval's default seeds (simple_evaluate's, without its slow environment report)
@@ -219,6 +220,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--experiment", default="lrattn", help="experiment of a new run (no training run found)")
     parser.add_argument("--bootstrap-iters", type=int, default=100_000, help="lm-eval bootstrap for stderr (0: none)")
     parser.add_argument("--no-log", action="store_true", help="print the results only")
+    parser.add_argument("--write-tasks", metavar="DIR", default=None,
+                        help="write the local tasks for this checkpoint (cloze contexts cut to its trained window) "
+                             "into DIR for `lm_eval --include_path DIR`, print that command, and exit")
     return parser.parse_args(argv)
 
 
@@ -240,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         check_data_dir(ckpt, data_dir)
     elif args.val_loss:
         raise EvalError(f"--val-loss needs the prepared data: checkpoint {ckpt.path} records no data_dir; pass --data-dir")
+    if args.write_tasks is not None:  # no evaluation: the task folder for lm_eval's own command line
+        print(write_tasks(names, data_dir, Path(args.write_tasks), window=ckpt.seq_len, encode=ckpt.tokenizer.encode))
+        return 0
     if not names and not args.val_loss:
         raise EvalError(f"nothing to evaluate: --tasks is empty; name tasks or presets ({', '.join(PRESETS)}) "
                         "or pass --val-loss")

@@ -10,12 +10,22 @@ data/task_files.py), so an evaluation copies
 the YAMLs into a temporary include folder with `data_files` pointing at that folder (lm-eval's
 `dataset_path: json`). Only when a name is not local or in `--include-path` is lm-eval's default
 task index built (about 14 s).
+
+The cloze items are written in words at prepare time (48 words of context, 12 per choice), not for any one
+model: given the checkpoint's trained window, the materialised copy cuts each item's context from the left, at
+a word boundary, so that context + its longest choice fit the window in the checkpoint's tokens (lm-eval's HF
+model otherwise truncates each such request from the left with a warning). `lrattn eval --write_tasks DIR`
+writes that copy for `lm_eval --model hf ... --include_path DIR`, so both score the same items.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
 import re
+import shutil
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,8 +75,13 @@ def expand_tasks(spec: str | list[str]) -> tuple[list[str], int | None]:
     return list(dict.fromkeys(names)), shots
 
 
-def materialise_local_tasks(names: list[str], data_dir: str | Path | None, out_dir: Path) -> list[str]:
-    """Write the YAMLs of the local tasks among `names` into `out_dir`, pointing at `data_dir`'s files."""
+def materialise_local_tasks(names: list[str], data_dir: str | Path | None, out_dir: Path, *,
+                            window: int | None = None, encode: Callable[[str], list[int]] | None = None) -> list[str]:
+    """Write the YAMLs of the local tasks among `names` into `out_dir`, pointing at `data_dir`'s files.
+
+    With the trained `window` and the checkpoint's `encode`, the cloze items are first cut to fit it
+    (`fit_cloze_items`) into `out_dir/lrattn_cloze.jsonl`, which its YAML reads instead.
+    """
     wanted = [n for n in names if n in LOCAL_TASKS]
     if not wanted:
         return []
@@ -86,10 +101,101 @@ def materialise_local_tasks(names: list[str], data_dir: str | Path | None, out_d
             raise TaskError(f"task '{name}': its data file {path} is missing or empty; prepare the folder again with "
                             f"`lrattn prepare --out {root} --overwrite` (it writes tasks/*.jsonl from the held-out split)")
         config = yaml.safe_load((TASKS_DIR / f"{name}.yaml").read_text())
+        header = f"# {name}: written by lrattn_lightning.eval.tasks from {path}\n"
+        if name == "lrattn_cloze" and window is not None and encode is not None:
+            path, header = _write_fitted_cloze(path, out_dir / f"{name}.jsonl", window, encode)
         # the datasets library's cache of this file goes into out_dir (removed after the run), not ~/.cache
         config["dataset_kwargs"] = {"data_files": {"test": str(path)}, "cache_dir": str(out_dir / "hf-datasets")}
-        (out_dir / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        (out_dir / f"{name}.yaml").write_text(header + yaml.safe_dump(config, sort_keys=False))
     return wanted
+
+
+def fit_cloze_items(items: list[dict[str, Any]], window: int,
+                    encode: Callable[[str], list[int]]) -> tuple[list[dict[str, Any]], int, int]:
+    """Each item with its context cut from the left at a word boundary so that, for every choice, the tokens
+    of `context + " " + choice` (lm-eval's target_delimiter) number at most window + 1: the model reads all
+    but the last of them, so the whole request fits the window and lm-eval never truncates it.
+
+    -> (items, how many were cut, how many cannot fit even with one context word: those stay whole, and
+    lm-eval truncates them from the left as it would any long request). The fewest words are dropped.
+    """
+    limit = window + 1
+    out, cut, unfit = [], 0, 0
+    for item in items:
+        words = item["context"].split(" ")
+
+        def tokens(first: int, words: list[str] = words, choices: list[str] = item["choices"]) -> int:
+            context = " ".join(words[first:])
+            return max(len(encode(f"{context} {choice}")) for choice in choices)
+
+        if tokens(0) <= limit:
+            out.append(item)
+            continue
+        if tokens(len(words) - 1) > limit:
+            out.append(item)
+            unfit += 1
+            continue
+        # binary search for the first kept word: tokens(hi) always fits, tokens(lo) does not
+        lo, hi = 0, len(words) - 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if tokens(mid) <= limit else (mid, hi)
+        out.append({**item, "context": " ".join(words[hi:])})
+        cut += 1
+    return out, cut, unfit
+
+
+def _write_fitted_cloze(src: Path, dst: Path, window: int, encode: Callable[[str], list[int]]) -> tuple[Path, str]:
+    """`src`'s cloze items cut to `window` (fit_cloze_items) into `dst` -> (dst, the YAML's header comment)."""
+    items = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
+    fitted, cut, unfit = fit_cloze_items(items, window, encode)
+    with open(dst, "w") as f:
+        for item in fitted:
+            f.write(json.dumps(item, ensure_ascii=False) + "\n")
+    said = (f"{cut} of {len(items)} items had their context cut from the left (at a word boundary) so that context "
+            f"+ longest choice fit the trained window of {window} tokens")
+    if unfit:
+        said += f"; {unfit} do not fit even with one context word and stay whole (lm-eval truncates them)"
+        print(f"[lrattn eval] lrattn_cloze: {unfit} of {len(items)} items do not fit the trained window of {window} "
+              "tokens even with one word of context; lm-eval truncates them from the left", file=sys.stderr)
+    return dst, f"# lrattn_cloze: written by lrattn_lightning.eval.tasks from {src}\n# {said}\n"
+
+
+# what `write_tasks` puts into its folder: only a folder holding nothing else is replaced
+WRITTEN = {*(f"{n}.yaml" for n in LOCAL_TASKS), "lrattn_cloze.jsonl", "hf-datasets"}
+
+
+def write_tasks(names: list[str], data_dir: str | Path | None, out: Path, *, window: int,
+                encode: Callable[[str], list[int]]) -> str:
+    """`lrattn eval --write_tasks DIR`: the local tasks for one checkpoint into DIR (new, empty, or a previous
+    --write_tasks folder); -> what to print: the folder and the lm_eval command that reads it."""
+    wanted = [n for n in names if n in LOCAL_TASKS]
+    if not wanted:
+        raise TaskError(f"--write_tasks writes the local tasks ({', '.join(LOCAL_TASKS)}), but --tasks names none "
+                        "of them; pass --tasks local")
+    if out.exists() and not out.is_dir():
+        raise TaskError(f"--write_tasks {out} is a file, not a folder; choose a new folder")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in WRITTEN) if out.is_dir() else []
+    if foreign:
+        raise TaskError(f"--write_tasks {out} holds {foreign[0]!r}, which --write_tasks did not write; "
+                        "choose a new or empty folder")
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name in WRITTEN:  # a previous write's files (and their datasets cache): none left stale
+            if (out / name).is_dir():
+                shutil.rmtree(out / name)
+            else:
+                (out / name).unlink(missing_ok=True)
+        materialise_local_tasks(wanted, data_dir, out.resolve(), window=window, encode=encode)  # absolute paths
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    cut = f" (cloze contexts cut to the trained window of {window} tokens)" if "lrattn_cloze" in wanted else ""
+    return (f"wrote {', '.join(wanted)} to {out}{cut}; score an export of this checkpoint with:\n"
+            f"  lm_eval --model hf --model_args "
+            f"pretrained=DIR,trust_remote_code=True --tasks {','.join(wanted)} --include_path {out}")
 
 
 def build_task_manager(names: list[str], include_paths: list[str | Path]) -> tuple[Any, list[str]]:

@@ -211,23 +211,35 @@ def plot_heatmaps(matrices: dict, out: Path, title: str) -> list[Path]:
     return _save(fig, out, "routing_heatmaps")
 
 
+# Curves of close variants lie on top of each other: besides its colour each gets a line style and a marker
+# (staggered along the steps, and smaller for each later variant so that marks at one point nest), so a line
+# hidden under another still shows through its dashes and marks.
+LINE_STYLES = ["-", (0, (6, 2)), (0, (1.5, 1.5)), (0, (6, 1.5, 1.5, 1.5)), (0, (3, 1.5, 1.5, 1.5, 1.5, 1.5))]
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+
+
 def plot_curves(rows: list[Row], out: Path, title: str) -> list[Path]:
-    """Train loss (smoothed) and val loss against step; mean over seeds, min-max band for train loss."""
+    """Train loss (smoothed) and val loss against step; mean over seeds, min-max band for train loss.
+
+    One legend, under both panels: each variant has the same colour, line style and marker in both."""
     plt = _plt()
     colors, multi = _colors(rows), len({r.size for r in rows}) > 1
     fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12.5, 4.6))
-    for row in rows:
-        color, label = colors[row.ablation], _label(row, multi)
+    handles = {}  # label -> a line of it, for the shared legend
+    for i, row in enumerate(sorted(rows, key=lambda r: _label(r, multi))):
+        style = {"color": colors[row.ablation], "ls": LINE_STYLES[i % len(LINE_STYLES)],
+                 "marker": MARKERS[i % len(MARKERS)], "lw": 1.5, "ms": 8 - 1.5 * (i % 4), "label": _label(row, multi)}
         for key, ax in (("train/loss", ax_t), ("val/loss", ax_v)):
             steps, mean, lo, hi = _seed_mean(row, key)
             if not steps:
                 continue
             if key == "train/loss":
                 mean, lo, hi = _smooth(mean), _smooth(lo), _smooth(hi)
-                ax.fill_between(steps, lo, hi, color=color, alpha=0.15, lw=0)
-                ax.plot(steps, mean, color=color, lw=1.4, label=label)
+                ax.fill_between(steps, lo, hi, color=style["color"], alpha=0.15, lw=0)
+                every = max(1, len(steps) // 8)  # ~8 marks a line, each variant's shifted along the steps
+                handles[style["label"]] = ax.plot(steps, mean, markevery=(i * every // len(rows), every), **style)[0]
             else:
-                ax.plot(steps, mean, "o-", color=color, lw=1.4, ms=4, label=label)
+                handles[style["label"]] = ax.plot(steps, mean, **style)[0]
     ax_t.set_title("train loss (moving average of 5 logged steps; band: seed min-max)", fontsize=9)
     ax_v.set_title("validation loss (mean over seeds)", fontsize=9)
     for ax in (ax_t, ax_v):
@@ -235,9 +247,11 @@ def plot_curves(rows: list[Row], out: Path, title: str) -> list[Path]:
         ax.set_ylabel("loss (nats/token)")
         ax.grid(alpha=0.3)
     _zoom(ax_t, rows, "train/loss")
-    ax_v.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.08, 1, 1))  # room for the legend under the panels
+    if handles:
+        fig.legend(handles=list(handles.values()), loc="lower center", ncol=min(len(handles), 5), fontsize=8,
+                   frameon=False, handlelength=3.5)
     return _save(fig, out, "training_curves")
 
 

@@ -2,14 +2,18 @@
 
     lrattn export --checkpoint runs/.../last.ckpt --out hf/my-model
     AutoModelForCausalLM.from_pretrained("hf/my-model", trust_remote_code=True)
-    lm_eval --model hf --model_args pretrained=hf/my-model,trust_remote_code=True --tasks ...
+    AutoTokenizer.from_pretrained("hf/my-model", trust_remote_code=True)   # or PreTrainedTokenizerFast's
+    lrattn eval --checkpoint runs/.../last.ckpt --write_tasks tasks/my-model   # the offline tasks, for:
+    lm_eval --model hf --model_args pretrained=hf/my-model,trust_remote_code=True --include_path tasks/my-model ...
 
 The folder holds config.json (the resolved size and ablation as plain values, plus `auto_map` to the
-modeling file), model.safetensors (the Decoder's weights), tokenizer files (tokenizer.json for a
-PreTrainedTokenizerFast: the byte tokenizer is written as an exact byte-level BPE with no merges),
-generation_config.json, and modeling_lrattn.py: a thin wrapper whose model *is* our `Decoder` (it
-imports lrattn_lightning, so the package must be installed where the folder is loaded; no second copy
-of the model). Document masking travels in the config. Generation through `generate()` recomputes the
+modeling file), model.safetensors (the Decoder's weights), tokenizer files (tokenizer.json for the stock
+PreTrainedTokenizerFast, named in tokenizer_config.json with no auto_map: the byte tokenizer is written as
+an exact byte-level BPE with no merges; AutoTokenizer still wants trust_remote_code=True, as it resolves
+config.json's AutoConfig first), generation_config.json (no max_length: generate(max_new_tokens=...)
+would warn that both are set; the window is max_position_embeddings), and modeling_lrattn.py: a thin
+wrapper whose model *is* our `Decoder` (it imports lrattn_lightning, so the package must be installed
+where the folder is loaded; no second copy of the model). Document masking travels in the config. Generation through `generate()` recomputes the
 window at every step (the wrapper keeps no cache); `lrattn generate` uses our KV cache.
 
 --out is written whole into a temporary folder beside it and swapped in; an existing --out is replaced only
@@ -276,11 +280,13 @@ def _write_export(staging: Path, ckpt: Any, hf_tokenizer: Any, checkpoint: str |
         "lrattn": {"checkpoint": str(Path(checkpoint).resolve()), "global_step": ckpt.global_step},
     }
     (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {"eos_token_id": eos, "bos_token_id": eos, "pad_token_id": eos,
-                  "max_length": ckpt.seq_len, "do_sample": False}
+    # no max_length: transformers warns on every generate(max_new_tokens=...) when both are set; the trained
+    # window is config.json's max_position_embeddings
+    generation = {"eos_token_id": eos, "bos_token_id": eos, "pad_token_id": eos, "do_sample": False}
     (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     (staging / MODELING_FILE).write_text(MODELING_SOURCE)
     hf_tokenizer.save_pretrained(str(staging))
+    _stock_tokenizer_class(staging / "tokenizer_config.json")
     files = sorted(os.listdir(staging))
     (staging / MARKER).write_text(json.dumps({"written_by": "lrattn export", "files": files}, indent=2) + "\n")
     # mkdtemp makes a 0700 folder and safetensors 0600 files: give what the umask gives (0755/0644 under 022),
@@ -289,6 +295,15 @@ def _write_export(staging: Path, ckpt: Any, hf_tokenizer: Any, checkpoint: str |
     for name in (*files, MARKER):
         os.chmod(staging / name, 0o666 & ~mask)
     os.chmod(staging, 0o777 & ~mask)
+
+
+def _stock_tokenizer_class(path: Path) -> None:
+    """Name the stock PreTrainedTokenizerFast in tokenizer_config.json (transformers 5 writes its alias
+    TokenizersBackend, unknown to 4.x), with no auto_map: the tokenizer needs no code of ours."""
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config.pop("auto_map", None)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _hf_tokenizer(tokenizer: Any, spec: dict[str, Any]) -> Any:
@@ -360,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     except ExportFailed as err:  # the work failed (disk full, ...), not the input: exit 1, still one line
         print(f"lrattn export: error: {err}", file=sys.stderr)
         return 1
-    print(f"wrote {out}: load with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
+    print(f"wrote {out}: load with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True) and "
+          f"AutoTokenizer.from_pretrained({str(out)!r}, trust_remote_code=True)")
     return 0
 
 

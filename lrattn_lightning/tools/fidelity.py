@@ -193,6 +193,9 @@ def render_markdown(rows: list[dict[str, Any]], golden_path: str, size_line: str
         "- *max |Δlogit|*: ours (fast router) against the reference's logits (logit RMS ≈ 0.2).",
         "- *grad rel. err.*: max |Δ| / max |g| over the stored gradients (router parameters in full,",
         "  large matrices through fixed random projections).",
+        "- Both errors are float32 rounding (eps ≈ 1.2e-7, summed over many terms): shown as an upper bound",
+        "  on the 1-2-5 grid (`≤ 5e-6`: the measured value lies in (2e-6, 5e-6]), `0` when exact, so a rerun",
+        "  gives the same file; another CPU's kernels round differently and may move a value by one step.",
         "- *reference flags*: what the entry is in the reference's flag language (departures from its",
         "  class defaults), so a run of the reference can be translated to a registry entry.",
         "",
@@ -202,14 +205,27 @@ def render_markdown(rows: list[dict[str, Any]], golden_path: str, size_line: str
         "|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        ref, dl, dg = (_cell(r[key], fmt) for key, fmt in (("reference_params", ","), ("dlogit", ".1e"), ("dgrad", ".1e")))
+        ref = "—" if r["reference_params"] is None else f"{r['reference_params']:,}"
+        dl, dg = ("—" if r[key] is None else upper_bound(r[key]) for key in ("dlogit", "dgrad"))
         mark = " †" if r.get("clipped") else ""
         lines.append(f"| `{r['entry']}`{mark} | {r['params']:,} | {ref} | {dl} | {dg} | {r['flags']} |")
     return "\n".join(lines) + "\n"
 
 
-def _cell(value: Any, fmt: str) -> str:
-    return "—" if value is None else format(value, fmt)
+def upper_bound(value: float) -> str:
+    """`value` >= 0 as the smallest 1, 2 or 5 x 10^k at or above it: 7.3e-6 and 7.4e-6 -> '≤ 1e-5'.
+
+    An error's digits beyond its order are rounding noise (they change with the CPU's kernels); its bound
+    is what the table claims. 0 (bit-identical) stays '0'.
+    """
+    if value == 0:
+        return "0"
+    exp = math.floor(math.log10(value))
+    mantissa = value / 10.0**exp  # in [1, 10)
+    step = next(m for m in (1, 2, 5, 10) if mantissa <= m * (1 + 1e-12))
+    if step == 10:
+        step, exp = 1, exp + 1
+    return f"≤ {step}e{exp}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ThroughputMonitor
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lrattn_lightning.model.accounting import added_flops_percent, count_params
 from lrattn_lightning.model.config import ModelConfig
@@ -85,10 +87,51 @@ class RunDescription(Callback):
                 **{f"train_{k}": v for k, v in hp.items() if k in TRAIN_PARAMS},
                 **recipe_params(trainer),
             })
+        elif run is not None and run.data.params.get("train_max_steps") not in (None, str(trainer.max_steps)):
+            # a resume with --model.allow_schedule_change: params cannot change, so the new length is its own
+            step = getattr(pl_module, "_loaded_step", None) or trainer.global_step  # restored after on_fit_start
+            logger.log_hyperparams({f"train_max_steps_from_step_{step}": trainer.max_steps})
         tags = {"ablation": cfg.ablation.name, "size": cfg.size.name, "control": cfg.ablation.control or "none",
-                "git_commit": hp.git_commit, "registry_sha256": hp.registry_sha256}
+                "git_commit": hp.git_commit, "registry_sha256": hp.registry_sha256,
+                "lrattn_version": package_version()}  # an installed wheel has no git commit to tag
+        if run is not None and "mlflow.note.content" not in run.data.tags:  # the UI's description; the user may edit it
+            tags["mlflow.note.content"] = run_description(trainer, pl_module)
         for key, value in tags.items():
             client.set_tag(run_id, key, value)
+        experiment = client.get_experiment(logger.experiment_id)
+        if experiment is not None and EXPERIMENT_KIND not in experiment.tags:
+            # MLflow 3 opens an experiment without this tag in its GenAI view (traces, evaluations)
+            client.set_experiment_tag(logger.experiment_id, EXPERIMENT_KIND, "custom_model_development")
+
+
+EXPERIMENT_KIND = "mlflow.experimentKind"
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lrattn-lightning")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def run_description(trainer: L.Trainer, pl_module: L.LightningModule) -> str:
+    """Markdown for the run page: what the ablation is, against what, at which size, with which recipe."""
+    cfg, hp, size = pl_module.cfg, pl_module.hparams, pl_module.cfg.size
+    recipe = recipe_params(trainer)
+    lines = [
+        f"**{cfg.ablation.name}** at size **{size.name}**: {' '.join((cfg.ablation.doc or '').split())}",
+        "",
+        f"Control: `{cfg.ablation.control or 'none'}`. {count_params(cfg):,} parameters, "
+        f"added FLOPs {added_flops_percent(cfg):.3f} % of the core (L={size.n_layers}, d={size.d_model}).",
+        "",
+        f"Recipe: {recipe['train_max_steps']} steps of {recipe['train_tokens_per_step']} tokens "
+        f"(batch {recipe['train_batch_size']} x seq {recipe['train_seq_len']}), optimizer {hp.get('optimizer')} "
+        f"(lr {hp.get('lr')}, Muon lr {hp.get('muon_lr')}), precision {recipe['train_precision']}, "
+        f"{recipe['train_devices']} device(s) x {recipe['train_num_nodes']} node(s), data {recipe['train_data_dir']}.",
+    ]
+    return "\n".join(lines)
 
 
 def recipe_params(trainer: L.Trainer) -> dict[str, Any]:
@@ -159,6 +202,9 @@ class CheckpointContents(Callback):
             checkpoint["tokenizer"] = spec
             checkpoint["data"] = {"data_dir": str(Path(datamodule.data_dir).resolve()), "source": meta.get("source"),
                                   "seq_len": getattr(datamodule, "seq_len", None)}  # the trained window
+        schedules = [c.scheduler for c in trainer.lr_scheduler_configs if hasattr(c.scheduler, "total_steps")]
+        if schedules:  # the length the learning-rate schedule was built for: a resume must keep it (or say so)
+            checkpoint["schedule"] = {"total_steps": int(schedules[0].total_steps)}
         if isinstance(trainer.logger, MLFlowLogger):
             checkpoint["mlflow"] = {
                 "run_id": trainer.logger.run_id,
@@ -191,16 +237,50 @@ def tokens_in(batch: torch.Tensor) -> int:
 class TokenThroughput(ThroughputMonitor):
     """Lightning's ThroughputMonitor with samples = sequences and items = predicted tokens, and the module's
     `flops_per_batch` for FLOP/s (and MFU on a GPU Lightning knows). Each rate averages the steps since the
-    previous log: the window spans log_every_n_steps optimizer steps."""
+    previous log: the window spans log_every_n_steps optimizer steps.
 
-    def __init__(self) -> None:
+    Only the rates are logged (`*_per_sec`, `*mfu`) unless `counters` is set: the running counts Lightning adds
+    (`train/batches`, `train/samples`, `train/lengths`, `train/time`) bury the metrics a researcher reads.
+    Validation and test rates are logged once per loop, at the training step of the weights scored (Lightning
+    logs them at a validation-batch counter, which is no step of the run)."""
+
+    RATES = ("_per_sec", "mfu")
+
+    def __init__(self, counters: bool = False) -> None:
         super().__init__(batch_size_fn=sequences_in, length_fn=tokens_in)
+        self.counters = counters
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.kwargs["window_size"] = max(2, trainer.log_every_n_steps * trainer.accumulate_grad_batches + 1)
         super().setup(trainer, pl_module, stage)
 
+    def _compute(self, trainer: L.Trainer, iter_num: int | None = None) -> None:
+        if trainer.state.stage == RunningStage.TRAINING:
+            self._log(trainer, iter_num)  # evaluation loops log once, at their end
 
-def training_monitors() -> list[Callback]:
-    """The step monitors of `lrattn fit`: learning rate, Muon momentum, tokens/s (see module doc)."""
-    return [LearningRateMonitor(logging_interval="step"), MuonMomentumMonitor(), TokenThroughput()]
+    def _log(self, trainer: L.Trainer, step: int | None) -> None:
+        if trainer.state.stage == RunningStage.TRAINING and not trainer._logger_connector.should_update_logs:
+            return
+        throughput = self._throughputs[trainer.state.stage]
+        if not throughput._time:  # nothing measured (an empty loop)
+            return
+        metrics = {k: v for k, v in throughput.compute().items() if self.counters or k.endswith(self.RATES)}
+        if metrics:
+            prefix = f"{trainer.state.stage.value}{throughput.separator}"
+            trainer._logger_connector.log_metrics({prefix + k: v for k, v in metrics.items()}, step=step)
+
+    @rank_zero_only
+    def on_validation_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if not trainer.sanity_checking:
+            self._log(trainer, trainer.global_step)
+        super().on_validation_end(trainer, *args)
+
+    @rank_zero_only
+    def on_test_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._log(trainer, trainer.global_step)
+
+
+def training_monitors(counters: bool = False) -> list[Callback]:
+    """The step monitors of `lrattn fit`: learning rate, Muon momentum, tokens/s (see module doc); `counters`
+    adds Lightning's running counts (train/batches, train/samples, train/lengths, train/time)."""
+    return [LearningRateMonitor(logging_interval="step"), MuonMomentumMonitor(), TokenThroughput(counters)]

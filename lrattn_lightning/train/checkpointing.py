@@ -114,22 +114,11 @@ def atomic_torch_save(checkpoint: dict[str, Any], path: str | Path) -> None:
 
 
 def load_checkpoint_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
-    """torch.load(weights_only=True) of a checkpoint; a missing, empty, truncated or foreign file is one CheckpointError."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path}: no such file")
-    if path.stat().st_size == 0:
-        raise CheckpointError(f"checkpoint {path} is empty (0 bytes); use an older checkpoint or start a new run")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-    except Exception as err:
-        raise CheckpointError(
-            f"checkpoint {path} cannot be read ({_cause(err)}): it is truncated, corrupt, or not a checkpoint "
-            "written by `lrattn fit`; use another checkpoint"
-        ) from err
-    if not isinstance(ckpt, dict):
-        raise CheckpointError(f"checkpoint {path} holds a {type(ckpt).__name__}, not a checkpoint written by `lrattn fit`")
-    return ckpt
+    """torch.load(weights_only=True) of a checkpoint; a missing, empty, truncated or foreign file is one CheckpointError.
+    The one reader is shared with inference (train/checkpoints.py, which does not import Lightning)."""
+    from lrattn_lightning.train.checkpoints import read_checkpoint_file
+
+    return read_checkpoint_file(path, map_location=map_location, mmap=mmap, error=CheckpointError)
 
 
 def newest_last(folder: Path) -> Path | None:

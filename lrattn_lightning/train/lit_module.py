@@ -89,6 +89,7 @@ class LRAttnModule(L.LightningModule):
         warmup_steps: int = 2000,
         decay_fraction: float = 0.2,
         final_lr_fraction: float = 0.1,
+        allow_schedule_change: bool = False,
         z_loss: float = 1e-5,
         compile: bool = False,
         impl: Literal["fast", "reference", "compiled"] = "fast",

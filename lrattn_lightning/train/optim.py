@@ -269,3 +269,17 @@ class WarmupStableDecay(torch.optim.lr_scheduler.LRScheduler):
 
     def state_dict(self) -> dict[str, Any]:
         return {k: v for k, v in super().state_dict().items() if k not in self._SHAPE}
+
+
+def first_schedule_difference(old_total: int, new_total: int, until: int, warmup_steps: int, decay_fraction: float,
+                              final_lr_fraction: float, momentum: MomentumSchedule | None) -> int | None:
+    """The first step s <= `until` where the schedules of `old_total` and `new_total` steps set another learning
+    rate or Muon momentum, or None: a resume at global step `until` with the new length then equals a run
+    launched with it from the start. `until` is included: its learning rate and momentum were set by the old
+    schedule before the save and come back with the optimizer state."""
+    old = wsd_lambda(old_total, warmup_steps, decay_fraction, final_lr_fraction)
+    new = wsd_lambda(new_total, warmup_steps, decay_fraction, final_lr_fraction)
+    for step in range(until + 1):
+        if old(step) != new(step) or (momentum is not None and momentum(step, old_total) != momentum(step, new_total)):
+            return step
+    return None
