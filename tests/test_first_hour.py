@@ -77,38 +77,3 @@ def test_lightnings_automatic_optimizer_flags_are_refused(data, tmp_path):  # no
         assert "unknown flag" in proc.stderr and flags[0] in proc.stderr
         assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
     assert "--optimizer " not in run_cli(["fit", "--help"], tmp_path).stdout
-
-
-def _runs(folder):
-    client = MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
-    return client, client.search_runs([client.get_experiment_by_name("lrattn").experiment_id])
-
-
-def test_a_resume_with_another_schedule_length_is_refused_unless_asked(data, tmp_path):  # noqa: F811
-    """A longer --trainer.max_steps on resume restarted the warm-down; now it is an error, and with
-    --model.allow_schedule_change the run equals one launched with the new length, while that holds."""
-    flat = ("--model.decay_fraction", "0.0", "--model.muon_momentum_cooldown_steps", "0")  # no decay, no cooldown
-    first, full, decaying = (tmp_path / n for n in ("resumed", "full", "decaying"))
-    for folder in (first, full, decaying):
-        folder.mkdir()
-    assert run_cli(fit_args(data, *flat, steps=4, every=2), first).returncode == 0
-    proc = run_cli(fit_args(data, *flat, "--ckpt_path", "last", steps=6, every=2), first)
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
-    assert "--trainer.max_steps 6" in proc.stderr and "allow_schedule_change" in proc.stderr
-    proc = run_cli(fit_args(data, *flat, "--ckpt_path", "last", "--model.allow_schedule_change", "true",
-                            steps=6, every=2), first)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert run_cli(fit_args(data, *flat, steps=6, every=2), full).returncode == 0
-    (client, [resumed]), (client_full, [uninterrupted]) = _runs(first), _runs(full)
-    for key in ("train/loss", "train/lr/muon", "val/loss"):
-        got = sorted((m.step, m.value) for m in client.get_metric_history(resumed.info.run_id, key))
-        want = sorted((m.step, m.value) for m in client_full.get_metric_history(uninterrupted.info.run_id, key))
-        assert [s for s, _ in got] == [s for s, _ in want] and np.allclose([v for _, v in got], [v for _, v in want],
-                                                                          rtol=1e-6, atol=0), key
-    assert resumed.data.params["train_max_steps"] == "4" and resumed.data.params.get(
-        "train_max_steps_from_step_4") == "6", resumed.data.params
-    # a schedule whose warm-down had begun cannot be stretched: its learning rates would change
-    assert run_cli(fit_args(data, "--model.decay_fraction", "0.5", steps=4, every=2), decaying).returncode == 0
-    proc = run_cli(fit_args(data, "--model.decay_fraction", "0.5", "--ckpt_path", "last",
-                            "--model.allow_schedule_change", "true", steps=8, every=2), decaying)
-    assert proc.returncode == 2 and "departs from a 8-step one at step" in proc.stderr, proc.stderr[-2000:]
