@@ -278,6 +278,9 @@ def _parse_error(message: str, parser, subcommand: str | None) -> str:
         keys_known = [f[2:] for f in flags]
         return (f"unknown key{'s' if len(keys) > 1 else ''} in a --config file: " +
                 "; ".join(_closest(k, keys_known) for k in keys) + f"; {help_}")
+    linked = re.search(r"resolved_by_the_module\(registry\) --> (model\.\w+)", message)
+    if linked:  # a link target: provenance comes from the registry and git
+        return f"--{linked.group(1)} is recorded by lrattn from the registry and git, not set by a flag; drop it"
     # e.g. 'Parser key "config": File does not exist: ...' -> '--config: File does not exist: ...'
     return re.sub(r'^Parser key "([^"]+)":\s*', r"--\1: ", " ".join(message.split()))
 
