@@ -1,10 +1,13 @@
 """Callbacks the training tests inject through the CLI (`--config` with class_path run_hooks.X).
 
-They act on a real training process: SIGKILL it mid-run, or poison a weight to force a NaN loss.
+They act on a real training process: SIGKILL it mid-run, send it a signal at an exact point, or poison a
+weight to force a NaN loss.
 """
 
 import os
 import signal
+import time
+from signal import Signals
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -68,3 +71,44 @@ class KillProcessGroupAtStep(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step:
             os.killpg(self.pgid, signal.SIGKILL)
+
+
+class SignalAt(Callback):
+    """Send this process the real signal `signal` ("SIGTERM", "SIGINT", "SIGHUP") at an exact point: when
+    optimizer step `step` is about to run, or (`during: validation`) at the end of batch `batch` of the
+    validation that follows step `step` (the validation logged at step `step`); with `rank`, only that
+    rank's process gets it."""
+
+    def __init__(self, step: int, signal: str = "SIGTERM", during: str = "train", batch: int = 0,
+                 rank: int | None = None):
+        self.step, self.signum, self.during, self.batch, self.rank = step, Signals[signal], during, batch, rank
+        self.sent = False
+
+    def _send(self, trainer) -> None:
+        if not self.sent and self.rank in (None, trainer.global_rank):
+            self.sent = True
+            os.kill(os.getpid(), self.signum)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.during == "train" and trainer.global_step == self.step:
+            self._send(trainer)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if (self.during == "validation" and not trainer.sanity_checking and trainer.state.fn == "fit"
+                and trainer.global_step == self.step and batch_idx == self.batch):
+            self._send(trainer)
+
+
+class PauseAt(Callback):
+    """When optimizer step `step` is about to run, touch `marker` and wait until `go` exists (a test does
+    something to the process meanwhile, e.g. closes its terminal)."""
+
+    def __init__(self, step: int, marker: str, go: str, timeout: float = 120.0):
+        self.step, self.marker, self.go, self.timeout = step, marker, go, timeout
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            open(self.marker, "w").close()
+            deadline = time.time() + self.timeout
+            while not os.path.exists(self.go) and time.time() < deadline:
+                time.sleep(0.05)

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import free_port
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
@@ -287,3 +290,155 @@ def test_variant_runs_carry_their_flags_and_get_their_own_rows(data_dir, tmp_pat
         frozen.data.metrics["val/loss"] - plain.data.metrics["val/loss"], abs=1e-9)
     assert (tmp_path / "report/gate_alphas.png").read_bytes()[:8] == PNG
     assert "gate_alphas.png" in (tmp_path / "report/report.md").read_text()
+
+
+# ---- every run's fit arguments are parsed before the first run (issue 19, item 7) ----------------------
+def _sweep_fails(folder: Path, monkeypatch, capsys, argv: list[str], *needles: str) -> None:
+    """`lrattn sweep ARGV` exits 2 with ONE line holding `needles`, and nothing was run or written."""
+    monkeypatch.chdir(folder)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(["sweep", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert len(err.strip().splitlines()) == 1 and err.startswith("lrattn: error: "), err
+    for needle in needles:
+        assert needle in err, err
+    assert "usage" not in err and "(1/" not in out
+    assert not (folder / "runs").exists() and not (folder / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+@pytest.mark.parametrize("where", ["args", "recipe", "variant"])
+def test_a_flag_typo_in_args_or_recipe_fails_before_any_run(data_dir, tmp_path, monkeypatch, capsys, where, dry_run):
+    runs = [{"size": "tiny", "ablation": "baseline", "seed": 7, "variant": "long",
+             "args": {"trainer.max_stpes" if where == "variant" else "trainer.max_steps": 4}}]
+    path = write_sweep(tmp_path, data_dir, runs=runs, **({"args": {"trainer.max_stpes": 4}} if where == "args" else {}))
+    if where == "recipe":  # the typo inside the recipe's trainer mapping
+        recipe = yaml.safe_load((tmp_path / "recipe.yaml").read_text())
+        recipe["trainer"]["max_stpes"] = 4
+        (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    origin = {"args": "the sweep's args", "recipe": "recipe recipe.yaml", "variant": "the args of variant 'long'"}[where]
+    first = "tiny-baseline-long-seed7" if where == "variant" else "tiny-baseline-seed0"
+    _sweep_fails(tmp_path, monkeypatch, capsys, [str(path), *(["--dry-run"] if dry_run else [])],
+                 f"run {first}:", "unknown fit flag --trainer.max_stpes", origin, "closest: --trainer.max_steps")
+
+
+def test_a_bad_value_and_an_unknown_top_level_key_fail_before_any_run(data_dir, tmp_path, monkeypatch, capsys):
+    path = write_sweep(tmp_path, data_dir, args={"trainer.max_steps": "many"})
+    _sweep_fails(tmp_path, monkeypatch, capsys, [str(path), "--dry-run"], "run tiny-baseline-seed0:",
+                 "trainer.max_steps", "many")
+    path = write_sweep(tmp_path, data_dir)
+    recipe = yaml.safe_load((tmp_path / "recipe.yaml").read_text())
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({**recipe, "chekpoint_every": 2}))
+    _sweep_fails(tmp_path, monkeypatch, capsys, [str(path), "--emit", "commands", "--out", "-"],
+                 "unknown fit flag --chekpoint_every", "closest: --checkpoint_every")
+
+
+def test_fit_parser_accepts_what_fit_accepts(data_dir, tmp_path):
+    """No false alarms: callbacks with their own arguments and the sweep's own flags parse."""
+    from lrattn_lightning.lightning_cli import fit_parser
+    from lrattn_lightning.tools.sweep import check_fit_args
+
+    args = {"trainer.callbacks+": "lrattn_lightning.eval.run.EvalCallback", "trainer.callbacks.tasks": "local",
+            "model.lr": 0.01, "data.seq_len": 16, "runs_dir": "elsewhere"}
+    sweep, _ = load_sweep(write_sweep(tmp_path, data_dir, args=args))
+    check_fit_args(sweep, "sqlite:///x.db", ["--mlflow_fallback_local", "true"], fit_parser())
+    assert not (tmp_path / "x.db").exists() and not (tmp_path / "elsewhere").exists()
+
+
+def test_help_lists_each_flag_once_and_offers_the_fallback(capsys):
+    with pytest.raises(SystemExit):
+        main(["sweep", "--help"])
+    out = capsys.readouterr().out
+    assert out.count("--tracking_uri") == 2  # the usage line and the options list (was 3: listed twice)
+    assert "--mlflow_fallback_local" in out
+
+
+def test_fallback_local_reaches_every_fit_when_the_server_is_down(data_dir, tmp_path, monkeypatch, capsys):
+    """The unreachable-server message advises --mlflow_fallback_local true: sweep takes it and passes it on."""
+    monkeypatch.chdir(tmp_path)
+    path = write_sweep(tmp_path, data_dir)
+    down = f"http://127.0.0.1:{free_port()}"
+    assert main(["sweep", str(path), "--tracking_uri", down, "--dry-run"]) == 2
+    assert "--mlflow_fallback_local true" in capsys.readouterr().err
+    assert main(["sweep", str(path), "--tracking_uri", down, "--mlflow_fallback_local", "true",
+                 "--emit", "commands", "--out", "-"]) == 0
+    out, err = capsys.readouterr()
+    commands = [line for line in out.splitlines() if not line.startswith("#")]
+    assert len(commands) == 4 and all(c.endswith("--mlflow_fallback_local true") for c in commands)
+    assert f"{down} unreachable" in err and "logging to sqlite:///mlflow.db instead" in err
+
+
+# ---- two sweeps of one experiment at once ----------------------------------------------------------------
+def _copy_with_failed(finished_sweep: Path, folder: Path, *names: str) -> tuple[str, dict]:
+    """A copy of the finished sweep whose runs `names` ended FAILED (the sweep resumes them)."""
+    shutil.copytree(finished_sweep, folder, ignore=shutil.ignore_patterns("report"))
+    uri = f"sqlite:///{folder}/mlflow.db"
+    runs = {r.info.run_name: r for r in sweep_runs(uri)}
+    for name in names:
+        MlflowClient(uri).set_terminated(runs[name].info.run_id, "FAILED")
+    return uri, {r.info.run_name: r for r in sweep_runs(uri)}
+
+
+@pytest.mark.parametrize("lock", [".lock", ".sweep.lock"])  # a plain `lrattn fit` / another sweep
+def test_a_run_held_by_a_live_process_is_skipped(finished_sweep, tmp_path, monkeypatch, capsys, lock):
+    folder = tmp_path / "copy"
+    uri, runs = _copy_with_failed(finished_sweep, folder, "tiny-baseline-seed1")
+    run_dir = folder / "runs/sweep-test/tiny-baseline-seed1"
+    holder = subprocess.Popen(  # a real process holding the lock as checkpointing.FileLock takes it
+        [sys.executable, "-c", "import sys; from lrattn_lightning.train.checkpointing import FileLock; "
+         "lock = FileLock(sys.argv[1]).acquire(blocking=False); print('held', flush=True); sys.stdin.read(); "
+         "lock.release()",
+         str(run_dir / lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        monkeypatch.chdir(folder)
+        assert main(["sweep", "sweep.yaml", "--tracking_uri", uri]) == 0
+    finally:
+        holder.communicate("")
+    out = capsys.readouterr().out
+    who = "a live process holds its run folder" if lock == ".lock" else "another sweep runs it"
+    assert f"(1/1) tiny-baseline-seed1: skipped, {who} (pid {holder.pid} on " in out, out
+    assert "done: 0 ran, 0 failed, 3 skipped as finished, 1 skipped as running in another process" in out
+    after = {r.info.run_name: r for r in sweep_runs(uri)}
+    assert after["tiny-baseline-seed1"].info.status == "FAILED"  # not started here
+    assert after["tiny-baseline-seed1"].info.end_time == runs["tiny-baseline-seed1"].info.end_time
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints"]  # the sweep left nothing of its own
+
+
+def test_a_run_finished_meanwhile_is_skipped(finished_sweep, tmp_path):
+    """MLflow is asked again right before each run: one another process finished after the plan is skipped."""
+    folder = tmp_path / "copy"
+    uri, runs = _copy_with_failed(finished_sweep, folder, "tiny-baseline-seed0", "tiny-baseline-seed1")
+    sweep = subprocess.Popen([sys.executable, "-m", "lrattn_lightning.cli", "sweep", "sweep.yaml", "--tracking_uri", uri],
+                             cwd=folder, stdout=subprocess.PIPE, text=True)
+    lines = []
+    for line in sweep.stdout:
+        lines.append(line)
+        if "(1/2) tiny-baseline-seed0" in line:  # the first run has started: the second finishes elsewhere
+            MlflowClient(uri).set_terminated(runs["tiny-baseline-seed1"].info.run_id, "FINISHED")
+    out = "".join(lines)
+    assert sweep.wait() == 0, out
+    assert "2 to run" in out and "(2/2) tiny-baseline-seed1: skipped, finished meanwhile by another process" in out
+    assert "done: 1 ran, 0 failed, 3 skipped as finished" in out
+
+
+def test_two_sweeps_at_once_run_each_run_exactly_once(data_dir, tmp_path):
+    """Two real `lrattn sweep` processes started together on one sweep and one sqlite store: both exit 0,
+    every run is trained by exactly one of them, and its MLflow history holds each step once."""
+    path = write_sweep(tmp_path, data_dir, ablations=["baseline"])
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    procs = [subprocess.Popen([sys.executable, "-m", "lrattn_lightning.cli", "sweep", str(path)], cwd=tmp_path,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    both = "".join(outs)
+    for name in ("tiny-baseline-seed0", "tiny-baseline-seed1"):
+        assert both.count(f"{name}: ok after") == 1, both  # trained by one sweep, skipped by the other
+    assert sum(int(out.split("done: ")[1].split(" ran")[0]) for out in outs) == 2
+    runs = sweep_runs(f"sqlite:///{tmp_path}/mlflow.db")
+    assert sorted(r.info.run_name for r in runs) == ["tiny-baseline-seed0", "tiny-baseline-seed1"]
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    for run in runs:
+        assert run.info.status == "FINISHED"
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [0, 1, 2]
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "val/loss")] == [3]

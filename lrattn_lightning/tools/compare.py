@@ -15,7 +15,9 @@ experiment (tag lrattn.summary=true; its description shows the table in the MLfl
     training_curves.png/svg  train loss and val loss against step, mean over seeds, overlaid
     report.md                all of the above on one page, with the runs it was made from
 
-Only FINISHED runs count; when a (size, ablation, seed) was run more than once, the latest counts.
+Only FINISHED runs count; when a (size, ablation, seed) was run more than once, the latest counts. A run
+whose last validation is not at its last step (its val/loss is an earlier value: a tracking gap) is left
+out, and a line under the table names it.
 A run a sweep tagged with a `variant` (its own training flags) is its own row, `ablation+variant`,
 whose control is the plain ablation. The rows and their statistics: tools/compare_table.py (Welch's test:
 tools/significance.py); the figures: tools/compare_figures.py; here: the report, the summary run, the CLI.
@@ -44,6 +46,7 @@ from lrattn_lightning.tools.compare_table import (
     csv_table,
     markdown_table,
     read_runs,
+    stale_note,
     summarise,
 )
 from lrattn_lightning.tools.runs import search_all
@@ -53,15 +56,19 @@ from lrattn_lightning.tools.runs import search_all
 def write_report(client: Any, experiment: str, out: Path, sweep: str | None = None, reference: str = "baseline",
                  command: str | None = None) -> tuple[list[Row], list[Path]]:
     records = read_runs(client, experiment, sweep)
+    stale = [r for r in records if r.stale]
+    records = [r for r in records if not r.stale]
     if not records:
         raise InputError(f"experiment '{experiment}' has no FINISHED training runs with val/loss"
-                         + (f" tagged sweep={sweep}" if sweep else ""))
+                         + (f" tagged sweep={sweep}" if sweep else "")
+                         + (f" at their last step ({len(stale)} whose last validation is earlier: "
+                            f"{', '.join(r.name for r in stale)})" if stale else ""))
     rows = summarise(records, reference)
     out.mkdir(parents=True, exist_ok=True)
     sizes = ", ".join(sorted({r.size for r in rows}))
     seeds = sorted({len(row.runs) for row in rows})
     title = f"{experiment}: size {sizes}, {'/'.join(map(str, seeds))} seed(s) per ablation"
-    table_md = markdown_table(rows, reference)
+    table_md = markdown_table(rows, reference) + stale_note(stale)
     files = [out / "table.md", out / "table.csv"]
     files[0].write_text(table_md)
     files[1].write_text(csv_table(rows, reference))

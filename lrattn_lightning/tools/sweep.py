@@ -6,22 +6,31 @@ ablation, variant and seed; finished runs are skipped, and a run with a last.ckp
 `lrattn fit` process; for a cluster, `--emit commands` writes the launch commands and `--emit slurm` an
 sbatch array script with one `srun lrattn fit ...` per array task (Lightning reads the SLURM environment;
 nodes and tasks per node come from the recipe's trainer.num_nodes and trainer.devices).
+
+Every run's full argument list is parsed by `fit`'s own parser before the first run starts (also for
+--dry-run and --emit), so a typo in the sweep's `args` or its recipe is one line, not a failed fit per run.
+Two sweeps of one experiment may run at once: each run is claimed (a lock in its run folder) right before
+it starts and MLflow asked again, so a run another live process holds, or one finished meanwhile, is
+skipped with a line.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import fcntl
 import os
 import shlex
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from lrattn_lightning.errors import Parser
-from lrattn_lightning.model.registry import load_registry
+from lrattn_lightning.errors import Parser, one_line
+from lrattn_lightning.model.registry import closest_names, load_registry, load_yaml_strict, read_yaml_text
 from lrattn_lightning.tools.sweep_file import Sweep, SweepError, SweepRun, load_sweep
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
@@ -56,9 +65,103 @@ def plan(sweep: Sweep, tracking_uri: str) -> list[tuple[SweepRun, str]]:
             for run in sweep.runs]
 
 
+# ---- every run's fit arguments, checked before the first run starts ---------------------------------
+def check_fit_args(sweep: Sweep, tracking_uri: str | None, extra: list[str], parser: Any) -> None:
+    """Parse every run's `lrattn fit` arguments with fit's parser (`lightning_cli.fit_parser()`, one for all
+    runs); SweepError naming the first bad run, the flag and where it comes from, with the closest valid flags
+    for an unknown one."""
+    known = set(parser.get_defaults().keys())  # dotted leaf keys: trainer.max_steps, model.lr, run_name, ...
+    groups = {".".join(k.split(".")[:i]) for k in known for i in range(1, k.count(".") + 1)}
+    recipe = load_yaml_strict(read_yaml_text(Path(sweep.recipe), "recipe"), sweep.recipe) or {}
+    recipe_keys = list(_flat_keys(recipe, known, groups)) if isinstance(recipe, dict) else []
+    for run in sweep.runs:
+        given = ([(k, f"recipe {sweep.recipe}") for k in recipe_keys]
+                 + [(k, f"the sweep's args ({sweep.path})") for k in sweep.args]
+                 + [(k, f"the args of variant '{run.variant}' ({sweep.path})") for k, _ in run.args])
+        for key, origin in given:
+            if not _accepted(key, known, groups):
+                hint = ", ".join(f"--{k}" for k in closest_names(key, sorted(known)))
+                raise SweepError(f"sweep '{sweep.name}', run {run.name}: unknown fit flag --{key} (in {origin}); "
+                                 f"closest: {hint}")
+        try:
+            parser.parse_args(sweep.fit_args(run, tracking_uri)[1:] + extra)  # [1:]: without the subcommand
+        except (argparse.ArgumentError, SystemExit) as err:
+            raise SweepError(f"sweep '{sweep.name}', run {run.name}: {one_line(err)} (recipe {sweep.recipe}, "
+                             f"args of {sweep.path})") from None
+
+
+def _accepted(key: str, known: set[str], groups: set[str]) -> bool:
+    """A fit key, a group of them (`trainer` given as a mapping), or inside one's value
+    (`trainer.callbacks.tasks`: an argument of a callback given in trainer.callbacks)."""
+    key = key.removesuffix("+")  # `trainer.callbacks+`: jsonargparse's append
+    parts = key.split(".")
+    return key in known or key in groups or any(".".join(parts[:i]) in known for i in range(1, len(parts)))
+
+
+def _flat_keys(node: dict, known: set[str], groups: set[str], prefix: str = "") -> Iterator[str]:
+    """A recipe's keys as fit flags: trainer: {max_steps: 3} is trainer.max_steps; the value of a fit key
+    (a callback list, an optimizer's init_args) is the parser's to check."""
+    for key, value in node.items():
+        dotted = prefix + str(key)
+        if isinstance(value, dict) and dotted in groups and dotted not in known:
+            yield from _flat_keys(value, known, groups, dotted + ".")
+        else:
+            yield dotted
+
+
+# ---- claiming a run: two sweeps of one experiment at once -------------------------------------------
+@contextlib.contextmanager
+def claim(sweep: Sweep, run: SweepRun) -> Iterator[str | None]:
+    """Hold RUN_DIR/.sweep.lock while this sweep runs `run`: yields None, or who else holds the run (another
+    sweep, or a live `lrattn fit` holding the run folder's own lock) and then this sweep skips it. The fit
+    takes RUN_DIR/.lock itself, so the sweep's claim is a lock file of its own; folders made for it and
+    left empty are removed again."""
+    from lrattn_lightning.train.checkpointing import FileLock, RunFolderError
+
+    run_dir = sweep.checkpoint(run).parent.parent
+    created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+    lock = FileLock(run_dir / ".sweep.lock")
+    for attempt in range(3):  # another sweep may remove an empty parent between our mkdir and open
+        try:
+            lock.acquire(blocking=False, describe=lambda holder: f"another sweep runs it ({holder})")
+            break
+        except RunFolderError as err:
+            yield str(err)
+            return
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+    try:
+        holder = _held_by(run_dir / ".lock")
+        yield f"a live process holds its run folder ({holder})" if holder else None
+    finally:
+        lock.release()
+        for folder in created:  # deepest first; one that is not empty stays, and so do its parents
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+def _held_by(path: Path) -> str | None:
+    """Who holds the flock on `path` (checkpointing.FileLock writes 'pid N on HOST since ...'), or None.
+    Read-only: a shared lock taken and dropped at once, the file left as it is."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+    finally:
+        os.close(fd)  # also drops the shared lock
+    return None
+
+
 # ---- running ---------------------------------------------------------------------------------------
-def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False) -> int:
-    """Run the unfinished runs one after another, each as its own `lrattn fit` process."""
+def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False, extra: list[str] | None = None) -> int:
+    """Run the unfinished runs one after another, each as its own `lrattn fit` process (`extra`: flags for each)."""
     from lrattn_lightning.data.shards import validate_data_dir
     from lrattn_lightning.train.checkpointing import PREEMPTED_EXIT_CODE
 
@@ -71,34 +174,47 @@ def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False) ->
     # the runs import the same package as this process, wherever the command is started from
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")) if p)
     steps = plan(sweep, tracking_uri)
-    todo = [(run, state) for run, state in steps if state != "finished"]
+    todo = [run for run, state in steps if state != "finished"]
     print(f"[sweep {sweep.name}] {len(steps)} runs into experiment '{sweep.experiment}' at {tracking_uri}: "
           f"{len(steps) - len(todo)} finished (skipped), {len(todo)} to run", flush=True)
-    results: list[tuple[SweepRun, str, float]] = []
+    results: list[tuple[SweepRun, str]] = []  # (run, "ok" | "finished" | "held" | why it failed)
     stopped = False
-    for i, (run, state) in enumerate(todo, start=1):
-        args = sweep.fit_args(run, tracking_uri) + (["--ckpt_path", "last"] if state == "resume" else [])
-        print(f"[sweep {sweep.name}] ({i}/{len(todo)}) {run.name}" + (" (resuming from last.ckpt)" if state == "resume" else ""),
-              flush=True)
-        start = time.time()
-        rc, stopped = _run_forwarding_signals([sys.executable, "-m", "lrattn_lightning.cli", *args], env)
+    for i, run in enumerate(todo, start=1):
+        head = f"[sweep {sweep.name}] ({i}/{len(todo)}) {run.name}"
+        with claim(sweep, run) as holder:
+            if holder or run in finished_runs(sweep, tracking_uri):  # asked again: another sweep may have run it
+                results.append((run, "held" if holder else "finished"))
+                print(f"{head}: skipped, " + (f"{holder}" if holder else "finished meanwhile by another process"),
+                      flush=True)
+                continue
+            resume = sweep.checkpoint(run).is_file()
+            print(head + (" (resuming from last.ckpt)" if resume else ""), flush=True)
+            args = sweep.fit_args(run, tracking_uri) + (extra or []) + (["--ckpt_path", "last"] if resume else [])
+            start = time.time()
+            rc, stopped = _run_forwarding_signals([sys.executable, "-m", "lrattn_lightning.cli", *args], env)
         state = "ok" if rc == 0 else ("stopped by SIGTERM" if rc == PREEMPTED_EXIT_CODE else f"failed (exit {rc})")
-        results.append((run, state, time.time() - start))
-        print(f"[sweep {sweep.name}] {run.name}: {results[-1][1]} after {results[-1][2]:.0f} s", flush=True)
+        results.append((run, state))
+        print(f"[sweep {sweep.name}] {run.name}: {state} after {time.time() - start:.0f} s", flush=True)
         if stopped:
             print(f"[sweep {sweep.name}] stopped by a signal: no further runs start; run the sweep again to resume",
                   flush=True)
             break
         if rc != 0 and stop_on_failure:
             break
-    failed = [r for r in results if r[1] != "ok"]
-    not_started = len(todo) - len(results)
-    print(f"[sweep {sweep.name}] done: {len(results) - len(failed)} ran, {len(failed)} failed, "
-          f"{len(steps) - len(todo)} skipped as finished" + (f", {not_started} not started" if not_started else "")
-          + "".join(f"\n  {r.name}: {s}" for r, s, _ in failed), flush=True)
+    _summary(sweep, results, len(steps) - len(todo), len(todo) - len(results))
     if stopped:
         return PREEMPTED_EXIT_CODE
-    return 1 if failed or not_started else 0
+    return 1 if any(s not in ("ok", "finished", "held") for _, s in results) or len(results) < len(todo) else 0
+
+
+def _summary(sweep: Sweep, results: list[tuple[SweepRun, str]], finished_before: int, not_started: int) -> None:
+    count = {s: sum(r == s for _, r in results) for s in ("ok", "finished", "held")}
+    failed = [(run, s) for run, s in results if s not in count]
+    print(f"[sweep {sweep.name}] done: {count['ok']} ran, {len(failed)} failed, "
+          f"{finished_before + count['finished']} skipped as finished"
+          + (f", {count['held']} skipped as running in another process" if count["held"] else "")
+          + (f", {not_started} not started" if not_started else "")
+          + "".join(f"\n  {run.name}: {s}" for run, s in failed), flush=True)
 
 
 def _run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> tuple[int, bool]:
@@ -120,7 +236,8 @@ def _run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> tuple[int, b
             signal.signal(sig, handler)
 
 
-def emit_commands(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: str | None) -> str:
+def emit_commands(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: str | None,
+                  extra: list[str] | None = None) -> str:
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sweep.env.items())
     lines = [f"# lrattn sweep {sweep.path} --emit commands: {sum(s != 'finished' for _, s in steps)} runs "
              f"({sum(s == 'finished' for _, s in steps)} finished runs skipped). Run from the repository root;",
@@ -128,12 +245,13 @@ def emit_commands(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri:
     for run, state in steps:
         if state == "finished":
             continue
-        args = sweep.fit_args(run, tracking_uri) + (["--ckpt_path", "last"] if state == "resume" else [])
+        args = sweep.fit_args(run, tracking_uri) + (extra or []) + (["--ckpt_path", "last"] if state == "resume" else [])
         lines.append((f"env {env} " if env else "") + shlex.join(["lrattn", *args]))
     return "\n".join(lines) + "\n"
 
 
-def emit_slurm(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: str | None) -> str:
+def emit_slurm(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: str | None,
+               extra: list[str] | None = None) -> str:
     """An sbatch array script: one array task per unfinished run, each `srun lrattn fit ...`."""
     todo = [run for run, state in steps if state != "finished"]
     if not todo:
@@ -177,7 +295,7 @@ def emit_slurm(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: st
     for i, run in enumerate(todo):
         ckpt = sweep.checkpoint(run)
         body.append(f"  {i}) CKPT={shlex.quote(str(ckpt))}; "
-                    f"ARGS=({' '.join(shlex.quote(a) for a in sweep.fit_args(run, tracking_uri))}) ;;")
+                    f"ARGS=({' '.join(shlex.quote(a) for a in sweep.fit_args(run, tracking_uri) + (extra or []))}) ;;")
     body += ['  *) echo "no run for array task $SLURM_ARRAY_TASK_ID" >&2; exit 2 ;;', "esac",
              'if [[ -f "$CKPT" ]]; then ARGS+=(--ckpt_path last); fi',
              'srun lrattn "${ARGS[@]}"']
@@ -185,13 +303,25 @@ def emit_slurm(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: st
 
 
 # ---- command line ----------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
+def _bool(text: str) -> bool:
+    """`--mlflow_fallback_local true`, spelt as `lrattn fit` takes it."""
+    value = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: give true or false")
+    return value
+
+
+def main(argv: list[str] | None = None, fit_parser: Callable[[], Any] | None = None) -> int:
+    """`lrattn sweep` (`lightning_cli.sweep_main` hands in fit's parser: the cli layer owns it)."""
     from lrattn_lightning.train.tracking import resolve_tracking_uri
 
     parser = Parser(prog="lrattn sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("file", help="a sweep file, e.g. experiments/sweeps/cpu-study.yaml")
-    parser.add_argument("--tracking_uri", "--tracking-uri", default=None,
+    # one name: Parser reads --tracking-uri as --tracking_uri (declaring both listed it twice in --help)
+    parser.add_argument("--tracking_uri", default=None,
                         help="MLflow store (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
+    parser.add_argument("--mlflow_fallback_local", type=_bool, default=False, metavar="{true,false}",
+                        help="if the MLflow server is unreachable, use the local sqlite store (also passed to each fit)")
     parser.add_argument("--emit", choices=("commands", "slurm"), default=None,
                         help="write launch commands / an sbatch array script instead of running locally")
     parser.add_argument("--out", default=None, help="where --emit writes (default: RUNS_DIR/EXPERIMENT/sweep-NAME.*; '-' = stdout)")
@@ -200,7 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     sweep, _ = load_sweep(args.file)
-    uri = resolve_tracking_uri(args.tracking_uri, fallback_local=False)
+    extra = ["--mlflow_fallback_local", "true"] if args.mlflow_fallback_local else []
+    if fit_parser is not None:  # every run's arguments, before any store is opened
+        check_fit_args(sweep, args.tracking_uri, extra, fit_parser())
+    uri = resolve_tracking_uri(args.tracking_uri, fallback_local=args.mlflow_fallback_local)
     if args.dry_run:
         steps = plan(sweep, uri)
         print(f"sweep '{sweep.name}' ({sweep.path}): {len(steps)} runs, experiment '{sweep.experiment}', recipe {sweep.recipe}")
@@ -208,22 +341,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {state:9s} {run.name}")
         return 0
     if args.emit:
-        steps = plan(sweep, uri)
-        # a local sqlite store is this machine's; launched elsewhere the runs resolve their own store
-        emit_uri = args.tracking_uri
-        text = (emit_commands if args.emit == "commands" else emit_slurm)(sweep, steps, emit_uri)
-        suffix = "sh" if args.emit == "commands" else "sbatch"
-        out = args.out or str(Path(sweep.setting("runs_dir", "runs")) / sweep.experiment / f"sweep-{sweep.name}.{suffix}")
-        if out == "-":
-            sys.stdout.write(text)
-        else:
-            Path(out).parent.mkdir(parents=True, exist_ok=True)
-            Path(out).write_text(text)
-            if args.emit == "slurm":  # sbatch does not create the folder of --output
-                (Path(sweep.setting("runs_dir", "runs")) / sweep.experiment / "slurm").mkdir(parents=True, exist_ok=True)
-            print(f"[sweep {sweep.name}] wrote {out} ({sum(s != 'finished' for _, s in steps)} runs)")
+        return _emit(sweep, plan(sweep, uri), args, extra)
+    return run_local(sweep, uri, stop_on_failure=args.stop_on_failure, extra=extra)
+
+
+def _emit(sweep: Sweep, steps: list[tuple[SweepRun, str]], args: argparse.Namespace, extra: list[str]) -> int:
+    # a local sqlite store is this machine's; launched elsewhere the runs resolve their own store
+    text = (emit_commands if args.emit == "commands" else emit_slurm)(sweep, steps, args.tracking_uri, extra)
+    suffix = "sh" if args.emit == "commands" else "sbatch"
+    out = args.out or str(Path(sweep.setting("runs_dir", "runs")) / sweep.experiment / f"sweep-{sweep.name}.{suffix}")
+    if out == "-":
+        sys.stdout.write(text)
         return 0
-    return run_local(sweep, uri, stop_on_failure=args.stop_on_failure)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(text)
+    if args.emit == "slurm":  # sbatch does not create the folder of --output
+        (Path(sweep.setting("runs_dir", "runs")) / sweep.experiment / "slurm").mkdir(parents=True, exist_ok=True)
+    print(f"[sweep {sweep.name}] wrote {out} ({sum(s != 'finished' for _, s in steps)} runs)")
+    return 0
 
 
 if __name__ == "__main__":

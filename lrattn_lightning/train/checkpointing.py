@@ -3,9 +3,10 @@
     AtomicCheckpointIO  writes `.NAME.PID.tmp` beside NAME, fsyncs it and renames it over NAME, so NAME
                         is always a complete checkpoint (the previous one until the new one is whole,
                         whatever $TMPDIR is); loads with `torch.load(weights_only=True)` only.
-    LastCheckpoint      the run's one `last.ckpt`: every N steps, once when training ends, and when SIGTERM
-                        arrives, at the end of the optimizer step in progress (all its accumulated
-                        micro-batches), on every rank at once; then the run exits non-zero.
+    LastCheckpoint      the run's one `last.ckpt`: every N steps, once when training ends, and when SIGTERM,
+                        SIGINT or SIGHUP arrives, at the end of the optimizer step in progress (all its
+                        accumulated micro-batches) or validation batch, on every rank at once; then the run
+                        exits 128 + the signal's number. A validation that did not finish is run first on resume.
     lock_run_folder     one live `lrattn fit` per run folder (a `.lock` file held with flock, naming its pid).
 
 Errors are `CheckpointError`s whose message is one line naming the file, the cause and the fix.
@@ -19,9 +20,11 @@ import fcntl
 import os
 import signal
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +39,29 @@ from lrattn_lightning.errors import InputError
 
 TMP_SUFFIX = ".tmp"
 PREEMPTED_EXIT_CODE = 128 + 15  # what a shell reports for a process ended by SIGTERM; non-zero for schedulers
-LAST_STOP: tuple[int, Path] | None = None  # (step, checkpoint) of the last fit this process stopped on SIGTERM
+# What stops a fit cleanly: a scheduler's preemption or `kill`, Ctrl-C, a closed terminal. Where ranks got
+# different ones they agree on the highest number: SIGTERM (the scheduler's) over SIGINT over SIGHUP.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@dataclass(frozen=True)
+class Stop:
+    """How the last fit of this process stopped on a signal: which one, and the checkpoint saved then."""
+
+    signum: int = signal.SIGTERM
+    step: int | None = None
+    path: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # what a shell reports for a process the signal ended; non-zero for schedulers
+
+
+LAST_STOP: Stop | None = None
 
 
 class CheckpointError(InputError):
@@ -107,9 +132,11 @@ def atomic_torch_save(checkpoint: dict[str, Any], path: str | Path) -> None:
             tmp.unlink()
         if isinstance(err, OSError | RuntimeError):
             cause = _cause(writer.error if writer is not None and writer.error is not None else err)
-            kept = "the previous checkpoint there is unchanged" if path.exists() else "no checkpoint was written"
-            raise CheckpointError(f"could not save checkpoint {path}: {cause}; {kept}. Free space or fix the "
-                                  "folder, then resume with --ckpt_path last") from err
+            # a previous checkpoint is there to resume from; without one the run can only start again
+            then = ("the previous checkpoint there is unchanged. Free space or fix the folder, then resume with "
+                    "--ckpt_path last") if path.exists() else ("no checkpoint was written, so there is nothing to "
+                    "resume. Free space or fix the folder, then run the same command again")
+            raise CheckpointError(f"could not save checkpoint {path}: {cause}; {then}") from err
         raise
 
 
@@ -158,9 +185,12 @@ class LastCheckpoint(ModelCheckpoint):
                          save_last=True, enable_version_counter=False)
         global LAST_STOP
         LAST_STOP = None
-        self._signalled = False  # this process received SIGTERM (all the handler does, besides passing it on)
+        self._signum = 0  # the stop signal this process received, 0 if none (all its handler does but pass it on)
+        self._stopped_by = 0  # the one every rank agreed on
         self._launcher: Any = None
         self._step_at_batch_start = -1
+        self._mid_step = False  # the last training batch accumulated gradients without an optimizer step
+        self._validating = False  # a validation of the fit has started and not yet finished
 
     @property
     def path(self) -> Path:
@@ -173,32 +203,42 @@ class LastCheckpoint(ModelCheckpoint):
         return (trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
                 and not trainer.fast_dev_run and self._last_global_step_saved != trainer.global_step)
 
-    # ---- SIGTERM ----------------------------------------------------------------------------------
-    # Lightning's own handler broadcasts from inside the signal handler, so ranks that get the signal at
-    # different moments issue mismatched collectives and can hang; and it stops at the next micro-batch,
-    # losing the gradients accumulated so far. Here the handler only notes the signal; at the end of each
-    # optimizer step (and of each validation batch) the ranks agree on it with one all-reduce, the same
-    # collective at the same point on every rank, and then hand it to Lightning, which stops them together.
+    # ---- SIGTERM, SIGINT, SIGHUP ------------------------------------------------------------------
+    # Lightning's own SIGTERM handler broadcasts from inside the signal handler, so ranks that get the signal
+    # at different moments issue mismatched collectives and can hang; and it stops at the next micro-batch,
+    # losing the gradients accumulated so far. Ctrl-C (SIGINT) is a KeyboardInterrupt that ends the run
+    # FAILED without a save, and SIGHUP (a closed terminal) kills it outright. Here the handler only notes
+    # the signal; at the end of each optimizer step (and of each validation batch) the ranks agree on it with
+    # one all-reduce, the same collective at the same point on every rank, and then hand it to Lightning,
+    # which stops them together. A SIGINT or SIGHUP that was ignored when the run started (nohup, a
+    # background job of a script) stays ignored.
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
         if threading.current_thread() is threading.main_thread():  # (Lightning registered its handler just now)
             self._launcher = trainer.strategy.launcher
-            signal.signal(signal.SIGTERM, self._note_sigterm)  # Lightning's teardown restores the original
+            for signum in STOP_SIGNALS:  # Lightning's teardown restores the original handlers
+                if signum == signal.SIGTERM or signal.getsignal(signum) is not signal.SIG_IGN:
+                    signal.signal(signum, self._note_signal)
 
-    def _note_sigterm(self, signum: int, _frame: Any) -> None:
-        if not self._signalled and self._launcher is not None:
+    def _note_signal(self, signum: int, _frame: Any) -> None:
+        if not self._signum and self._launcher is not None:
             self._launcher.kill(signum)  # pass it on to the ranks this process launched (as Lightning does)
-        self._signalled = True
+        if signum == signal.SIGHUP:
+            _detach_hung_up_terminal()
+        self._signum = max(self._signum, signum)
 
-    def _agreed_sigterm(self, trainer) -> bool:
-        """Whether any rank received SIGTERM (a collective: every rank calls it at the same point)."""
+    def _agreed_signal(self, trainer) -> int:
+        """The stop signal any rank received, 0 if none (a collective: every rank calls it at the same point)."""
         if trainer.world_size == 1:
-            return self._signalled
-        flag = torch.tensor(float(self._signalled), device=trainer.strategy.root_device)
-        return bool(trainer.strategy.reduce(flag, reduce_op="sum") > 0)
+            return self._signum
+        flag = torch.tensor(float(self._signum), device=trainer.strategy.root_device)
+        return int(trainer.strategy.reduce(flag, reduce_op="max"))
 
-    def _stop(self, trainer) -> None:
-        trainer._signal_connector.received_sigterm = True  # Lightning raises SIGTERMException on every rank
+    def _stop_on_signal(self, trainer) -> None:
+        """Agree on a signal; if there is one, Lightning raises SIGTERMException on every rank after this batch."""
+        self._stopped_by = self._agreed_signal(trainer)
+        if self._stopped_by:
+            trainer._signal_connector.received_sigterm = True
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._step_at_batch_start = trainer.global_step
@@ -206,33 +246,92 @@ class LastCheckpoint(ModelCheckpoint):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         stepped = trainer.global_step != self._step_at_batch_start  # not in the middle of an accumulation
-        if stepped and not trainer.received_sigterm and self._agreed_sigterm(trainer):
-            self._stop(trainer)  # Lightning raises SIGTERMException after this batch: this is the state to resume
+        self._mid_step = not stepped
+        if stepped and not trainer.received_sigterm:
+            self._stop_on_signal(trainer)  # this is the state to resume
         if stepped and trainer.received_sigterm and self._unsaved(trainer):
             self._save_now(trainer)
 
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._validating = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
+
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
-        if (trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and not trainer.received_sigterm
-                and self._agreed_sigterm(trainer)):
-            self._stop(trainer)  # Lightning stops the validation; on_exception saves the step it validates
+        # (a validation between the micro-batches of a step stops at the end of that step instead)
+        if self._validating and not self._mid_step and not trainer.received_sigterm:
+            self._stop_on_signal(trainer)  # Lightning stops the validation; on_exception saves the step it validates
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._validating = False  # it finished: its results are logged
+        super().on_validation_end(trainer, pl_module)
+        if trainer.received_sigterm and self._unsaved(trainer):
+            self._save_now(trainer)  # stopped at its last batch: the state after the validation is the one to resume
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint of a step whose validation has not finished (due next, or stopped by a signal) resumes
+        into that validation, whole, before training on: else Lightning would skip it on resume."""
+        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking or "loops" not in checkpoint:
+            return
+        if self._validating or _validation_due(trainer):
+            mark_validation_pending(checkpoint["loops"]["fit_loop"], in_validation=self._validating)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         global LAST_STOP
         if not isinstance(exception, SIGTERMException):
             return  # a crash (NaN loss, OOM) keeps the last good checkpoint instead of saving a bad state
-        if self._unsaved(trainer) and trainer.global_step > 0:  # SIGTERM came during validation: Lightning
-            self._save_now(trainer)                              # resumes from there, mid-evaluation
-        if self._last_global_step_saved == trainer.global_step > 0:
-            LAST_STOP = (trainer.global_step, self.path)
+        if self._unsaved(trainer) and trainer.global_step > 0:  # the signal came during validation: the
+            self._save_now(trainer)                              # checkpoint resumes into it (on_save_checkpoint)
+        signum = self._stopped_by or signal.SIGTERM  # (Lightning's own handler, before training started)
+        saved = self._last_global_step_saved == trainer.global_step > 0
+        LAST_STOP = Stop(signum, trainer.global_step, self.path) if saved else Stop(signum)
         for logger in trainer.loggers:  # the MLflow run ends as KILLED, not FAILED
             if hasattr(logger, "stopped_by"):
-                logger.stopped_by = "SIGTERM"
+                logger.stopped_by = LAST_STOP.name
 
     def on_train_end(self, trainer, pl_module) -> None:
         """The final state, once: unless the periodic save just wrote this very step."""
         if self._unsaved(trainer):
             self._save_now(trainer)
+
+
+def _validation_due(trainer) -> bool:
+    """Whether the optimizer step that just ended (a save from on_train_batch_end) is followed by a validation."""
+    loop = trainer.fit_loop.epoch_loop
+    done = loop.batch_progress.total
+    at_batch_end = done.completed == done.processed - 1  # Lightning counts the batch complete after the hooks
+    return (at_batch_end and not loop._should_accumulate()
+            and loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+
+
+def mark_validation_pending(fit_loop: dict[str, Any], in_validation: bool) -> None:
+    """Rewrite a checkpoint's fit-loop progress to "the training batch is done, the validation after it has
+    started and no batch of it is done", the state Lightning restarts mid-evaluation from: on resume its
+    loop runs that validation first, from its first batch (metric states are not checkpointed, so a
+    validation cannot continue half-way), then trains on. Saved from on_train_batch_end, Lightning would
+    read the state as "before the validation" and skip it on resume; saved during the validation, as
+    "after it" and skip it too. The step's training state (weights, optimizer, data position) is unchanged."""
+    train = fit_loop["epoch_loop.batch_progress"]
+    for counts in (train["total"], train["current"]):
+        counts["completed"] = counts["processed"]
+    val = fit_loop["epoch_loop.val_loop.batch_progress"]
+    before = val["total"]["completed"] - (val["current"]["completed"] if in_validation else 0)
+    val["total"] = {"ready": before + 1, "started": before + 1, "processed": before, "completed": before}
+    val["current"] = {"ready": 1, "started": 1, "processed": 0, "completed": 0}
+    val["is_last_batch"] = False
+
+
+def _detach_hung_up_terminal() -> None:
+    """After a hangup every write to the terminal fails (EIO): a progress bar or a log line would crash the
+    step in progress and lose the save. Point a stdout/stderr that is such a terminal at /dev/null (a hung-up
+    terminal is a character device that no longer answers as a tty); files, pipes and live terminals stay."""
+    null = os.stat(os.devnull).st_rdev
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            mode, device = os.fstat(fd).st_mode, os.fstat(fd).st_rdev
+            if stat.S_ISCHR(mode) and device != null and not os.isatty(fd):
+                sink = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(sink, fd)
+                os.close(sink)
 
 
 class RunFolderError(InputError):

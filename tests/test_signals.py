@@ -1,0 +1,208 @@
+"""Signals at exact points of a real `lrattn fit` process (tests/run_hooks.py), and what its resume logs.
+
+SIGTERM, SIGINT (Ctrl-C) and SIGHUP (a closed terminal) all stop a fit the same way: the step or validation
+batch in progress finishes, last.ckpt is saved at that step, the MLflow run ends KILLED, and the exit code is
+128 + the signal's number. A run stopped or killed at any point and resumed must hold every metric of an
+uninterrupted run, the validations included, with the same values: training on the CPU is deterministic.
+"""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_resilience import (
+    child_env,
+    ckpt_dir,
+    fit_args,
+    hooks,
+    lrattn,
+    metric_history,
+    run_cli,
+    step_of,
+    the_run,
+    tmpfs,
+)
+
+# validations at steps 2, 4, ..., 10; periodic saves at 4 and 8; an ablation with routing diagnostics
+STEPS, EVERY, ABLATION = 10, 4, "attnres-full"
+RUN = f"tiny-{ABLATION}-seed0"
+
+
+def args(data: Path, *extra: str, steps: int = STEPS) -> list[str]:
+    return fit_args(data, "--experiment", "run", *extra, steps=steps, every=EVERY, ablation=ABLATION)
+
+
+def histories(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every metric the run logged, its (step, value) pairs; not the measured speeds (train/device/*,
+    validate/device/*), which differ from run to run."""
+    client, run = the_run(folder, "run")
+    return {key: metric_history(client, run.info.run_id, key) for key in run.data.metrics
+            if "/device/" not in key}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data, tmp_path_factory) -> dict[str, list[tuple[int, float]]]:
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    done = run_cli(args(data), folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    full = histories(folder)
+    assert [s for s, _ in full["val/loss"]] == [2, 4, 6, 8, 10] and "val/bpb" in full
+    assert any(key.startswith("routing/") for key in full)
+    return full
+
+
+def assert_same_run(folder: Path, full: dict[str, list[tuple[int, float]]]) -> None:
+    """The resumed run logged exactly what the uninterrupted one did: every metric at every step once, equal."""
+    resumed = histories(folder)
+    assert sorted(resumed) == sorted(full)
+    differ = {key: (resumed[key], values) for key, values in full.items() if resumed[key] != values}
+    assert not differ, differ
+
+
+def stop_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("lrattn:")]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    return lines[0]
+
+
+def test_validations_stopped_or_killed_midway_are_run_again_whole_on_resume(data, tmp_path, uninterrupted):
+    """One run stopped four times, each resumed from last.ckpt: SIGTERM in the first batch of the step-2
+    validation (no periodic save at 2), SIGKILL in the step-4 validation (right after the periodic save at 4),
+    SIGTERM in the last batch of the step-6 validation, SIGTERM during step 7 (the stop at 8 comes before the
+    step-8 validation). Lightning alone skipped each of these validations on resume."""
+    folder = ckpt_dir(tmp_path, "run", RUN)
+    stops = [  # (the signal and where, the exit code, the step last.ckpt holds)
+        ({"step": 2, "signal": "SIGTERM", "during": "validation", "batch": 0}, 143, 2),
+        ({"step": 4, "signal": "SIGKILL", "during": "validation", "batch": 0}, -signal.SIGKILL, 4),
+        ({"step": 6, "signal": "SIGTERM", "during": "validation", "batch": 1}, 143, 6),
+        ({"step": 7, "signal": "SIGTERM"}, 143, 8),
+    ]
+    for i, (where, code, step) in enumerate(stops):
+        resume = ["--ckpt_path", "last"] if i else []
+        config = hooks(tmp_path, f"stop{i}.yaml", ("SignalAt", where))
+        stopped = run_cli(args(data, *resume, "--config", config), tmp_path)
+        assert stopped.returncode == code, (where, stopped.stderr[-3000:])
+        if code == 143:
+            assert stop_line(stopped.stderr).startswith(f"lrattn: stopped by SIGTERM at step {step}; checkpoint ")
+        assert step_of(folder / "last.ckpt") == step and sorted(p.name for p in folder.iterdir()) == ["last.ckpt"]
+    done = run_cli(args(data, "--ckpt_path", "last"), tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert step_of(folder / "last.ckpt") == STEPS
+    _, run = the_run(tmp_path, "run")
+    assert run.info.status == "FINISHED"
+    assert_same_run(tmp_path, uninterrupted)
+
+
+@pytest.mark.parametrize("name, where, step", [
+    ("SIGINT", {"step": 3}, 4),  # Ctrl-C during step 3: it finishes, then the stop (before the step-4 validation)
+    ("SIGHUP", {"step": 6, "during": "validation", "batch": 0}, 6),
+])
+def test_sigint_and_sighup_stop_like_sigterm_with_their_exit_codes(data, tmp_path, uninterrupted, name, where, step):
+    stopped = run_cli(args(data, "--config", hooks(tmp_path, "stop.yaml", ("SignalAt", {**where, "signal": name}))),
+                      tmp_path)
+    assert stopped.returncode == 128 + signal.Signals[name], stopped.stderr[-3000:]  # 130, 129
+    last = ckpt_dir(tmp_path, "run", RUN) / "last.ckpt"
+    assert stop_line(stopped.stderr) == (f"lrattn: stopped by {name} at step {step}; checkpoint {last} "
+                                         "holds it, continue with --ckpt_path last")
+    assert step_of(last) == step
+    _, run = the_run(tmp_path, "run")
+    assert run.info.status == "KILLED"
+    done = run_cli(args(data, "--ckpt_path", "last"), tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _, resumed = the_run(tmp_path, "run")
+    assert resumed.info.run_id == run.info.run_id and resumed.info.status == "FINISHED"
+    assert_same_run(tmp_path, uninterrupted)
+
+
+def test_a_sighup_ignored_at_launch_stays_ignored(data, tmp_path):
+    """`nohup lrattn fit ...` asks to survive the terminal: the run goes on to the end."""
+    config = hooks(tmp_path, "hup.yaml", ("SignalAt", {"step": 1, "signal": "SIGHUP"}))
+    done = subprocess.run(lrattn(*args(data, "--config", config, steps=3)), cwd=tmp_path, env=child_env(),
+                          capture_output=True, text=True, timeout=240,
+                          preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert step_of(ckpt_dir(tmp_path, "run", RUN) / "last.ckpt") == 3
+    assert the_run(tmp_path, "run")[1].info.status == "FINISHED"
+
+
+def test_closing_the_terminal_saves_and_stops_although_the_terminal_is_gone(data, tmp_path):
+    """A fit with a progress bar in a real terminal (a pty it controls); the terminal is closed during step 2.
+    The kernel hangs it up and sends SIGHUP; from then on every write to it fails (EIO), which crashed the
+    step before its save. The run saves step 3, ends KILLED and exits 129."""
+    master, slave = pty.openpty()
+    marker, go = tmp_path / "paused", tmp_path / "go"
+    config = hooks(tmp_path, "pause.yaml", ("PauseAt", {"step": 2, "marker": str(marker), "go": str(go)}))
+
+    def controlling_terminal() -> None:  # in the child, after setsid: the pty becomes its terminal
+        import fcntl
+        import termios
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen(lrattn(*args(data, "--config", config, "--trainer.enable_progress_bar", "true", steps=6)),
+                            cwd=tmp_path, env=child_env(), stdin=slave, stdout=slave, stderr=slave,
+                            start_new_session=True, preexec_fn=controlling_terminal)
+    os.close(slave)
+    reading, output = threading.Event(), []
+
+    def drain() -> None:  # keep the terminal's buffer from filling while the fit writes to it
+        while reading.is_set():
+            if select.select([master], [], [], 0.1)[0]:
+                try:
+                    output.append(os.read(master, 65536))
+                except OSError:
+                    return
+
+    reading.set()
+    reader = threading.Thread(target=drain)
+    reader.start()
+    try:
+        deadline = time.time() + 180
+        while not marker.exists():
+            assert proc.poll() is None and time.time() < deadline, b"".join(output)[-3000:]
+            time.sleep(0.05)
+    finally:
+        reading.clear()
+        reader.join()
+    os.close(master)  # the terminal window closes
+    go.touch()
+    assert proc.wait(timeout=180) == 128 + signal.SIGHUP, b"".join(output)[-3000:]
+    assert step_of(ckpt_dir(tmp_path, "run", RUN) / "last.ckpt") == 3
+    assert the_run(tmp_path, "run")[1].info.status == "KILLED"
+
+
+@pytest.mark.slow
+def test_ddp_ranks_stop_together_on_a_sighup_to_one_of_them(data, tmp_path):
+    """2 gloo ranks; SIGHUP to rank 1 only: the ranks agree on the signal, save step 4 and exit 129."""
+    ddp = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
+    config = hooks(tmp_path, "hup.yaml", ("SignalAt", {"step": 3, "signal": "SIGHUP", "rank": 1}))
+    stopped = run_cli(args(data, *ddp, "--config", config, steps=6), tmp_path, timeout=400)
+    assert stopped.returncode == 129, stopped.stderr[-3000:]
+    assert "lrattn: stopped by SIGHUP at step 4" in stopped.stderr
+    assert step_of(ckpt_dir(tmp_path, "run", RUN) / "last.ckpt") == 4
+    assert the_run(tmp_path, "run")[1].info.status == "KILLED"
+
+
+def test_a_first_save_on_a_full_disk_does_not_advise_a_resume(data, tmp_path, monkeypatch, capsys):
+    """No checkpoint could be written, so `--ckpt_path last` would fail: the line says to run again instead."""
+    from lrattn_lightning.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with tmpfs(tmp_path / "small", "size=64k") as small:  # the tiny model's checkpoint is larger
+        assert main(fit_args(data, "--runs_dir", str(small), steps=2, every=1)) == 2
+        err = capsys.readouterr().err
+        folder = small / "lrattn" / "tiny-baseline-seed0" / "checkpoints"
+        line = stop_line(err)
+        assert line.startswith(f"lrattn: error: could not save checkpoint {folder / 'last.ckpt'}: No space left")
+        assert "no checkpoint was written, so there is nothing to resume" in line
+        assert "run the same command again" in line
+        assert "--ckpt_path" not in line
+        assert not list(folder.glob("*.ckpt"))  # so the same command starts again, not refused
