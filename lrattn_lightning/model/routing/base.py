@@ -12,6 +12,9 @@ cache object across passes (`new_cache`; the decoder's KVCache holds it without 
         fast        FastAttnRes        attnres_fast.py      buffered autograd Functions, logits at write time
                                                             (the default; eager training and inference)
         compiled    CompiledAttnRes    attnres_compiled.py  plain tensor ops that torch.compile traces
+        triton      TritonAttnRes      attnres_triton.py    one fused Triton kernel per read (torch custom ops,
+                                                            kept whole by torch.compile); CUDA, or the CPU
+                                                            interpreter under TRITON_INTERPRET=1
 
 `fast` is not traceable by torch.compile (it raises there; `compile_impl` names the backend to use), and
 it does not fold per-token queries into write-time logits: for `query: gated_dynamic` it is served by the
@@ -35,11 +38,12 @@ from lrattn_lightning.model.routing.attnres_fast import FastAttnRes
 from lrattn_lightning.model.routing.gated import GatedRouter
 from lrattn_lightning.model.routing.residual import ResidualRouter
 
-IMPLS = ("fast", "reference", "compiled")
+IMPLS = ("fast", "reference", "compiled")  # run on any machine
+ALL_IMPLS = (*IMPLS, "triton")  # triton: CUDA or TRITON_INTERPRET=1 (attnres_triton.py)
 DEFAULT_IMPL = "fast"
 ATTNRES_BACKENDS: dict[str, type[nn.Module]] = {
     "reference": ReferenceAttnRes, "fast": FastAttnRes, "compiled": CompiledAttnRes,
-}
+}  # + "triton", imported when first asked for (its module registers torch custom ops)
 
 
 class Router(Protocol):
@@ -71,8 +75,8 @@ def compile_impl(impl: str) -> str:
 
 def build_router(cfg: ModelConfig, impl: str = DEFAULT_IMPL) -> nn.Module:
     """The router of `cfg`'s routing kind; for AttnRes computed by backend `impl` (module docstring)."""
-    if impl not in IMPLS:
-        raise InputError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
+    if impl not in ALL_IMPLS:
+        raise InputError(f"impl must be one of {list(ALL_IMPLS)}, got {impl!r}")
     routing = cfg.ablation.routing
     if routing == "residual":
         return ResidualRouter(cfg)
@@ -80,4 +84,8 @@ def build_router(cfg: ModelConfig, impl: str = DEFAULT_IMPL) -> nn.Module:
         return GatedRouter(cfg)
     if impl == "fast" and cfg.ablation.query == "gated_dynamic":
         impl = "compiled"  # per-token queries: no write-time logits, the premise of the buffered backend
+    if impl == "triton":
+        from lrattn_lightning.model.routing.attnres_triton import TritonAttnRes
+
+        return TritonAttnRes(cfg)
     return ATTNRES_BACKENDS[impl](cfg)

@@ -1,0 +1,225 @@
+"""Triton kernels of the `triton` AttnRes backend: one depth read, forward and backward (attnres_triton.py).
+
+For every token n and depth head h, over the sources s of the read (the embedding, the completed block
+summaries, the partial block if any):
+
+    rstd_s  = 1 / sqrt(mean_k x_s^2 + eps_s)              x_s the raw key slice of head h (key norm on)
+    l_s     = scale * rstd_s * <x_s, q> + b_s              b_s = beta log c_s (the count prior)
+    h       = sum_s softmax_s(l) v_s  (value slice of h)   online softmax in float32, lse saved
+
+Backward (flash-attention style: delta = <grad h, h> replaces a pass over the sources):
+
+    dalpha_s = <g, v_s>     dl_s = alpha_s (dalpha_s - delta)      dv_s = alpha_s g
+    dx_s     = scale rstd_s dl_s q - dl_s (l_s - b_s) rstd_s^2 x_s / k          dq += scale rstd_s dl_s x_s
+
+Sources are not stacked: the completed summaries are reached through a table of pointers and row strides
+(`meta`, int64, built by the caller); the embedding and the partial block come as plain arguments (their
+dtypes may differ from the summaries' under autocast). Priors and eps are float64 entries of the same table
+(`fmeta`: `meta` seen as float64).
+
+Key modes: KEY_MODE 0, the key is part of the value tile the program already holds (value keys, and sliced
+keys with one depth head: the columns >= KOFF of the value), so keys cost no extra load and their gradient
+is added to the value's in registers; KEY_MODE 1, the key is loaded through its own pointer (carried keys,
+and sliced keys whose head slices straddle value heads) and its gradient written to its own output.
+
+One program per (tile of BLOCK_N tokens, depth head); whole head rows in one tile (BLOCK_E >= e, BLOCK_K >= k,
+masked: any D and r). Accumulation (ACC) in float32, or float64 for float64 models.
+
+meta layout (S_t table sources, S = S_t + 2 slots: embedding 0, table 1..S_t, partial S_t + 1):
+    [0, S_t) value pointers  [S_t, 2S_t) value row strides  [2S_t, 3S_t) key pointers  [3S_t, 4S_t) key strides
+    [4S_t, 4S_t + S) priors  [4S_t + S, 4S_t + 2S) eps       (backward also: dv pointers, then dk pointers)
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# torch dtype -> Triton dtype of pointers and accumulators (constexpr kernel arguments)
+DTYPES = {"float32": tl.float32, "bfloat16": tl.bfloat16, "float16": tl.float16, "float64": tl.float64}
+
+
+@triton.jit
+def _source(vp, sv, kp, sk, eps, rows, rmask, vcols, emask, kcols, kmask, qt, K, scale,
+            KEY_MODE: tl.constexpr, KEY_NORM: tl.constexpr, ACC: tl.constexpr):
+    """A source's value tile [BLOCK_N, BLOCK_E], key tile (value-column or key-column space), its logit
+    without the prior scale * rstd * <x, q> and rstd (1 without key norm), per token."""
+    vmask = rmask[:, None] & emask[None, :]
+    v = tl.load(vp + rows[:, None] * sv + vcols[None, :], mask=vmask, other=0.0).to(ACC)
+    if KEY_MODE == 0:
+        x = tl.where(kmask[None, :], v, 0.0)
+    else:
+        x = tl.load(kp + rows[:, None] * sk + kcols[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        x = x.to(ACC)
+    dot = tl.sum(x * qt, 1)
+    if KEY_NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / K + eps)
+    else:
+        rstd = tl.full(dot.shape, 1.0, dot.dtype)
+    return v, x, scale * rstd * dot, rstd
+
+
+@triton.jit
+def _layout(pid_n, h, N, D, R, KOFF, heads, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+            KEY_MODE: tl.constexpr):
+    """Rows, the head's value columns, and its key columns (indices into the key / query, in the key tile's
+    space) with their masks."""
+    E = D // heads
+    K = R // heads
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    ce = tl.arange(0, BLOCK_E)
+    emask = ce < E
+    vcols = h * E + ce
+    if KEY_MODE == 0:  # key columns KOFF.. of the value, within this head's value columns
+        kcols = vcols - KOFF
+        kmask = emask & (vcols >= KOFF)
+    else:
+        ck = tl.arange(0, BLOCK_K)
+        kcols = h * K + ck
+        kmask = ck < K
+    return rows, rmask, vcols, emask, kcols, kmask, K
+
+
+@triton.jit
+def _online(m_i, l_i, acc, logit, v):
+    """One source into the running softmax (max m, sum l, weighted sum acc)."""
+    m_new = tl.maximum(m_i, logit)
+    corr = tl.exp(m_i - m_new)
+    p = tl.exp(logit - m_new)
+    return m_new, l_i * corr + p, acc * corr[:, None] + p[:, None] * v
+
+
+@triton.jit
+def _table_source(meta, fmeta, s, S_t, EP, rows, rmask, vcols, emask, kcols, kmask, qt, K, scale,
+                  KEY_MODE: tl.constexpr, KEY_NORM: tl.constexpr, VDT: tl.constexpr, KDT: tl.constexpr,
+                  ACC: tl.constexpr):
+    """Completed summary `s` of the pointer table: its value and raw logit (_source)."""
+    vp = tl.load(meta + s).to(tl.pointer_type(VDT))
+    kp = tl.load(meta + 2 * S_t + s).to(tl.pointer_type(KDT))
+    eps = tl.load(fmeta + EP + 1 + s).to(ACC)
+    v, _, lraw, _ = _source(vp, tl.load(meta + S_t + s), kp, tl.load(meta + 3 * S_t + s), eps, rows, rmask,
+                            vcols, emask, kcols, kmask, qt, K, scale, KEY_MODE, KEY_NORM, ACC)
+    return v, lraw
+
+
+@triton.jit
+def read_fwd(ev, sev, ek, sek, pv, spv, pk, spk, meta, fmeta, q, sq, out, lse, alpha,
+             N, D, R, KOFF, heads, S_t, scale,
+             HAS_PARTIAL: tl.constexpr, WRITE_ALPHA: tl.constexpr, KEY_MODE: tl.constexpr, KEY_NORM: tl.constexpr,
+             VDT: tl.constexpr, KDT: tl.constexpr, ACC: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out = sum_s softmax_s(logit) v_s and lse per (token, head); alpha [S, N, heads] when WRITE_ALPHA."""
+    pid_n = tl.program_id(0)
+    h = tl.program_id(1)
+    rows, rmask, vcols, emask, kcols, kmask, K = _layout(pid_n, h, N, D, R, KOFF, heads, BLOCK_N, BLOCK_E,
+                                                         BLOCK_K, KEY_MODE)
+    S = S_t + 2
+    PR = 4 * S_t  # slot i's prior at fmeta[PR + i], its eps at fmeta[EP + i]
+    EP = PR + S
+    qt = tl.load(q + rows[:, None] * sq + kcols[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0).to(ACC)
+    m_i = tl.full([BLOCK_N], float("-inf"), tl.float32).to(ACC)
+    l_i = tl.zeros([BLOCK_N], dtype=tl.float32).to(ACC)
+    acc = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32).to(ACC)
+    # one online softmax over the embedding, the completed summaries (through the table), the partial block
+    v, x, lraw, _ = _source(ev, sev, ek, sek, tl.load(fmeta + EP).to(ACC), rows, rmask, vcols, emask, kcols,
+                            kmask, qt, K, scale, KEY_MODE, KEY_NORM, ACC)
+    m_i, l_i, acc = _online(m_i, l_i, acc, lraw + tl.load(fmeta + PR).to(ACC), v)
+    for s in range(S_t):
+        v, lraw = _table_source(meta, fmeta, s, S_t, EP, rows, rmask, vcols, emask, kcols, kmask, qt, K, scale,
+                                KEY_MODE, KEY_NORM, VDT, KDT, ACC)
+        m_i, l_i, acc = _online(m_i, l_i, acc, lraw + tl.load(fmeta + PR + 1 + s).to(ACC), v)
+    if HAS_PARTIAL:
+        v, x, lraw, _ = _source(pv, spv, pk, spk, tl.load(fmeta + EP + S - 1).to(ACC), rows, rmask, vcols, emask,
+                                kcols, kmask, qt, K, scale, KEY_MODE, KEY_NORM, ACC)
+        m_i, l_i, acc = _online(m_i, l_i, acc, lraw + tl.load(fmeta + PR + S - 1).to(ACC), v)
+    lse_n = m_i + tl.log(l_i)
+    tl.store(out + rows[:, None] * D + vcols[None, :], (acc / l_i[:, None]).to(out.dtype.element_ty),
+             mask=rmask[:, None] & emask[None, :])
+    tl.store(lse + rows * heads + h, lse_n, mask=rmask)
+    if WRITE_ALPHA:  # diagnostics only: the weights, from the logits recomputed (slot by slot, as above)
+        NH = N * heads
+        _, _, lraw, _ = _source(ev, sev, ek, sek, tl.load(fmeta + EP).to(ACC), rows, rmask, vcols, emask, kcols,
+                                kmask, qt, K, scale, KEY_MODE, KEY_NORM, ACC)
+        tl.store(alpha + rows * heads + h, tl.exp(lraw + tl.load(fmeta + PR).to(ACC) - lse_n), mask=rmask)
+        for s in range(S_t):
+            _, lraw = _table_source(meta, fmeta, s, S_t, EP, rows, rmask, vcols, emask, kcols, kmask, qt, K, scale,
+                                    KEY_MODE, KEY_NORM, VDT, KDT, ACC)
+            a = tl.exp(lraw + tl.load(fmeta + PR + 1 + s).to(ACC) - lse_n)
+            tl.store(alpha + (1 + s) * NH + rows * heads + h, a, mask=rmask)
+        if HAS_PARTIAL:
+            _, _, lraw, _ = _source(pv, spv, pk, spk, tl.load(fmeta + EP + S - 1).to(ACC), rows, rmask, vcols,
+                                    emask, kcols, kmask, qt, K, scale, KEY_MODE, KEY_NORM, ACC)
+            a = tl.exp(lraw + tl.load(fmeta + PR + S - 1).to(ACC) - lse_n)
+            tl.store(alpha + (S - 1) * NH + rows * heads + h, a, mask=rmask)
+
+
+@triton.jit
+def _bwd_source(vp, sv, kp, sk, dvp, dkp, prior, eps, rows, rmask, vcols, emask, kcols, kmask, K, D, R, qt, g,
+                delta, lse_n, scale, dqt, KEY_MODE: tl.constexpr, KEY_NORM: tl.constexpr, ACC: tl.constexpr):
+    """One source's value and key gradients (written), and the query's gradient with its share (returned)."""
+    v, x, lraw, rstd = _source(vp, sv, kp, sk, eps, rows, rmask, vcols, emask, kcols, kmask, qt, K, scale,
+                               KEY_MODE, KEY_NORM, ACC)
+    a = tl.exp(lraw + prior - lse_n)
+    dl = a * (tl.sum(g * v, 1) - delta)  # d loss / d logit
+    dv = a[:, None] * g
+    c1 = scale * rstd * dl
+    dx = c1[:, None] * qt
+    if KEY_NORM:  # through rstd: d rstd / dx = -rstd^3 x / k
+        dx = dx - (dl * lraw * rstd * rstd / K)[:, None] * x
+    if KEY_MODE == 0:  # the key is part of the value: so is its gradient
+        dv = dv + tl.where(kmask[None, :], dx, 0.0)
+    else:
+        tl.store(dkp + rows[:, None] * R + kcols[None, :], dx.to(dkp.dtype.element_ty),
+                 mask=rmask[:, None] & kmask[None, :])
+    tl.store(dvp + rows[:, None] * D + vcols[None, :], dv.to(dvp.dtype.element_ty),
+             mask=rmask[:, None] & emask[None, :])
+    return dqt + c1[:, None] * x
+
+
+@triton.jit
+def read_bwd(ev, sev, ek, sek, pv, spv, pk, spk, meta, fmeta, q, sq, out, lse, gout, dev, dek, dpv, dpk, dq,
+             N, D, R, KOFF, heads, S_t, scale,
+             HAS_PARTIAL: tl.constexpr, QUERY_PER_TOKEN: tl.constexpr, KEY_MODE: tl.constexpr,
+             KEY_NORM: tl.constexpr, VDT: tl.constexpr, KDT: tl.constexpr, ACC: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Gradients of one read: dv (and dk) of every source; dq per token, or per tile (the caller sums tiles)."""
+    pid_n = tl.program_id(0)
+    h = tl.program_id(1)
+    rows, rmask, vcols, emask, kcols, kmask, K = _layout(pid_n, h, N, D, R, KOFF, heads, BLOCK_N, BLOCK_E,
+                                                         BLOCK_K, KEY_MODE)
+    S = S_t + 2
+    PR = 4 * S_t
+    EP = PR + S
+    DV = EP + S  # the table's dv pointers, then its dk pointers
+    DK = DV + S_t
+    omask = rmask[:, None] & emask[None, :]
+    g = tl.load(gout + rows[:, None] * D + vcols[None, :], mask=omask, other=0.0).to(ACC)
+    o = tl.load(out + rows[:, None] * D + vcols[None, :], mask=omask, other=0.0).to(ACC)
+    delta = tl.sum(g * o, 1)  # <g, h> = sum_s alpha_s <g, v_s>
+    lse_n = tl.load(lse + rows * heads + h, mask=rmask, other=0.0)
+    qmask = rmask[:, None] & kmask[None, :]
+    qt = tl.load(q + rows[:, None] * sq + kcols[None, :], mask=qmask, other=0.0).to(ACC)
+    dqt = tl.zeros_like(qt)
+    dqt = _bwd_source(ev, sev, ek, sek, dev, dek, tl.load(fmeta + PR).to(ACC), tl.load(fmeta + EP).to(ACC), rows,
+                      rmask, vcols, emask, kcols, kmask, K, D, R, qt, g, delta, lse_n, scale, dqt,
+                      KEY_MODE, KEY_NORM, ACC)
+    for s in range(S_t):
+        vp = tl.load(meta + s).to(tl.pointer_type(VDT))
+        kp = tl.load(meta + 2 * S_t + s).to(tl.pointer_type(KDT))
+        dvp = tl.load(meta + DV + s).to(tl.pointer_type(VDT))
+        dkp = tl.load(meta + DK + s).to(tl.pointer_type(KDT))
+        prior = tl.load(fmeta + PR + 1 + s).to(ACC)
+        eps = tl.load(fmeta + EP + 1 + s).to(ACC)
+        dqt = _bwd_source(vp, tl.load(meta + S_t + s), kp, tl.load(meta + 3 * S_t + s), dvp, dkp, prior, eps, rows,
+                          rmask, vcols, emask, kcols, kmask, K, D, R, qt, g, delta, lse_n, scale, dqt,
+                          KEY_MODE, KEY_NORM, ACC)
+    if HAS_PARTIAL:
+        prior = tl.load(fmeta + PR + S - 1).to(ACC)
+        eps = tl.load(fmeta + EP + S - 1).to(ACC)
+        dqt = _bwd_source(pv, spv, pk, spk, dpv, dpk, prior, eps, rows, rmask, vcols, emask, kcols, kmask, K, D, R,
+                          qt, g, delta, lse_n, scale, dqt, KEY_MODE, KEY_NORM, ACC)
+    if QUERY_PER_TOKEN:
+        tl.store(dq + rows[:, None] * R + kcols[None, :], dqt, mask=qmask)
+    else:
+        tl.store(dq + pid_n * R + kcols, tl.sum(dqt, 0), mask=kmask)

@@ -1,0 +1,250 @@
+"""The `triton` backend's torch custom ops: `lrattn::attnres_read` (one depth read) and its backward.
+
+Registered with torch.library (custom_op + register_fake + register_autograd), so autograd calls the
+hand-written backward kernel and torch.compile keeps each read whole (an opaque node, no graph break).
+The kernels (triton_kernels.py) are imported when an op first runs: importing this module, and the
+package, never needs triton.
+
+A read's sources: the embedding (emb_v, its carried key emb_k or None), the completed block summaries
+(values, their carried keys; empty for key-in-value sources), the partial block (part_v, part_k or None).
+Keys that are None are read from the value: columns key_offset.. (sliced) or all of them (value keys).
+consts: the S = len(values) + 2 slots' priors then eps (embedding, summaries, partial; the partial's slot
+is present even without a partial). Shapes: values [B, T, D], keys [B, T, r], query [r] (static) or
+[B, T, r] (per token) -> out [B, T, D], lse [N, m] (compute dtype), alpha [S_used, N, m] when `record`
+(else empty).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from lrattn_lightning.errors import InputError
+
+
+def interpreting() -> bool:
+    """Triton's CPU interpreter is on (TRITON_INTERPRET=1 must be set before triton is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def availability_error(device_type: str | None = None) -> str | None:
+    """Why the triton backend cannot run here (None: it can). device_type None: only the machine."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "model.impl 'triton' needs the triton package (pip install triton); or use impl 'fast'"
+    if interpreting():
+        return None
+    if device_type is None and torch.cuda.is_available():
+        return None
+    if device_type == "cuda":
+        return None
+    return ("model.impl 'triton' needs a CUDA GPU, or TRITON_INTERPRET=1 in the environment (Triton's CPU "
+            "interpreter, slow: for tests); on this machine use impl 'fast'")
+
+
+def _kernels():
+    from lrattn_lightning.model.routing import triton_kernels
+
+    return triton_kernels
+
+
+def _rows(x: Tensor) -> tuple[Tensor, int]:
+    """x as [N, C] rows with unit column stride (a view where possible) and its row stride."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2, (x2.stride(0) if x2.shape[0] > 1 else x2.shape[-1])
+
+
+def _dtype_name(dtypes: list[torch.dtype]) -> str:
+    """The one dtype of the table's tensors, by name (the kernels map it to Triton's)."""
+    if len(set(dtypes)) > 1:
+        raise RuntimeError(f"attnres_read: the block summaries must share one dtype, got {sorted(map(str, dtypes))}")
+    return str(dtypes[0]).removeprefix("torch.") if dtypes else "float32"
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class _Read:
+    """What both kernels need of one read: rows, key mode, the table and the launch geometry."""
+
+    def __init__(self, emb_v, emb_k, values, keys, part_v, part_k, query, consts, heads, key_offset):
+        self.B_T, D = emb_v.shape[:-1], emb_v.shape[-1]
+        R = query.shape[-1]
+        self.N, self.D, self.R, self.heads, self.S_t = emb_v.numel() // D, D, R, heads, len(values)
+        self.carried = emb_k is not None
+        # key mode 0: the key lies in the head's value columns (value keys; sliced keys with one head)
+        self.key_mode = 1 if self.carried or not (heads == 1 or R == D) else 0
+        self.key_offset = 0 if self.carried else key_offset
+        if self.carried:
+            key_of = list(keys)
+            ek, pk = emb_k, part_k
+        else:  # key-in-value: views of the values' key columns
+            key_of = [v[..., key_offset:] for v in values]
+            ek = emb_v[..., key_offset:]
+            pk = None if part_v is None else part_v[..., key_offset:]
+        self.ev, self.sev = _rows(emb_v)
+        self.ek, self.sek = _rows(ek)
+        self.pv, self.spv = _rows(part_v) if part_v is not None else (self.ev, self.sev)
+        self.pk, self.spk = _rows(pk) if pk is not None else (self.ek, self.sek)
+        self.has_partial = part_v is not None
+        vt = [_rows(v) for v in values]
+        kt = [_rows(k) for k in key_of]
+        self.vdtype = _dtype_name([v.dtype for v, _ in vt])
+        self.kdtype = _dtype_name([k.dtype for k, _ in kt])
+        self.values, self.keys = [v for v, _ in vt], [k for k, _ in kt]
+        self.ints = ([v.data_ptr() for v, _ in vt] + [s for _, s in vt] + [k.data_ptr() for k, _ in kt]
+                     + [s for _, s in kt])
+        self.consts = torch.tensor(consts, dtype=torch.float64).view(torch.int64).tolist()
+        self.query, self.query_per_token = query.contiguous(), query.dim() > 1
+        self.cdtype = torch.promote_types(emb_v.dtype, torch.float32)
+        E, K = D // heads, R // heads
+        self.BLOCK_E, self.BLOCK_K = _pow2(E), (_pow2(K) if self.key_mode == 1 else 1)
+        width = max(self.BLOCK_E, self.BLOCK_K)
+        self.BLOCK_N = max(1, min(64, 4096 // width, _pow2(self.N)))
+        self.grid = (triton_cdiv(self.N, self.BLOCK_N), heads)
+        self.num_warps = 4 if self.BLOCK_N * width <= 2048 else 8
+
+    def meta(self, extra: list[int] = ()) -> tuple[Tensor, Tensor]:
+        """The table on the device (one host-to-device copy per launch), as int64 and as float64."""
+        meta = torch.tensor(self.ints + self.consts + list(extra), dtype=torch.int64).to(self.ev.device)
+        return meta, meta.view(torch.float64)
+
+    def sources(self) -> tuple:
+        return (self.ev, self.sev, self.ek, self.sek, self.pv, self.spv, self.pk, self.spk)
+
+    def constexprs(self, key_norm: bool) -> dict:
+        dtypes = _kernels().DTYPES
+        return dict(KEY_MODE=self.key_mode, KEY_NORM=key_norm, VDT=dtypes[self.vdtype], KDT=dtypes[self.kdtype],
+                    ACC=dtypes[str(self.cdtype).removeprefix("torch.")], BLOCK_N=self.BLOCK_N, BLOCK_E=self.BLOCK_E,
+                    BLOCK_K=self.BLOCK_K, num_warps=self.num_warps)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _out_dtype(emb_v: Tensor, values: list[Tensor], part_v: Tensor | None) -> torch.dtype:
+    dtype = emb_v.dtype
+    for v in [*values, *([part_v] if part_v is not None else [])]:
+        dtype = torch.promote_types(dtype, v.dtype)
+    return dtype
+
+
+def _n_used(values: list[Tensor], part_v: Tensor | None) -> int:
+    return 1 + len(values) + int(part_v is not None)
+
+
+@torch.library.custom_op("lrattn::attnres_read", mutates_args=())
+def attnres_read(emb_v: Tensor, emb_k: Tensor | None, values: list[Tensor], keys: list[Tensor],
+                 part_v: Tensor | None, part_k: Tensor | None, query: Tensor, consts: list[float], scale: float,
+                 heads: int, key_norm: bool, key_offset: int, record: bool) -> tuple[Tensor, Tensor, Tensor]:
+    rd = _Read(emb_v, emb_k, values, keys, part_v, part_k, query, consts, heads, key_offset)
+    out = torch.empty(emb_v.shape, dtype=_out_dtype(emb_v, values, part_v), device=emb_v.device)
+    lse = torch.empty(rd.N, heads, dtype=rd.cdtype, device=emb_v.device)
+    alpha = torch.empty((_n_used(values, part_v), rd.N, heads) if record else (0,), dtype=rd.cdtype,
+                        device=emb_v.device)
+    _kernels().read_fwd[rd.grid](
+        *rd.sources(), *rd.meta(), rd.query, rd.R if rd.query_per_token else 0, out, lse, alpha if record else lse,
+        rd.N, rd.D, rd.R, rd.key_offset, heads, rd.S_t, scale,
+        HAS_PARTIAL=rd.has_partial, WRITE_ALPHA=record, **rd.constexprs(key_norm))
+    return out, lse, alpha
+
+
+@attnres_read.register_fake
+def _(emb_v, emb_k, values, keys, part_v, part_k, query, consts, scale, heads, key_norm, key_offset, record):
+    cdtype = torch.promote_types(emb_v.dtype, torch.float32)
+    N = emb_v.numel() // emb_v.shape[-1]
+    out = emb_v.new_empty(emb_v.shape, dtype=_out_dtype(emb_v, values, part_v))
+    alpha = emb_v.new_empty((_n_used(values, part_v), N, heads) if record else (0,), dtype=cdtype)
+    return out, emb_v.new_empty((N, heads), dtype=cdtype), alpha
+
+
+def _grad_layout(emb_v, emb_k, values, keys, part_v, part_k, query) -> list[tuple[tuple, torch.dtype]]:
+    """(shape, dtype) of each gradient the backward returns: values, carried keys, the query."""
+    vals = [emb_v, *values, *([part_v] if part_v is not None else [])]
+    ks = [emb_k, *keys, *([part_k] if part_k is not None else [])] if emb_k is not None else []
+    return [(tuple(t.shape), t.dtype) for t in vals + ks] + [(tuple(query.shape), query.dtype)]
+
+
+@torch.library.custom_op("lrattn::attnres_read_bwd", mutates_args=())
+def attnres_read_bwd(grad: Tensor, out: Tensor, lse: Tensor, emb_v: Tensor, emb_k: Tensor | None,
+                     values: list[Tensor], keys: list[Tensor], part_v: Tensor | None, part_k: Tensor | None,
+                     query: Tensor, consts: list[float], scale: float, heads: int, key_norm: bool,
+                     key_offset: int) -> list[Tensor]:
+    """[d emb_v, d values..., d part_v?] + [d emb_k, d keys..., d part_k?] (carried keys) + [d query]."""
+    rd = _Read(emb_v, emb_k, values, keys, part_v, part_k, query, consts, heads, key_offset)
+    partial = [part_v] if rd.has_partial else []
+    dvs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in [emb_v, *values, *partial]]
+    if rd.carried:
+        part_key = [part_k] if rd.has_partial else []
+        dks = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in [emb_k, *keys, *part_key]]
+    elif rd.key_mode == 1:  # sliced keys straddling value heads: key gradients apart, added below
+        dks = [t.new_empty(*t.shape[:-1], rd.R) for t in dvs]
+    else:  # key mode 0: the kernel adds them to the values' (these pointers are never written)
+        dks = dvs
+    n_t = rd.S_t
+    extra = [d.data_ptr() for d in dvs[1 : 1 + n_t]] + [d.data_ptr() for d in dks[1 : 1 + n_t]]
+    tiles = triton_cdiv(rd.N, rd.BLOCK_N)
+    dq = torch.empty((rd.N, rd.R) if rd.query_per_token else (tiles, rd.R), dtype=rd.cdtype, device=emb_v.device)
+    g, _ = _rows(grad.contiguous())
+    d_part_v, d_part_k = (dvs[-1], dks[-1]) if rd.has_partial else (dvs[0], dks[0])  # (unused without a partial)
+    _kernels().read_bwd[rd.grid](
+        *rd.sources(), *rd.meta(extra), rd.query, rd.R if rd.query_per_token else 0, out, lse, g,
+        dvs[0], dks[0], d_part_v, d_part_k, dq,
+        rd.N, rd.D, rd.R, rd.key_offset, heads, rd.S_t, scale,
+        HAS_PARTIAL=rd.has_partial, QUERY_PER_TOKEN=rd.query_per_token, **rd.constexprs(key_norm))
+    if not rd.carried:
+        if rd.key_mode == 1:
+            for dv, dk in zip(dvs, dks, strict=True):
+                dv[..., key_offset:] += dk
+        dks = []
+    dq = dq.view(query.shape) if rd.query_per_token else dq.sum(0)
+    return [*dvs, *dks, dq.to(query.dtype)]
+
+
+@attnres_read_bwd.register_fake
+def _(grad, out, lse, emb_v, emb_k, values, keys, part_v, part_k, query, consts, scale, heads, key_norm, key_offset):
+    return [emb_v.new_empty(s, dtype=d) for s, d in _grad_layout(emb_v, emb_k, values, keys, part_v, part_k, query)]
+
+
+def _setup(ctx, inputs, output):
+    emb_v, emb_k, values, keys, part_v, part_k, query, consts, scale, heads, key_norm, key_offset, _ = inputs
+    out, lse, _ = output
+    ctx.save_for_backward(emb_v, emb_k, part_v, part_k, query, out, lse, *values, *keys)
+    ctx.n_values, ctx.n_keys = len(values), len(keys)
+    ctx.args = (consts, scale, heads, key_norm, key_offset)
+
+
+def _backward(ctx, grad_out, _grad_lse, _grad_alpha):
+    emb_v, emb_k, part_v, part_k, query, out, lse, *rest = ctx.saved_tensors
+    values, keys = rest[: ctx.n_values], rest[ctx.n_values :]
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    grads = attnres_read_bwd(grad_out, out, lse, emb_v, emb_k, list(values), list(keys), part_v, part_k, query,
+                             *ctx.args)
+    n_src = 1 + ctx.n_values + int(part_v is not None)
+    dvs, dks, dq = grads[:n_src], grads[n_src:-1], grads[-1]
+    d_part_v = dvs[-1] if part_v is not None else None
+    d_emb_k = d_part_k = None
+    d_keys: list[Tensor | None] = [None] * ctx.n_keys
+    if emb_k is not None:
+        d_emb_k, d_keys = dks[0], list(dks[1 : 1 + ctx.n_keys])
+        d_part_k = dks[-1] if part_k is not None else None
+    return (dvs[0], d_emb_k, list(dvs[1 : 1 + ctx.n_values]), d_keys, d_part_v, d_part_k, dq,
+            None, None, None, None, None, None)
+
+
+attnres_read.register_autograd(_backward, setup_context=_setup)
+
+
+def check_device(device: torch.device) -> None:
+    """Raise (one line) when tensors on `device` cannot run the kernels."""
+    error = availability_error(device.type)
+    if error is not None:
+        raise InputError(error)

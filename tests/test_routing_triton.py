@@ -1,0 +1,287 @@
+"""The `triton` AttnRes backend (attnres_triton.py) against `reference`, run in Triton's CPU interpreter.
+
+TRITON_INTERPRET=1 must be set before triton is imported, so the kernels run in one subprocess (this file
+run as a script: `_worker`) that measures everything once; the tests below assert on its numbers. Covered:
+every AttnRes registry entry at `tiny` (fitted to the size as tests/test_routing_fast.py does; entries
+whose fitted configs are identical are computed once) with random queries, forward logits, every gradient
+and the routing weights; a grid at an odd size (D = 24, r = 12, depth heads 4: neither a power of two;
+three layers, so uneven blocks with partial reads) over every key source; bfloat16 autocast; KV-cache
+decoding; the golden numbers of the paper's code (tests/golden/reference.pt); torch.compile keeping the
+custom ops whole. Without CUDA and without the interpreter, the backend is one line naming the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+
+from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig, fit_to_size  # noqa: E402
+from lrattn_lightning.model.registry import load_registry  # noqa: E402
+
+REGISTRY = load_registry()
+ATTNRES = [n for n, a in REGISTRY.ablations.items() if a.routing == "attnres"]
+# D = 24, head size 12 (RoPE: even), r = 12 -> with 4 depth heads e = 6, k = 3: no power of two anywhere;
+# M = 6 sublayers, so N = 4 blocks end after 2, 3, 5, 6 (uneven, with partial reads)
+ODD = SizeConfig(name="odd-l3", doc="tests", n_layers=3, d_model=24, n_heads=2, d_mlp=40, vocab_size=97, seq_len=16)
+BF16 = ["s-lr-block-n8-r64", "p-lr-block-n4-r32", "attnres-full", "vp-lr-block-n8-r32", "p-lr-block-n8-r32-dynquery"]
+KV = ["p-lr-full-r32", "p-lr-block-n8-r32-dynquery", "odd-sliced-block-h4-nokeynorm"]
+# golden size `small`: 8 layers, up to 17 sources a read (the interpreter's cost); one per kind of read
+GOLDEN = ["attnres-full", "s-lr-block-n8-r64-h4", "p-lr-block-n8-r32-projstatic-embkey", "p-lr-block-n8-r32-dynquery"]
+TOL = 1e-5  # float32: logits absolute, gradients relative to each tensor's largest entry
+
+
+def _odd_grid() -> dict[str, AblationConfig]:
+    """Block routing (uneven, partial reads) x every key source x depth heads 1 / 4, with mean summaries +
+    prior (4 heads) or sqrt-mean (1 head) and the logit scale; full routing is covered at `tiny`."""
+    base = REGISTRY.ablation("attnres-full")
+    emb = {"value": "value", "sliced": "sliced", "projected": "projected", "value_projected": "projected",
+           "value_projected_shared": "projected_plus_static"}
+    out = {}
+    for key_source, embedding_key in emb.items():
+        for heads in (1, 4):
+            summary, prior = ("mean", 1.0) if heads == 4 else ("sqrt_mean", 0.0)
+            name = f"odd-{key_source}-block-h{heads}"
+            out[name] = dataclasses.replace(
+                base, name=name, key_source=key_source, embedding_key=embedding_key, depth_heads=heads,
+                rank=None if key_source == "value" else 12, blocks=4, block_summary=summary,
+                count_prior=prior, logit_scale="inv_sqrt_head_dim" if key_source != "value" else "none",
+            ).validate()
+    out["odd-sliced-block-h4-nokeynorm"] = dataclasses.replace(
+        out["odd-sliced-block-h4"], name="odd-sliced-block-h4-nokeynorm", key_norm="none").validate()
+    return out
+
+
+GRID = _odd_grid()
+
+
+def _config(name: str) -> ModelConfig:
+    if name in GRID:
+        return ModelConfig(ODD, GRID[name])
+    tiny = REGISTRY.size("tiny")
+    return ModelConfig(tiny, fit_to_size(REGISTRY.ablation(name), tiny))
+
+
+# ---- the worker (runs under TRITON_INTERPRET=1) -------------------------------------------------------
+def _pair(name: str):
+    from conftest import randomize_routing
+
+    from lrattn_lightning.model.decoder import build_decoder
+
+    cfg = _config(name)
+    torch.manual_seed(0)
+    ref = build_decoder(cfg, impl="reference")
+    randomize_routing(ref)
+    tri = build_decoder(cfg, impl="triton")
+    tri.load_state_dict(ref.state_dict())  # strict: the same parameter names
+    return ref, tri
+
+
+def _idx(cfg: ModelConfig) -> torch.Tensor:
+    return torch.randint(0, cfg.size.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+
+
+def _run(model, idx, autocast: bool = False):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(idx, return_routing=True)
+    logits = out.logits.float()
+    (logits.square().mean() + logits[..., :3].sum()).backward()
+    return logits.detach(), {n: p.grad.float().clone() for n, p in model.named_parameters()}, out.routing
+
+
+def _parity(name: str) -> dict:
+    ref, tri = _pair(name)
+    idx = _idx(ref.cfg)
+    lr, gr, ar = _run(ref, idx)
+    lt, gt, at = _run(tri, idx)
+    grads = {n: float((gt[n] - g).abs().max()) / max(float(g.abs().max()), 1e-30) for n, g in gr.items()}
+    shapes = [list(a.shape) for a in at] == [list(a.shape) for a in ar]  # one alpha [S_j, B, T, m] per site
+    dalpha = max(float((a - b).abs().max()) for a, b in zip(ar, at, strict=True)) if shapes else float("inf")
+    return {"dlogit": float((lt - lr).abs().max()), "dgrad": max(grads.values()), "worst": max(grads, key=grads.get),
+            "same_names": sorted(gt) == sorted(gr), "dalpha": dalpha, "shapes": shapes}
+
+
+def _bf16(name: str) -> dict:
+    """Relative errors against the float32 truth, of the reference and of triton under the same autocast."""
+    ref, tri = _pair(name)
+    idx = _idx(ref.cfg)
+    lt, gt, _ = _run(ref, idx)
+    runs = {"reference": _run(ref, idx, autocast=True), "triton": _run(tri, idx, autocast=True)}
+
+    def err(x, truth):
+        return float((x - truth).norm() / (truth.norm() + 1e-12))
+
+    return {impl: {"logits": err(lo, lt), "grads": {n: err(g[n], t) for n, t in gt.items()}}
+            for impl, (lo, g, _) in runs.items()}
+
+
+def _kv(name: str) -> float:
+    from lrattn_lightning.model.decoder import KVCache
+
+    _, tri = _pair(name)
+    idx = torch.randint(0, tri.cfg.size.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = tri(idx)
+        cache = KVCache.empty(tri.cfg.size.n_layers)
+        steps = [tri(idx[:, :4], cache=cache)] + [tri(idx[:, t : t + 1], cache=cache) for t in range(4, idx.shape[1])]
+    return float((torch.cat(steps, dim=1) - full).abs().max())
+
+
+def _compiled(name: str) -> dict:
+    """aot_eager torch.compile of the triton decoder: one graph, the reads kept as custom ops, same numbers."""
+    import torch._dynamo
+
+    ref, tri = _pair(name)
+    idx = _idx(ref.cfg)
+    explanation = torch._dynamo.explain(tri)(idx)
+    torch._dynamo.reset()
+    lr, gr, _ = _run(ref, idx)
+    compiled = torch.compile(tri, backend="aot_eager", fullgraph=True)
+    tri.zero_grad(set_to_none=True)
+    logits = compiled(idx).float()
+    (logits.square().mean() + logits[..., :3].sum()).backward()
+    dgrad = max(float((p.grad - gr[n]).abs().max()) / float(gr[n].abs().max()) for n, p in tri.named_parameters())
+    ops = sum(str(node.target).startswith("lrattn.attnres_read") for g in explanation.graphs for node in g.graph.nodes)
+    return {"graph_breaks": explanation.graph_break_count, "graphs": explanation.graph_count, "read_ops": ops,
+            "dlogit": float((logits.detach() - lr).abs().max()), "dgrad": dgrad}
+
+
+def _float64(name: str) -> float:
+    """A float64 model routes in float64: triton's logits equal the reference's to ~1e-16, not ~1e-7."""
+    ref, tri = _pair(name)
+    idx = _idx(ref.cfg)
+    with torch.no_grad():
+        return float((tri.double()(idx) - ref.double()(idx)).abs().max())
+
+
+def _canonical() -> dict[str, str]:
+    """Entry -> the first entry whose fitted config is identical (computed once for all of them)."""
+    seen: dict[tuple, str] = {}
+    out = {}
+    for name in ATTNRES:
+        a = _config(name).ablation
+        key = repr(dataclasses.replace(a, name="", doc="", control=None, tags=()))
+        out[name] = seen.setdefault(key, name)
+    return out
+
+
+def _worker(path: str) -> None:
+    from lrattn_lightning.model.decoder import build_decoder
+    from lrattn_lightning.tools import golden
+
+    torch.set_num_threads(1)
+    canon = _canonical()
+    computed = {n: _parity(n) for n in dict.fromkeys(canon.values())}
+    data = golden.load(str(Path(__file__).with_name("golden") / "reference.pt"))
+    results = {
+        "registry": {n: {**computed[c], "computed_as": c} for n, c in canon.items()},
+        "grid": {n: _parity(n) for n in GRID},
+        "bf16": {n: _bf16(n) for n in BF16},
+        "kv": {n: _kv(n) for n in KV},
+        "golden": {n: golden.compare(golden.config(REGISTRY, n), data["entries"][n], data, impl="triton")
+                   for n in GOLDEN},
+        "compile": _compiled("p-lr-block-n4-r32"),
+        "float64": _float64("s-lr-block-n8-r64-refdefault"),
+        "impl": type(build_decoder(_config("attnres-full"), impl="triton").router).__name__,
+    }
+    Path(path).write_text(json.dumps(results))
+
+
+# ---- the tests (plain pytest process) -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("triton") / "results.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", ATTNRES)
+def test_every_registry_entry_matches_reference(measured, name):
+    r = measured["registry"][name]
+    assert r["same_names"] and r["shapes"], r
+    assert r["dlogit"] <= TOL and r["dgrad"] <= TOL and r["dalpha"] <= TOL, r
+
+
+@pytest.mark.parametrize("name", list(GRID))
+def test_odd_sizes_uneven_blocks_every_key_source(measured, name):
+    r = measured["grid"][name]
+    assert r["same_names"] and r["shapes"], r
+    assert r["dlogit"] <= TOL and r["dgrad"] <= TOL and r["dalpha"] <= TOL, r
+
+
+@pytest.mark.parametrize("name", BF16)
+def test_bfloat16_autocast_within_the_bound_of_the_other_backends(measured, name):
+    """As tests/test_routing_fast.py holds `fast` and `compiled`: about as close to the float32 truth as
+    the reference under the same autocast."""
+    ref, tri = measured["bf16"][name]["reference"], measured["bf16"][name]["triton"]
+    assert tri["logits"] <= 2 * ref["logits"] + 2e-3
+    for n, e in tri["grads"].items():
+        assert e <= 2 * ref["grads"][n] + 2e-2, n
+
+
+@pytest.mark.parametrize("name", KV)
+def test_kv_cache_decoding_equals_full_recomputation(measured, name):
+    assert measured["kv"][name] <= 1e-5
+
+
+@pytest.mark.parametrize("name", GOLDEN)
+def test_golden_numbers_of_the_papers_code(measured, name):
+    r = measured["golden"][name]  # tests/test_golden.py's tolerances
+    assert r["dlogit"] <= 2e-4 and r["dgrad"] <= 2e-4 and r["dloss"] <= 1e-5, r
+
+
+def test_torch_compile_keeps_the_reads_whole(measured):
+    r = measured["compile"]
+    assert r["graph_breaks"] == 0 and r["graphs"] == 1, r
+    assert r["read_ops"] == 4, r  # tiny: reads at sites 1..2L (site 0 is the embedding itself), one op each
+    assert r["dlogit"] <= TOL and r["dgrad"] <= TOL, r
+
+
+def test_float64_models_route_in_float64(measured):
+    assert measured["float64"] <= 1e-12
+
+
+def test_without_cuda_or_interpreter_it_is_one_line(tmp_path):
+    """No GPU here and no TRITON_INTERPRET: building the backend, and `lrattn fit --model.impl triton`, say
+    what to do in one line (exit 2) before any work."""
+    from lrattn_lightning.data.prepare import prepare
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    code = ("from lrattn_lightning.model.decoder import build_decoder\n"
+            "from lrattn_lightning.model.registry import load_registry\n"
+            "r = load_registry(); build_decoder(r.model('tiny', 's-lr-grid-n4-r16'), impl='triton')\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "TRITON_INTERPRET=1" in proc.stderr and "impl 'fast'" in proc.stderr
+    data = tmp_path / "data"
+    prepare(source="stdlib-docs", out_dir=data, tokenizer="byte", max_documents=20, val_fraction=0.1,
+            cloze_items=0, perplexity_documents=0)
+    work = tmp_path / "work"
+    work.mkdir()
+    lrattn = Path(sys.executable).with_name("lrattn")
+    proc = subprocess.run([str(lrattn), "fit", "--config", "experiments/cpu-demo.yaml", "--size", "tiny",
+                           "--ablation", "s-lr-grid-n4-r16", "--model.impl", "triton", "--trainer.max_steps", "1",
+                           "--data.data_dir", str(data)], cwd=work, env=env, capture_output=True, text=True,
+                          timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert lines[-1].startswith("lrattn: error: model.impl 'triton'") and "TRITON_INTERPRET=1" in lines[-1], lines
+    assert list(work.iterdir()) == []  # nothing half-written
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
