@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("tools.chat:generate_main", "continue a prompt from a checkpoint, streaming the text"),
     "chat": ("tools.chat:chat_main", "an interactive loop over a checkpoint"),
     "export": ("tools.export:main", "a checkpoint as a Hugging Face transformers folder"),
-    "sweep": ("tools.sweep:main", "a grid or list of runs from a sweep file (local, commands or SLURM)"),
+    "sweep": ("lightning_cli:sweep_main", "a grid or list of runs from a sweep file (local, commands or SLURM)"),
     "compare": ("tools.compare:main", "the comparison report of an MLflow experiment: table, Figure 1, heatmaps"),
     "bench": ("tools.bench:main", "interleaved step time, memory, MFU and roofline against the baseline"),
     "fidelity": ("tools.fidelity:main", "every registry entry against the paper's reference code (docs/fidelity.md)"),

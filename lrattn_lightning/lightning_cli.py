@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import re
+import inspect
 import logging
+import re
 import sys
 import time
 import warnings
@@ -24,6 +25,7 @@ from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -32,14 +34,18 @@ from lrattn_lightning.data.datamodule import TokenDataModule
 from lrattn_lightning.data.shards import validate_data_dir
 from lrattn_lightning.errors import Parser, UsageError, check_name, packaged
 from lrattn_lightning.train import checkpointing
-from lrattn_lightning.train.callbacks import training_monitors
+from lrattn_lightning.train.callbacks import step_progress_bar, training_monitors
 from lrattn_lightning.train.checkpointing import AtomicCheckpointIO, LastCheckpoint, load_checkpoint_file
 from lrattn_lightning.train.lit_module import LRAttnModule, NonFiniteLossError, architecture_differences
+from lrattn_lightning.train.summary import fit_summary, scoring_summary
 from lrattn_lightning.train.tracking import (
+    RUN_DIR_TAG,
     TrackingLogger,
     artifact_location,
+    end_orphaned_runs,
     open_store,
     resolve_tracking_uri,
+    run_dir_tag,
     run_in_store,
 )
 
@@ -148,6 +154,10 @@ class LRAttnCLI(LightningCLI):
         if self._ckpt_head is not None and self.subcommand != "fit":
             cfg.size = cfg.size or self._ckpt_head["model_config"]["size"]["name"]
             cfg.ablation = cfg.ablation or self._ckpt_head["model_config"]["ablation"]["name"]
+            trained_on = self._ckpt_head["data"].get("data_dir")
+            default = inspect.signature(TokenDataModule).parameters["data_dir"].default
+            if trained_on and cfg.data.data_dir == default and Path(trained_on, "meta.json").is_file():
+                cfg.data.data_dir = trained_on  # no --data.data_dir: the held-out split the checkpoint trained with
         missing = [f"--{k}" for k in ("size", "ablation") if not cfg.get(k)]
         if missing:
             raise UsageError(f"{self.subcommand} needs {' and '.join(missing)}: name the architecture from the registry "
@@ -179,8 +189,8 @@ class LRAttnCLI(LightningCLI):
                 f"--ckpt_path {ckpt_path} was trained with a different architecture (size '{config['size']['name']}', "
                 f"ablation '{config['ablation']['name']}'); pass those names. Differences: " + "; ".join(diffs[:6]))
         # resuming, validating or testing a checkpoint logs into the MLflow run that trained it
-        # _check_schedule (a changed --trainer.max_steps on resume) is not enforced yet: existing resume tests
-        # lengthen runs on purpose and must move to --model.allow_schedule_change first
+        if self.subcommand == "fit":
+            _check_schedule(cfg, stored)
         return stored["mlflow"].get("run_id")
 
     def _claim_run(self, cfg) -> None:
@@ -195,6 +205,8 @@ class LRAttnCLI(LightningCLI):
                 print(f"[lrattn] MLflow run {self.resume_run_id} of {cfg.ckpt_path} is not in {self.tracking_uri}; "
                       "logging to a new run", file=sys.stderr)
                 self.resume_run_id = None
+            if self.subcommand == "fit" and checkpointing.launched_as_rank_zero():  # we hold the folder's lock
+                end_orphaned_runs(self.tracking_uri, self.experiment_id, self.run_dir, keep=self.resume_run_id)
 
     def after_fit(self) -> None:
         """A fit always ends with a validation of its final weights (val/loss, routing, heatmap at the last
@@ -219,6 +231,9 @@ class LRAttnCLI(LightningCLI):
         if self.subcommand == "fit":
             last = LastCheckpoint(self.run_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every)
             kwargs["callbacks"] = [*_as_list(given.callbacks), last, *training_monitors(cfg.log_counters)]
+        bar = step_progress_bar() if given.enable_progress_bar is not False else None
+        if bar is not None and not any(isinstance(c, ProgressBar) for c in _as_list(given.callbacks)):
+            kwargs["callbacks"] = [*kwargs.get("callbacks", _as_list(given.callbacks)), bar]
         return super().instantiate_trainer(**kwargs)
 
     def _tracking_logger(self, cfg) -> TrackingLogger:
@@ -226,9 +241,11 @@ class LRAttnCLI(LightningCLI):
             experiment_name=cfg.experiment, experiment_id=self.experiment_id, run_name=cfg.run_name,
             tracking_uri=self.tracking_uri, run_id=self.resume_run_id,
             artifact_location=artifact_location(self.tracking_uri),
-            tags=dict(cfg.run_tags or {}),  # applied when the run is created; a resumed run keeps its own
+            tags={**(cfg.run_tags or {}),  # applied when the run is created; a resumed run keeps its own
+                  **({RUN_DIR_TAG: run_dir_tag(self.run_dir)} if self.subcommand == "fit" else {})},
         )
         logger.keep_status = self.subcommand != "fit" and bool(self.resume_run_id)
+        logger.log_epoch = bool(cfg.get("log_counters"))
         logger.open_run()
         if self.subcommand == "fit" and self.resume_run_id and checkpointing.launched_as_rank_zero():
             logger.skip_logged_steps()
@@ -325,7 +342,7 @@ def _read_checkpoint(path: str) -> dict:
     if not isinstance(stored, dict):
         raise UsageError(f"--ckpt_path {path}: not an lrattn_lightning checkpoint (no model_config hyper-parameter)")
     return {"model_config": stored, "mlflow": ckpt.get("mlflow") or {}, "schedule": ckpt.get("schedule") or {},
-            "global_step": ckpt.get("global_step")}
+            "global_step": ckpt.get("global_step"), "data": ckpt.get("data") or {}}
 
 
 # What Lightning prints that does not concern the run: cloud tips, the seed (it is in config.yaml and the
@@ -395,28 +412,56 @@ def demo_main(argv: list[str]) -> int:
                              "--ablation", args.ablation, "--data.data_dir", args.data, *rest])
     finally:
         checkpointing.release_run_locks()
-    logger = cli.trainer.logger
-    metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("val/")}
-    print("\n[lrattn demo] finished:", ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())))
-    if isinstance(logger, MLFlowLogger):
-        print(f"[lrattn demo] MLflow run {logger.run_id} in experiment '{cli.config.fit.experiment}'")
-        print(f"[lrattn demo] open the UI:  .venv/bin/mlflow ui --backend-store-uri {logger._tracking_uri}")
-        print("[lrattn demo] then browse http://127.0.0.1:5000 and pick the run named "
-              f"'{cli.config.fit.run_name}'")
-    ckpt = Path(cli.config.fit.runs_dir) / cli.config.fit.experiment / cli.config.fit.run_name / "checkpoints" / "last.ckpt"
-    print(f"[lrattn demo] checkpoint {ckpt}; score it offline:  .venv/bin/lrattn eval --checkpoint {ckpt} --tasks local")
+    print("\n" + "\n".join(fit_summary(cli, "[lrattn demo]")))
     return 0
 
 
 
 
+# ---- lrattn sweep: fit's own parser checks every run's arguments ------------------------------------
+class _ParserBuilt(Exception):
+    pass
+
+
+class _FitParserOnly:
+    """Stands in for LRAttnCLI's `parse_arguments` hook: LightningCLI calls it right after building the parser,
+    so raising there hands the parser over before anything is parsed, instantiated or written."""
+
+    def parse_arguments(self, parser, args) -> None:
+        raise _ParserBuilt(parser)
+
+
+def fit_parser():
+    """`lrattn fit`'s parser for `lrattn sweep` to check every run's arguments with: the same LRAttnCLI classes
+    and arguments, built without subcommands (`run=False`), so it lacks only Trainer.fit's own arguments
+    (--ckpt_path, which the sweep sets itself)."""
+    cli = type("SweepFitParser", (_FitParserOnly, LRAttnCLI), {})
+    try:  # exit_on_error=False: a bad argument raises ArgumentError instead of printing usage and exiting
+        cli(LRAttnModule, TokenDataModule, run=False, parser_kwargs={"exit_on_error": False})
+    except _ParserBuilt as built:
+        return built.args[0]
+    raise RuntimeError("LightningCLI did not call parse_arguments")  # pragma: no cover
+
+
+def sweep_main(argv: list[str]) -> int:
+    """`lrattn sweep` with fit's parser (tools/sweep.py)."""
+    from lrattn_lightning.tools.sweep import main
+
+    return main(argv, fit_parser=fit_parser)
+
+
 def run_subcommand(argv: list[str]) -> int:
     """fit / validate / test with Lightning's own failures as one line and exit codes: 3 for a non-finite
-    loss, 143 for SIGTERM (a checkpoint at the current step was saved); the run folder is released."""
+    loss, 128 + the signal's number for SIGTERM, SIGINT or SIGHUP (143, 130, 129: a checkpoint at the
+    current step was saved); the run folder is released."""
     from lrattn_lightning.errors import one_line
 
     try:
-        run_lightning(argv)
+        cli = run_lightning(argv)
+        if cli.subcommand == "fit" and cli.trainer.is_global_zero:
+            print("\n".join(fit_summary(cli)))
+        elif cli.subcommand in ("validate", "test") and cli.trainer.is_global_zero:
+            print("\n".join(scoring_summary(cli)))
         return 0
     except MisconfigurationException as err:
         print(f"lrattn: error: {one_line(err)}", file=sys.stderr)
@@ -424,11 +469,11 @@ def run_subcommand(argv: list[str]) -> int:
     except NonFiniteLossError as err:
         print(f"lrattn: training stopped: {err}", file=sys.stderr)
         return 3
-    except SIGTERMException:
-        stop = checkpointing.LAST_STOP
-        where = (f" at step {stop[0]}; checkpoint {stop[1]} holds it, continue with --ckpt_path last"
-                 if stop else "; nothing to save yet")
-        print(f"lrattn: stopped by SIGTERM{where}", file=sys.stderr)
-        return checkpointing.PREEMPTED_EXIT_CODE
+    except SIGTERMException:  # also SIGINT and SIGHUP (LastCheckpoint)
+        stop = checkpointing.LAST_STOP or checkpointing.Stop()
+        where = (f" at step {stop.step}; checkpoint {stop.path} holds it, continue with --ckpt_path last"
+                 if stop.path else "; nothing to save yet")
+        print(f"lrattn: stopped by {stop.name}{where}", file=sys.stderr)
+        return stop.exit_code
     finally:
         checkpointing.release_run_locks()

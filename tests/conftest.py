@@ -40,6 +40,17 @@ DEEPER = SizeConfig(
 )
 
 
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """A small byte-tokenised corpus for CLI runs (60 documents of the bundled stdlib docs), once per module."""
+    from lrattn_lightning.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("data") / "stdlib-byte"
+    prepare(source="stdlib-docs", out_dir=out, tokenizer="byte", max_documents=60, val_fraction=0.1,
+            cloze_items=0, perplexity_documents=0)
+    return out
+
+
 @pytest.fixture(scope="session")
 def registry() -> Registry:
     return _REGISTRY

@@ -10,16 +10,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
-from test_resilience import data, fit_args, run_cli  # noqa: F401
+from test_resilience import fit_args, run_cli
 
 COUNTERS = ("train/batches", "train/samples", "train/lengths", "train/time", "validate/batches", "validate/time")
 
 
 @pytest.fixture(scope="module")
-def fitted(data, tmp_path_factory):  # noqa: F811
-    """One finished fit of `attnres-full` at `tiny` (6 steps, validations at 3 and 6) and its MLflow run."""
+def fitted(data, tmp_path_factory):
+    """One finished fit of `attnres-full` at `tiny` (6 steps, validations at 3 and 6; progress bar and model
+    summary on, as a user sees them) and its MLflow run."""
     folder = tmp_path_factory.mktemp("first-hour")
     proc = run_cli(fit_args(data, "--ablation", "attnres-full", "--trainer.val_check_interval", "3",
+                            "--trainer.enable_progress_bar", "true", "--trainer.enable_model_summary", "true",
                             steps=6, every=3), folder)
     assert proc.returncode == 0, proc.stderr[-3000:]
     client = MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
@@ -53,12 +55,59 @@ def test_only_rates_are_logged_and_validation_rates_sit_at_training_steps(fitted
     assert steps == val_steps == [3, 6]
 
 
-def test_counters_are_logged_when_asked(data, tmp_path):  # noqa: F811
+def test_a_fit_ends_saying_what_it_reached_where_it_is_and_what_next(fitted):
+    folder, _, experiment, run, proc = fitted
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[lrattn fit]")]
+    val = {k: run.data.metrics[k] for k in ("val/loss", "val/bpb")}
+    assert lines[0] == f"[lrattn fit] finished at step 6: val/bpb {val['val/bpb']:.4f}, val/loss {val['val/loss']:.4f}"
+    assert f"MLflow run {run.info.run_id} ('tiny-attnres-full-seed0') in experiment 'lrattn'" in lines[1]
+    assert lines[2].endswith(f"ui --backend-store-uri sqlite:///{folder / 'mlflow.db'}")
+    assert lines[3] == f"[lrattn fit] then browse http://127.0.0.1:5000/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}?workflowType=machine_learning"
+    assert "size 'tiny' has 512 token ids, the data's byte tokenizer uses 257: 255" in lines[4]
+    ckpt = "runs/lrattn/tiny-attnres-full-seed0/checkpoints/last.ckpt"
+    assert lines[5] == f"[lrattn fit] checkpoint {ckpt}" and (folder / ckpt).is_file()
+    assert lines[6].endswith(f"eval --checkpoint {ckpt} --tasks local") and len(lines) == 7
+
+
+def test_the_progress_bar_and_model_summary_say_nothing_misleading(fitted):
+    _, _, _, run, proc = fitted
+    out = proc.stdout + proc.stderr
+    assert "Epoch 0/-2" not in out and "v_num" not in out and "Total FLOPs: 0" not in out, out[-3000:]
+    assert "Total FLOPs:" in out and "step" in out and "6/6" in out, out[-3000:]
+    assert "epoch" not in run.data.metrics  # Lightning's counter (--log_counters true logs it)
+
+
+def test_validating_other_batches_logs_beside_the_fit_never_over_it(fitted, data):
+    folder, client, _, run, _ = fitted
+    before = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "val/loss")]
+    ckpt = folder / "runs/lrattn/tiny-attnres-full-seed0/checkpoints/last.ckpt"
+    proc = run_cli(["validate", "--size", "tiny", "--ablation", "attnres-full", "--data.data_dir", str(data),
+                    "--data.batch_size", "2", "--trainer.limit_val_batches", "5", "--trainer.enable_progress_bar",
+                    "false", "--ckpt_path", str(ckpt)], folder)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after = client.get_run(run.info.run_id)
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "val/loss")] == before
+    [scored] = client.get_metric_history(run.info.run_id, "validate/val/loss")
+    assert scored.step == 6 and scored.value != before[-1][1]  # 5 batches, not the fit's 2
+    assert any(k.startswith("validate/routing/mean/") for k in after.data.metrics), sorted(after.data.metrics)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[lrattn validate]")]
+    assert lines[0].startswith("[lrattn validate] step 6: ") and f"validate/val/loss {scored.value:.4f}" in lines[0]
+    assert f"MLflow run {run.info.run_id}" in lines[1] and not any("TrainerFn" in k for k in after.data.metrics)
+
+
+def test_compare_shows_the_seed_a_plain_fit_trained_with(fitted):
+    folder, _, _, _, _ = fitted
+    proc = run_cli(["compare", "--experiment", "lrattn", "--no-summary-run", "--out", str(folder / "report")], folder)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 (0)" in proc.stdout and "(?)" not in proc.stdout, proc.stdout
+
+
+def test_counters_are_logged_when_asked(data, tmp_path):
     proc = run_cli(fit_args(data, "--log_counters", "true", steps=2), tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.search_runs([client.get_experiment_by_name("lrattn").experiment_id])[0]
-    assert {"train/batches", "train/samples", "train/time"} <= set(run.data.metrics)
+    assert {"train/batches", "train/samples", "train/time", "epoch"} <= set(run.data.metrics)
 
 
 def test_list_says_at_which_size_it_counts(tmp_path):
@@ -69,7 +118,7 @@ def test_list_says_at_which_size_it_counts(tmp_path):
 
 
 
-def test_lightnings_automatic_optimizer_flags_are_refused(data, tmp_path):  # noqa: F811
+def test_lightnings_automatic_optimizer_flags_are_refused(data, tmp_path):
     """--optimizer/--lr_scheduler would train with another optimiser while MLflow records ours."""
     for flags in (["--optimizer", "torch.optim.SGD", "--optimizer.lr", "0.5"], ["--lr_scheduler", "StepLR"]):
         proc = run_cli(fit_args(data, *flags, steps=2), tmp_path)
@@ -77,3 +126,54 @@ def test_lightnings_automatic_optimizer_flags_are_refused(data, tmp_path):  # no
         assert "unknown flag" in proc.stderr and flags[0] in proc.stderr
         assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
     assert "--optimizer " not in run_cli(["fit", "--help"], tmp_path).stdout
+
+
+def _runs(folder):
+    client = MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
+    return client, client.search_runs([client.get_experiment_by_name("lrattn").experiment_id])
+
+
+def test_a_resume_with_another_schedule_length_is_refused_unless_asked(data, tmp_path):
+    """A longer --trainer.max_steps on resume restarted the warm-down; now it is an error, and with
+    --model.allow_schedule_change the run equals one launched with the new length, while that holds."""
+    flat = ("--model.decay_fraction", "0.0", "--model.muon_momentum_cooldown_steps", "0")  # no decay, no cooldown
+    first, full, decaying = (tmp_path / n for n in ("resumed", "full", "decaying"))
+    for folder in (first, full, decaying):
+        folder.mkdir()
+    assert run_cli(fit_args(data, *flat, steps=4, every=2), first).returncode == 0
+    proc = run_cli(fit_args(data, *flat, "--ckpt_path", "last", steps=6, every=2), first)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+    assert "--trainer.max_steps 6" in proc.stderr and "allow_schedule_change" in proc.stderr
+    proc = run_cli(fit_args(data, *flat, "--ckpt_path", "last", "--model.allow_schedule_change", "true",
+                            "--trainer.enable_progress_bar", "true", steps=6, every=2), first)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "6/6" in proc.stdout and "2/2" not in proc.stdout, proc.stdout[-2000:]  # steps of the run, not of the resume
+    assert run_cli(fit_args(data, *flat, steps=6, every=2), full).returncode == 0
+    (client, [resumed]), (client_full, [uninterrupted]) = _runs(first), _runs(full)
+    for key in ("train/loss", "train/lr/muon", "val/loss"):
+        got = sorted((m.step, m.value) for m in client.get_metric_history(resumed.info.run_id, key))
+        want = sorted((m.step, m.value) for m in client_full.get_metric_history(uninterrupted.info.run_id, key))
+        assert [s for s, _ in got] == [s for s, _ in want] and np.allclose([v for _, v in got], [v for _, v in want],
+                                                                          rtol=1e-6, atol=0), key
+    assert resumed.data.params["train_max_steps"] == "4" and resumed.data.params.get(
+        "train_max_steps_from_step_4") == "6", resumed.data.params
+    # a schedule whose warm-down had begun cannot be stretched: its learning rates would change
+    assert run_cli(fit_args(data, "--model.decay_fraction", "0.5", steps=4, every=2), decaying).returncode == 0
+    proc = run_cli(fit_args(data, "--model.decay_fraction", "0.5", "--ckpt_path", "last",
+                            "--model.allow_schedule_change", "true", steps=8, every=2), decaying)
+    assert proc.returncode == 2 and "departs from a 8-step one at step" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_validate_reads_the_split_its_checkpoint_trained_on_and_a_missing_folder_names_the_command(fitted, tmp_path):
+    folder, client, _, run, _ = fitted
+    ckpt = folder / "runs/lrattn/tiny-attnres-full-seed0/checkpoints/last.ckpt"
+    proc = run_cli(["validate", "--ckpt_path", str(ckpt), "--trainer.limit_val_batches", "2", "--data.batch_size", "2",
+                    "--trainer.enable_progress_bar", "false", "--tracking_uri", f"sqlite:///{folder / 'mlflow.db'}"],
+                   tmp_path)  # no --size, --ablation, --data.data_dir: all from the checkpoint
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fit_last = client.get_metric_history(run.info.run_id, "val/loss")[-1].value
+    assert f"validate/val/loss {fit_last:.4f}" in proc.stdout  # the fit's 2 batches of the same split
+    proc = run_cli(["fit", "--size", "tiny", "--ablation", "baseline", "--data.data_dir", "nowhere"], tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "lrattn: error: data dir nowhere is missing or empty; create it with `lrattn prepare --source stdlib-docs "
+        "--tokenizer byte --out nowhere` (the bundled corpus; --source FOLDER for your own text files)"), proc.stderr

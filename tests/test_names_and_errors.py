@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_resilience import REGISTRY, data, fit_args, run_cli  # noqa: F401  (data: the shared fixture)
+from test_resilience import REGISTRY, fit_args, run_cli
 
 LONG = "x" * 300
 
@@ -53,7 +53,7 @@ BAD_NAMES = {
 
 
 @pytest.mark.parametrize("case", list(BAD_NAMES))
-def test_a_name_that_is_not_one_folder_is_refused_before_any_work(case, data, scratch, tmp_path):  # noqa: F811
+def test_a_name_that_is_not_one_folder_is_refused_before_any_work(case, data, scratch, tmp_path):
     flags, needles = BAD_NAMES[case]
     flags = [str(tmp_path / "abs" / "path") if f == "ABS" else f for f in flags]
     before = tree(tmp_path)
@@ -66,7 +66,7 @@ def test_a_name_that_is_not_one_folder_is_refused_before_any_work(case, data, sc
     assert tree(tmp_path) == before  # no runs folder, lock, MLflow store or checkpoint, here or outside
 
 
-def test_validate_checks_the_names_too(data, scratch, tmp_path):  # noqa: F811
+def test_validate_checks_the_names_too(data, scratch, tmp_path):
     before = tree(tmp_path)
     proc = run_cli(["validate", "--registry", REGISTRY, "--data.data_dir", str(data), "--ckpt_path", "missing.ckpt",
                     "--experiment", "../E"], cwd=scratch)
@@ -83,7 +83,7 @@ def test_demo_checks_the_names_before_preparing_its_corpus(scratch, tmp_path):
     assert tree(tmp_path) == before  # no data/ prepared, no runs/
 
 
-def test_a_good_name_with_capitals_dots_and_underscores_trains_into_its_folder(data, scratch, tmp_path):  # noqa: F811
+def test_a_good_name_with_capitals_dots_and_underscores_trains_into_its_folder(data, scratch, tmp_path):
     proc = run_cli(fit_args(data, "--runs_dir", "runs", "--experiment", "Exp_1", "--run_name", "My_Run.2", steps=2),
                    cwd=scratch)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -161,7 +161,7 @@ def test_generate_chat_export_refuse_a_checkpoint_with_code_in_one_line_without_
 
 @pytest.mark.parametrize("subcommand", ["fit", "validate"])
 def test_random_bytes_as_a_checkpoint_are_not_a_checkpoint_not_an_mmap_error(
-        subcommand, data, bad_checkpoints, scratch, tmp_path):  # noqa: F811
+        subcommand, data, bad_checkpoints, scratch, tmp_path):
     args = (fit_args(data, "--ckpt_path", "random.ckpt") if subcommand == "fit" else
             ["validate", "--registry", REGISTRY, "--data.data_dir", str(data), "--ckpt_path", "random.ckpt"])
     before = tree(tmp_path)
@@ -187,7 +187,7 @@ UNKNOWN_FLAGS = {
 
 
 @pytest.mark.parametrize("case", list(UNKNOWN_FLAGS))
-def test_an_unknown_flag_is_one_line_naming_the_closest_flags(case, data, scratch, tmp_path):  # noqa: F811
+def test_an_unknown_flag_is_one_line_naming_the_closest_flags(case, data, scratch, tmp_path):
     flags, recipe, needles = UNKNOWN_FLAGS[case]
     if recipe is not None:
         (scratch / "recipe.yaml").write_text(recipe)

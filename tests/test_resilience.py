@@ -25,7 +25,6 @@ from conftest import mlflow_server
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
-from lrattn_lightning.data.prepare import prepare
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -33,12 +32,10 @@ REGISTRY = str(REPO / "registry.yaml")
 RUN = "tiny-baseline-seed0"
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "stdlib-byte"
-    prepare(source="stdlib-docs", out_dir=out, tokenizer="byte", max_documents=60, val_fraction=0.1,
-            cloze_items=0, perplexity_documents=0)
-    return out
+# a schedule without warm-down or momentum cooldown, its warmup shorter than any run here: its length may change
+# on resume (--model.allow_schedule_change)
+STRETCHABLE = ("--model.warmup_steps", "1", "--model.decay_fraction", "0.0", "--model.muon_momentum_cooldown_steps",
+               "0", "--model.allow_schedule_change", "true")
 
 
 def fit_args(data: Path, *extra: str, steps: int = 4, every: int = 2, ablation: str = "baseline") -> list[str]:
@@ -247,14 +244,14 @@ def test_last_ckpt_is_always_the_newest_and_resume_logs_each_step_once(data, tmp
     longer run and SIGKILLed after a periodic save, resumed again: it must restore the newest step."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert main(fit_args(data, steps=3, every=5)) == 0
+    assert main(fit_args(data, *STRETCHABLE, steps=3, every=5)) == 0
     folder = ckpt_dir(tmp_path)
     assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"] and step_of(folder / "last.ckpt") == 3
-    killed = run_cli(fit_args(data, "--ckpt_path", "last", "--config",
+    killed = run_cli(fit_args(data, *STRETCHABLE, "--ckpt_path", "last", "--config",
                               hooks(tmp_path, "kill.yaml", ("KillAtStep", {"step": 7})), steps=12, every=5), tmp_path)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"] and step_of(folder / "last.ckpt") == 5
-    assert main(fit_args(data, "--ckpt_path", "last", steps=12, every=5)) == 0
+    assert main(fit_args(data, *STRETCHABLE, "--ckpt_path", "last", steps=12, every=5)) == 0
     assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"] and step_of(folder / "last.ckpt") == 12
     client, run = the_run(tmp_path)
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
@@ -488,7 +485,7 @@ def test_doc_and_control_edits_do_not_block_resume_and_limit_val_batches_1_warns
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     registry = yaml.safe_load((REPO / "registry.yaml").read_text())
     (tmp_path / "registry.yaml").write_text(yaml.safe_dump(registry, sort_keys=False))
-    args = ["--registry", "registry.yaml", "--trainer.limit_val_batches", "1"]
+    args = ["--registry", "registry.yaml", "--trainer.limit_val_batches", "1", *STRETCHABLE]
     assert main(fit_args(data, *args, ablation="s-lr-grid-n4-r16", steps=2)) == 0
     assert "--trainer.limit_val_batches 1 means ONE batch" in capsys.readouterr().err
     grid = registry["grids"]["s-lr-rank-blocks"]  # s-lr-grid-n4-r16 is one of its points
@@ -523,11 +520,11 @@ def test_resuming_with_a_changed_learning_rate_is_refused_not_ignored(data, tmp_
     would silently train with the checkpoint's. One line names the flag; resuming with the same values works."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert main(fit_args(data, steps=2)) == 0
+    assert main(fit_args(data, *STRETCHABLE, steps=2)) == 0
     capsys.readouterr()
-    assert main(fit_args(data, "--ckpt_path", "last", "--model.lr", "1e-3", steps=4)) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    assert main(fit_args(data, *STRETCHABLE, "--ckpt_path", "last", "--model.lr", "1e-3", steps=4)) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("[lrattn] schedule")]
     assert len(err) == 1 and "--model.lr" in err[0] and "0.0003" in err[0] and "0.001" in err[0], err
     assert step_of(ckpt_dir(tmp_path) / "last.ckpt") == 2  # nothing trained, nothing overwritten
-    assert main(fit_args(data, "--ckpt_path", "last", steps=4)) == 0
+    assert main(fit_args(data, *STRETCHABLE, "--ckpt_path", "last", steps=4)) == 0
     assert step_of(ckpt_dir(tmp_path) / "last.ckpt") == 4

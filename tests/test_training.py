@@ -158,10 +158,12 @@ def test_validate_and_test_a_checkpoint_log_into_its_training_run(tiny_data, tmp
     assert main(["test", *common]) == 0
     client, run = only_run(f"sqlite:///{tmp_path}/mlflow.db")  # still one run: the training run
     assert run.info.status == "KILLED"  # scoring a checkpoint does not finish its run (a sweep would skip it)
-    history = sorted(client.get_metric_history(run.info.run_id, "val/loss"), key=lambda m: m.timestamp)
-    assert len(history) >= 3  # fit's validation, then validate and test
-    assert history[-1].value == pytest.approx(history[-2].value, rel=1e-6)  # same weights, same held-out data
-    assert [m.step for m in history[-2:]] == [2, 2]  # at the checkpoint's step, not 0
+    fit_val = client.get_metric_history(run.info.run_id, "val/loss")
+    assert [m.step for m in fit_val] == [2]  # the fit's own: validate and test log beside it, under their names
+    [validated] = client.get_metric_history(run.info.run_id, "validate/val/loss")
+    [tested] = client.get_metric_history(run.info.run_id, "test/val/loss")
+    assert validated.value == pytest.approx(tested.value, rel=1e-6)  # same weights, same held-out data
+    assert validated.step == tested.step == 2  # at the checkpoint's step, not 0
     weights = json.loads(Path(client.download_artifacts(run.info.run_id, "routing/weights.json", str(tmp_path))).read_text())
     assert weights["step"] == 2
 

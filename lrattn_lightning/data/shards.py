@@ -28,7 +28,6 @@ from lrattn_lightning.model.config import SizeConfig
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
-PREPARE_HINT = "run `lrattn prepare` (lrattn_lightning.data.prepare.prepare) to create it"
 REPREPARE_HINT = "prepare it again with `lrattn prepare --overwrite` (prepare(..., overwrite=True))"
 
 
@@ -36,7 +35,8 @@ def read_meta(data_dir: str | Path) -> dict[str, Any]:
     """Parsed meta.json; ValueError (saying what to run) if the folder or file is missing or corrupt."""
     root = Path(data_dir)
     if not root.is_dir() or not any(root.iterdir()):
-        raise InputError(f"data dir {root} is missing or empty; {PREPARE_HINT}")
+        raise InputError(f"data dir {root} is missing or empty; create it with `lrattn prepare --source stdlib-docs "
+                         f"--tokenizer byte --out {root}` (the bundled corpus; --source FOLDER for your own text files)")
     path = root / "meta.json"
     if not path.is_file():
         raise InputError(f"{path} is missing, so {root} is not a prepared data dir; {REPREPARE_HINT}")

@@ -51,6 +51,7 @@ from lrattn_lightning.eval.tasks import (
 from lrattn_lightning.model.decoder import Decoder
 from lrattn_lightning.train.checkpoints import EvalError, LoadedCheckpoint, check_data_dir, load_checkpoint
 from lrattn_lightning.train.lit_module import token_losses
+from lrattn_lightning.train.summary import ui_pointer
 
 
 # ---- running lm-eval ----------------------------------------------------------------------------
@@ -308,7 +309,8 @@ def report(ckpt: LoadedCheckpoint, results: dict[str, Any] | None, val: dict[str
         client.set_terminated(run_id)
     print(f"[lrattn eval] logged {len(metrics)} metrics at step {ckpt.global_step} to "
           f"{'new' if created else 'training'} run {run_id} in {uri}")
-    print(f"[lrattn eval] open the UI:  mlflow ui --backend-store-uri {uri}")
+    experiment_id = client.get_run(run_id).info.experiment_id
+    print("\n".join(f"[lrattn eval] {line}" for line in ui_pointer(uri, experiment_id, run_id)))
     return metrics
 
 

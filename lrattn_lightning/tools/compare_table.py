@@ -4,7 +4,8 @@ the Pareto front of (added FLOPs %, mean val loss), as markdown and CSV.
 
 Only FINISHED runs count; when a (size, ablation, seed) was run more than once, the latest counts. A run
 a sweep tagged with a `variant` (its own training flags) is its own row, `ablation+variant`, whose control
-is the plain ablation.
+is the plain ablation. A run whose last validation is not at its last step (`RunRecord.stale`: a tracking
+gap dropped the final validation, or an older lrattn) does not count; `stale_note` lists it under the table.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from lrattn_lightning.tools.runs import search_all
 from lrattn_lightning.tools.significance import welch
 
 SUMMARY_TAG = "lrattn.summary"  # the tag of compare's own summary run, which is not a training run
+# written by train/tracking.py when a fit ends: the last step it logged; what a store outage dropped
+LAST_STEP_TAG, GAP_TAG = "lrattn.last_step", "lrattn.tracking_gap"
 
 
 @dataclass
@@ -40,6 +43,14 @@ class RunRecord:
     metrics: dict[str, float]
     tokens_per_s: float | None = None
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    last_val_step: int | None = None  # the step of the last val/loss
+    final_step: int | None = None  # the step the fit ended at (see `declared_end`)
+    gap: str | None = None  # the run's lrattn.tracking_gap tag
+
+    @property
+    def stale(self) -> bool:
+        """val/loss is the value of an earlier validation than the fit's last: not the run's result."""
+        return None not in (self.last_val_step, self.final_step) and self.last_val_step < self.final_step
 
 
 @dataclass
@@ -104,7 +115,9 @@ def read_runs(client: Any, experiment: str, sweep: str | None = None, curves: bo
         tags, params, metrics = run.data.tags, run.data.params, run.data.metrics
         if tags.get(SUMMARY_TAG) == "true" or "ablation" not in params or "val/loss" not in metrics:
             continue
-        seed = int(tags["seed"]) if tags.get("seed", "").lstrip("-").isdigit() else None
+        # a sweep tags its seed; any fit records the one it trained with as the train_seed param
+        given = tags.get("seed") or params.get("train_seed") or ""
+        seed = int(given) if given.lstrip("-").isdigit() else None
         control = None if tags.get("control") in (None, "none") else tags["control"]
         ablation = params["ablation"]
         if tags.get("variant"):  # a training-time variant of the entry: its own row, compared with the entry
@@ -114,7 +127,7 @@ def read_runs(client: Any, experiment: str, sweep: str | None = None, curves: bo
             ablation=ablation, control=control,
             seed=seed, start_time=run.info.start_time or 0, val_loss=float(metrics["val/loss"]),
             params=int(float(params.get("params", 0))), added_flops_pct=float(params.get("added_flops_pct", 0.0)),
-            metrics=dict(metrics),
+            metrics=dict(metrics), final_step=declared_end(params, tags), gap=tags.get(GAP_TAG),
         )
         key = (record.size, record.ablation, seed if seed is not None else record.run_id)
         if key not in latest or record.start_time > latest[key].start_time:
@@ -123,11 +136,26 @@ def read_runs(client: Any, experiment: str, sweep: str | None = None, curves: bo
     for record in records:
         speed = [m.value for m in client.get_metric_history(record.run_id, "train/device/items_per_sec")]
         record.tokens_per_s = statistics.median(speed) if speed else None
+        history = {}
+        for key in ("train/loss", "val/loss"):
+            values = sorted(client.get_metric_history(record.run_id, key), key=lambda m: (m.step, m.timestamp))
+            history[key] = sorted({m.step: m.value for m in values}.items())  # a resumed run's later values win
+        record.last_val_step = history["val/loss"][-1][0] if history["val/loss"] else None
+        if record.final_step is None and history["train/loss"]:  # train/loss at step s, validation after it: s + 1
+            record.final_step = history["train/loss"][-1][0] + 1
         if curves:
-            for key in ("train/loss", "val/loss"):
-                history = sorted(client.get_metric_history(record.run_id, key), key=lambda m: (m.step, m.timestamp))
-                record.curves[key] = sorted({m.step: m.value for m in history}.items())  # a resumed run's later values win
+            record.curves = history
     return records
+
+
+def declared_end(params: dict[str, str], tags: dict[str, str]) -> int | None:
+    """The step a run's last validation belongs at, as the run says: the last step its fit logged (tag
+    lrattn.last_step, exact also when max_time or an early stop ended it), else its max_steps (param
+    train_max_steps, when positive); None: neither (read_runs then takes its last train/loss step + 1)."""
+    for value in (tags.get(LAST_STEP_TAG), params.get("train_max_steps")):
+        if value is not None and value.lstrip("-").isdigit() and int(value) > 0:
+            return int(value)
+    return None
 
 
 # ---- rows ------------------------------------------------------------------------------------------
@@ -164,6 +192,16 @@ def summarise(records: list[RunRecord], reference: str = "baseline") -> list[Row
 
 
 # ---- the table -------------------------------------------------------------------------------------
+def stale_note(stale: list[RunRecord]) -> str:
+    """The line under the table naming the runs left out because their last validation is not their last."""
+    if not stale:
+        return ""
+    names = "; ".join(f"`{r.name}` (val/loss last at step {r.last_val_step} of {r.final_step}"
+                      + (f"; {GAP_TAG}: {r.gap}" if r.gap else "") + ")" for r in stale)
+    return (f"\nNot counted: {len(stale)} FINISHED run(s) whose last validation is not at their last step, so their "
+            f"val/loss is an earlier value, not their result: {names}.\n")
+
+
 def eval_keys(rows: list[Row]) -> list[str]:
     return sorted({k for row in rows for r in row.runs for k in r.metrics if k.startswith("eval/")})
 

@@ -284,3 +284,36 @@ def training_monitors(counters: bool = False) -> list[Callback]:
     """The step monitors of `lrattn fit`: learning rate, Muon momentum, tokens/s (see module doc); `counters`
     adds Lightning's running counts (train/batches, train/samples, train/lengths, train/time)."""
     return [LearningRateMonitor(logging_interval="step"), MuonMomentumMonitor(), TokenThroughput(counters)]
+
+
+def step_progress_bar() -> Callback | None:
+    """Lightning's rich progress bar counting optimizer steps of the whole run (a resumed run at 20 of 30
+    shows 20/30, not 30/9 batches of an epoch), without `Epoch 0/-2` and the logger's `v_num`; None where
+    rich is not installed (Lightning's tqdm bar then)."""
+    try:
+        from lightning.pytorch.callbacks import RichProgressBar
+    except ImportError:  # pragma: no cover - rich is one of lightning's extras
+        return None
+
+    class StepProgressBar(RichProgressBar):
+        def _by_steps(self) -> bool:
+            return self.trainer.max_epochs == -1 and (self.trainer.max_steps or 0) > 0
+
+        @property
+        def total_train_batches(self) -> int | float:
+            return self.trainer.max_steps if self._by_steps() else super().total_train_batches
+
+        def _get_train_description(self, current_epoch: int) -> str:
+            return "step" if self._by_steps() else super()._get_train_description(current_epoch)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            if self._by_steps():
+                self._update(self.train_progress_bar_id, trainer.global_step)
+
+        def get_metrics(self, trainer, pl_module) -> dict[str, Any]:
+            items = super().get_metrics(trainer, pl_module)
+            items.pop("v_num", None)
+            return items
+
+    return StepProgressBar()

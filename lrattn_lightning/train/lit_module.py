@@ -92,7 +92,7 @@ class LRAttnModule(L.LightningModule):
         allow_schedule_change: bool = False,
         z_loss: float = 1e-5,
         compile: bool = False,
-        impl: Literal["fast", "reference", "compiled"] = "fast",
+        impl: Literal["fast", "reference", "compiled", "triton"] = "fast",
         document_masking: bool = False,
         routing_diagnostics: bool = True,
         gate_freeze_steps: int = 0,
@@ -140,6 +140,8 @@ class LRAttnModule(L.LightningModule):
         # how AttnRes is computed, not part of the architecture; compiled: the backend torch.compile traces
         self.model = build_decoder(cfg, impl=compile_impl(impl) if compile else impl)
         self.model.doc_separator = doc_separator if document_masking else None
+        # Lightning's model summary counts the FLOPs of one forward of this (one window; was "Total FLOPs: 0")
+        self.example_input_array = torch.zeros(1, cfg.size.seq_len, dtype=torch.long)
         self._check_gate_schedule(cfg)
         self._last_train_ce: float | None = None
         self.val_loss = torchmetrics.MeanMetric()
@@ -320,10 +322,19 @@ class LRAttnModule(L.LightningModule):
             return self.global_step
         return self._loaded_step if self._loaded_step is not None else self.global_step
 
+    @property
+    def report_prefix(self) -> str:
+        """'' while fitting; 'validate/' or 'test/' for `lrattn validate` / `lrattn test` of a checkpoint: those
+        may score other batches than the fit's validations (another --trainer.limit_val_batches), so their
+        results sit beside the run's val/* under their own names, never over them."""
+        fn = self.trainer.state.fn if self._trainer is not None else None  # (fit's final validation: loaded none)
+        return f"{fn.value}/" if fn in ("validate", "test") and self._loaded_step is not None else ""
+
     def _report(self, name: str, value: Any, **kwargs: Any) -> None:
         """A validation result: self.log for the progress bar and callbacks, and to the logger at report_step
         (the number of optimizer steps behind the weights), so in-fit, final and checkpoint validations
         all sit at the step of the weights they scored."""
+        name = self.report_prefix + name
         self.log(name, value, logger=False, **kwargs)
         if self.logger is not None and not self.trainer.sanity_checking and self.trainer.is_global_zero:
             self.logger.log_metrics({name: float(value)}, step=self.report_step)

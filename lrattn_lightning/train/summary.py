@@ -1,0 +1,108 @@
+"""What a command prints when it is done: the figures, the MLflow run and the next commands.
+
+    command      how to call one of our console scripts (lrattn, mlflow) from the user's shell: its bare
+                 name where PATH finds this environment's copy, else its path (relative inside cwd)
+    ui_pointer   how to look at a run: the URL of a tracking server's run page, or the `mlflow ui` command
+                 for a local store and the page to open then
+    fit_summary  the closing lines of `lrattn fit` / `lrattn demo`: final validation, run, checkpoint, next steps
+    scoring_summary  those of `lrattn validate` / `lrattn test`: the figures, the step and the run they went to
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+LOCAL_UI = "http://127.0.0.1:5000"
+
+
+def command(tool: str) -> str:
+    """`tool` as the user types it: bare when PATH resolves it to this interpreter's copy, else its path."""
+    mine = Path(sys.executable).parent / tool
+    if not mine.exists():
+        return tool
+    found = shutil.which(tool)
+    if found and Path(found).resolve() == mine.resolve():
+        return tool
+    try:
+        relative = mine.absolute().relative_to(Path.cwd())
+    except ValueError:
+        return str(mine.absolute())
+    return str(relative)
+
+
+def run_page(base: str, experiment_id: str | None, run_id: str | None) -> str:
+    """The run's page in MLflow 3's "Model training" view (the UI opens in its GenAI view unless told)."""
+    if experiment_id and run_id:
+        return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
+    return f"{base.rstrip('/')}/#/?workflowType=machine_learning"
+
+
+def ui_pointer(uri: str, experiment_id: str | None, run_id: str | None) -> list[str]:
+    """Lines telling how to open `run_id`'s page (the training view of our experiments)."""
+    if uri.startswith(("http://", "https://")):
+        return [f"run page: {run_page(uri, experiment_id, run_id)}"]
+    return [f"open the UI: {command('mlflow')} ui --backend-store-uri {uri}",
+            f"then browse {run_page(LOCAL_UI, experiment_id, run_id)}"]
+
+
+def fit_summary(cli: Any, prefix: str = "[lrattn fit]") -> list[str]:
+    """The closing lines of a fit (rank zero): what it reached, where it is logged and saved, what next."""
+    trainer, cfg = cli.trainer, cli.config[cli.subcommand]
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k in ("val/loss", "val/bpb", "val/ppl")}
+    figures = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())) or "no validation"
+    lines = [f"finished at step {trainer.global_step}: {figures}"]
+    logger = trainer.logger
+    run_id = getattr(logger, "run_id", None) if logger is not None else None
+    uri = getattr(logger, "_tracking_uri", None)
+    if run_id and uri:
+        lines.append(f"MLflow run {run_id} ('{cfg.run_name}') in experiment '{cfg.experiment}' at {uri}")
+        lines += ui_pointer(uri, getattr(logger, "experiment_id", None), run_id)
+    lines += _unused_rows(cli.model.cfg.size, cfg.data.data_dir)
+    ckpt = Path(cfg.runs_dir) / cfg.experiment / cfg.run_name / "checkpoints" / "last.ckpt"
+    if ckpt.exists():
+        shown = _shown(ckpt)
+        lines.append(f"checkpoint {shown}")
+        lines.append(f"score it:  {command('lrattn')} eval --checkpoint {shown} --tasks local")
+    return [f"{prefix} {line}" for line in lines]
+
+
+def scoring_summary(cli: Any) -> list[str]:
+    """What `lrattn validate` / `lrattn test` of a checkpoint found, and where it was logged."""
+    trainer, sub = cli.trainer, cli.subcommand
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(f"{sub}/val/")}
+    step = getattr(cli.model, "report_step", trainer.global_step)
+    figures = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())) or "nothing scored"
+    lines = [f"step {step}: {figures}"]
+    logger = trainer.logger
+    run_id, uri = getattr(logger, "run_id", None), getattr(logger, "_tracking_uri", None)
+    if run_id and uri:
+        lines.append(f"logged at step {step} to MLflow run {run_id} in {uri} (the fit's own val/* are unchanged)")
+        lines += ui_pointer(uri, getattr(logger, "experiment_id", None), run_id)
+    return [f"[lrattn {sub}] {line}" for line in lines]
+
+
+def _shown(path: Path) -> str:
+    """A path as short as it is unambiguous: relative when under the working folder."""
+    try:
+        return str(path.absolute().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _unused_rows(size: Any, data_dir: str) -> list[str]:
+    """A size whose vocabulary is larger than the data's tokenizer trains only some of its token rows."""
+    from lrattn_lightning.data.shards import read_meta
+
+    try:
+        meta = read_meta(data_dir)
+    except Exception:  # noqa: BLE001 - a note only; the data was checked before training
+        return []
+    unused = size.vocab_size - meta["vocab_size"]
+    if unused <= 0:
+        return []
+    return [f"note: size '{size.name}' has {size.vocab_size} token ids, the data's {meta['tokenizer'].get('kind')} "
+            f"tokenizer uses {meta['vocab_size']}: {unused} embedding and output rows were never trained "
+            f"(prepare --tokenizer bpe:{size.vocab_size} uses them all)"]
