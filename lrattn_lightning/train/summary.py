@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,7 @@ def command(tool: str) -> str:
     found = shutil.which(tool)
     if found and Path(found).resolve() == mine.resolve():
         return tool
-    try:
-        relative = mine.absolute().relative_to(Path.cwd())
-    except ValueError:
-        return str(mine.absolute())
-    return str(relative)
+    return _shown(mine.absolute())
 
 
 def run_page(base: str, experiment_id: str | None, run_id: str | None) -> str:
@@ -51,15 +48,13 @@ def ui_pointer(uri: str, experiment_id: str | None, run_id: str | None) -> list[
 def fit_summary(cli: Any, prefix: str = "[lrattn fit]") -> list[str]:
     """The closing lines of a fit (rank zero): what it reached, where it is logged and saved, what next."""
     trainer, cfg = cli.trainer, cli.config[cli.subcommand]
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k in ("val/loss", "val/bpb", "val/ppl")}
-    figures = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())) or "no validation"
+    figures = _figures(trainer, lambda k: k in ("val/loss", "val/bpb", "val/ppl")) or "no validation"
     lines = [f"finished at step {trainer.global_step}: {figures}"]
-    logger = trainer.logger
-    run_id = getattr(logger, "run_id", None) if logger is not None else None
-    uri = getattr(logger, "_tracking_uri", None)
-    if run_id and uri:
+    run = _logged_run(trainer.logger)
+    if run:
+        run_id, uri, experiment_id = run
         lines.append(f"MLflow run {run_id} ('{cfg.run_name}') in experiment '{cfg.experiment}' at {uri}")
-        lines += ui_pointer(uri, getattr(logger, "experiment_id", None), run_id)
+        lines += ui_pointer(uri, experiment_id, run_id)
     lines += _unused_rows(cli.model.cfg.size, cfg.data.data_dir)
     ckpt = Path(cfg.runs_dir) / cfg.experiment / cfg.run_name / "checkpoints" / "last.ckpt"
     if ckpt.exists():
@@ -72,16 +67,26 @@ def fit_summary(cli: Any, prefix: str = "[lrattn fit]") -> list[str]:
 def scoring_summary(cli: Any) -> list[str]:
     """What `lrattn validate` / `lrattn test` of a checkpoint found, and where it was logged."""
     trainer, sub = cli.trainer, cli.subcommand
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(f"{sub}/val/")}
     step = getattr(cli.model, "report_step", trainer.global_step)
-    figures = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())) or "nothing scored"
+    figures = _figures(trainer, lambda k: k.startswith(f"{sub}/val/")) or "nothing scored"
     lines = [f"step {step}: {figures}"]
-    logger = trainer.logger
-    run_id, uri = getattr(logger, "run_id", None), getattr(logger, "_tracking_uri", None)
-    if run_id and uri:
+    run = _logged_run(trainer.logger)
+    if run:
+        run_id, uri, experiment_id = run
         lines.append(f"logged at step {step} to MLflow run {run_id} in {uri} (the fit's own val/* are unchanged)")
-        lines += ui_pointer(uri, getattr(logger, "experiment_id", None), run_id)
+        lines += ui_pointer(uri, experiment_id, run_id)
     return [f"[lrattn {sub}] {line}" for line in lines]
+
+
+def _figures(trainer: Any, wanted: Callable[[str], bool]) -> str:
+    """The wanted results of the last validation as `name value` pairs, sorted by name ('' if none)."""
+    return ", ".join(f"{k} {float(v):.4f}" for k, v in sorted(trainer.callback_metrics.items()) if wanted(k))
+
+
+def _logged_run(logger: Any) -> tuple[str, str, str | None] | None:
+    """(run id, tracking URI, experiment id) of the MLflow run the logger writes to, None without one."""
+    run_id, uri = getattr(logger, "run_id", None), getattr(logger, "_tracking_uri", None)
+    return (run_id, uri, getattr(logger, "experiment_id", None)) if run_id and uri else None
 
 
 def _shown(path: Path) -> str:
