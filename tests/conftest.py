@@ -40,15 +40,20 @@ DEEPER = SizeConfig(
 )
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    """A small byte-tokenised corpus for CLI runs (60 documents of the bundled stdlib docs), once per module."""
+def prepared_corpus(tmp_path_factory, documents: int, cloze_items: int = 0, perplexity_documents: int = 0) -> Path:
+    """`documents` of the bundled stdlib docs, byte-tokenised into a new folder (10 % held out)."""
     from lrattn_lightning.data.prepare import prepare
 
     out = tmp_path_factory.mktemp("data") / "stdlib-byte"
-    prepare(source="stdlib-docs", out_dir=out, tokenizer="byte", max_documents=60, val_fraction=0.1,
-            cloze_items=0, perplexity_documents=0)
+    prepare(source="stdlib-docs", out_dir=out, tokenizer="byte", max_documents=documents, val_fraction=0.1,
+            cloze_items=cloze_items, perplexity_documents=perplexity_documents)
     return out
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """A small byte-tokenised corpus for CLI runs (60 documents of the bundled stdlib docs), once per module."""
+    return prepared_corpus(tmp_path_factory, 60)
 
 
 @pytest.fixture(scope="session")

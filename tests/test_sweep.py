@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import free_port
+from conftest import free_port, prepared_corpus
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
-from lrattn_lightning.data.prepare import prepare
 from lrattn_lightning.model.accounting import added_flops_percent, count_params
 from lrattn_lightning.model.registry import load_registry
 from lrattn_lightning.tools.sweep_file import load_sweep
@@ -33,10 +32,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "stdlib-byte"
-    prepare(source="stdlib-docs", out_dir=out, tokenizer="byte", max_documents=80, val_fraction=0.1,
-            cloze_items=0, perplexity_documents=0)
-    return out
+    return prepared_corpus(tmp_path_factory, 80)
 
 
 def write_sweep(folder: Path, data: Path, **changes) -> Path:

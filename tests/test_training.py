@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, mlflow_server
+from conftest import free_port, mlflow_server, prepared_corpus
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
@@ -30,10 +30,7 @@ REGISTRY = str(REPO / "registry.yaml")
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "stdlib-byte"
-    prepare(source="stdlib-docs", out_dir=out, tokenizer="byte", max_documents=120, val_fraction=0.1,
-            cloze_items=20, perplexity_documents=10)
-    return out
+    return prepared_corpus(tmp_path_factory, 120, cloze_items=20, perplexity_documents=10)
 
 
 def fit_args(data: Path, *extra: str, steps: int = 4, ablation: str = "s-lr-grid-n4-r16") -> list[str]:
