@@ -136,6 +136,7 @@ class LRAttnCLI(LightningCLI):
 
             if (error := availability_error()) is not None:
                 raise UsageError(error)
+        self._check_attention(cfg)
         seed = cfg.seed_everything if isinstance(cfg.seed_everything, int) else 0
         if cfg.run_name is None:  # (the registry's names could still make one too long)
             cfg.run_name = check_name(f"{cfg.size}-{cfg.ablation}-seed{seed}", "the default run name SIZE-ABLATION-seedN")
@@ -145,6 +146,17 @@ class LRAttnCLI(LightningCLI):
         if cfg.trainer.logger is None:
             self.tracking_uri = resolve_tracking_uri(cfg.tracking_uri, cfg.mlflow_fallback_local)
         self._claim_run(cfg)
+
+    def _check_attention(self, cfg) -> None:
+        """FlexAttention has no backward on CPU: a CPU fit with --model.attention flex would fail at its first step."""
+        if self.subcommand != "fit" or cfg.model.get("attention") != "flex":
+            return
+        import torch
+
+        accelerator = str(cfg.trainer.get("accelerator") or "auto")
+        if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
+            raise UsageError(f"--model.attention flex: FlexAttention has no backward on CPU (torch {torch.__version__}); "
+                             "train with --model.attention sdpa here (same results), flex on CUDA")
 
     def _name_architecture(self, cfg) -> None:
         """--size and --ablation are required; validate/test may take them from their checkpoint."""

@@ -102,6 +102,97 @@ def test_fit_with_document_masking_keeps_the_separator_for_evaluation(tiny_data,
     hp = torch.load(ckpt, weights_only=True)["hyper_parameters"]
     assert hp["document_masking"] is True and hp["doc_separator"] == 256  # the byte tokenizer's EOS
     assert load_checkpoint(ckpt).model.doc_separator == 256
+    assert hp["attention"] == "sdpa" and load_checkpoint(ckpt).model.attention == "sdpa"
+    # a checkpoint trained with --model.attention flex (on CUDA) evaluates through FlexAttention, same logits
+    raw = torch.load(ckpt, weights_only=True)
+    raw["hyper_parameters"]["attention"] = "flex"
+    torch.save(raw, tmp_path / "flex.ckpt")
+    flex, sdpa = load_checkpoint(tmp_path / "flex.ckpt").model, load_checkpoint(ckpt).model
+    assert flex.attention == "flex"
+    idx = torch.cat((_doc(9, 1), _doc(12, 2), _doc(6, 3)), dim=1) % 256
+    with torch.no_grad():
+        torch.testing.assert_close(flex(idx), sdpa(idx), rtol=1e-5, atol=1e-5)
+
+
+def _dense_attention_float64(model, idx):
+    """Document masking restated: per row, per position, a causal softmax over the same document's positions
+    only (a [T, T] mask built from the separator positions in Python, independent of document_segments)."""
+    T = idx.shape[1]
+    allowed = torch.zeros(idx.shape[0], 1, T, T, dtype=torch.bool)
+    for b, row in enumerate(idx.tolist()):
+        starts = [t for t, tok in enumerate(row) if tok == SEP] or [0]
+        for i in range(T):
+            first = max([s for s in starts if s <= i], default=0)
+            allowed[b, 0, i, first : i + 1] = True
+    return allowed
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_flex_attention_equals_the_dense_mask(registry, name):
+    """--model.attention flex (FlexAttention's block mask) computes what the dense SDPA mask does, in float64,
+    on rows with several documents and different boundaries (FlexAttention's CPU path: forward only)."""
+    from lrattn_lightning.model import decoder as decoder_module
+
+    model = _model(registry, name).double()
+    idx = torch.cat((_doc(3, 1), _doc(5, 2), _doc(5, 3)), dim=1).repeat(3, 1)
+    idx[1, 6], idx[2, 1] = SEP, SEP  # rows whose documents differ
+    seen = []
+    real = decoder_module.CausalSelfAttention.forward
+
+    def spy(self, *args, **kwargs):
+        seen.append(type(args[-1] if len(args) == 6 else kwargs.get("same_doc")).__name__)
+        return real(self, *args, **kwargs)
+
+    with torch.no_grad():
+        dense = model(idx)
+        model.attention = "flex"
+        decoder_module.CausalSelfAttention.forward = spy
+        try:
+            flex = model(idx)
+        finally:
+            decoder_module.CausalSelfAttention.forward = real
+    assert set(seen) == {"BlockMask"}  # the flex path ran, in every layer
+    torch.testing.assert_close(flex, dense, rtol=1e-12, atol=1e-12)
+    # and both are document masking itself: the mask from the separators, restated in Python
+    same_doc, _ = model._documents(idx, None)
+    model.attention = "sdpa"
+    assert torch.equal(model._documents(idx, None)[0] & decoder_module._prefix_causal_mask(idx.shape[1], idx.shape[1], idx.device),
+                       _dense_attention_float64(model, idx))
+    assert type(same_doc).__name__ == "BlockMask"
+
+
+def test_flex_attention_decodes_like_its_full_forward(registry):
+    """KV-cache decoding under attention flex (the cached steps take the dense path) equals the flex forward."""
+    model = _model(registry, "p-lr-block-n8-r32")
+    model.attention = "flex"
+    idx = torch.cat((_doc(4, 4), _doc(5, 5), _doc(4, 6)), dim=1).repeat(2, 1)
+    idx[1, 7] = SEP
+    with torch.no_grad():
+        full = model(idx)
+        cache = KVCache.empty(DEEPER.n_layers)
+        steps = [model(idx[:, :7], cache=cache)]
+        steps += [model(idx[:, t : t + 1], cache=cache) for t in range(7, idx.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_an_unknown_attention_is_one_line(registry):
+    with pytest.raises(Exception, match=r"attention must be one of \['sdpa', 'flex'\], got 'flash'"):
+        build_decoder(tiny_config(registry, "baseline", DEEPER), attention="flash")
+
+
+def test_a_cpu_fit_with_flex_attention_is_refused_before_any_work(tiny_data, tmp_path, monkeypatch, capsys):  # noqa: F811
+    from test_training import fit_args
+
+    from lrattn_lightning.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    args = fit_args(tiny_data, "--model.document_masking", "true", "--model.attention", "flex", steps=2)
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("lrattn: error: --model.attention flex: FlexAttention has no backward on CPU"), err
+    assert "--model.attention sdpa" in err[-1]
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlruns.db").exists()
 
 
 def _gated_model(registry, name="gated-residual"):

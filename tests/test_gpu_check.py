@@ -94,7 +94,14 @@ def test_dry_run(tmp_path):
             assert (mode, arm) in ok
     skipped = [r for r in report["results"] if r["package"]]
     assert skipped and all(r["status"].startswith(("skipped", "not comparable")) for r in skipped)
-    assert (tmp_path / "gpu-check-cpu-dry-run.md").read_text().count("| ok |") == 10
+    # document masking through the dense mask trains on CPU; FlexAttention (no CPU backward) is skipped, saying why
+    assert ("eager", "docmask-sdpa:baseline") in ok and ("eager", "docmask-sdpa:p-lr-block-n8-r32") in ok
+    flex = [r for r in report["results"] if r["arm"].startswith("docmask-flex:")]
+    assert len(flex) == 2 and all(r["status"] == "skipped: FlexAttention has no backward on cpu" for r in flex)
+    decode = {r["arm"]: r for r in report["results"] if r["mode"] == "decode" and r["status"] == "ok"}
+    assert set(decode) == {"baseline", *gpu_check.ENTRIES}
+    assert all(r["tokens"] == 8 and r["tokens_per_s"] > 0 and r["ratio_to_baseline"] > 0 for r in decode.values())
+    assert (tmp_path / "gpu-check-cpu-dry-run.md").read_text().count("| ok |") == 10 + 2 + 5
 
 
 def test_parity_check_runs_and_flags_a_wrong_operator():
@@ -112,6 +119,8 @@ def test_parity_check_runs_and_flags_a_wrong_operator():
 
 @pytest.mark.parametrize("flags, says", [(["--modes", "eagr"], "--modes: unknown 'eagr'"),
                                          (["--packages", "liger-kernel"], "--packages: unknown 'liger-kernel'"),
+                                         (["--doc-masking", "flash"], "--doc-masking: unknown 'flash'"),
+                                         (["--doc-masking-arms", "p-lr-blok-n8-r32"], "closest: p-lr-block-n8-r32"),
                                          (["--arms", "s-lr-blok-n8-r64"], "closest: s-lr-block-n8-r64")])
 def test_bad_input_fails_with_one_line_before_any_work(tmp_path, flags, says):
     """On the GPU machine a typo must cost seconds, not a batch search of paper-0.5b."""

@@ -178,6 +178,7 @@ def _canonical() -> dict[str, str]:
 def _worker(path: str) -> None:
     from lrattn_lightning.model.decoder import build_decoder
     from lrattn_lightning.tools import golden
+    from lrattn_lightning.tools.fidelity import fidelity_rows
 
     torch.set_num_threads(1)
     canon = _canonical()
@@ -193,6 +194,8 @@ def _worker(path: str) -> None:
         "compile": _compiled("p-lr-block-n4-r32"),
         "float64": _float64("s-lr-block-n8-r64-refdefault"),
         "impl": type(build_decoder(_config("attnres-full"), impl="triton").router).__name__,
+        "fidelity": fidelity_rows(str(Path(__file__).with_name("golden") / "reference.pt"), impl="triton",
+                                  only=["s-lr-block-n8-r64"]),
     }
     Path(path).write_text(json.dumps(results))
 
@@ -253,6 +256,13 @@ def test_float64_models_route_in_float64(measured):
     assert measured["float64"] <= 1e-12
 
 
+def test_fidelity_tool_runs_the_triton_backend(measured):
+    """`lrattn fidelity --impl triton`'s rows: the paper's golden numbers through the triton backend."""
+    (row,) = measured["fidelity"]
+    assert row["entry"] == "s-lr-block-n8-r64" and row["params"] == row["reference_params"], row
+    assert row["dlogit"] <= 2e-4 and row["dgrad"] <= 2e-4, row
+
+
 def test_without_cuda_or_interpreter_it_is_one_line(tmp_path):
     """No GPU here and no TRITON_INTERPRET: building the backend, and `lrattn fit --model.impl triton`, say
     what to do in one line (exit 2) before any work."""
@@ -281,6 +291,14 @@ def test_without_cuda_or_interpreter_it_is_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert lines[-1].startswith("lrattn: error: model.impl 'triton'") and "TRITON_INTERPRET=1" in lines[-1], lines
     assert list(work.iterdir()) == []  # nothing half-written
+    golden_file = str(Path(__file__).with_name("golden") / "reference.pt")
+    for tool in (["bench", "--size", "tiny", "--fit", "--impl", "triton", "--steps", "1"],
+                 ["fidelity", "--golden", golden_file, "--impl", "triton"]):
+        proc = subprocess.run([str(lrattn), *tool], cwd=work, env=env, capture_output=True, text=True, timeout=300)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 2 and lines == [lines[-1]], proc.stderr[-2000:]
+        assert lines[-1].startswith("lrattn: error: --impl triton: model.impl 'triton' needs a CUDA GPU"), lines
+    assert list(work.iterdir()) == []
 
 
 if __name__ == "__main__":

@@ -46,6 +46,10 @@ QueryKind = Literal["static", "gated_dynamic"]
 #                 of the embedding and the i outputs, i.e. the plain residual stream / (i + 1)
 GateBias = Literal["none", "constant", "last_layer", "running_mean"]
 
+# How AttnRes is computed (a runtime choice, never part of the architecture: model/routing/base.py)
+IMPLS = ("fast", "reference", "compiled")  # run on any machine
+ALL_IMPLS = (*IMPLS, "triton")  # triton: CUDA or TRITON_INTERPRET=1 (attnres_triton.py)
+
 SUMMARY_EXPONENT = {"sum": 0.0, "mean": 1.0, "sqrt_mean": 0.5}
 _EMBEDDING_KEYS_FOR = {
     "value": ("value",),

@@ -11,10 +11,21 @@ code, every separator token starts a new segment (so it belongs to the document 
 positions run over the whole packed window. Training, validation, evaluation and KV-cache decoding all
 go through this forward, so all mask alike. AttnRes depth routing is per token and needs no mask; the
 gated residual's running means restart at every document (the router gets the segment ids).
+
+How the document mask reaches the token attention is a runtime choice (`Decoder.attention`, the module's
+`--model.attention`), never what is computed:
+    sdpa  a dense boolean [B, 1, T, T] mask to SDPA (any device; on a GPU it keeps SDPA off its flash
+          kernel: O(T^2) memory per head)
+    flex  FlexAttention with a block mask built from the segment ids (torch.nn.attention.flex_attention):
+          blocks that cross documents are skipped; compiled on CUDA, the unfused reference on CPU, which has
+          no FlexAttention backward (training with flex needs CUDA)
+Windows of one document per row, and KV-cache decoding (a few new tokens), take the causal / dense SDPA path
+under both.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +37,8 @@ from lrattn_lightning.errors import InputError
 from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig
 from lrattn_lightning.model.routing._math import rms_norm
 from lrattn_lightning.model.routing.base import DEFAULT_IMPL, build_router
+
+ATTENTIONS = ("sdpa", "flex")  # how document masking's mask reaches the attention (module docstring)
 
 
 def rope_angles(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -84,8 +97,9 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(size.d_model, size.d_model + extra_out, bias=False)  # d -> d + r for P-LR
 
     def forward(self, x_BTD: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None, layer: int = 0,
-                same_doc: Tensor | None = None) -> Tensor:
-        """same_doc: [B, 1, T, T_all] bool, which positions share a document (document masking), or None."""
+                same_doc: Any = None) -> Tensor:
+        """same_doc: [B, 1, T, T_all] bool, which positions share a document (document masking), a FlexAttention
+        BlockMask of the same (`attention: flex`), or None."""
         B, T, D = x_BTD.shape
         q, k, v = self.qkv(x_BTD).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)  # (B, T, H, hd)
         q, k = apply_rope(rms_norm(q), cos, sin), apply_rope(rms_norm(k), cos, sin)  # QK-norm then RoPE
@@ -98,10 +112,44 @@ class CausalSelfAttention(nn.Module):
             cache.keys[layer], cache.values[layer] = k, v
         if cache is None and same_doc is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif not isinstance(same_doc, Tensor | None):  # a BlockMask (causal and same document)
+            y = _flex_attention(q, k, v, same_doc)
         else:
             mask = _prefix_causal_mask(T, k.shape[2], q.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask if same_doc is None else mask & same_doc)
         return self.proj(y.transpose(1, 2).reshape(B, T, D))
+
+
+_COMPILED_FLEX: list[Any] = []
+
+
+def _flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any) -> Tensor:
+    """FlexAttention: inside a compiled region as it is (Inductor fuses it), eager on CUDA through one
+    torch.compile of flex_attention (its fused kernel), on CPU the unfused reference (no warning per call)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if torch.compiler.is_compiling():
+        return flex_attention(q, k, v, block_mask=block_mask)
+    if q.device.type == "cuda":
+        if not _COMPILED_FLEX:
+            _COMPILED_FLEX.append(torch.compile(flex_attention, dynamic=False))
+        return _COMPILED_FLEX[0](q, k, v, block_mask=block_mask)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(q, k, v, block_mask=block_mask)
+
+
+def document_block_mask(seg_BT: Tensor) -> Any:
+    """FlexAttention's block mask of document masking: query i sees key t <= i of its own segment."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, T = seg_BT.shape
+
+    def same_document(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (seg_BT[b, q_idx] == seg_BT[b, kv_idx])
+
+    return create_block_mask(same_document, B, None, T, T, device=seg_BT.device,
+                             _compile=seg_BT.device.type == "cuda" and not torch.compiler.is_compiling())
 
 
 def _prefix_causal_mask(t_new: int, t_all: int, device: torch.device) -> Tensor:
@@ -146,10 +194,14 @@ class DecoderOutput:
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig, impl: str = DEFAULT_IMPL):
-        """impl: the AttnRes backend, `fast`, `reference` or `compiled` (routing/base.py): how routing is
-        computed, not what; the same parameters and results. Residual and gated routing ignore it."""
+    def __init__(self, cfg: ModelConfig, impl: str = DEFAULT_IMPL, attention: str = "sdpa"):
+        """impl: the AttnRes backend, `fast`, `reference`, `compiled` or `triton` (routing/base.py): how routing
+        is computed, not what; the same parameters and results. Residual and gated routing ignore it.
+        attention: how document masking reaches the token attention, `sdpa` or `flex` (module docstring)."""
         super().__init__()
+        if attention not in ATTENTIONS:
+            raise InputError(f"attention must be one of {list(ATTENTIONS)}, got {attention!r}")
+        self.attention = attention
         self.cfg, self.impl = cfg, impl
         size = cfg.size
         self.embed = nn.Embedding(size.vocab_size, size.d_model)
@@ -201,9 +253,9 @@ class Decoder(nn.Module):
             return DecoderOutput(logits, state.weights)
         return logits
 
-    def _documents(self, idx: Tensor, cache: KVCache | None) -> tuple[Tensor | None, Tensor | None]:
-        """Document masking: the attention mask [B, 1, T, T_all] bool (None where every position shares one
-        document) and the new positions' segment ids [B, T]; (None, None) without document masking."""
+    def _documents(self, idx: Tensor, cache: KVCache | None) -> tuple[Any, Tensor | None]:
+        """Document masking: the attention mask [B, 1, T, T_all] bool or, with `attention: flex` and no cache,
+        its FlexAttention BlockMask (None where every position shares one document) and the new positions' segment ids [B, T]; (None, None) without document masking."""
         if self.doc_separator is None:
             return None, None
         before = cache.segments if cache is not None else None
@@ -213,15 +265,19 @@ class Decoder(nn.Module):
             cache.segments = seg_all
         if bool((seg_all[:, -1] == seg_all[:, 0]).all()):  # one document per row: the causal mask suffices
             return None, seg
+        if self.attention == "flex" and cache is None:
+            return document_block_mask(seg), seg
         return (seg[:, :, None] == seg_all[:, None, :]).unsqueeze(1), seg
 
 
 def build_decoder(
-    size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None, *, impl: str = DEFAULT_IMPL
+    size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None, *, impl: str = DEFAULT_IMPL,
+    attention: str = "sdpa",
 ) -> Decoder:
     """Build the decoder for a (size, ablation) pair; works under `torch.device("meta")`.
 
-    impl: the AttnRes backend, `fast`, `reference` or `compiled` (a runtime choice, not part of the architecture).
+    impl (the AttnRes backend) and attention (document masking's path) are runtime choices, not part of the
+    architecture: the same parameters and results.
     """
     cfg = size if isinstance(size, ModelConfig) else ModelConfig(size, ablation)
-    return Decoder(cfg, impl)
+    return Decoder(cfg, impl, attention)

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from lrattn_lightning.errors import InputError, Parser
+from lrattn_lightning.model.config import ALL_IMPLS
 from lrattn_lightning.tools.bench_steps import OPTIMIZERS
 
 PHASES = ("train", "forward", "generate")
@@ -59,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--registry", default=None, help="registry.yaml path (default: the packaged one)")
     p.add_argument("--phase", choices=PHASES, default="train")
     p.add_argument("--mode", choices=(*MODES, "both"), default="eager", help="eager, torch.compile, or both")
-    p.add_argument("--impl", choices=("fast", "reference", "compiled"), default="fast",
-                   help="AttnRes backend (--mode compile runs fast as compiled)")
+    p.add_argument("--impl", choices=ALL_IMPLS, default="fast",
+                   help="AttnRes backend (--mode compile runs fast as compiled; triton: CUDA or TRITON_INTERPRET=1)")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --mode compile")
     p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                    help="set a torch._inductor.config option for every model (repeatable), e.g. cpp_wrapper=true")
@@ -156,6 +157,11 @@ def _check_args(args, reg, device) -> set[str]:
         raise InputError(f"--memory: unknown {sorted(memory - {'alloc', 'rss'})}; use alloc, rss or none")
     if args.clock == "cpu" and device.type != "cpu":
         raise InputError("--clock cpu measures this process's CPU time: use it with --device cpu")
+    if args.impl == "triton":
+        from lrattn_lightning.model.routing.triton_ops import availability_error
+
+        if (error := availability_error(device.type)) is not None:
+            raise InputError(f"--impl triton: {error}")
     return memory
 
 

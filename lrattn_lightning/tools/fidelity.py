@@ -15,7 +15,7 @@ import math
 from typing import Any
 
 from lrattn_lightning.errors import InputError, Parser
-from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.config import ALL_IMPLS, ModelConfig
 
 # The reference's ModelConfig defaults for the flags we set (so the table can list only departures).
 REFERENCE_DEFAULTS: dict[str, Any] = {
@@ -232,11 +232,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="lrattn fidelity", description=__doc__.splitlines()[0])
     parser.add_argument("--golden", required=True, help="golden data file (tests/golden/reference.pt)")
     parser.add_argument("--registry", default=None)
-    parser.add_argument("--impl", default="fast", choices=["fast", "reference"])
+    parser.add_argument("--impl", default="fast", choices=ALL_IMPLS,
+                        help="AttnRes backend (triton: CUDA or TRITON_INTERPRET=1; the golden numbers are CPU tensors)")
     parser.add_argument("--out", default=None, help="write the markdown table here (default: print it)")
     parser.add_argument("--entries", default=None, help="comma-separated registry entries (default: all)")
     args = parser.parse_args(argv)
     from lrattn_lightning.tools import golden
+
+    if args.impl == "triton":
+        from lrattn_lightning.model.routing.triton_ops import availability_error
+
+        if (error := availability_error("cpu")) is not None:
+            raise InputError(f"--impl triton: {error}")
 
     only = args.entries.split(",") if args.entries else None
     rows = fidelity_rows(args.golden, args.registry, impl=args.impl, only=only)

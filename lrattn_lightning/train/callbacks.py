@@ -37,7 +37,7 @@ from lrattn_lightning.train import diagnostics
 # the module's settings logged as `train_<name>` params
 TRAIN_PARAMS = ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_decay", "muon_variant", "muon_momentum",
                 "muon_momentum_min", "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps", "warmup_steps",
-                "decay_fraction", "final_lr_fraction", "z_loss", "compile", "document_masking", "impl",
+                "decay_fraction", "final_lr_fraction", "z_loss", "compile", "document_masking", "attention", "impl",
                 "gate_freeze_steps", "gate_release_loss", "gate_grad_normalize")
 
 

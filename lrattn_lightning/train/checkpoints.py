@@ -59,6 +59,7 @@ def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
     hparams = ckpt.get("hyper_parameters", {})
     if hparams.get("document_masking"):  # evaluate as trained: attend only within documents
         model.doc_separator = hparams.get("doc_separator")
+        model.attention = hparams.get("attention") or "sdpa"  # (checkpoints before the choice: sdpa)
     data = ckpt.get("data") or {}
     spec = ckpt.get("tokenizer")
     if spec is None:

@@ -94,6 +94,7 @@ class LRAttnModule(L.LightningModule):
         compile: bool = False,
         impl: Literal["fast", "reference", "compiled", "triton"] = "fast",
         document_masking: bool = False,
+        attention: Literal["sdpa", "flex"] = "sdpa",
         routing_diagnostics: bool = True,
         gate_freeze_steps: int = 0,
         gate_release_loss: float | None = None,
@@ -107,6 +108,8 @@ class LRAttnModule(L.LightningModule):
 
         document_masking: attend only within documents (the paper's recipe); the separator is the data's
         EOS id, found at fit time and kept as `doc_separator` so checkpoints mask alike in evaluation.
+        attention: how that mask reaches the token attention, `sdpa` (a dense mask) or `flex` (FlexAttention's
+        block mask: skips cross-document blocks, CUDA for training); the same results (model/decoder.py).
 
         Optimiser (lrattn_lightning/train/optim.py): muon_variant picks the Muon update (`reference`: the paper's
         code, `torch`: torch.optim.Muon with match_rms_adamw); the Muon momentum rises from
@@ -138,7 +141,7 @@ class LRAttnModule(L.LightningModule):
             peak=muon_momentum, low=muon_momentum_min, warmup_steps=muon_momentum_warmup_steps,
             cooldown_steps=muon_momentum_cooldown_steps)
         # how AttnRes is computed, not part of the architecture; compiled: the backend torch.compile traces
-        self.model = build_decoder(cfg, impl=compile_impl(impl) if compile else impl)
+        self.model = build_decoder(cfg, impl=compile_impl(impl) if compile else impl, attention=attention)
         self.model.doc_separator = doc_separator if document_masking else None
         # Lightning's model summary counts the FLOPs of one forward of this (one window; was "Total FLOPs: 0")
         self.example_input_array = torch.zeros(1, cfg.size.seq_len, dtype=torch.long)

@@ -31,16 +31,15 @@ from typing import Any, Protocol
 from torch import Tensor, nn
 
 from lrattn_lightning.errors import InputError
-from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.config import ALL_IMPLS, IMPLS, ModelConfig
 from lrattn_lightning.model.routing.attnres import ReferenceAttnRes
 from lrattn_lightning.model.routing.attnres_compiled import CompiledAttnRes
 from lrattn_lightning.model.routing.attnres_fast import FastAttnRes
 from lrattn_lightning.model.routing.gated import GatedRouter
 from lrattn_lightning.model.routing.residual import ResidualRouter
 
-IMPLS = ("fast", "reference", "compiled")  # run on any machine
-ALL_IMPLS = (*IMPLS, "triton")  # triton: CUDA or TRITON_INTERPRET=1 (attnres_triton.py)
 DEFAULT_IMPL = "fast"
+__all__ = ["ALL_IMPLS", "ATTNRES_BACKENDS", "DEFAULT_IMPL", "IMPLS", "Router", "build_router", "compile_impl"]
 ATTNRES_BACKENDS: dict[str, type[nn.Module]] = {
     "reference": ReferenceAttnRes, "fast": FastAttnRes, "compiled": CompiledAttnRes,
 }  # + "triton", imported when first asked for (its module registers torch custom ops)
