@@ -111,7 +111,8 @@ def list_main(argv: list[str]) -> int:
     print(f"{'ablation':40s} {'params':>13s} {'added FLOPs %':>13s}  control")
     for name, abl in reg.ablations.items():
         try:
-            params, flops = f"{count_params(size, abl):,}", f"{added_flops_percent(size, abl):.3f}"
+            pct = added_flops_percent(size, abl)
+            params, flops = f"{count_params(size, abl):,}", "unknown" if pct is None else f"{pct:.3f}"
         except ValueError:
             params, flops = "n/a", "n/a"
         print(f"{name:40s} {params:>13s} {flops:>13s}  {abl.control or '-'}")

@@ -9,7 +9,8 @@
     added % = 100 (read + proj) / core
 
 Parameters likewise: the 2L pseudo-queries, what the key source declares (KeySource.num_params), the
-dynamic query's rows and gates.
+dynamic query's rows and gates. An external router (routing/external.py) has its module's real parameter
+count and the FLOPs its `added_flops_per_token()` states, or None (unknown) without it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ def routing_params(size: SizeConfig | ModelConfig, ablation: AblationConfig | No
         return 0
     if a.routing == "gated":
         return M * 2 * d * d + (M if a.gate_bias != "none" else 0)  # W_q and W_k per sublayer; the biases b_i
+    if a.routing == "external":
+        from lrattn_lightning.model.routing.external import facts
+
+        return facts(cfg)[0]
     r = cfg.key_dim
     n = M * r + key_source(cfg).num_params()  # the pseudo-queries, one per read site j = 1..2L; the keys'
     if a.query == "gated_dynamic":
@@ -69,8 +74,9 @@ def core_flops(size: SizeConfig) -> int:
     return 2 * core_params(size)
 
 
-def added_flops(size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None) -> int:
-    """Forward FLOPs per token that routing adds to the core."""
+def added_flops(size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None) -> int | None:
+    """Forward FLOPs per token that routing adds to the core (None: unknown, an external router that does not
+    state them)."""
     cfg = _pair(size, ablation)
     s, a = cfg.size, cfg.ablation
     d, h, L, M = s.d_model, s.d_mlp, s.n_layers, s.n_sublayers
@@ -78,6 +84,10 @@ def added_flops(size: SizeConfig | ModelConfig, ablation: AblationConfig | None 
         return 0
     if a.routing == "gated":  # two d x d projections, the dot, the mix; + b_i
         return M * (2 * 2 * d * d + 2 * d + 3 * d + (1 if a.gate_bias != "none" else 0))
+    if a.routing == "external":
+        from lrattn_lightning.model.routing.external import facts
+
+        return facts(cfg)[1]
     r = cfg.key_dim
     read = sum(sources_per_site(cfg)) * (2 * r + 2 * d)
     proj = key_source(cfg).flops()
@@ -86,15 +96,17 @@ def added_flops(size: SizeConfig | ModelConfig, ablation: AblationConfig | None 
     return read + proj
 
 
-def added_flops_percent(size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None) -> float:
+def added_flops_percent(size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None) -> float | None:
     cfg = _pair(size, ablation)
-    return 100.0 * added_flops(cfg) / core_flops(cfg.size)
+    flops = added_flops(cfg)
+    return None if flops is None else 100.0 * flops / core_flops(cfg.size)
 
 
 def model_flops_per_token(size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None, *, training: bool = True) -> int:
-    """Matmul FLOPs per token incl. the LM head and causal attention scores (for MFU); x3 for training."""
+    """Matmul FLOPs per token incl. the LM head and causal attention scores (for MFU); x3 for training.
+    Routing FLOPs that are unknown (added_flops None) count as 0."""
     cfg = _pair(size, ablation)
     s = cfg.size
     attention_scores = 2 * 2 * s.n_layers * s.seq_len * s.d_model // 2  # QK^T and AV, causal half
-    forward = core_flops(s) + added_flops(cfg) + 2 * s.d_model * s.vocab_size + attention_scores
+    forward = core_flops(s) + (added_flops(cfg) or 0) + 2 * s.d_model * s.vocab_size + attention_scores
     return 3 * forward if training else forward

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from lrattn_lightning.errors import InputError
 
-Routing = Literal["residual", "attnres", "gated"]
+Routing = Literal["residual", "attnres", "gated", "external"]  # external: a user's class (`router`)
 # Where a source's routing key comes from (SPEC §3):
 #   value                  the value itself (standard AttnRes, k = d)
 #   projected              P-LR: extra r output rows of each sublayer's output projection
@@ -62,6 +63,9 @@ _EMBEDDING_KEYS_FOR = {
 
 _ATTNRES_FIELDS = ("key_source", "rank", "depth_heads", "key_norm", "query_norm", "query_init", "query",
                    "logit_scale", "blocks", "block_size", "block_summary", "count_prior", "embedding_key")
+
+
+_IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 
 
 def _finite_number(value: Any) -> bool:
@@ -132,6 +136,8 @@ class AblationConfig:
     embedding_key: EmbeddingKey = "value"
     gate_bias: GateBias = "none"  # routing gated only
     gate_alpha: float | None = None  # alpha0 of gate_bias constant / last_layer
+    router: str | None = None  # routing external: "package.module:Class", imported when the model is built
+    router_options: dict[str, Any] | None = None  # routing external: keyword arguments of that class
     tags: tuple[str, ...] = ()
 
     @property
@@ -174,6 +180,7 @@ class AblationConfig:
         if not _finite_number(self.count_prior):
             raise config_error(where, "count_prior", f"must be a finite number, got {self.count_prior!r}")
         self._validate_gate(where)
+        self._validate_external(where)
         if self.routing != "attnres":
             self._no_attnres_fields(where)
             return self
@@ -210,6 +217,23 @@ class AblationConfig:
                 raise config_error(where, f.name, f"only AttnRes routing (routing: attnres) reads it; routing is "
                                    f"'{self.routing}': remove it (over an `extends`, reset it to "
                                    f"{'null' if f.default is None else repr(f.default)})")
+
+    def _validate_external(self, where: str) -> None:
+        """router / router_options: exactly for routing external; an import path and a mapping of str keys."""
+        if self.routing != "external":
+            for field in ("router", "router_options"):
+                if getattr(self, field) is not None:
+                    raise config_error(where, field, f"only routing external names a router class; routing is "
+                                       f"'{self.routing}': remove it, or set routing: external")
+            return
+        if not isinstance(self.router, str) or not _IMPORT_PATH.fullmatch(self.router):
+            raise config_error(where, "router", f"routing external needs the class as 'package.module:Class', got "
+                               f"{self.router!r}")
+        options = self.router_options
+        if options is not None and (not isinstance(options, dict) or not all(isinstance(k, str) and k.isidentifier()
+                                                                             for k in options)):
+            raise config_error(where, "router_options", f"must be a mapping of keyword arguments (identifier keys) "
+                               f"or null, got {options!r}")
 
     def _validate_gate(self, where: str) -> None:
         """gate_bias / gate_alpha: only for routing gated; gate_alpha exactly when the bias needs one."""

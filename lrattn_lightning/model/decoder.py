@@ -237,8 +237,8 @@ class Decoder(nn.Module):
         x = self.embed(idx)  # (B, T, D)
         routing_cache = None
         if cache is not None:
-            if cache.routing is None:
-                cache.routing = self.router.new_cache()
+            if cache.routing is None and callable(new_cache := getattr(self.router, "new_cache", None)):
+                cache.routing = new_cache()  # (optional for an external router: None, it needs no cache)
             routing_cache = cache.routing
         state = self.router.start(x, record=return_routing, cache=routing_cache, segments=segments)
         for layer_index, layer in enumerate(self.layers):
@@ -250,7 +250,7 @@ class Decoder(nn.Module):
         h = self.router.read(state, size.n_sublayers)  # the final read
         logits = self.head(rms_norm(h))
         if return_routing:
-            return DecoderOutput(logits, state.weights)
+            return DecoderOutput(logits, getattr(state, "weights", None))  # (an external router may keep none)
         return logits
 
     def _documents(self, idx: Tensor, cache: KVCache | None) -> tuple[Any, Tensor | None]:

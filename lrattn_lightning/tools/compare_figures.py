@@ -50,7 +50,9 @@ def _save(fig: Any, out: Path, stem: str) -> list[Path]:
 
 
 def plot_loss_vs_flops(rows: list[Row], out: Path, title: str) -> list[Path]:
-    """Figure 1: mean val loss against added FLOPs %, one point per ablation, Pareto front marked."""
+    """Figure 1: mean val loss against added FLOPs %, one point per ablation, Pareto front marked (rows whose
+    cost is unknown, NaN, are left out)."""
+    rows = [r for r in rows if r.added_flops_pct == r.added_flops_pct]
     plt = _plt()
     from matplotlib.ticker import FuncFormatter
 

@@ -126,7 +126,7 @@ def read_runs(client: Any, experiment: str, sweep: str | None = None, curves: bo
             run_id=run.info.run_id, name=run.info.run_name or run.info.run_id, size=params.get("size", "?"),
             ablation=ablation, control=control,
             seed=seed, start_time=run.info.start_time or 0, val_loss=float(metrics["val/loss"]),
-            params=int(float(params.get("params", 0))), added_flops_pct=float(params.get("added_flops_pct", 0.0)),
+            params=int(float(params.get("params", 0))), added_flops_pct=_flops_pct(params.get("added_flops_pct")),
             metrics=dict(metrics), final_step=declared_end(params, tags), gap=tags.get(GAP_TAG),
         )
         key = (record.size, record.ablation, seed if seed is not None else record.run_id)
@@ -159,6 +159,14 @@ def declared_end(params: dict[str, str], tags: dict[str, str]) -> int | None:
 
 
 # ---- rows ------------------------------------------------------------------------------------------
+def _flops_pct(value) -> float:
+    """The added_flops_pct param: a number, or NaN where it is `unknown` (an external router that does not
+    state its FLOPs; such a row is on no Pareto front and in no FLOPs figure)."""
+    if value in (None, "unknown"):
+        return 0.0 if value is None else math.nan
+    return float(value)
+
+
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     """Indices of the points no other point beats on both axes (lower x and lower y are better)."""
     front, best = [], math.inf
@@ -175,7 +183,7 @@ def summarise(records: list[RunRecord], reference: str = "baseline") -> list[Row
     for r in records:
         groups[(r.size, r.ablation)].append(r)
     rows = [Row(size, abl, runs[0].control, runs) for (size, abl), runs in groups.items()]
-    rows.sort(key=lambda row: (row.size, row.added_flops_pct, row.ablation))
+    rows.sort(key=lambda row: (row.size, math.isnan(row.added_flops_pct), row.added_flops_pct, row.ablation))
     by_name = {(row.size, row.ablation): row for row in rows}
     for row in rows:
         control = by_name.get((row.size, row.control)) if row.control else None
@@ -186,6 +194,7 @@ def summarise(records: list[RunRecord], reference: str = "baseline") -> list[Row
             row.delta_baseline, row.p_baseline = welch(row.losses, base.losses)
     for size in {row.size for row in rows}:
         mine = [row for row in rows if row.size == size]
+        mine = [row for row in mine if not math.isnan(row.added_flops_pct)]  # unknown cost: on no front
         for i in pareto_front([(row.added_flops_pct, row.mean) for row in mine]):
             mine[i].pareto = True
     return rows
@@ -235,7 +244,7 @@ def markdown_table(rows: list[Row], reference: str = "baseline") -> str:
         cells = ([row.size] if multi_size else []) + [
             name, f"{len(row.runs)} ({seeds})", _mean_std(row.mean, row.std), row.control or "—",
             _num(row.delta_control, sign=True), _p(row.p_control), _num(row.delta_baseline, sign=True),
-            _p(row.p_baseline), f"{row.added_flops_pct:.3f}", f"{row.params:,}",
+            _p(row.p_baseline), "unknown" if math.isnan(row.added_flops_pct) else f"{row.added_flops_pct:.3f}", f"{row.params:,}",
             "—" if row.tokens_per_s is None else f"{row.tokens_per_s:,.0f}", _mean_std(*bpb),
             *[_mean_std(*row.metric(k)) for k in evals]]
         lines.append("| " + " | ".join(cells) + " |")

@@ -49,6 +49,8 @@ def reference_flags(cfg: ModelConfig) -> dict[str, Any]:
     }
     if a.routing == "gated":
         raise NotExpressible("the gated residual (SPEC §7) is not part of the reference")
+    if a.routing == "external":
+        raise NotExpressible(f"an external router ({a.router}) is not part of the reference")
     if a.routing == "residual":
         return flags
     flags.update(use_attnres=True, attnres_key_norm=a.key_norm == "rms", attn_res_query_norm=a.query_norm,

@@ -50,7 +50,8 @@ def flat_run_params(cfg: ModelConfig) -> dict[str, Any]:
     params["key_dim"] = cfg.key_dim if cfg.ablation.routing == "attnres" else 0
     params["block_ends"] = ",".join(map(str, cfg.block_ends())) or "full"
     params["params"] = count_params(cfg)
-    params["added_flops_pct"] = round(added_flops_percent(cfg), 6)
+    pct = added_flops_percent(cfg)  # unknown for an external router that does not state its FLOPs
+    params["added_flops_pct"] = "unknown" if pct is None else round(pct, 6)
     return params
 
 
@@ -120,11 +121,12 @@ def run_description(trainer: L.Trainer, pl_module: L.LightningModule) -> str:
     """Markdown for the run page: what the ablation is, against what, at which size, with which recipe."""
     cfg, hp, size = pl_module.cfg, pl_module.hparams, pl_module.cfg.size
     recipe = recipe_params(trainer)
+    pct = added_flops_percent(cfg)
     lines = [
         f"**{cfg.ablation.name}** at size **{size.name}**: {' '.join((cfg.ablation.doc or '').split())}",
         "",
         f"Control: `{cfg.ablation.control or 'none'}`. {count_params(cfg):,} parameters, "
-        f"added FLOPs {added_flops_percent(cfg):.3f} % of the core (L={size.n_layers}, d={size.d_model}).",
+        f"added FLOPs {'unknown' if pct is None else f'{pct:.3f} %'} of the core (L={size.n_layers}, d={size.d_model}).",
         "",
         f"Recipe: {recipe['train_max_steps']} steps of {recipe['train_tokens_per_step']} tokens "
         f"(batch {recipe['train_batch_size']} x seq {recipe['train_seq_len']}), optimizer {hp.get('optimizer')} "

@@ -309,7 +309,7 @@ class LRAttnModule(L.LightningModule):
     # ---- validation ----------------------------------------------------------------------------
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        record = batch_idx == 0 and self.hparams.routing_diagnostics and self.cfg.ablation.routing != "residual"
+        record = batch_idx == 0 and self.hparams.routing_diagnostics and self.cfg.ablation.routing in ("attnres", "gated")
         out = self.model(inputs, return_routing=record)
         logits = out.logits if record else out
         if record:

@@ -52,13 +52,27 @@ ADAMW_DEFAULTS = {"lr": 3e-4, "weight_decay": 0.0, "betas": (0.9, 0.95), "eps": 
 ADAMW_ONLY = (".embed.", ".head.", ".router.queries", ".router.query_gates")  # gates: [2L, m], one vector per site
 
 
+def _external_adamw(model: nn.Module) -> set[int]:
+    """ids of the parameters of external routers (routing/external.py) that AdamW takes: those the router's
+    adamw_parameter_names() names, or all of them when it does not say."""
+    from lrattn_lightning.model.routing.external import EXTERNAL_MARK, adamw_names
+
+    ids: set[int] = set()
+    for module in model.modules():
+        if getattr(module, EXTERNAL_MARK, False):
+            names = adamw_names(module)
+            ids |= {id(p) for n, p in module.named_parameters() if names is None or n in names}
+    return ids
+
+
 def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(muon, adamw) parameter lists."""
     muon, adamw = [], []
+    external = _external_adamw(model)
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.ndim >= 2 and not any(tag in f".{name}" for tag in ADAMW_ONLY):
+        if p.ndim >= 2 and id(p) not in external and not any(tag in f".{name}" for tag in ADAMW_ONLY):
             muon.append(p)
         else:
             adamw.append(p)

@@ -7,6 +7,7 @@ cache object across passes (`new_cache`; the decoder's KVCache holds it without 
 
     routing: residual   ResidualRouter    residual.py
     routing: gated      GatedRouter       gated.py
+    routing: external   the user's class  external.py          `router: package.module:Class` in the registry
     routing: attnres    by backend (`impl`): how AttnRes is computed, never what; same parameters and results
         reference   ReferenceAttnRes   attnres.py           readable: stacks the sources at every read
         fast        FastAttnRes        attnres_fast.py      buffered autograd Functions, logits at write time
@@ -81,6 +82,10 @@ def build_router(cfg: ModelConfig, impl: str = DEFAULT_IMPL) -> nn.Module:
         return ResidualRouter(cfg)
     if routing == "gated":
         return GatedRouter(cfg)
+    if routing == "external":
+        from lrattn_lightning.model.routing.external import build_external
+
+        return build_external(cfg)
     if impl == "fast" and cfg.ablation.query == "gated_dynamic":
         impl = "compiled"  # per-token queries: no write-time logits, the premise of the buffered backend
     if impl == "triton":

@@ -1,0 +1,98 @@
+"""Routers from outside the package (routing: external): a registry entry names a class by import path.
+
+    ablations:
+      my-router:
+        doc: ...
+        control: baseline
+        routing: external
+        router: my_pkg.routers:MyRouter      # imported when the model is built, from the user's environment
+        router_options: {width: 4}           # keyword arguments: MyRouter(cfg, width=4)
+
+The contract (README, "Writing your own router"; kept stable): the class is an `nn.Module` built as
+`Class(cfg, **router_options)` (cfg: the resolved ModelConfig) with the Router protocol of base.py,
+`start(emb, *, record=False, cache=None, segments=None) -> state`, `read(state, j)`, `write(state, i, out)`,
+`reset_parameters()` and optionally `new_cache()` (KV-cache decoding: an object kept across passes, or
+None). Optional: `added_flops_per_token() -> int` (forward FLOPs per token it adds to the core; without it
+the added FLOPs are recorded as unknown) and `adamw_parameter_names() -> iterable of its own parameter
+names` (those go to AdamW, the rest by the usual rule: matrices to Muon; without it every parameter of the
+router goes to AdamW). A state may carry `weights` (a list of per-site routing weights) for diagnostics.
+
+Only classes named in the registry the user passes are imported; a missing module or class is one line.
+The class's parameter count is its real one: the analytic counts build it once on the meta device.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from lrattn_lightning.errors import InputError
+from lrattn_lightning.model.config import ModelConfig, config_error
+
+
+def router_class(cfg: ModelConfig) -> type[nn.Module]:
+    """Import the class `cfg.ablation.router` names; one line when it cannot be."""
+    a = cfg.ablation
+    where = f"ablations.{a.name}"
+    module_name, _, class_name = str(a.router).partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # ModuleNotFoundError, or the module failing on import
+        raise config_error(where, "router", f"cannot import module '{module_name}' ({type(err).__name__}: {err}); "
+                           "install the package that provides it or put its folder on PYTHONPATH") from None
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        found = "not found" if cls is None else f"is a {type(cls).__name__}, not an nn.Module class"
+        raise config_error(where, "router", f"'{class_name}' in module '{module_name}' {found}; name an nn.Module "
+                           "class as 'package.module:Class'")
+    return cls
+
+
+def build_external(cfg: ModelConfig) -> nn.Module:
+    cls = router_class(cfg)
+    options = dict(cfg.ablation.router_options or {})
+    try:
+        router = cls(cfg, **options)
+    except TypeError as err:
+        raise config_error(f"ablations.{cfg.ablation.name}", "router_options",
+                           f"{cfg.ablation.router}(cfg, **{options!r}) failed: {err}") from None
+    missing = [m for m in ("start", "read", "write", "reset_parameters") if not callable(getattr(router, m, None))]
+    if missing:
+        raise config_error(f"ablations.{cfg.ablation.name}", "router",
+                           f"{cfg.ablation.router} lacks {', '.join(missing)} of the Router protocol (README, "
+                           "'Writing your own router')")
+    setattr(router, EXTERNAL_MARK, True)
+    return router
+
+
+EXTERNAL_MARK = "_lrattn_external_router"  # set on every router built here (train/optim.py finds them by it)
+_FACTS: dict[str, tuple[int, int | None]] = {}
+
+
+def facts(cfg: ModelConfig) -> tuple[int, int | None]:
+    """(parameter count, added forward FLOPs per token or None: unknown) of the router, built on meta."""
+    key = repr(cfg)
+    if key not in _FACTS:
+        with torch.device("meta"):
+            router = build_external(cfg)
+        flops = router.added_flops_per_token() if callable(getattr(router, "added_flops_per_token", None)) else None
+        if flops is not None and (isinstance(flops, bool) or not isinstance(flops, int) or flops < 0):
+            raise InputError(f"{cfg.ablation.router}.added_flops_per_token() must return an integer >= 0, got {flops!r}")
+        _FACTS[key] = (sum(p.numel() for p in router.parameters()), flops)
+    return _FACTS[key]
+
+
+def adamw_names(router: nn.Module) -> set[str] | None:
+    """The router's own parameter names that AdamW takes (None: the router does not say)."""
+    method: Any = getattr(router, "adamw_parameter_names", None)
+    if not callable(method):
+        return None
+    names = set(method())
+    known = {n for n, _ in router.named_parameters()}
+    if names - known:
+        raise InputError(f"adamw_parameter_names() of {type(router).__name__} names {sorted(names - known)[:3]}, "
+                         f"which are not its parameters ({sorted(known)[:5]})")
+    return names
