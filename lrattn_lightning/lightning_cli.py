@@ -32,7 +32,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lrattn_lightning.data.datamodule import TokenDataModule
 from lrattn_lightning.data.shards import validate_data_dir
-from lrattn_lightning.errors import Parser, UsageError, check_name, packaged
+from lrattn_lightning.errors import InputError, Parser, UsageError, check_name, packaged
 from lrattn_lightning.train import checkpointing
 from lrattn_lightning.train.callbacks import step_progress_bar, training_monitors
 from lrattn_lightning.train.checkpointing import AtomicCheckpointIO, LastCheckpoint, load_checkpoint_file
@@ -82,6 +82,9 @@ class LRAttnCLI(LightningCLI):
         parser.add_argument("--mlflow_fallback_local", type=bool, default=False, help="log locally if the server is down")
         parser.add_argument("--log_counters", type=bool, default=False,
                             help="also log Lightning's running counts (train/batches, samples, lengths, time)")
+        parser.add_argument("--init_from", type=str | None, default=None,
+                            help="fit: start from another run's checkpoint wherever names and shapes match "
+                                 "(upcycling; the optimiser and schedule start fresh)")
         parser.add_argument("--run_tags", type=dict[str, str] | None, default=None,
                             help='extra MLflow tags of a new run, e.g. \'{"sweep": "cpu-study", "seed": "0"}\'')
         parser.link_arguments("size", "model.size", compute_fn=lambda name: name or "")
@@ -137,6 +140,7 @@ class LRAttnCLI(LightningCLI):
             if (error := availability_error()) is not None:
                 raise UsageError(error)
         self._check_attention(cfg)
+        self.upcycling = self._check_init_from(cfg, model_cfg)
         seed = cfg.seed_everything if isinstance(cfg.seed_everything, int) else 0
         if cfg.run_name is None:  # (the registry's names could still make one too long)
             cfg.run_name = check_name(f"{cfg.size}-{cfg.ablation}-seed{seed}", "the default run name SIZE-ABLATION-seedN")
@@ -146,6 +150,37 @@ class LRAttnCLI(LightningCLI):
         if cfg.trainer.logger is None:
             self.tracking_uri = resolve_tracking_uri(cfg.tracking_uri, cfg.mlflow_fallback_local)
         self._claim_run(cfg)
+
+    def _check_init_from(self, cfg, model_cfg):
+        """--init_from: which tensors the source checkpoint gives (a shape conflict is one line, now)."""
+        source = cfg.get("init_from")
+        if source is None:
+            return None
+        if self.subcommand != "fit":
+            raise UsageError(f"--init_from is for fit (upcycling a new run); {self.subcommand} reads --ckpt_path")
+        if cfg.get("ckpt_path"):  # a resume: its checkpoint holds this run's weights already
+            print(f"[lrattn fit] --init_from {source} is not applied: resuming from --ckpt_path {cfg.ckpt_path}",
+                  file=sys.stderr)
+            return None
+        from lrattn_lightning.train.checkpoints import init_weights_from
+
+        try:
+            return init_weights_from(source, model_cfg)
+        except InputError as err:
+            raise UsageError(str(err)) from None
+
+    def before_fit(self) -> None:
+        """Upcycling (--init_from): this run's initialisation, then the source's tensors where they match."""
+        up = self.upcycling
+        if up is None:
+            return
+        self.model.model.load_state_dict(up.loaded, strict=False)
+        self.model.init_from_params = {"init_from": str(up.path.resolve()), "init_from_step": up.step,
+                                       "init_from_source": up.source, "init_from_run": up.mlflow_run or "none",
+                                       "init_from_new_tensors": len(up.new)}
+        if checkpointing.launched_as_rank_zero():
+            for line in up.summary():
+                print(f"[lrattn fit] {line}", flush=True)
 
     def _check_attention(self, cfg) -> None:
         """FlexAttention has no backward on CPU: a CPU fit with --model.attention flex would fail at its first step."""

@@ -87,6 +87,7 @@ class RunDescription(Callback):
                 "registry_sha256": hp.registry_sha256,
                 **{f"train_{k}": v for k, v in hp.items() if k in TRAIN_PARAMS},
                 **recipe_params(trainer),
+                **getattr(pl_module, "init_from_params", {}),  # upcycling: the source checkpoint (lrattn fit --init_from)
             })
         elif run is not None and run.data.params.get("train_max_steps") not in (None, str(trainer.max_steps)):
             # a resume with --model.allow_schedule_change: params cannot change, so the new length is its own

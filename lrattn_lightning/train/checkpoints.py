@@ -155,3 +155,55 @@ def check_data_dir(ckpt: LoadedCheckpoint, data_dir: str | Path) -> dict[str, An
                         f"{Path(data_dir) / 'meta.json'} was prepared with {theirs}; pass --data-dir of the folder "
                         "the checkpoint was trained on")
     return meta
+
+
+@dataclass
+class Upcycling:
+    """What `lrattn fit --init_from CKPT` takes from another run's checkpoint (init_weights_from)."""
+
+    path: Path
+    step: int
+    source: str  # SIZE/ABLATION of the checkpoint
+    loaded: dict[str, torch.Tensor]  # our Decoder's names -> the checkpoint's tensors (same shape)
+    new: list[str]  # our tensors the checkpoint lacks: they keep this run's initialisation
+    unused: list[str]  # the checkpoint's tensors this model lacks
+    mlflow_run: str | None
+
+    def summary(self) -> list[str]:
+        def names(keys: list[str]) -> str:
+            shown = ", ".join(keys[:6])
+            return shown + (f", ... ({len(keys)} in all)" if len(keys) > 6 else "")
+
+        lines = [f"--init_from {self.path} (step {self.step}, {self.source}): loaded {len(self.loaded)} tensors "
+                 f"({sum(t.numel() for t in self.loaded.values()):,} values) where names and shapes match"]
+        lines.append(f"new (this run's initialisation): {names(self.new)}" if self.new else "new: none")
+        if self.unused:
+            lines.append(f"not used (not in this model): {names(self.unused)}")
+        return lines
+
+
+def init_weights_from(path: str | Path, cfg: ModelConfig) -> Upcycling:
+    """The tensors of checkpoint `path` that model `cfg` takes by name and shape; one line on a shape conflict
+    (a tensor of the same name and another shape) or a checkpoint that shares no tensor with it."""
+    try:
+        ckpt = read_checkpoint_file(path, error=InputError)
+    except InputError as err:
+        raise InputError(f"--init_from: {err}") from None
+    stored = ckpt.get("hyper_parameters", {}).get("model_config")
+    if not isinstance(stored, dict) or "state_dict" not in ckpt:
+        raise InputError(f"--init_from {path}: not a checkpoint of `lrattn fit` (no model_config and state_dict)")
+    theirs = {k[len("model."):].replace("_orig_mod.", ""): v for k, v in ckpt["state_dict"].items()
+              if k.startswith("model.")}
+    with torch.device("meta"):
+        ours = {k: v.shape for k, v in build_decoder(cfg).state_dict().items()}
+    source = f"{stored['size']['name']}/{stored['ablation']['name']}"
+    for name, shape in ours.items():
+        if name in theirs and tuple(theirs[name].shape) != tuple(shape):
+            raise InputError(f"--init_from {path}: tensor '{name}' is {list(theirs[name].shape)} in {source} and "
+                             f"{list(shape)} in {cfg.size.name}/{cfg.ablation.name}; upcycle between entries whose "
+                             "shared tensors have one shape (same size; P-LR's extra key rows differ from a baseline's)")
+    loaded = {k: theirs[k] for k in ours if k in theirs}
+    if not loaded:
+        raise InputError(f"--init_from {path}: {source} shares no tensor with {cfg.size.name}/{cfg.ablation.name}")
+    return Upcycling(Path(path), int(ckpt.get("global_step", 0)), source, loaded, [k for k in ours if k not in theirs],
+                     [k for k in theirs if k not in ours], (ckpt.get("mlflow") or {}).get("run_id"))
