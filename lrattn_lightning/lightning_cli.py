@@ -134,7 +134,7 @@ class LRAttnCLI(LightningCLI):
             raise UsageError(f"--data.seq_len={cfg.data.seq_len} exceeds seq_len={model_cfg.size.seq_len} of size "
                              f"'{cfg.size}'; use a shorter window or a larger size")
         validate_data_dir(cfg.data.data_dir, model_cfg.size, cfg.data.seq_len)
-        if cfg.model.get("impl") == "triton" and model_cfg.ablation.routing == "attnres":  # CUDA or the interpreter
+        if cfg.model.get("impl") == "triton" and model_cfg.kind.takes_impl:  # CUDA or the interpreter
             from lrattn_lightning.model.routing.triton_ops import availability_error
 
             if (error := availability_error()) is not None:

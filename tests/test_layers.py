@@ -76,3 +76,42 @@ def test_errors_about_input_derive_from_input_error():
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
             and getattr(node.exc.func, "id", None) == "ValueError"]
     assert not bare, f"raise InputError (lrattn_lightning.errors) instead of ValueError at {bare}"
+
+
+# a comparison of `routing` with a kind's name (or a list of them)
+SWITCH = r"routing\s*(==|!=|\bin\b|\bnot in\b)\s*[\"'(\[]"
+
+
+def _kind_modules() -> set[Path]:
+    """A routing kind's own files: model/routing/NAME.py with its `KIND = ` line, and what it keeps beside it
+    (attnres_kind.py), and the kinds module itself."""
+    folder = PACKAGE / "model" / "routing"
+    own = {p for p in folder.glob("*.py") if "\nKIND = " in p.read_text()}
+    return own | {folder / "attnres_kind.py", folder / "kinds.py"}
+
+
+def test_only_a_routing_kinds_own_files_name_routing_kinds():
+    """Everything about a routing kind lives in its module (model/routing/kinds.py): no other module switches on
+    `routing` or compares it with a kind's name."""
+    import re
+
+    switch = re.compile(SWITCH)
+    offenders = []
+    for name, path in modules():
+        if path in _kind_modules():
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if switch.search(line):
+                offenders.append(f"{name}:{number}: {line.strip()}")
+    assert not offenders, offenders
+    from lrattn_lightning.model.routing.kinds import known_kinds
+
+    assert set(known_kinds()) >= {"residual", "attnres", "gated", "external"}
+
+
+def test_the_switch_check_would_catch_one():
+    import re
+
+    switch = re.compile(SWITCH)
+    assert switch.search('if cfg.ablation.routing == "gated":') and switch.search("a.routing in ('x', 'y')")
+    assert not switch.search("kind = kind_of(self.routing, where)")

@@ -1,22 +1,17 @@
 """Analytic parameter counts and the paper's cost axis: added forward FLOPs per token (SPEC §4).
 
-    core  = 2 L (4 d^2 + 3 d h)                       2 x non-embedding matmul parameters
-    read  = sum_{j=1..2L} |S_j| (2 k + 2 d)           k = d for AttnRes, r for LR; site 0 is free
-    proj  = KeySource.flops()                         forming the keys (routing/keys.py): P-LR's key rows
-                                                      2 (L r (d + h) + r d), value_projected's 2 (2L [+1]) r d
-          + 2 L r (d + h) + 2L 2r                     gated dynamic query: the query rows, the gating
-    gated = 2L (4 d^2 + 5 d [+ 1 with a gate bias])   gated residual (SPEC §7): W_q, W_k, the dot, the mix
-    added % = 100 (read + proj) / core
+    core  = 2 L (4 d^2 + 3 d h)          2 x non-embedding matmul parameters
+    added = the routing kind's           AttnRes: the reads and key rows (routing/attnres_kind.py); the gated
+                                         residual: its gate matmuls (routing/gated.py); an external router:
+                                         what it states, or None (unknown: routing/external.py)
+    added % = 100 added / core
 
-Parameters likewise: the 2L pseudo-queries, what the key source declares (KeySource.num_params), the
-dynamic query's rows and gates. An external router (routing/external.py) has its module's real parameter
-count and the FLOPs its `added_flops_per_token()` states, or None (unknown) without it.
+Parameters likewise: the kind's `routing_params` (an external router: its module's real count).
 """
 
 from __future__ import annotations
 
 from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig
-from lrattn_lightning.model.routing.keys import key_source
 
 
 def _pair(size: SizeConfig | ModelConfig, ablation: AblationConfig | None) -> ModelConfig:
@@ -30,23 +25,9 @@ def core_params(size: SizeConfig) -> int:
 
 
 def routing_params(size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None) -> int:
-    """Parameters that depth routing adds to the baseline."""
+    """Parameters that depth routing adds to the baseline (the routing kind's count)."""
     cfg = _pair(size, ablation)
-    s, a = cfg.size, cfg.ablation
-    d, h, L, M = s.d_model, s.d_mlp, s.n_layers, s.n_sublayers
-    if a.routing == "residual":
-        return 0
-    if a.routing == "gated":
-        return M * 2 * d * d + (M if a.gate_bias != "none" else 0)  # W_q and W_k per sublayer; the biases b_i
-    if a.routing == "external":
-        from lrattn_lightning.model.routing.external import facts
-
-        return facts(cfg)[0]
-    r = cfg.key_dim
-    n = M * r + key_source(cfg).num_params()  # the pseudo-queries, one per read site j = 1..2L; the keys'
-    if a.query == "gated_dynamic":
-        n += L * r * (d + h) + M * a.depth_heads  # the query rows of every output projection, the gates
-    return n
+    return cfg.kind.routing_params(cfg)
 
 
 def count_params(size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None) -> int:
@@ -75,25 +56,10 @@ def core_flops(size: SizeConfig) -> int:
 
 
 def added_flops(size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None) -> int | None:
-    """Forward FLOPs per token that routing adds to the core (None: unknown, an external router that does not
-    state them)."""
+    """Forward FLOPs per token that routing adds to the core (the routing kind's; None: unknown, an external
+    router that does not state them)."""
     cfg = _pair(size, ablation)
-    s, a = cfg.size, cfg.ablation
-    d, h, L, M = s.d_model, s.d_mlp, s.n_layers, s.n_sublayers
-    if a.routing == "residual":
-        return 0
-    if a.routing == "gated":  # two d x d projections, the dot, the mix; + b_i
-        return M * (2 * 2 * d * d + 2 * d + 3 * d + (1 if a.gate_bias != "none" else 0))
-    if a.routing == "external":
-        from lrattn_lightning.model.routing.external import facts
-
-        return facts(cfg)[1]
-    r = cfg.key_dim
-    read = sum(sources_per_site(cfg)) * (2 * r + 2 * d)
-    proj = key_source(cfg).flops()
-    if a.query == "gated_dynamic":
-        proj += 2 * L * r * (d + h) + M * 2 * r  # the query rows; q_j + g_j * q_dyn at every site
-    return read + proj
+    return cfg.kind.added_flops(cfg)
 
 
 def added_flops_percent(size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None) -> float | None:

@@ -1,7 +1,9 @@
 """Frozen configuration records for a model: its size and its depth-routing ablation.
 
-Nothing here imports torch. `registry.py` builds these from `registry.yaml`; everything else
+Importing this module needs no torch. `registry.py` builds these from `registry.yaml`; everything else
 (decoder, accounting, training) reads them. A `ModelConfig` is one validated (size, ablation) pair.
+Validation and everything that depends on the routing kind ask that kind (`AblationConfig.kind`,
+model/routing/kinds.py), whose module is imported then.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from typing import Any, Literal, get_args
 
 from lrattn_lightning.errors import InputError
 
-Routing = Literal["residual", "attnres", "gated", "external"]  # external: a user's class (`router`)
+# `routing` names a routing kind: model/routing/NAME.py holds everything about it (model/routing/kinds.py);
+# the built-in kinds are residual, attnres, gated and external (a user's class named by `router`).
 # Where a source's routing key comes from (SPEC §3):
 #   value                  the value itself (standard AttnRes, k = d)
 #   projected              P-LR: extra r output rows of each sublayer's output projection
@@ -120,7 +123,7 @@ class AblationConfig:
     name: str
     doc: str
     control: str | None
-    routing: Routing = "residual"
+    routing: str = "residual"
     key_source: KeySource = "value"
     rank: int | None = None  # key width r; None means d (only for key_source=value)
     depth_heads: int = 1  # m
@@ -158,102 +161,19 @@ class AblationConfig:
         if self.control == self.name:
             raise config_error(where, "control", "an entry cannot be its own control; name the ablation it is "
                                "compared with, or null")
-        _check_literal(where, "routing", self.routing, Routing)
-        _check_literal(where, "key_source", self.key_source, KeySource)
-        _check_literal(where, "key_norm", self.key_norm, KeyNorm)
-        _check_literal(where, "query_init", self.query_init, QueryInit)
-        _check_literal(where, "block_summary", self.block_summary, BlockSummary)
-        _check_literal(where, "embedding_key", self.embedding_key, EmbeddingKey)
-        _check_literal(where, "query", self.query, QueryKind)
-        if not isinstance(self.query_norm, bool):
-            raise config_error(where, "query_norm", f"must be true or false, got {self.query_norm!r}")
-        if isinstance(self.logit_scale, str):
-            _check_literal(where, "logit_scale", self.logit_scale, LogitScaleName)
-        elif not _finite_number(self.logit_scale) or self.logit_scale <= 0:
-            raise config_error(where, "logit_scale", f"must be 'none', 'inv_sqrt_head_dim' or a positive number, got {self.logit_scale!r}")
-        for field in ("rank", "blocks", "block_size"):
-            value = getattr(self, field)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise config_error(where, field, f"must be a positive integer or null, got {value!r}")
-        if isinstance(self.depth_heads, bool) or not isinstance(self.depth_heads, int) or self.depth_heads < 1:
-            raise config_error(where, "depth_heads", f"must be a positive integer, got {self.depth_heads!r}")
-        if not _finite_number(self.count_prior):
-            raise config_error(where, "count_prior", f"must be a finite number, got {self.count_prior!r}")
-        self._validate_gate(where)
-        self._validate_external(where)
-        if self.routing != "attnres":
-            self._no_attnres_fields(where)
-            return self
-        if self.blocks is not None and self.block_size is not None:
-            raise config_error(where, "blocks", "give either 'blocks' (a count) or 'block_size' (sublayers per block), not both")
-        if self.key_source == "value":
-            if self.rank is not None:
-                raise config_error(where, "rank", "key_source 'value' uses the full width d as key; leave rank null")
-            if self.logit_scale != "none":
-                raise config_error(
-                    where, "logit_scale",
-                    f"standard AttnRes (key_source 'value') has no logit scale (s = 1, SPEC §2), got "
-                    f"{self.logit_scale!r}; set logit_scale: none",
-                )
-            if self.query != "static":
-                raise config_error(where, "query", "the gated dynamic query needs low-rank keys; use key_source "
-                                   "projected, sliced or value_projected, or set query: static")
-        elif self.rank is None:
-            raise config_error(where, "rank", f"key_source '{self.key_source}' needs a rank r")
-        if self.rank is not None and self.rank % self.depth_heads:
-            raise config_error(where, "rank", f"rank={self.rank} is not divisible by depth_heads={self.depth_heads}")
-        allowed = _EMBEDDING_KEYS_FOR[self.key_source]
-        if self.embedding_key not in allowed:
-            raise config_error(
-                where, "embedding_key",
-                f"key_source '{self.key_source}' needs embedding_key in {list(allowed)}, got '{self.embedding_key}'",
-            )
+        from lrattn_lightning.model.routing.kinds import check_foreign_fields, kind_of
+
+        kind = kind_of(self.routing, where)
+        check_foreign_fields(self, kind, where)  # a field of another kind would be silently ignored
+        kind.validate(self, where)
         return self
 
-    def _no_attnres_fields(self, where: str) -> None:
-        """Residual and gated routing read none of AttnRes's fields: a set one would be silently ignored."""
-        for f in dataclasses.fields(self):
-            if f.name in _ATTNRES_FIELDS and getattr(self, f.name) != f.default:
-                raise config_error(where, f.name, f"only AttnRes routing (routing: attnres) reads it; routing is "
-                                   f"'{self.routing}': remove it (over an `extends`, reset it to "
-                                   f"{'null' if f.default is None else repr(f.default)})")
+    @property
+    def kind(self):
+        """The routing kind (model/routing/kinds.py): everything about `routing` lives there."""
+        from lrattn_lightning.model.routing.kinds import kind_of
 
-    def _validate_external(self, where: str) -> None:
-        """router / router_options: exactly for routing external; an import path and a mapping of str keys."""
-        if self.routing != "external":
-            for field in ("router", "router_options"):
-                if getattr(self, field) is not None:
-                    raise config_error(where, field, f"only routing external names a router class; routing is "
-                                       f"'{self.routing}': remove it, or set routing: external")
-            return
-        if not isinstance(self.router, str) or not _IMPORT_PATH.fullmatch(self.router):
-            raise config_error(where, "router", f"routing external needs the class as 'package.module:Class', got "
-                               f"{self.router!r}")
-        options = self.router_options
-        if options is not None and (not isinstance(options, dict) or not all(isinstance(k, str) and k.isidentifier()
-                                                                             for k in options)):
-            raise config_error(where, "router_options", f"must be a mapping of keyword arguments (identifier keys) "
-                               f"or null, got {options!r}")
-
-    def _validate_gate(self, where: str) -> None:
-        """gate_bias / gate_alpha: only for routing gated; gate_alpha exactly when the bias needs one."""
-        _check_literal(where, "gate_bias", self.gate_bias, GateBias)
-        alpha = self.gate_alpha
-        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float)):
-            raise config_error(where, "gate_alpha", f"must be a number in (0, 1) or null, got {alpha!r}")
-        if self.routing != "gated":
-            if self.gate_bias != "none" or alpha is not None:
-                field = "gate_bias" if self.gate_bias != "none" else "gate_alpha"
-                raise config_error(where, field, f"only the gated residual (routing: gated) has gates; "
-                                   f"routing is '{self.routing}'")
-            return
-        if self.gate_bias in ("constant", "last_layer"):
-            if alpha is None or not 0.0 < alpha < 1.0:
-                raise config_error(where, "gate_alpha", f"gate_bias '{self.gate_bias}' needs the initial gate "
-                                   f"alpha0 in (0, 1), got {alpha!r}")
-        elif alpha is not None:
-            raise config_error(where, "gate_alpha", f"gate_bias '{self.gate_bias}' sets no alpha0 of its own; "
-                               "leave gate_alpha null (or use gate_bias constant / last_layer)")
+        return kind_of(self.routing, f"ablations.{self.name}")
 
 
 @dataclass(frozen=True)
@@ -273,13 +193,14 @@ class ModelConfig:
         return self.size.d_model if a.rank is None else a.rank
 
     @property
+    def kind(self):
+        """The routing kind of the ablation (model/routing/kinds.py)."""
+        return self.ablation.kind
+
+    @property
     def extra_out(self) -> int:
-        """Extra output rows of each sublayer's output projection: r key rows (P-LR), then r query
-        rows (gated dynamic query)."""
-        a = self.ablation
-        if a.routing != "attnres":
-            return 0
-        return (a.rank if a.key_source == "projected" else 0) + (a.rank if a.query == "gated_dynamic" else 0)
+        """Extra output rows of each sublayer's output projection (P-LR's key rows, the dynamic query's rows)."""
+        return self.kind.extra_out(self)
 
     @property
     def logit_scale(self) -> float:
@@ -292,38 +213,10 @@ class ModelConfig:
 
     def block_ends(self) -> list[int]:
         """Sublayer indices (1-based) after which a block ends; [] for full routing (SPEC §2)."""
-        a, m = self.ablation, self.size.n_sublayers
-        if a.routing != "attnres" or not a.is_block:
-            return []
-        if a.blocks is not None:
-            return [math.ceil(m * b / a.blocks) for b in range(1, a.blocks + 1)]
-        return [min(e, m) for e in range(a.block_size, m + a.block_size, a.block_size)]
-
-    def initial_gates(self) -> list[float] | None:
-        """alpha0_i of the gated residual's bias for sublayers i = 1..2L (None: no bias, alpha starts at 0.5)."""
-        a, m = self.ablation, self.size.n_sublayers
-        if a.routing != "gated" or a.gate_bias == "none":
-            return None
-        if a.gate_bias == "constant":
-            return [float(a.gate_alpha)] * m
-        if a.gate_bias == "last_layer":  # the last layer = its attention (2L-1) and MLP (2L) sublayers
-            return [float(a.gate_alpha) if i >= m - 1 else 0.5 for i in range(1, m + 1)]
-        return [i / (i + 1) for i in range(1, m + 1)]  # running_mean
+        return self.kind.block_ends(self)
 
     def validate(self) -> ModelConfig:
-        s, a = self.size, self.ablation
-        where = f"ablations.{a.name} at size {s.name}"
-        if a.routing != "attnres":
-            return self
-        d, m = s.d_model, s.n_sublayers
-        if a.rank is not None and a.rank > d:
-            raise config_error(where, "rank", f"rank={a.rank} exceeds d_model={d}; choose rank <= {d}")
-        if d % a.depth_heads:
-            raise config_error(where, "depth_heads", f"d_model={d} is not divisible by depth_heads={a.depth_heads}")
-        if a.blocks is not None and a.blocks > m:
-            raise config_error(where, "blocks", f"blocks={a.blocks} exceeds the {m} sublayers (2L); choose blocks <= {m}")
-        if a.block_size is not None and a.block_size > m:
-            raise config_error(where, "block_size", f"block_size={a.block_size} exceeds the {m} sublayers (2L)")
+        self.kind.validate_model(self, f"ablations.{self.ablation.name} at size {self.size.name}")
         return self
 
     def to_dict(self) -> dict[str, Any]:

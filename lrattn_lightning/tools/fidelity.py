@@ -16,6 +16,9 @@ from typing import Any
 
 from lrattn_lightning.errors import InputError, Parser
 from lrattn_lightning.model.config import ALL_IMPLS, ModelConfig
+from lrattn_lightning.model.routing.kinds import NotExpressible
+
+__all__ = ["NotExpressible", "fidelity_rows", "flag_language", "from_reference_state_dict", "reference_flags"]
 
 # The reference's ModelConfig defaults for the flags we set (so the table can list only departures).
 REFERENCE_DEFAULTS: dict[str, Any] = {
@@ -29,68 +32,16 @@ REFERENCE_DEFAULTS: dict[str, Any] = {
 }
 
 
-# Our key source / embedding key -> the reference flag that selects it (set to True).
-KEY_SOURCE_FLAGS = {"sliced": "lrid_key_from_output_tail", "value_projected": "lrid_key_from_value",
-                    "value_projected_shared": "lrid_key_from_value_shared"}
-EMBEDDING_KEY_FLAGS = {"static": "lrid_static_embedding_key", "projected_plus_static": "lrid_add_static_embedding_key"}
-
-
-class NotExpressible(InputError):
-    """The entry has no equivalent in the reference's flags (said why)."""
-
-
 def reference_flags(cfg: ModelConfig) -> dict[str, Any]:
-    """The reference ModelConfig kwargs that compute the same model as `cfg` (architecture flags only)."""
-    s, a = cfg.size, cfg.ablation
+    """The reference ModelConfig kwargs that compute the same model as `cfg` (architecture flags only): the
+    core's, then the routing kind's (NotExpressible where the reference has none)."""
+    s = cfg.size
     flags: dict[str, Any] = {
         "block_size": s.seq_len, "vocab_size": s.vocab_size, "n_layer": s.n_layers, "n_head": s.n_heads,
         "n_embd": s.d_model, "mlp_hidden_dim": s.d_mlp, "rope_theta": s.rope_theta, "init_std": s.init_std,
         "norm_pos": "before", "qk_norm": True, "weight_tying": False, "flash_attention": False,
     }
-    if a.routing == "gated":
-        raise NotExpressible("the gated residual (SPEC §7) is not part of the reference")
-    if a.routing == "external":
-        raise NotExpressible(f"an external router ({a.router}) is not part of the reference")
-    if a.routing == "residual":
-        return flags
-    flags.update(use_attnres=True, attnres_key_norm=a.key_norm == "rms", attn_res_query_norm=a.query_norm,
-                 attn_res_query_init=a.query_init)
-    flags.update(_block_flags(cfg))
-    if a.key_source == "value":
-        return flags
-    flags.update(use_lrid=True, lrid_rank=a.rank, lrid_num_heads=a.depth_heads)
-    if a.logit_scale == "none":
-        flags["lrid_use_logit_scale"] = False
-    elif a.logit_scale == "inv_sqrt_head_dim":
-        flags["lrid_use_logit_scale"] = True
-    else:
-        flags.update(lrid_use_logit_scale=True, lrid_logit_scale=float(a.logit_scale))
-    for flag in (KEY_SOURCE_FLAGS.get(a.key_source), EMBEDDING_KEY_FLAGS.get(a.embedding_key)):
-        if flag is not None:
-            flags[flag] = True
-    if a.query == "gated_dynamic":
-        flags["lrid_input_dependent_query"] = True
-    return flags
-
-
-def _block_flags(cfg: ModelConfig) -> dict[str, Any]:
-    a, m = cfg.ablation, cfg.size.n_sublayers
-    ends = cfg.block_ends()
-    if not ends:
-        return {"attnres_type": "full"}
-    n = len(ends)
-    if [math.ceil(m * b / n) for b in range(1, n + 1)] != ends:
-        raise NotExpressible(f"block ends {ends} are not the reference's ceil(2L b / N) layout for any N")
-    flags: dict[str, Any] = {"attnres_type": "block", "attnres_num_blocks": n}
-    if a.block_summary == "sum":
-        flags["attnres_block_average"] = False
-    else:
-        flags.update(attnres_block_average=True,
-                     attnres_block_average_mode="count" if a.block_summary == "mean" else "sqrt")
-    if a.count_prior in (0.0, 1.0):
-        flags["attnres_block_count_prior"] = a.count_prior == 1.0
-    else:
-        flags.update(attnres_block_count_prior=True, attnres_block_beta=float(a.count_prior))
+    flags.update(cfg.kind.reference_flags(cfg))
     return flags
 
 
@@ -106,40 +57,16 @@ def flag_language(cfg: ModelConfig) -> str:
 
 def from_reference_state_dict(ref: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
     """The reference's parameters under our names (torch tensors or numpy arrays alike)."""
-    a, L = cfg.ablation, cfg.size.n_layers
+    L = cfg.size.n_layers
+    proj, routing = cfg.kind.reference_weights(ref, cfg, _stack)  # LR keys wrap the output projections
     out: dict[str, Any] = {"embed.weight": ref["transformer.wte.weight"], "head.weight": ref["lm_head.weight"]}
-    lr = a.routing == "attnres" and a.key_source != "value"
-    proj = ".proj.weight" if lr else ".weight"
     for layer in range(L):
         src, dst = f"transformer.layers.{layer}.", f"layers.{layer}."
         out[dst + "attn.qkv.weight"] = ref[src + "attn.c_attn.weight"]
         out[dst + "attn.proj.weight"] = ref[src + "attn.c_proj" + proj]
         out[dst + "mlp.fc1.weight"] = ref[src + "mlp.fc1.weight"]
         out[dst + "mlp.fc2.weight"] = ref[src + "mlp.fc2" + proj]
-    if a.routing != "attnres":
-        return out
-    J = 2 * L
-    if not lr:
-        out["router.queries"] = _stack([ref[f"transformer.attn_residuals.{j}.query"] for j in range(J)])
-        return out
-    out["router.queries"] = _stack([ref[f"transformer.lrid_queries.{j}"].reshape(-1) for j in range(J)])
-    if a.query == "gated_dynamic":
-        out["router.query_gates"] = _stack([ref[f"transformer.lrid_query_gates.{j}"] for j in range(J)])
-    emb_projected = a.embedding_key in ("projected", "projected_plus_static")
-    if a.embedding_key in ("static", "projected_plus_static"):
-        out["router.embedding_key_static"] = ref["transformer.lrid_static_embedding_key.key"]
-    embedding_proj = "transformer.lrid_embedding_key.proj.weight"
-    if a.key_source == "projected" and emb_projected:
-        out["router.embedding_key_proj.weight"] = ref[embedding_proj]
-    elif a.key_source == "value_projected_shared" or (a.key_source == "value_projected" and emb_projected):
-        out["router.value_key_proj.0.weight"] = ref[embedding_proj]  # the shared projection, or the embedding's own
-    if a.key_source == "value_projected":
-        first = 0 if emb_projected else 1
-        for layer in range(L):
-            for i, part in ((2 * layer + 1, "attn.c_proj"), (2 * layer + 2, "mlp.fc2")):
-                out[f"router.value_key_proj.{i - first}.weight"] = ref[
-                    f"transformer.layers.{layer}.{part}.value_key_proj.weight"]
-    return out
+    return {**out, **routing}
 
 
 def _stack(rows: list[Any]) -> Any:

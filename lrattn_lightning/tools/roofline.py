@@ -100,8 +100,8 @@ def routing_traffic(
     M, D = s.n_sublayers, s.d_model
     vector = tokens * D * value_bytes  # bytes of one value vector over all tokens
     mult = 3 if training else 1
-    if a.routing != "attnres":  # the stream itself (net 0); gated: its d x d matmuls as FLOPs; external: its own word
-        flops = (added_flops(cfg) or 0) * tokens * mult if a.routing in ("gated", "external") else 0
+    if not cfg.kind.depth_attention:  # the stream itself (net 0), and the kind's FLOPs (gated: its d x d matmuls)
+        flops = (added_flops(cfg) or 0) * tokens * mult
         units = {"forward": 3 * M, "backward": 3 * M if training else 0, "residual": 3 * M * (2 if training else 1)}
         return Traffic(3 * M * vector, units["backward"] * vector, units["residual"] * vector, float(flops), units)
     sites, partials, counts = _groups(cfg)

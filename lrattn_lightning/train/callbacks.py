@@ -47,7 +47,7 @@ def flat_run_params(cfg: ModelConfig) -> dict[str, Any]:
     params = {"size": size.pop("name"), "ablation": abl.pop("name")}
     params.update({k: v for k, v in size.items() if k != "doc"})
     params.update({k: ("null" if v is None else v) for k, v in abl.items() if k not in ("doc", "tags")})
-    params["key_dim"] = cfg.key_dim if cfg.ablation.routing == "attnres" else 0
+    params["key_dim"] = cfg.kind.key_dim(cfg)
     params["block_ends"] = ",".join(map(str, cfg.block_ends())) or "full"
     params["params"] = count_params(cfg)
     pct = added_flops_percent(cfg)  # unknown for an external router that does not state its FLOPs
@@ -171,10 +171,10 @@ class RoutingArtifacts(Callback):
         cfg, step = pl_module.cfg, pl_module.report_step
         title = f"{cfg.ablation.name} @ {cfg.size.name}, step {step}"
         client, run_id = logger.experiment, logger.run_id
-        if cfg.ablation.routing == "gated":
+        if cfg.kind.diagnostics == "gates":
             stats = diagnostics.gate_stats(weights)
             alphas = [r["alpha"] for r in stats]
-            fig = diagnostics.gate_figure({cfg.ablation.name: alphas}, title, initial=cfg.initial_gates())
+            fig = diagnostics.gate_figure({cfg.ablation.name: alphas}, title, initial=cfg.kind.initial_gates(cfg))
             client.log_figure(run_id, fig, "routing/gates.png")
             client.log_dict(run_id, {"step": step, "held": pl_module.model.router.gates_held, "alpha": alphas,
                                      "saturated": [r["saturated"] for r in stats]}, "routing/gates.json")

@@ -29,6 +29,7 @@ from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.model.registry import load_registry
 from lrattn_lightning.model.routing.base import compile_impl
+from lrattn_lightning.model.routing.kinds import check_training_options
 from lrattn_lightning.train import diagnostics
 from lrattn_lightning.train.callbacks import (
     CheckpointContents,
@@ -158,11 +159,8 @@ class LRAttnModule(L.LightningModule):
         hp = self.hparams
         given = {"gate_freeze_steps": hp.gate_freeze_steps != 0, "gate_release_loss": hp.gate_release_loss is not None,
                  "gate_grad_normalize": bool(hp.gate_grad_normalize)}
-        if cfg.ablation.routing != "gated":
-            for name, set_ in given.items():
-                if set_:
-                    raise InputError(f"model.{name}: only the gated residual (routing: gated) has gates; ablation "
-                                     f"'{cfg.ablation.name}' has routing '{cfg.ablation.routing}'")
+        check_training_options(cfg, given)  # a flag no part of this routing kind reads is one line
+        if not set(given) <= set(cfg.kind.training_options):
             return
         steps = hp.gate_freeze_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
@@ -178,7 +176,7 @@ class LRAttnModule(L.LightningModule):
 
     @property
     def _gate_schedule_active(self) -> bool:
-        return self.cfg.ablation.routing == "gated" and (
+        return "gate_freeze_steps" in self.cfg.kind.training_options and (
             self.hparams.gate_freeze_steps > 0 or self.hparams.gate_release_loss is not None)
 
     def _update_gate_hold(self) -> None:
@@ -309,7 +307,7 @@ class LRAttnModule(L.LightningModule):
     # ---- validation ----------------------------------------------------------------------------
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        record = batch_idx == 0 and self.hparams.routing_diagnostics and self.cfg.ablation.routing in ("attnres", "gated")
+        record = batch_idx == 0 and self.hparams.routing_diagnostics and self.cfg.kind.diagnostics is not None
         out = self.model(inputs, return_routing=record)
         logits = out.logits if record else out
         if record:
@@ -360,7 +358,7 @@ class LRAttnModule(L.LightningModule):
     def _report_routing(self, weights: list[torch.Tensor]) -> None:
         """The mean over read sites as metrics routing/mean/<stat> (the gated residual: over sublayers,
         routing/mean/alpha and saturated); per site they are artifacts (RoutingArtifacts)."""
-        gated = self.cfg.ablation.routing == "gated"
+        gated = self.cfg.kind.diagnostics == "gates"
         stats = diagnostics.gate_stats(weights) if gated else diagnostics.site_stats(weights)
         for stat in diagnostics.GATE_STATS if gated else diagnostics.STATS:
             self._report(f"routing/mean/{stat}", sum(r[stat] for r in stats) / len(stats))

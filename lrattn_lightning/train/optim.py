@@ -47,32 +47,32 @@ MUON_VARIANTS: dict[str, dict[str, Any]] = {
 }
 MUON_DEFAULTS = {"lr": 1e-3, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True, **MUON_VARIANTS["reference"]}
 ADAMW_DEFAULTS = {"lr": 3e-4, "weight_decay": 0.0, "betas": (0.9, 0.95), "eps": 1e-8}
-# 2-D parameters that stay with AdamW: the token embedding, the LM head and the pseudo-queries
-# (matched as whole name components, also under a wrapper's prefix such as `_orig_mod.`).
-ADAMW_ONLY = (".embed.", ".head.", ".router.queries", ".router.query_gates")  # gates: [2L, m], one vector per site
+# 2-D parameters that stay with AdamW: the token embedding and the LM head (matched as whole name components,
+# also under a wrapper's prefix such as `_orig_mod.`), and what the routing kind says of its router's.
+ADAMW_ONLY = (".embed.", ".head.")
 
 
-def _external_adamw(model: nn.Module) -> set[int]:
-    """ids of the parameters of external routers (routing/external.py) that AdamW takes: those the router's
-    adamw_parameter_names() names, or all of them when it does not say."""
-    from lrattn_lightning.model.routing.external import EXTERNAL_MARK, adamw_names
-
+def _router_adamw(model: nn.Module) -> set[int]:
+    """ids of the router parameters AdamW takes: what each decoder's routing kind says of its router
+    (AttnRes: the pseudo-queries and query gates; an external router: its own word, or all of them)."""
     ids: set[int] = set()
     for module in model.modules():
-        if getattr(module, EXTERNAL_MARK, False):
-            names = adamw_names(module)
-            ids |= {id(p) for n, p in module.named_parameters() if names is None or n in names}
+        cfg, router = getattr(module, "cfg", None), getattr(module, "router", None)
+        if router is None or not hasattr(cfg, "kind"):
+            continue
+        names = cfg.kind.adamw_names(router)
+        ids |= {id(p) for n, p in router.named_parameters() if names is None or n in names}
     return ids
 
 
 def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(muon, adamw) parameter lists."""
     muon, adamw = [], []
-    external = _external_adamw(model)
+    routing = _router_adamw(model)
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.ndim >= 2 and id(p) not in external and not any(tag in f".{name}" for tag in ADAMW_ONLY):
+        if p.ndim >= 2 and id(p) not in routing and not any(tag in f".{name}" for tag in ADAMW_ONLY):
             muon.append(p)
         else:
             adamw.append(p)

@@ -42,6 +42,7 @@ from lrattn_lightning.model.routing._math import (
     logits,
     rms_norm,
 )
+from lrattn_lightning.model.routing.attnres_kind import AttnResKind
 from lrattn_lightning.model.routing.keys import key_source
 
 
@@ -200,3 +201,6 @@ class ReferenceAttnRes(AttnResRouter):
         """The read's key norm, per depth head, in the routing's compute dtype."""
         key_BTr = key_BTr.to(compute_dtype(key_BTr.dtype))
         return head_rms_norm(key_BTr, self.heads) if self.key_norm else key_BTr
+
+
+KIND = AttnResKind()  # routing: attnres (its checks, accounting, backends and reference flags: attnres_kind.py)

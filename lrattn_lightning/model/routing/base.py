@@ -36,8 +36,6 @@ from lrattn_lightning.model.config import ALL_IMPLS, IMPLS, ModelConfig
 from lrattn_lightning.model.routing.attnres import ReferenceAttnRes
 from lrattn_lightning.model.routing.attnres_compiled import CompiledAttnRes
 from lrattn_lightning.model.routing.attnres_fast import FastAttnRes
-from lrattn_lightning.model.routing.gated import GatedRouter
-from lrattn_lightning.model.routing.residual import ResidualRouter
 
 DEFAULT_IMPL = "fast"
 __all__ = ["ALL_IMPLS", "ATTNRES_BACKENDS", "DEFAULT_IMPL", "IMPLS", "Router", "build_router", "compile_impl"]
@@ -74,22 +72,7 @@ def compile_impl(impl: str) -> str:
 
 
 def build_router(cfg: ModelConfig, impl: str = DEFAULT_IMPL) -> nn.Module:
-    """The router of `cfg`'s routing kind; for AttnRes computed by backend `impl` (module docstring)."""
+    """The router of `cfg`'s routing kind (kinds.py); for AttnRes computed by backend `impl` (module docstring)."""
     if impl not in ALL_IMPLS:
         raise InputError(f"impl must be one of {list(ALL_IMPLS)}, got {impl!r}")
-    routing = cfg.ablation.routing
-    if routing == "residual":
-        return ResidualRouter(cfg)
-    if routing == "gated":
-        return GatedRouter(cfg)
-    if routing == "external":
-        from lrattn_lightning.model.routing.external import build_external
-
-        return build_external(cfg)
-    if impl == "fast" and cfg.ablation.query == "gated_dynamic":
-        impl = "compiled"  # per-token queries: no write-time logits, the premise of the buffered backend
-    if impl == "triton":
-        from lrattn_lightning.model.routing.attnres_triton import TritonAttnRes
-
-        return TritonAttnRes(cfg)
-    return ATTNRES_BACKENDS[impl](cfg)
+    return cfg.kind.build(cfg, impl)

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from lrattn_lightning.errors import InputError
-from lrattn_lightning.model.config import ModelConfig, config_error
+from lrattn_lightning.model.config import _IMPORT_PATH, ModelConfig, config_error
+from lrattn_lightning.model.routing.kinds import NotExpressible, RoutingKind
 
 
 def router_class(cfg: ModelConfig) -> type[nn.Module]:
@@ -64,11 +65,9 @@ def build_external(cfg: ModelConfig) -> nn.Module:
         raise config_error(f"ablations.{cfg.ablation.name}", "router",
                            f"{cfg.ablation.router} lacks {', '.join(missing)} of the Router protocol (README, "
                            "'Writing your own router')")
-    setattr(router, EXTERNAL_MARK, True)
     return router
 
 
-EXTERNAL_MARK = "_lrattn_external_router"  # set on every router built here (train/optim.py finds them by it)
 _FACTS: dict[str, tuple[int, int | None]] = {}
 
 
@@ -96,3 +95,38 @@ def adamw_names(router: nn.Module) -> set[str] | None:
         raise InputError(f"adamw_parameter_names() of {type(router).__name__} names {sorted(names - known)[:3]}, "
                          f"which are not its parameters ({sorted(known)[:5]})")
     return names
+
+
+class ExternalKind(RoutingKind):
+    name = "external"
+    fields = ("router", "router_options")
+    owner_phrase = "only routing external names a router class"
+
+    def validate(self, a, where: str) -> None:
+        """router: an import path; router_options: a mapping of identifier keys (or null)."""
+        if not isinstance(a.router, str) or not _IMPORT_PATH.fullmatch(a.router):
+            raise config_error(where, "router", f"routing external needs the class as 'package.module:Class', got "
+                               f"{a.router!r}")
+        options = a.router_options
+        if options is not None and (not isinstance(options, dict) or not all(isinstance(k, str) and k.isidentifier()
+                                                                             for k in options)):
+            raise config_error(where, "router_options", f"must be a mapping of keyword arguments (identifier keys) "
+                               f"or null, got {options!r}")
+
+    def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
+        return build_external(cfg)
+
+    def routing_params(self, cfg: ModelConfig) -> int:
+        return facts(cfg)[0]
+
+    def added_flops(self, cfg: ModelConfig) -> int | None:
+        return facts(cfg)[1]
+
+    def adamw_names(self, router: nn.Module) -> set[str] | None:
+        return adamw_names(router)
+
+    def reference_flags(self, cfg: ModelConfig) -> dict:
+        raise NotExpressible(f"an external router ({cfg.ablation.router}) is not part of the reference")
+
+
+KIND = ExternalKind()

@@ -40,8 +40,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.config import GateBias, ModelConfig, _check_literal, config_error
 from lrattn_lightning.model.routing._math import compute_dtype
+from lrattn_lightning.model.routing.kinds import NotExpressible, RoutingKind
 
 GRAD_NORM_EPS = 1e-6
 
@@ -129,7 +130,7 @@ class GatedRouter(nn.Module):
         M = self.n_sublayers
         self.gate_q = nn.ModuleList(nn.Linear(self.d, self.d, bias=False) for _ in range(M))
         self.gate_k = nn.ModuleList(nn.Linear(self.d, self.d, bias=False) for _ in range(M))
-        self.gate_alpha0 = cfg.initial_gates()  # alpha0_i, i = 1..2L, or None (no bias parameter)
+        self.gate_alpha0 = KIND.initial_gates(cfg)  # alpha0_i, i = 1..2L, or None (no bias parameter)
         if self.gate_alpha0 is not None:
             self.gate_bias = nn.Parameter(torch.zeros(M))  # b_i, one scalar per sublayer
         self.register_buffer("gate_hold", torch.tensor(False))
@@ -223,3 +224,60 @@ class GatedRouter(nn.Module):
         if cache is not None:
             cache.sums[i - 1] = (last_x, last_fx, count)
         return mean_x, mean_fx
+
+
+class GatedKind(RoutingKind):
+    """The gated residual: W_q, W_k per sublayer (matrices: Muon under muon_adamw), the optional biases b_i;
+    its training-time controls are module flags (lit_module.py), its diagnostics the gates alpha_i.
+
+        params = 2L (2 d^2 [+ 1 with a gate bias])
+        FLOPs  = 2L (4 d^2 + 5 d [+ 1 with a gate bias])   W_q, W_k, the dot, the mix
+    """
+
+    name = "gated"
+    fields = ("gate_bias", "gate_alpha")
+    training_options = ("gate_freeze_steps", "gate_release_loss", "gate_grad_normalize")
+    owner_phrase = "only the gated residual (routing: gated) has gates"
+    diagnostics = "gates"
+
+    def validate(self, a, where: str) -> None:
+        """gate_alpha exactly when the bias needs one."""
+        _check_literal(where, "gate_bias", a.gate_bias, GateBias)
+        alpha = a.gate_alpha
+        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float)):
+            raise config_error(where, "gate_alpha", f"must be a number in (0, 1) or null, got {alpha!r}")
+        if a.gate_bias in ("constant", "last_layer"):
+            if alpha is None or not 0.0 < alpha < 1.0:
+                raise config_error(where, "gate_alpha", f"gate_bias '{a.gate_bias}' needs the initial gate "
+                                   f"alpha0 in (0, 1), got {alpha!r}")
+        elif alpha is not None:
+            raise config_error(where, "gate_alpha", f"gate_bias '{a.gate_bias}' sets no alpha0 of its own; "
+                               "leave gate_alpha null (or use gate_bias constant / last_layer)")
+
+    def initial_gates(self, cfg: ModelConfig) -> list[float] | None:
+        """alpha0_i of the bias for sublayers i = 1..2L (None: no bias, alpha starts at 0.5)."""
+        a, m = cfg.ablation, cfg.size.n_sublayers
+        if a.gate_bias == "none":
+            return None
+        if a.gate_bias == "constant":
+            return [float(a.gate_alpha)] * m
+        if a.gate_bias == "last_layer":  # the last layer = its attention (2L-1) and MLP (2L) sublayers
+            return [float(a.gate_alpha) if i >= m - 1 else 0.5 for i in range(1, m + 1)]
+        return [i / (i + 1) for i in range(1, m + 1)]  # running_mean
+
+    def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
+        return GatedRouter(cfg)
+
+    def routing_params(self, cfg: ModelConfig) -> int:
+        d, M = cfg.size.d_model, cfg.size.n_sublayers
+        return M * 2 * d * d + (M if cfg.ablation.gate_bias != "none" else 0)
+
+    def added_flops(self, cfg: ModelConfig) -> int:
+        d, M = cfg.size.d_model, cfg.size.n_sublayers
+        return M * (2 * 2 * d * d + 2 * d + 3 * d + (1 if cfg.ablation.gate_bias != "none" else 0))
+
+    def reference_flags(self, cfg: ModelConfig) -> dict:
+        raise NotExpressible("the gated residual (SPEC §7) is not part of the reference")
+
+
+KIND = GatedKind()

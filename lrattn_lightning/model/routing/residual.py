@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.routing.kinds import RoutingKind
 
 
 @dataclass
@@ -43,3 +44,18 @@ class ResidualRouter(nn.Module):
 
     def read(self, state: ResidualState, j: int) -> Tensor:
         return state.stream
+
+
+class ResidualKind(RoutingKind):
+    """No parameters, no FLOPs beyond the core; the reference's own residual stream (use_attnres=False)."""
+
+    name = "residual"
+
+    def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
+        return ResidualRouter(cfg)
+
+    def reference_flags(self, cfg: ModelConfig) -> dict:
+        return {}
+
+
+KIND = ResidualKind()
