@@ -141,7 +141,17 @@ class AblationConfig:
     gate_alpha: float | None = None  # alpha0 of gate_bias constant / last_layer
     router: str | None = None  # routing external: "package.module:Class", imported when the model is built
     router_options: dict[str, Any] | None = None  # routing external: keyword arguments of that class
+    # the options a routing kind declares in its own module (RoutingKind.options: name -> default), e.g.
+    # `dilation` of denseformer; the registry writes them as plain fields, read as attributes (a.dilation)
+    options: dict[str, Any] | None = None
     tags: tuple[str, ...] = ()
+
+    def __getattr__(self, name: str) -> Any:  # only for names that are not fields: the kind's options
+        if not name.startswith("__"):
+            options = self.__dict__.get("options") or {}
+            if name in options:
+                return options[name]
+        raise AttributeError(f"{type(self).__name__} has no field or option {name!r}")
 
     @property
     def is_block(self) -> bool:
@@ -165,6 +175,13 @@ class AblationConfig:
 
         kind = kind_of(self.routing, where)
         check_foreign_fields(self, kind, where)  # a field of another kind would be silently ignored
+        if self.options is not None:
+            if not isinstance(self.options, dict):
+                raise config_error(where, "options", f"must be a mapping of the kind's options, got {self.options!r}")
+            for option in self.options:
+                if option not in kind.options:
+                    raise config_error(where, option, f"routing {kind.name} has no option {option!r}; its options: "
+                                       f"{', '.join(kind.options) or 'none'}")
         kind.validate(self, where)
         return self
 

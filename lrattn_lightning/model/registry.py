@@ -199,16 +199,32 @@ def _resolve_extends(table: dict[str, dict], section: str, name: str, chain: tup
 
 
 def _build(cls: type, section: str, name: str, fields: dict[str, Any]) -> Any:
-    known = {f.name for f in dataclasses.fields(cls)} - {"name"}
+    known = {f.name for f in dataclasses.fields(cls)} - {"name", "options"}
+    if cls is AblationConfig:  # the routing kind's own options, written as fields
+        fields = _with_kind_options(f"{section}.{name}", fields)
     for key in fields:
-        if key not in known:
-            hint = ", ".join(closest_names(key, sorted(known)))
+        if key not in known and not (key == "options" and cls is AblationConfig):
+            hint = ", ".join(closest_names(key, sorted(known | set(fields.get("options") or {}))))
             raise config_error(f"{section}.{name}", key, f"unknown field; closest: {hint}")
     missing = [f.name for f in dataclasses.fields(cls) if f.name != "name" and f.name not in fields
                and f.default is dataclasses.MISSING]
     if missing:
         raise config_error(f"{section}.{name}", missing[0], "required field is missing")
     return cls(name=name, **fields).validate()
+
+
+def _with_kind_options(where: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """Fields with the routing kind's options moved into `options` (every option, its default where not given)."""
+    from lrattn_lightning.model.routing.kinds import kind_of
+
+    if "options" in fields:
+        raise config_error(where, "options", "write a routing kind's options as plain fields (e.g. `dilation: 2`)")
+    kind = kind_of(fields.get("routing", "residual"), where)
+    if not kind.options:
+        return fields
+    out = {k: v for k, v in fields.items() if k not in kind.options}
+    out["options"] = {option: fields.get(option, default) for option, default in kind.options.items()}
+    return out
 
 
 def _expand_grid(grid_name: str, grid: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -46,7 +46,8 @@ def flat_run_params(cfg: ModelConfig) -> dict[str, Any]:
     size, abl = cfg.to_dict()["size"], cfg.to_dict()["ablation"]
     params = {"size": size.pop("name"), "ablation": abl.pop("name")}
     params.update({k: v for k, v in size.items() if k != "doc"})
-    params.update({k: ("null" if v is None else v) for k, v in abl.items() if k not in ("doc", "tags")})
+    params.update({k: ("null" if v is None else v) for k, v in abl.items() if k not in ("doc", "tags", "options")})
+    params.update({k: ("null" if v is None else v) for k, v in (abl.get("options") or {}).items()})  # the kind's own
     params["key_dim"] = cfg.kind.key_dim(cfg)
     params["block_ends"] = ",".join(map(str, cfg.block_ends())) or "full"
     params["params"] = count_params(cfg)

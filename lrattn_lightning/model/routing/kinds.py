@@ -5,6 +5,8 @@ which defines `KIND = SomeKind()` (a `RoutingKind`); nothing else in the package
 built-in kind is that module plus registry entries. A kind states:
 
     fields                AblationConfig fields only it reads (set on another kind: one-line error)
+    options               options it declares itself (name -> default): a registry entry writes them as
+                          fields, AblationConfig keeps them in `options` (all of them, defaults filled in)
     training_options      the LightningModule's flags only it reads (`--model.gate_freeze_steps` ...)
     validate(a, where)    checks of its fields that need no size; validate_model(cfg, where) the rest
     build(cfg, impl)      its router module (the Router protocol of base.py)
@@ -52,6 +54,7 @@ class RoutingKind:
 
     name = ""
     fields: tuple[str, ...] = ()
+    options: dict[str, Any] = {}  # its own options (name -> default), stored in AblationConfig.options
     training_options: tuple[str, ...] = ()
     owner_phrase = ""  # how an error says a foreign field belongs here, e.g. "only AttnRes routing (...) reads it"
     diagnostics: str | None = None
