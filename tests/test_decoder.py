@@ -199,7 +199,7 @@ def test_gradients_reach_every_parameter(registry, name):
     a = cfg.ablation
     names = [n for n, _ in model.named_parameters()]
     expected = {
-        "router.queries": a.routing == "attnres",
+        "router.queries": a.routing in ("attnres", "delta_attnres"),
         "router.gate_q.": a.routing == "gated",
         "router.gate_k.": a.routing == "gated",
         "router.embedding_key_static": a.routing == "attnres" and a.embedding_key in ("static", "projected_plus_static"),
