@@ -84,3 +84,28 @@ def test_a_missing_source_is_one_line(tiny_data, tmp_path, monkeypatch, capsys):
     assert main(fit_args(tiny_data, "--init_from", "nowhere.ckpt", steps=2)) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == "lrattn: error: --init_from: checkpoint nowhere.ckpt: no such file"
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("ablation", ["denseformer", "delta-attnres-null", "mhc-n4"])
+def test_the_compared_methods_train_and_upcycle_from_a_baseline(baseline, tiny_data, tmp_path, monkeypatch,  # noqa: F811
+                                                               capsys, ablation):
+    """Each compared method fits through the CLI from a baseline's weights; MLflow records its kind, options and
+    real parameter count; its checkpoint evaluates."""
+    from lrattn_lightning.model.accounting import count_params
+    from lrattn_lightning.model.registry import load_registry
+
+    _, ckpt = baseline
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(fit_args(tiny_data, "--init_from", str(ckpt), ablation=ablation, steps=2)) == 0
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    cfg = load_registry().model("tiny", ablation)
+    assert run.data.params["routing"] == cfg.ablation.routing
+    assert int(run.data.params["params"]) == count_params(cfg)
+    for option, value in (cfg.ablation.options or {}).items():
+        assert run.data.params[option] == str(value)
+    assert "val/loss" in run.data.metrics and run.data.metrics["val/loss"] == run.data.metrics["val/loss"]
+    capsys.readouterr()
+    last = next(tmp_path.rglob("last.ckpt"))
+    assert main(["generate", "--checkpoint", str(last), "--prompt", "def ", "--max_new_tokens", "4"]) == 0
