@@ -140,6 +140,8 @@ class LRAttnCLI(LightningCLI):
             if (error := availability_error()) is not None:
                 raise UsageError(error)
         self._check_attention(cfg)
+        if cfg.trainer.get("strategy") == "fsdp":  # checked now: instantiate_trainer builds it after the run folder
+            fsdp_strategy(cfg.trainer)
         self.upcycling = self._check_init_from(cfg, model_cfg)
         seed = cfg.seed_everything if isinstance(cfg.seed_everything, int) else 0
         if cfg.run_name is None:  # (the registry's names could still make one too long)
@@ -275,6 +277,8 @@ class LRAttnCLI(LightningCLI):
             kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
         if given.default_root_dir is None:
             kwargs["default_root_dir"] = str(self.run_dir)
+        if given.strategy == "fsdp":  # FSDP2 through ModelParallelStrategy: CPU (gloo) ranks run it too
+            kwargs["strategy"] = fsdp_strategy(given)
         if self.subcommand == "fit":
             last = LastCheckpoint(self.run_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every)
             kwargs["callbacks"] = [*_as_list(given.callbacks), last, *training_monitors(cfg.log_counters)]
@@ -300,6 +304,23 @@ class LRAttnCLI(LightningCLI):
 
 
 PROVENANCE = ("model_config", "registry_sha256", "git_commit")
+
+
+def fsdp_strategy(trainer_cfg):
+    """`--trainer.strategy fsdp`: Lightning's ModelParallelStrategy (FSDP2, `fully_shard` in the module's
+    configure_model) over every rank, one data-parallel dimension; full-state checkpoint files (gathered on rank
+    0, atomic like every checkpoint here). Lightning's FSDPStrategy (FSDP1) refuses CPU accelerators; this one
+    runs the same code on CPU (gloo) and GPU (nccl) ranks."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    devices, nodes = trainer_cfg.devices, int(trainer_cfg.num_nodes or 1)
+    if isinstance(devices, str) and devices.isdigit():
+        devices = int(devices)
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise UsageError(f"--trainer.strategy fsdp needs --trainer.devices N (a number of devices per node), got "
+                         f"{devices!r}")
+    return ModelParallelStrategy(data_parallel_size=devices * nodes, tensor_parallel_size=1,
+                                 save_distributed_checkpoint=False)
 
 
 def resolved_by_the_module(registry: str | None) -> None:

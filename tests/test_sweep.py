@@ -231,6 +231,7 @@ def test_emit_commands_and_slurm_array(data_dir, tmp_path, monkeypatch):
     assert "#SBATCH --array=0-3%2" in script and "#SBATCH --nodes=1" in script
     assert "#SBATCH --ntasks-per-node=1" in script and "#SBATCH --time=01:00:00" in script
     assert 'srun lrattn "${ARGS[@]}"' in script and "ARGS+=(--ckpt_path last)" in script
+    assert "trainer.strategy auto" in script  # the script says which world srun's tasks form
     assert (tmp_path / "runs/sweep-test/slurm").is_dir()
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     # each array task's arguments parse back to the run's own fit arguments

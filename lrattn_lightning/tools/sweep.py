@@ -261,6 +261,9 @@ def emit_slurm(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: st
     if not isinstance(devices, int):
         raise SweepError(f"{sweep.recipe}: trainer.devices must be an integer for SLURM (tasks per node), got {devices!r}")
     accelerator = sweep.setting("trainer.accelerator", "auto")
+    strategy = str(sweep.setting("trainer.strategy", "auto") or "auto")
+    world = {"fsdp": "FSDP2 world (ModelParallelStrategy: every rank holds 1/world of the weights, gradients "
+                     "and optimiser state)", "ddp": "DDP world"}.get(strategy, f"world of strategy '{strategy}'")
     s = sweep.slurm
     array = f"0-{len(todo) - 1}" + (f"%{s['max_parallel']}" if s.get("max_parallel") else "")
     log_dir = Path(sweep.setting("runs_dir", "runs")) / sweep.experiment / "slurm"
@@ -271,8 +274,9 @@ def emit_slurm(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: st
         "# Submit from the repository root with `sbatch` (create the log folder first: "
         f"mkdir -p {log_dir}).",
         "# Each array task is one run. srun starts one task per GPU on every node and Lightning's SLURM environment",
-        f"# turns them into the DDP world: {nodes} node(s) x {devices} task(s) per node = the recipe's",
-        "# trainer.num_nodes x trainer.devices. A resubmitted task resumes its run from last.ckpt.",
+        f"# turns them into the {world}: {nodes} node(s) x {devices} task(s) per node = the recipe's",
+        f"# trainer.num_nodes x trainer.devices, trainer.strategy {strategy}. A resubmitted task resumes its run from "
+        "last.ckpt.",
         "# SIGTERM (preemption, or --signal below before the time limit) makes `lrattn fit` save last.ckpt at the",
         "# current step and exit 143; --requeue puts a preempted task back in the queue, where it resumes.",
         f"#SBATCH --job-name={sweep.name}",

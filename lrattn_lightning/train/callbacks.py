@@ -138,6 +138,12 @@ def run_description(trainer: L.Trainer, pl_module: L.LightningModule) -> str:
     return "\n".join(lines)
 
 
+def strategy_name(trainer: L.Trainer) -> str:
+    """How the run spreads over devices: single, ddp, fsdp (FSDP2: ModelParallelStrategy), or the class name."""
+    name = type(trainer.strategy).__name__
+    return {"SingleDeviceStrategy": "single", "DDPStrategy": "ddp", "ModelParallelStrategy": "fsdp"}.get(name, name)
+
+
 def recipe_params(trainer: L.Trainer) -> dict[str, Any]:
     """The training settings that decide a result, as flat params (also in config.yaml)."""
     dm = trainer.datamodule
@@ -154,6 +160,7 @@ def recipe_params(trainer: L.Trainer) -> dict[str, Any]:
         "train_precision": str(trainer.precision),
         "train_devices": trainer.num_devices,
         "train_num_nodes": trainer.num_nodes,
+        "train_strategy": strategy_name(trainer),
         "train_accumulate_grad_batches": trainer.accumulate_grad_batches,
         "train_gradient_clip_val": trainer.gradient_clip_val,
     }

@@ -43,6 +43,7 @@ from lrattn_lightning.train.optim import (
     MuonVariant,
     WarmupStableDecay,
     build_optimizer,
+    sharded_grad_norm,
 )
 
 
@@ -207,6 +208,20 @@ class LRAttnModule(L.LightningModule):
         self.model.doc_separator = int(eos)
 
     def configure_model(self) -> None:
+        """FSDP (`--trainer.strategy fsdp`: Lightning's ModelParallelStrategy, which hands us its device mesh):
+        FSDP2's fully_shard on every attention and MLP (the modules the decoder calls) and on the decoder (the
+        embedding, the router, the head); then torch.compile when asked."""
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is not None and not getattr(self, "_sharded", False):
+            from torch.distributed.fsdp import fully_shard
+
+            dp = mesh["data_parallel"]
+            for layer in self.model.layers:
+                fully_shard(layer.attn, mesh=dp)
+                fully_shard(layer.mlp, mesh=dp)
+            fully_shard(self.model, mesh=dp)
+            self._sharded = True
+            self.example_input_array = None  # the summary's FLOPs forward would run on rank 0 alone
         if self.hparams.compile:
             self.compile_step()
 
@@ -255,6 +270,9 @@ class LRAttnModule(L.LightningModule):
         per_step = tokens_per_step(self._trainer) if self._trainer is not None else None
         if per_step:  # tokens trained on once this step is taken
             self.log("train/tokens_seen", float((self.global_step + 1) * per_step))
+        if getattr(self, "_sharded", False):  # FSDP: the total over every rank's shards
+            self.log("train/grad_norm", sharded_grad_norm(self.model))
+            return
         norms = grad_norm(self.model, norm_type=2)  # Lightning's: per parameter and the total, before clipping
         if norms:
             self.log("train/grad_norm", norms["grad_2.0_norm_total"])
@@ -285,12 +303,9 @@ class LRAttnModule(L.LightningModule):
 
     def configure_optimizers(self) -> dict:
         hp = self.hparams
-        strategy = type(self.trainer.strategy).__name__
-        if hp.optimizer == "muon_adamw" and "FSDP" in strategy:
-            raise InputError(
-                "model.optimizer: Muon orthogonalises whole matrices, which FSDP shards across ranks; "
-                "use --model.optimizer adamw with --trainer.strategy fsdp, or keep Muon with ddp"
-            )
+        if hp.optimizer == "muon_adamw" and "FSDP" in type(self.trainer.strategy).__name__:
+            raise InputError("model.optimizer: Muon under Lightning's FSDPStrategy (FSDP1) is not supported; use "
+                             "--trainer.strategy fsdp (FSDP2, which Muon gathers whole matrices under), or ddp")
         opt = self.make_optimizer()
         total = self.trainer.max_steps if self.trainer.max_steps > 0 else int(self.trainer.estimated_stepping_batches)
         # one scheduler: the learning rate of every group and the momentum of the Muon group, per step;

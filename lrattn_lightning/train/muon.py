@@ -102,13 +102,16 @@ def normalize_neurons(o: torch.Tensor, variance: torch.Tensor, beta2: float) -> 
     return out * (norm / out.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-10))
 
 
-def muon_direction(grad: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+def muon_direction(grad: torch.Tensor, state: dict, group: dict, whole=None) -> torch.Tensor:
     """The orthogonalised (and optionally normalised) direction O for one matrix, before lr and scale.
-    `state` holds the momentum buffer (and the variance EMA); `group` the options."""
+    `state` holds the momentum buffer (and the variance EMA); `group` the options. Under FSDP grad and the
+    buffer are this rank's rows and `whole(u)` gathers the whole matrix, whose O every rank then computes."""
     momentum = group["momentum"]
     buf = state["momentum_buffer"]
     buf.lerp_(grad, 1 - momentum)
     u = grad.lerp(buf, momentum) if group["nesterov"] else buf
+    if whole is not None:
+        u = whole(u)
     o = ORTHOGONALIZERS[group["orthogonalizer"]](u)
     if group["variance_beta2"] is not None:
         o = normalize_neurons(o, state["variance"], group["variance_beta2"])

@@ -16,6 +16,11 @@ The Muon update itself (lrattn_lightning/train/muon.py) comes in two variants:
 adjust_lr_fn="match_rms_adamw". Cautious decay shrinks a weight only where the update has its sign:
 W <- W - lr * lambda * [O * W >= 0] * W. Plain decoupled decay: W <- (1 - lr * lambda) W.
 
+Under FSDP2 (`--trainer.strategy fsdp`) parameters, gradients and optimiser state are sharded by rows
+(DTensors): AdamW updates each rank's rows; Muon gathers each matrix's momentum direction whole (bfloat16,
+exact: both orthogonalisers round to it first), every rank orthogonalises it and keeps its own rows of O; the
+neuron-wise second moment is kept whole on every rank. One process and FSDP agree to rounding (tests/test_fsdp.py).
+
 Schedule (`WarmupStableDecay`, one scheduler, state in the checkpoint): the learning rate warms up
 linearly over `warmup_steps`, stays, then decays linearly over the last `decay_fraction` of the run to
 `final_lr_fraction` x the peak; the Muon momentum rises linearly from its minimum to its peak over the
@@ -154,16 +159,21 @@ class MuonWithAuxAdamW(torch.optim.Optimizer):
     def _muon_step(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]
         if not state:
-            state["momentum_buffer"] = torch.zeros_like(p)
-            if group["variance_beta2"] is not None:
-                state["variance"] = torch.zeros(variance_shape(p.shape), device=p.device, dtype=p.dtype)
-        o = muon_direction(p.grad, state, group)
+            state["momentum_buffer"] = torch.zeros_like(p)  # sharded like p under FSDP (a DTensor)
+            if group["variance_beta2"] is not None:  # one entry per row or column of the whole matrix, replicated
+                state["variance"] = torch.zeros(variance_shape(p.shape), device=_local(p).device, dtype=p.dtype)
+        if _is_sharded(p):  # FSDP2: this rank's rows; Muon orthogonalises the whole matrix (gathered)
+            o = _rows_of(p, muon_direction(_local(p.grad), {**state, "momentum_buffer": _local(state["momentum_buffer"])},
+                                           group, whole=lambda u: _whole(p, u)))
+        else:
+            o = muon_direction(p.grad, state, group)
+        w = _local(p)
         lr, wd = group["lr"], group["weight_decay"]
         if wd > 0 and group["cautious"]:
-            p.addcmul_((o * p >= 0).to(p.dtype), p, value=-lr * wd)  # decay only where O agrees with W's sign
+            w.addcmul_((o * w >= 0).to(w.dtype), w, value=-lr * wd)  # decay only where O agrees with W's sign
         elif wd > 0:
-            p.mul_(1 - lr * wd)
-        p.add_(o, alpha=-lr * update_scale(group["scale"], p.shape))
+            w.mul_(1 - lr * wd)
+        w.add_(o.to(w.dtype), alpha=-lr * update_scale(group["scale"], p.shape))
 
     def _adamw_step(self, p: torch.Tensor, group: dict) -> None:
         """torch.optim.AdamW's update: decoupled decay, bias-corrected first and second moments."""
@@ -173,13 +183,53 @@ class MuonWithAuxAdamW(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(p)
             state["exp_avg_sq"] = torch.zeros_like(p)
         state["step"] += 1
-        t, (beta1, beta2), lr, g = state["step"], group["betas"], group["lr"], p.grad
-        p.mul_(1 - lr * group["weight_decay"])
-        state["exp_avg"].lerp_(g, 1 - beta1)  # m <- beta1 m + (1 - beta1) g
-        state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v <- beta2 v + (1 - beta2) g^2
+        t, (beta1, beta2), lr, g = state["step"], group["betas"], group["lr"], _local(p.grad)
+        w, m, v = _local(p), _local(state["exp_avg"]), _local(state["exp_avg_sq"])  # (FSDP: this rank's rows)
+        w.mul_(1 - lr * group["weight_decay"])
+        m.lerp_(g, 1 - beta1)  # m <- beta1 m + (1 - beta1) g
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v <- beta2 v + (1 - beta2) g^2
         # W <- W - lr / (1 - beta1^t) * m / (sqrt(v / (1 - beta2^t)) + eps)
-        denom = (state["exp_avg_sq"].sqrt() / (1 - beta2**t) ** 0.5).add_(group["eps"])
-        p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1**t))
+        denom = (v.sqrt() / (1 - beta2**t) ** 0.5).add_(group["eps"])
+        w.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+
+
+# ---- FSDP2: parameters sharded by rows (DTensor, Shard(0) over the data-parallel mesh) -----------------------
+def _is_sharded(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (the same storage), or the tensor itself."""
+    return t.to_local() if _is_sharded(t) else t
+
+
+def _whole(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """The whole matrix from every rank's rows `local`, laid out as parameter p is (an all-gather), in bfloat16:
+    both orthogonalisers round their input to bfloat16 first, so gathering it rounded is exact and moves half."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local.bfloat16(), p.device_mesh, p.placements, shape=p.shape,
+                              stride=p.stride()).full_tensor()
+
+
+def _rows_of(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a whole matrix, as parameter p holds them."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return whole[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+
+
+def sharded_grad_norm(model: nn.Module) -> torch.Tensor:
+    """The total L2 norm of the gradients of a model sharded by FSDP2: every rank's squared sum, all-reduced."""
+    import torch.distributed as dist
+
+    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    total = sum((g.float().square().sum() for g in grads), torch.zeros((), device=grads[0].device if grads else None))
+    group = next((p.device_mesh.get_group() for p in model.parameters() if _is_sharded(p)), None)
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    return total.sqrt()
 
 
 def build_optimizer(

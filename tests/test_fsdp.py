@@ -1,0 +1,155 @@
+"""`--trainer.strategy fsdp` (FSDP2 through Lightning's ModelParallelStrategy) on two CPU (gloo) ranks: the same
+run as one process, step by step, with AdamW and with both Muon variants (whole matrices gathered)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_training import cli_subprocess, fit_args, losses_by_step, only_run
+
+from lrattn_lightning.data.prepare import prepare, split_of
+
+
+@pytest.fixture(scope="module")
+def four_windows(tmp_path_factory) -> Path:
+    """A train split of exactly 4 windows of 33 tokens: 2 ranks x batch 2 and 1 rank x batch 4 both see the
+    whole split at every step (as the DDP test)."""
+    root = tmp_path_factory.mktemp("fsdp")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
+    picked = {"train": [], "val": []}
+    for i in range(200):
+        side = split_of(f"doc{i:03d}.txt", 0.5)
+        if len(picked[side]) < 2:
+            picked[side].append(i)
+    for ids in picked.values():
+        for i in ids:
+            text = " ".join(words[(i + k) % len(words)] for k in range(20))[:70].ljust(70, ".")
+            (corpus / f"doc{i:03d}.txt").write_text(text)
+    data = root / "data"
+    prepare(source=str(corpus), out_dir=data, tokenizer="byte", val_fraction=0.5, cloze_items=0, perplexity_documents=0)
+    return data
+
+
+def _pair(data: Path, tmp_path: Path, ablation: str, *extra: str, steps: int = 12):
+    common = ["--data.shuffle", "false", "--trainer.limit_val_batches", "1.0", "--trainer.val_check_interval",
+              str(steps // 2), "--trainer.check_val_every_n_epoch", "null", "--model.warmup_steps", "2",
+              "--trainer.gradient_clip_val", "1.0", *extra]
+    one = cli_subprocess(fit_args(data, *common, "--experiment", "one", ablation=ablation, steps=steps), tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = cli_subprocess(fit_args(data, *common, "--experiment", "two", "--data.batch_size", "2", "--trainer.devices",
+                                  "2", "--trainer.strategy", "fsdp", ablation=ablation, steps=steps), tmp_path,
+                         timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    client, r1 = only_run(f"sqlite:///{tmp_path}/mlflow.db", "one")
+    _, r2 = only_run(f"sqlite:///{tmp_path}/mlflow.db", "two")
+    return client, r1, r2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ablation", ["baseline", "p-lr-block-n4-r32", "attnres-full"])
+def test_fsdp_on_two_cpu_ranks_equals_one_process_with_adamw(four_windows, tmp_path, ablation):
+    client, r1, r2 = _pair(four_windows, tmp_path, ablation, "--model.optimizer", "adamw")
+    a, b = losses_by_step(client, r1.info.run_id), losses_by_step(client, r2.info.run_id)
+    assert sorted(a) == sorted(b) == list(range(12))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-5), (step, a, b)
+    assert a[11] < a[0]
+    assert r2.data.metrics["val/loss"] == pytest.approx(r1.data.metrics["val/loss"], rel=1e-5)
+    assert r2.data.params["train_strategy"] == "fsdp"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["reference", "torch"])
+def test_muon_under_fsdp_orthogonalises_whole_matrices_as_one_process_does(four_windows, tmp_path, variant):
+    """Muon's matrices are sharded by rows under FSDP2; each step gathers the whole momentum direction, every
+    rank orthogonalises it and keeps its rows. The losses follow the one-process run's at bf16 tolerance (the
+    orthogonalisers round to bfloat16 between iterations, and the reduce-scatter sums in another order)."""
+    client, r1, r2 = _pair(four_windows, tmp_path, "p-lr-block-n4-r32", "--model.optimizer", "muon_adamw",
+                           "--model.muon_variant", variant, "--model.muon_lr", "0.02")
+    a, b = losses_by_step(client, r1.info.run_id), losses_by_step(client, r2.info.run_id)
+    assert sorted(a) == sorted(b) == list(range(12))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=2e-3), (step, a, b)
+    assert a[11] < a[0] - 0.1  # Muon trains: not a run that stands still
+    assert r2.data.params["train_optimizer"] == "muon_adamw"
+
+
+@pytest.mark.slow
+def test_an_fsdp_run_stops_together_resumes_exactly_and_its_checkpoint_serves_every_command(data, tmp_path,
+                                                                                             monkeypatch, capsys):
+    """Two FSDP ranks with the paper's Muon (reference variant: momentum buffers sharded, the neuron-wise
+    second moment whole): SIGTERM to rank 1 before step 3; the ranks agree, save step 4 (one full-state file,
+    gathered on rank 0) and exit 143. The resume crosses warmup-stable into the decay and equals the
+    uninterrupted run at every later step and validation; the checkpoint then serves validate, generate and
+    export in one process."""
+    from test_resilience import assert_same_losses, ckpt_dir, hooks, loss_history, run_cli, step_of, the_run
+    from test_resilience import fit_args as short_fit
+
+    from lrattn_lightning.cli import main
+
+    fsdp = ["--trainer.devices", "2", "--trainer.strategy", "fsdp", "--model.optimizer", "muon_adamw",
+            "--model.muon_variant", "reference", "--ablation", "p-lr-block-n4-r32"]
+    stopped = run_cli(short_fit(data, *fsdp, "--experiment", "stopped", "--config",
+                                hooks(tmp_path, "term.yaml", ("SigtermAtStep", {"step": 3, "rank": 1})),
+                                steps=8, every=4), tmp_path, timeout=400)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "lrattn: stopped by SIGTERM at step 4" in stopped.stderr
+    last = ckpt_dir(tmp_path, "stopped", "tiny-p-lr-block-n4-r32-seed0") / "last.ckpt"
+    assert last.is_file() and step_of(last) == 4  # one file, not a folder of shards
+    resumed = run_cli(short_fit(data, *fsdp, "--experiment", "stopped", "--ckpt_path", "last", steps=8, every=4),
+                      tmp_path, timeout=400)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    full = run_cli(short_fit(data, *fsdp, "--experiment", "full", steps=8, every=4), tmp_path, timeout=400)
+    assert full.returncode == 0, full.stderr[-3000:]
+    client, r1 = the_run(tmp_path, "stopped")
+    _, r2 = the_run(tmp_path, "full")
+    assert_same_losses(loss_history(client, r1.info.run_id), loss_history(client, r2.info.run_id))
+    vals = [sorted((m.step, m.value) for m in client.get_metric_history(r.info.run_id, "val/loss")) for r in (r1, r2)]
+    assert [s for s, _ in vals[0]] == [s for s, _ in vals[1]] == [2, 4, 6, 8]
+    for (_, a), (_, b) in zip(*vals, strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(["validate", "--ckpt_path", str(last), "--trainer.limit_val_batches", "2",
+                 "--trainer.enable_progress_bar", "false"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(last), "--prompt", "def ", "--max_new_tokens", "4"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert main(["export", "--checkpoint", str(last), "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_the_slurm_emission_of_the_fsdp_recipe_names_its_strategy(tmp_path, monkeypatch):
+    """experiments/fsdp-7b-multinode.yaml as a one-run sweep, emitted for SLURM: 4 nodes x 8 tasks, FSDP2."""
+    import yaml
+
+    from lrattn_lightning.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    recipe = Path(__file__).resolve().parent.parent / "experiments" / "fsdp-7b-multinode.yaml"
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump({
+        "name": "seven", "doc": "one 7B run", "recipe": str(recipe), "sizes": ["d4096-7b"],
+        "ablations": ["p-lr-block-n8-r32"], "seeds": [0]}))
+    assert main(["sweep", "sweep.yaml", "--emit", "slurm", "--out", "seven.sbatch",
+                 "--tracking_uri", f"sqlite:///{tmp_path}/emit.db"]) == 0
+    script = (tmp_path / "seven.sbatch").read_text()
+    assert "#SBATCH --nodes=4" in script and "#SBATCH --ntasks-per-node=8" in script
+    assert "FSDP2 world" in script and "trainer.strategy fsdp" in script
+
+
+def test_fsdp_without_a_number_of_devices_is_one_line_before_any_work(data, tmp_path, monkeypatch, capsys):
+    from test_resilience import fit_args as short_fit
+
+    from lrattn_lightning.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    args = short_fit(data, "--trainer.strategy", "fsdp", "--trainer.devices", "auto")
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "lrattn: error: --trainer.strategy fsdp needs --trainer.devices N (a number of devices per " \
+                      "node), got 'auto'", err
+    assert not (tmp_path / "runs").exists()
