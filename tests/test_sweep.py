@@ -439,3 +439,26 @@ def test_two_sweeps_at_once_run_each_run_exactly_once(data_dir, tmp_path):
         assert run.info.status == "FINISHED"
         assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [0, 1, 2]
         assert [m.step for m in client.get_metric_history(run.info.run_id, "val/loss")] == [3]
+
+
+def test_a_run_another_sweep_file_finished_counts_as_finished(data_dir, tmp_path, monkeypatch, capsys):
+    """A screen and a study in one experiment share a run (same name, same folder): the study skips it as
+    finished instead of resuming it; a FINISHED run of the name without the sweep's tags, or of another name,
+    does not count. A real sqlite store, runs created as `lrattn fit` tags them."""
+    from lrattn_lightning.tools.sweep import finished_runs
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/shared.db"
+    path = write_sweep(tmp_path, data_dir)
+    sweep, _ = load_sweep(path)
+    first, second, third = sweep.runs[:3]
+    client = MlflowClient(uri)
+    exp = client.create_experiment("sweep-test")
+    for run, name, tags in ((first, first.name, {"sweep": "the-screen", "seed": str(first.seed)}),
+                            (second, second.name, {}),  # a plain fit of the name: no sweep seed tag
+                            (third, "someone-else", {"sweep": "the-screen", "seed": str(third.seed)})):
+        made = client.create_run(exp, run_name=name, tags={"size": run.size, "ablation": run.ablation, **tags})
+        client.set_terminated(made.info.run_id, "FINISHED")
+    assert finished_runs(sweep, uri) == {first}
+    assert main(["sweep", str(path), "--dry_run", "--tracking_uri", uri]) == 0
+    assert f"finished  {first.name}" in capsys.readouterr().out

@@ -1,7 +1,7 @@
 """`lrattn sweep FILE`: the runs of a sweep file (tools/sweep_file.py) into one MLflow experiment.
 
-A run is *finished* when the MLflow experiment holds a FINISHED run tagged with this sweep, size,
-ablation, variant and seed; finished runs are skipped, and a run with a last.ckpt resumes from it
+A run is *finished* when the MLflow experiment holds a FINISHED run of its name tagged with its size,
+ablation, variant and seed (whichever sweep file of the experiment ran it); finished runs are skipped, and a run with a last.ckpt resumes from it
 (`--ckpt_path last`, into the same MLflow run). Locally the runs go one after another, each its own
 `lrattn fit` process; for a cluster, `--emit commands` writes the launch commands and `--emit slurm` an
 sbatch array script with one `srun lrattn fit ...` per array task (Lightning reads the SLURM environment;
@@ -38,7 +38,9 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 # ---- state -----------------------------------------------------------------------------------------
 def finished_runs(sweep: Sweep, tracking_uri: str) -> set[SweepRun]:
-    """Runs of this sweep that MLflow holds as FINISHED (tags sweep, size, ablation, seed)."""
+    """Runs of this sweep that MLflow holds as FINISHED: a run of the experiment with the run's name (its
+    folder) and tags size, ablation, seed (and variant), whichever sweep file ran it: two sweeps of one
+    experiment that share a run (a screen's seed-0 runs reused by the study) share its folder and its result."""
     from mlflow.tracking import MlflowClient
 
     from lrattn_lightning.tools.runs import search_all
@@ -50,11 +52,13 @@ def finished_runs(sweep: Sweep, tracking_uri: str) -> set[SweepRun]:
     if exp is None:
         return set()
     done = set()
-    for run in search_all(client, exp.experiment_id, f"tags.sweep = '{sweep.name}'"):
+    for run in search_all(client, exp.experiment_id, "attributes.status = 'FINISHED'"):
         tags = run.data.tags
         if run.info.status == "FINISHED" and {"size", "ablation", "seed"} <= set(tags):
             with contextlib.suppress(ValueError):
-                done.add(SweepRun(tags["size"], tags["ablation"], int(tags["seed"]), tags.get("variant", "")))
+                found = SweepRun(tags["size"], tags["ablation"], int(tags["seed"]), tags.get("variant", ""))
+                if found.name == run.info.run_name:
+                    done.add(found)
     return done
 
 
