@@ -127,6 +127,22 @@ def capture(model: torch.nn.Module, idx: torch.Tensor) -> Trace:
     return Trace(emb[0], inputs, outputs, final[0], out.logits.detach(), out.routing)
 
 
+def assert_causal_and_decodes_with_the_kv_cache(model: torch.nn.Module, length: int = 12, at: int = 7) -> None:
+    """Changing token `at` moves no logit before it, and greedy decoding with the KV cache gives the tokens of
+    full recomputation (a router's own decoding state, or none, is right)."""
+    from lrattn_lightning.model.generate import generate
+
+    vocab = model.cfg.size.vocab_size
+    idx = tokens(vocab, batch=2, length=length)
+    with torch.no_grad():
+        full = model(idx)
+        changed = idx.clone()
+        changed[:, at] = (changed[:, at] + 1) % vocab
+        torch.testing.assert_close(model(changed)[:, :at], full[:, :at], rtol=0, atol=0)
+    prompt = idx[:, :4]
+    assert torch.equal(generate(model, prompt, 10, use_cache=True), generate(model, prompt, 10, use_cache=False))
+
+
 def ref_rms_norm(x: torch.Tensor, eps: float | None = None) -> torch.Tensor:
     """Parameter-free RMSNorm over the last dimension, written out; eps defaults to finfo(x.dtype).eps."""
     eps = torch.finfo(x.dtype).eps if eps is None else eps

@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEEPER, capture, ref_rms_norm, tokens
+from conftest import DEEPER, assert_causal_and_decodes_with_the_kv_cache, capture, ref_rms_norm, tokens
 
 from lrattn_lightning.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, count_params, routing_params
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.decoder import build_decoder
-from lrattn_lightning.model.generate import generate
 from lrattn_lightning.model.registry import parse_registry
 from lrattn_lightning.train.optim import split_parameters
 
@@ -94,14 +93,7 @@ def test_parameters_and_flops_are_counted(null):
 
 def test_causal_and_decodes_with_the_kv_cache():
     model = randomized(config(True)).float()
-    idx = tokens(SIZE.vocab_size, batch=2, length=12)
-    with torch.no_grad():
-        full = model(idx)
-        changed = idx.clone()
-        changed[:, 7] = (changed[:, 7] + 1) % SIZE.vocab_size
-        torch.testing.assert_close(model(changed)[:, :7], full[:, :7], rtol=0, atol=0)
-    prompt = idx[:, :4]
-    assert torch.equal(generate(model, prompt, 10, use_cache=True), generate(model, prompt, 10, use_cache=False))
+    assert_causal_and_decodes_with_the_kv_cache(model)
 
 
 def test_float64_gradients_of_the_router():
