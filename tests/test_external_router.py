@@ -166,7 +166,8 @@ def _env(*paths: Path) -> dict:
     return env
 
 
-def test_fit_validate_eval_generate_export_with_a_users_router(package, tiny_data, tmp_path, capsys):  # noqa: F811
+def test_fit_validate_eval_generate_export_with_a_users_router(package, tiny_data, tmp_path, monkeypatch,  # noqa: F811
+                                                               capsys):  # noqa: F811
     """`lrattn fit` in a user's folder imports their router from PYTHONPATH; MLflow records its real parameter
     count and stated FLOPs, the checkpoint its import path; validate, eval, generate and export use it."""
     from lrattn_lightning.cli import main
@@ -195,27 +196,24 @@ def test_fit_validate_eval_generate_export_with_a_users_router(package, tiny_dat
     assert float(run.data.params["added_flops_pct"]) == pytest.approx(100 * added_flops(cfg) / core_flops(cfg.size), rel=1e-5)
     assert "val/loss" in run.data.metrics
 
-    # the rest in this process (the user's package is on sys.path here)
-    os.chdir(work)
-    try:
-        os.environ["MLFLOW_TRACKING_URI"] = uri
-        assert main(["validate", "--ckpt_path", str(ckpt), "--trainer.limit_val_batches", "2",
-                     "--trainer.enable_progress_bar", "false"]) == 0
-        assert main(["eval", "--checkpoint", str(ckpt), "--tasks", "local", "--limit", "4", "--batch-size", "8",
-                     "--accelerator", "cpu"]) == 0
-        capsys.readouterr()
-        assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "def ", "--max_new_tokens", "5"]) == 0
-        assert capsys.readouterr().out.strip()
-        assert main(["export", "--checkpoint", str(ckpt), "--out", str(work / "hf")]) == 0
-        experiment = client.get_experiment(run.info.experiment_id).name
-        capsys.readouterr()
-        assert main(["compare", "--experiment", experiment, "--tracking_uri", uri, "--out", str(work / "report"),
-                     "--no_summary_run"]) == 0
-        table = capsys.readouterr().out
-        assert "| **mix** |" in table and f"| {count_params(cfg):,} |" in table, table
-    finally:
-        os.environ.pop("MLFLOW_TRACKING_URI", None)
-        os.chdir(tmp_path)
+    # the rest in this process (the user's package is on sys.path here); the store by flag, not by setting
+    # MLFLOW_TRACKING_URI here (lrattn reads the user's variable once, at import: it would steer later tests)
+    monkeypatch.chdir(work)
+    assert main(["validate", "--ckpt_path", str(ckpt), "--trainer.limit_val_batches", "2",
+                 "--trainer.enable_progress_bar", "false", "--tracking_uri", uri]) == 0
+    assert main(["eval", "--checkpoint", str(ckpt), "--tasks", "local", "--limit", "4", "--batch-size", "8",
+                 "--accelerator", "cpu"]) == 0  # logs to the checkpoint's training run, in its store
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "def ", "--max_new_tokens", "5"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(work / "hf")]) == 0
+    experiment = client.get_experiment(run.info.experiment_id).name
+    capsys.readouterr()
+    assert main(["compare", "--experiment", experiment, "--tracking_uri", uri, "--out", str(work / "report"),
+                 "--no_summary_run"]) == 0
+    table = capsys.readouterr().out
+    assert "| **mix** |" in table and f"| {count_params(cfg):,} |" in table, table
+    monkeypatch.chdir(tmp_path)
     assert json.loads((work / "hf" / "config.json").read_text())["model_config"]["ablation"]["router"].endswith(":MixRouter")
     run = client.get_run(run.info.run_id)
     assert "validate/val/loss" in run.data.metrics

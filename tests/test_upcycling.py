@@ -21,15 +21,10 @@ def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
 def baseline(tiny_data, tmp_path_factory):  # noqa: F811
     """A baseline fit of 2 steps, its folder and checkpoint."""
     root = tmp_path_factory.mktemp("upcycle")
-    cwd = Path.cwd()
-    try:
-        import os
-
-        os.chdir(root)
-        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    with pytest.MonkeyPatch.context() as mp:  # (module scope: monkeypatch itself is per test)
+        mp.chdir(root)
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
         assert main(fit_args(tiny_data, "--run_name", "base", ablation="baseline", steps=2)) == 0
-    finally:
-        os.chdir(cwd)
     return root, next((root / "runs").rglob("base/checkpoints/last.ckpt"))
 
 
