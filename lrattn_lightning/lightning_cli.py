@@ -32,7 +32,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lrattn_lightning.data.datamodule import TokenDataModule
 from lrattn_lightning.data.shards import validate_data_dir
-from lrattn_lightning.errors import InputError, Parser, UsageError, check_name, packaged
+from lrattn_lightning.errors import Parser, UsageError, check_name, packaged
 from lrattn_lightning.train import checkpointing
 from lrattn_lightning.train.callbacks import step_progress_bar, training_monitors
 from lrattn_lightning.train.checkpointing import AtomicCheckpointIO, LastCheckpoint, load_checkpoint_file
@@ -166,10 +166,7 @@ class LRAttnCLI(LightningCLI):
             return None
         from lrattn_lightning.train.checkpoints import init_weights_from
 
-        try:
-            return init_weights_from(source, model_cfg)
-        except InputError as err:
-            raise UsageError(str(err)) from None
+        return init_weights_from(source, model_cfg)  # its InputError is one line, as every bad input
 
     def before_fit(self) -> None:
         """Upcycling (--init_from): this run's initialisation, then the source's tensors where they match."""

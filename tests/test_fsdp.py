@@ -6,31 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_training import cli_subprocess, fit_args, losses_by_step, only_run
-
-from lrattn_lightning.data.prepare import prepare, split_of
+from test_training import cli_subprocess, fit_args, four_window_corpus, losses_by_step, only_run
 
 
 @pytest.fixture(scope="module")
 def four_windows(tmp_path_factory) -> Path:
-    """A train split of exactly 4 windows of 33 tokens: 2 ranks x batch 2 and 1 rank x batch 4 both see the
-    whole split at every step (as the DDP test)."""
-    root = tmp_path_factory.mktemp("fsdp")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
-    picked = {"train": [], "val": []}
-    for i in range(200):
-        side = split_of(f"doc{i:03d}.txt", 0.5)
-        if len(picked[side]) < 2:
-            picked[side].append(i)
-    for ids in picked.values():
-        for i in ids:
-            text = " ".join(words[(i + k) % len(words)] for k in range(20))[:70].ljust(70, ".")
-            (corpus / f"doc{i:03d}.txt").write_text(text)
-    data = root / "data"
-    prepare(source=str(corpus), out_dir=data, tokenizer="byte", val_fraction=0.5, cloze_items=0, perplexity_documents=0)
-    return data
+    """The DDP test's corpus: a train split of exactly 4 windows (test_training.four_window_corpus)."""
+    return four_window_corpus(tmp_path_factory.mktemp("fsdp"))
 
 
 def _pair(data: Path, tmp_path: Path, ablation: str, *extra: str, steps: int = 12):

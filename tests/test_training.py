@@ -219,11 +219,10 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tiny_data, tmp_path):
     assert all(torch.isfinite(t).all() for t in ckpt["state_dict"].values())
 
 
-@pytest.mark.slow
-def test_ddp_two_processes_gloo_match_one_process(tmp_path):
-    """2 ranks x batch 2 vs 1 rank x batch 4 on a train split of exactly 4 windows: every step's global
-    batch is the whole split in both set-ups, so the rank-averaged losses must agree step by step."""
-    corpus = tmp_path / "corpus"
+def four_window_corpus(root: Path) -> Path:
+    """A prepared corpus whose train split is exactly 4 windows of 33 tokens (and as much validation): 2 ranks x
+    batch 2 and 1 rank x batch 4 both see the whole split at every step."""
+    corpus = root / "corpus"
     corpus.mkdir()
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
     picked = {"train": [], "val": []}
@@ -235,8 +234,16 @@ def test_ddp_two_processes_gloo_match_one_process(tmp_path):
         for i in ids:  # 70 chars + EOS = 71 tokens; two documents = 142 tokens = 4 windows of 33
             text = " ".join(words[(i + k) % len(words)] for k in range(20))[:70].ljust(70, ".")
             (corpus / f"doc{i:03d}.txt").write_text(text)
-    data = tmp_path / "data"
+    data = root / "data"
     prepare(source=str(corpus), out_dir=data, tokenizer="byte", val_fraction=0.5, cloze_items=0, perplexity_documents=0)
+    return data
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_gloo_match_one_process(tmp_path):
+    """2 ranks x batch 2 vs 1 rank x batch 4 on a train split of exactly 4 windows: every step's global
+    batch is the whole split in both set-ups, so the rank-averaged losses must agree step by step."""
+    data = four_window_corpus(tmp_path)
     common = ["--data.shuffle", "false", "--model.optimizer", "adamw", "--trainer.limit_val_batches", "1.0",
               "--trainer.val_check_interval", "1"]
     one = cli_subprocess(fit_args(data, *common, "--experiment", "one", steps=4), tmp_path)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -66,9 +65,6 @@ _EMBEDDING_KEYS_FOR = {
 
 _ATTNRES_FIELDS = ("key_source", "rank", "depth_heads", "key_norm", "query_norm", "query_init", "query",
                    "logit_scale", "blocks", "block_size", "block_summary", "count_prior", "embedding_key")
-
-
-_IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 
 
 def _finite_number(value: Any) -> bool:

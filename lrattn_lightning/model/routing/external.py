@@ -24,14 +24,17 @@ The class's parameter count is its real one: the analytic counts build it once o
 from __future__ import annotations
 
 import importlib
+import re
 from typing import Any
 
 import torch
 from torch import nn
 
 from lrattn_lightning.errors import InputError
-from lrattn_lightning.model.config import _IMPORT_PATH, ModelConfig, config_error
+from lrattn_lightning.model.config import ModelConfig, config_error
 from lrattn_lightning.model.routing.kinds import NotExpressible, RoutingKind
+
+_IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")  # package.module:Class
 
 
 def router_class(cfg: ModelConfig) -> type[nn.Module]:
