@@ -33,8 +33,16 @@ ATTNRES = [n for n, a in REGISTRY.ablations.items() if a.routing == "attnres"]
 # D = 24, head size 12 (RoPE: even), r = 12 -> with 4 depth heads e = 6, k = 3: no power of two anywhere;
 # M = 6 sublayers, so N = 4 blocks end after 2, 3, 5, 6 (uneven, with partial reads)
 ODD = SizeConfig(name="odd-l3", doc="tests", n_layers=3, d_model=24, n_heads=2, d_mlp=40, vocab_size=97, seq_len=16)
-BF16 = ["s-lr-block-n8-r64", "p-lr-block-n4-r32", "attnres-full", "vp-lr-block-n8-r32", "p-lr-block-n8-r32-dynquery"]
-KV = ["p-lr-full-r32", "p-lr-block-n8-r32-dynquery", "odd-sliced-block-h4-nokeynorm"]
+BF16 = ["s-lr-block-n8-r64", "p-lr-block-n4-r32", "attnres-full", "vp-lr-block-n8-r32", "p-lr-block-n8-r32-dynquery",
+        "s-lr-block-size4-r64", "odd-projected-block2-h4"]
+KV = ["p-lr-full-r32", "p-lr-block-n8-r32-dynquery", "odd-sliced-block-h4-nokeynorm", "s-lr-block-size4-r64",
+      "odd-value_projected-block2-h1"]
+# two-phase reads: (entry, {op: calls in one forward}) - one phase-1 kernel per group of >= 2 sites, one merge
+# per such site with a partial, the other sites site by site (tiny: M = 4; odd-l3: M = 6)
+TWO_PHASE = {"s-lr-block-size4-r64": {"attnres_group": 1, "attnres_merge": 3, "attnres_read": 1},
+             "odd-sliced-block2-h4": {"attnres_group": 2, "attnres_merge": 4, "attnres_read": 1},
+             "p-lr-block-n8-r32-dynquery": {"attnres_group": 0, "attnres_merge": 0, "attnres_read": 4},
+             "attnres-full": {"attnres_group": 0, "attnres_merge": 0, "attnres_read": 4}}
 # golden size `small`: 8 layers, up to 17 sources a read (the interpreter's cost); one per kind of read
 GOLDEN = ["attnres-full", "s-lr-block-n8-r64-h4", "p-lr-block-n8-r32-projstatic-embkey", "p-lr-block-n8-r32-dynquery"]
 TOL = 1e-5  # float32: logits absolute, gradients relative to each tensor's largest entry
@@ -42,20 +50,24 @@ TOL = 1e-5  # float32: logits absolute, gradients relative to each tensor's larg
 
 def _odd_grid() -> dict[str, AblationConfig]:
     """Block routing (uneven, partial reads) x every key source x depth heads 1 / 4, with mean summaries +
-    prior (4 heads) or sqrt-mean (1 head) and the logit scale; full routing is covered at `tiny`."""
+    prior (4 heads) or sqrt-mean (1 head) and the logit scale; full routing is covered at `tiny`. Four blocks
+    (ends after 2, 3, 5, 6: one two-site group) and two (ends after 3, 6: groups of sites 1-2 and 3-5;
+    every site merges a partial but site 3, read just after a block ended): the two-phase kernels with G = 2 and 3 (BLOCK_G 4,
+    masked)."""
     base = REGISTRY.ablation("attnres-full")
     emb = {"value": "value", "sliced": "sliced", "projected": "projected", "value_projected": "projected",
            "value_projected_shared": "projected_plus_static"}
     out = {}
-    for key_source, embedding_key in emb.items():
-        for heads in (1, 4):
-            summary, prior = ("mean", 1.0) if heads == 4 else ("sqrt_mean", 0.0)
-            name = f"odd-{key_source}-block-h{heads}"
-            out[name] = dataclasses.replace(
-                base, name=name, key_source=key_source, embedding_key=embedding_key, depth_heads=heads,
-                rank=None if key_source == "value" else 12, blocks=4, block_summary=summary,
-                count_prior=prior, logit_scale="inv_sqrt_head_dim" if key_source != "value" else "none",
-            ).validate()
+    for blocks, tag in ((4, "block"), (2, "block2")):
+        for key_source, embedding_key in emb.items():
+            for heads in (1, 4):
+                summary, prior = ("mean", 1.0) if heads == 4 else ("sqrt_mean", 0.0)
+                name = f"odd-{key_source}-{tag}-h{heads}"
+                out[name] = dataclasses.replace(
+                    base, name=name, key_source=key_source, embedding_key=embedding_key, depth_heads=heads,
+                    rank=None if key_source == "value" else 12, blocks=blocks, block_summary=summary,
+                    count_prior=prior, logit_scale="inv_sqrt_head_dim" if key_source != "value" else "none",
+                ).validate()
     out["odd-sliced-block-h4-nokeynorm"] = dataclasses.replace(
         out["odd-sliced-block-h4"], name="odd-sliced-block-h4-nokeynorm", key_norm="none").validate()
     return out
@@ -138,7 +150,8 @@ def _kv(name: str) -> float:
 
 
 def _compiled(name: str) -> dict:
-    """aot_eager torch.compile of the triton decoder: one graph, the reads kept as custom ops, same numbers."""
+    """aot_eager torch.compile of the triton decoder: one graph, the reads kept as custom ops (counted by
+    name), same numbers."""
     import torch._dynamo
 
     ref, tri = _pair(name)
@@ -151,17 +164,47 @@ def _compiled(name: str) -> dict:
     logits = compiled(idx).float()
     (logits.square().mean() + logits[..., :3].sum()).backward()
     dgrad = max(float((p.grad - gr[n]).abs().max()) / float(gr[n].abs().max()) for n, p in tri.named_parameters())
-    ops = sum(str(node.target).startswith("lrattn.attnres_read") for g in explanation.graphs for node in g.graph.nodes)
-    return {"graph_breaks": explanation.graph_break_count, "graphs": explanation.graph_count, "read_ops": ops,
+    targets = [str(node.target) for g in explanation.graphs for node in g.graph.nodes]
+    ops = {op: sum(t.startswith(f"lrattn.{op}.") for t in targets)
+           for op in ("attnres_read", "attnres_group", "attnres_merge")}
+    return {"graph_breaks": explanation.graph_break_count, "graphs": explanation.graph_count, "ops": ops,
             "dlogit": float((logits.detach() - lr).abs().max()), "dgrad": dgrad}
 
 
-def _float64(name: str) -> float:
-    """A float64 model routes in float64: triton's logits equal the reference's to ~1e-16, not ~1e-7."""
+def _float64(name: str) -> dict:
+    """A float64 model routes in float64: triton's logits and every gradient equal the reference's to
+    ~1e-16, not ~1e-7 (so the backward kernels are the exact derivative, not only close in float32)."""
     ref, tri = _pair(name)
+    ref, tri = ref.double(), tri.double()
     idx = _idx(ref.cfg)
-    with torch.no_grad():
-        return float((tri.double()(idx) - ref.double()(idx)).abs().max())
+    out = {}
+    for label, model in (("ref", ref), ("tri", tri)):
+        model.zero_grad(set_to_none=True)
+        logits = model(idx)
+        (logits.square().mean() + logits[..., :3].sum()).backward()
+        out[label] = logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    (lr, gr), (lt, gt) = out["ref"], out["tri"]
+    dgrad = max(float((gt[n] - g).abs().max()) / max(float(g.abs().max()), 1e-300) for n, g in gr.items())
+    return {"dlogit": float((lt - lr).abs().max()), "dgrad": dgrad}
+
+
+def _op_calls(name: str) -> dict[str, int]:
+    """How many times each custom op runs in one eager forward of the triton decoder."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = dict.fromkeys(("attnres_read", "attnres_group", "attnres_merge"), 0)
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            op = str(func).split(".")
+            if op[0] == "lrattn" and op[1] in calls:
+                calls[op[1]] += 1
+            return func(*args, **(kwargs or {}))
+
+    _, tri = _pair(name)
+    with torch.no_grad(), Count():
+        tri(_idx(tri.cfg))
+    return calls
 
 
 def _canonical() -> dict[str, str]:
@@ -191,8 +234,10 @@ def _worker(path: str) -> None:
         "kv": {n: _kv(n) for n in KV},
         "golden": {n: golden.compare(golden.config(REGISTRY, n), data["entries"][n], data, impl="triton")
                    for n in GOLDEN},
-        "compile": _compiled("p-lr-block-n4-r32"),
-        "float64": _float64("s-lr-block-n8-r64-refdefault"),
+        "compile": {n: _compiled(n) for n in ("p-lr-block-n4-r32", "s-lr-block-size4-r64")},
+        "float64": {n: _float64(n) for n in ("s-lr-block-n8-r64-refdefault", "s-lr-block-size4-r64",
+                                             "odd-projected-block2-h4", "odd-value-block2-h1")},
+        "two_phase": {n: _op_calls(n) for n in TWO_PHASE},
         "impl": type(build_decoder(_config("attnres-full"), impl="triton").router).__name__,
         "fidelity": fidelity_rows(str(Path(__file__).with_name("golden") / "reference.pt"), impl="triton",
                                   only=["s-lr-block-n8-r64"]),
@@ -246,14 +291,28 @@ def test_golden_numbers_of_the_papers_code(measured, name):
 
 
 def test_torch_compile_keeps_the_reads_whole(measured):
-    r = measured["compile"]
+    r = measured["compile"]["p-lr-block-n4-r32"]  # tiny: four one-sublayer blocks, so full routing's reads
     assert r["graph_breaks"] == 0 and r["graphs"] == 1, r
-    assert r["read_ops"] == 4, r  # tiny: reads at sites 1..2L (site 0 is the embedding itself), one op each
+    assert r["ops"] == {"attnres_read": 4, "attnres_group": 0, "attnres_merge": 0}, r  # sites 1..2L, one op each
+    assert r["dlogit"] <= TOL and r["dgrad"] <= TOL, r
+    r = measured["compile"]["s-lr-block-size4-r64"]  # one block of 4: a group of sites 1-3, then site 4
+    assert r["graph_breaks"] == 0 and r["graphs"] == 1, r
+    assert r["ops"] == TWO_PHASE["s-lr-block-size4-r64"], r
     assert r["dlogit"] <= TOL and r["dgrad"] <= TOL, r
 
 
-def test_float64_models_route_in_float64(measured):
-    assert measured["float64"] <= 1e-12
+@pytest.mark.parametrize("name", list(TWO_PHASE))
+def test_block_reads_are_two_phase(measured, name):
+    """The completed sources are read once per group (attnres_group), each partial merged (attnres_merge);
+    full routing and per-token (gated dynamic) queries read site by site."""
+    assert measured["two_phase"][name] == TWO_PHASE[name]
+
+
+@pytest.mark.parametrize("name", ["s-lr-block-n8-r64-refdefault", "s-lr-block-size4-r64", "odd-projected-block2-h4",
+                                  "odd-value-block2-h1"])
+def test_float64_models_route_in_float64(measured, name):
+    r = measured["float64"][name]
+    assert r["dlogit"] <= 1e-12 and r["dgrad"] <= 1e-12, r
 
 
 def test_fidelity_tool_runs_the_triton_backend(measured):

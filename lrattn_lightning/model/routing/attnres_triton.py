@@ -20,8 +20,13 @@ Where it runs: CUDA, or CPU tensors under Triton's interpreter (TRITON_INTERPRET
 imported; slow, for tests). Elsewhere building it is one line naming the fix. Static and gated-dynamic
 queries alike (the per-token query is an input of the kernel). KV-cache decoding needs no routing state.
 
-Not yet done here: two-phase group reads (the completed summaries read once for all sites of a block);
-every read streams its sources once. Nothing has run on a GPU yet (docs/benchmarks.md).
+Two-phase block reads (static queries): the read sites between two block ends form a group that sees the
+same completed sources. At its first site one `lrattn::attnres_group` kernel reads those sources once for
+all G sites (G online softmaxes in one tile) and keeps out_g and lse_g; each site whose block has a partial
+merges it with `lrattn::attnres_merge` (w = sigmoid(l_p - lse_g), h = out_g + w (v_p - out_g)), as `fast`
+does. Full routing (every group one site), per-token queries (gated dynamic: a site's query exists only once
+the sublayer before it ran) and groups whose tile would exceed GROUP_TILE_MAX read site by site with
+`lrattn::attnres_read`. Nothing has run on a GPU yet (docs/benchmarks.md).
 
 Shape legend (SPEC letters): B batch, T tokens, N = B*T, D = d_model, r = key width, m = depth heads.
 """
@@ -37,7 +42,14 @@ from lrattn_lightning.errors import InputError
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.routing._math import PartialBlock, compute_dtype, count_prior
 from lrattn_lightning.model.routing.attnres import AttnResRouter
-from lrattn_lightning.model.routing.triton_ops import attnres_read, availability_error, check_device
+from lrattn_lightning.model.routing.triton_ops import (
+    attnres_group,
+    attnres_merge,
+    attnres_read,
+    availability_error,
+    check_device,
+    group_fits,
+)
 
 
 @dataclass
@@ -52,6 +64,10 @@ class TritonState:
     partial: PartialBlock = field(default_factory=PartialBlock)
     dynamic_query: Tensor | None = None  # what the last written sublayer emitted [B, T, r]
     weights: list[Tensor] | None = None  # per site j = 1..2L when recording: alpha [S_j, B, T, m]
+    group: int = -1  # the two-phase group whose phase 1 is held below
+    group_out: Tensor | None = None  # [G, N, D]
+    group_lse: Tensor | None = None  # [G, N, m]
+    group_alpha: Tensor | None = None  # [S, N, m, G] when recording
 
 
 class TritonAttnRes(AttnResRouter):
@@ -64,6 +80,16 @@ class TritonAttnRes(AttnResRouter):
             raise InputError(error)
         keys = self.key_source
         self.key_offset = 0 if keys.carried else self.d - self.rank  # value keys: r = d, offset 0
+        # two-phase groups: the sites between two block ends (fast's grouping), where one kernel serves several
+        bounds = [0, *sorted(self.ends)]
+        self.site_group: dict[int, tuple[int, int]] = {}  # j -> (group, index in it), two-phase sites only
+        self.group_sites: dict[int, list[int]] = {}
+        for grp, lo in enumerate(bounds):
+            hi = bounds[grp + 1] if grp + 1 < len(bounds) else self.n_sublayers + 1
+            sites = list(range(max(lo, 1), hi))
+            if len(sites) > 1 and not self.dynamic_query and group_fits(len(sites), self.d, self.heads, self.rank):
+                self.group_sites[grp] = sites
+                self.site_group.update({j: (grp, g) for g, j in enumerate(sites)})
 
     def start(self, emb_BTD: Tensor, *, record: bool = False, cache: None = None,
               segments: Tensor | None = None) -> TritonState:
@@ -89,6 +115,8 @@ class TritonAttnRes(AttnResRouter):
         """Hidden state at read site j (0..2L) -> [B, T, D]."""
         if j == 0:
             return state.embedding
+        if j in self.site_group:
+            return self._two_phase(state, j)
         part_v = part_k = None
         c = state.partial.count
         if c:
@@ -103,6 +131,37 @@ class TritonAttnRes(AttnResRouter):
             B, T, _ = state.embedding.shape
             state.weights.append(alpha.detach().view(-1, B, T, self.heads).float())
         return out
+
+    def _two_phase(self, state: TritonState, j: int) -> Tensor:
+        """Site j of a group: phase 1 once per group (at its first site), then the partial merged."""
+        grp, g = self.site_group[j]
+        emb = state.embedding
+        B, T, D = emb.shape
+        record = state.weights is not None
+        if state.group != grp:
+            queries = torch.stack([self.site_query(self.queries, site) for site in self.group_sites[grp]])
+            state.group_out, state.group_lse, state.group_alpha = attnres_group(
+                emb, state.embedding_key, list(state.values), list(state.keys), queries.contiguous(),
+                self._consts(state, 0, emb.dtype), float(self.scale), self.heads, self.key_norm, self.key_offset,
+                record)
+            state.group = grp
+        out_ND, c = state.group_out[g], state.partial.count
+        alpha = state.group_alpha[..., g].detach() if record else None
+        if c == 0:
+            if record:
+                state.weights.append(alpha.view(-1, B, T, self.heads).float())
+            return out_ND.view(B, T, D)
+        part_v, key = self.key_source.summary(state.partial)
+        part_k = key if self.key_source.carried else None
+        eps = torch.finfo(compute_dtype(emb.dtype)).eps * (1.0 if self.key_source.carried
+                                                            else self.key_source.eps_factor(c))
+        h, w = attnres_merge(out_ND, state.group_lse[g], part_v, part_k, self.site_query(self.queries, j).contiguous(),
+                             count_prior(self.count_prior, c), eps, float(self.scale), self.heads, self.key_norm,
+                             self.key_offset)
+        if record:
+            w = w.detach()
+            state.weights.append(torch.cat((alpha * (1 - w), w[None])).view(-1, B, T, self.heads).float())
+        return h
 
     def _consts(self, state: TritonState, partial_count: int, dtype: torch.dtype) -> list[float]:
         """Priors then eps of the slots embedding, summaries, partial (the kernel's meta layout)."""

@@ -70,10 +70,24 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+# A group's register tile: BLOCK_G * BLOCK_E elements per token at most (G sites x a head's value width);
+# larger groups are read site by site (attnres_read), as full routing always is.
+GROUP_TILE_MAX = 16384
+
+
+def group_fits(group_size: int, d_model: int, heads: int, key_width: int) -> bool:
+    """The two-phase kernels hold the group's G sites for one token in one tile of at most GROUP_TILE_MAX."""
+    return _pow2(group_size) * max(_pow2(d_model // heads), _pow2(key_width // heads)) <= GROUP_TILE_MAX
+
+
 class _Read:
     """What both kernels need of one read: rows, key mode, the table and the launch geometry."""
 
-    def __init__(self, emb_v, emb_k, values, keys, part_v, part_k, query, consts, heads, key_offset):
+    def __init__(self, emb_v, emb_k, values, keys, part_v, part_k, query, consts, heads, key_offset, group=False):
         self.B_T, D = emb_v.shape[:-1], emb_v.shape[-1]
         R = query.shape[-1]
         self.N, self.D, self.R, self.heads, self.S_t = emb_v.numel() // D, D, R, heads, len(values)
@@ -101,14 +115,18 @@ class _Read:
         self.ints = ([v.data_ptr() for v, _ in vt] + [s for _, s in vt] + [k.data_ptr() for k, _ in kt]
                      + [s for _, s in kt])
         self.consts = torch.tensor(consts, dtype=torch.float64).view(torch.int64).tolist()
-        self.query, self.query_per_token = query.contiguous(), query.dim() > 1
+        self.query, self.query_per_token = query.contiguous(), query.dim() > 1 and not group
         self.cdtype = torch.promote_types(emb_v.dtype, torch.float32)
         E, K = D // heads, R // heads
         self.BLOCK_E, self.BLOCK_K = _pow2(E), (_pow2(K) if self.key_mode == 1 else 1)
         width = max(self.BLOCK_E, self.BLOCK_K)
-        self.BLOCK_N = max(1, min(64, 4096 // width, _pow2(self.N)))
+        # a group's tile holds its G sites at once: [BLOCK_N, BLOCK_G, width]
+        self.G = query.shape[0] if group else 1
+        self.BLOCK_G = _pow2(self.G) if group else 1
+        tile = self.BLOCK_G * width
+        self.BLOCK_N = max(1, min(64, _pow2_floor(max(1, 4096 // tile)), _pow2(self.N)))
         self.grid = (triton_cdiv(self.N, self.BLOCK_N), heads)
-        self.num_warps = 4 if self.BLOCK_N * width <= 2048 else 8
+        self.num_warps = 4 if self.BLOCK_N * tile <= 2048 else 8
 
     def meta(self, extra: list[int] = ()) -> tuple[Tensor, Tensor]:
         """The table on the device (one host-to-device copy per launch), as int64 and as float64."""
@@ -241,6 +259,180 @@ def _backward(ctx, grad_out, _grad_lse, _grad_alpha):
 
 
 attnres_read.register_autograd(_backward, setup_context=_setup)
+
+
+# ---- two-phase block reads (triton_kernels.py: group_fwd / merge_fwd and their backward) ----------------
+@torch.library.custom_op("lrattn::attnres_group", mutates_args=())
+def attnres_group(emb_v: Tensor, emb_k: Tensor | None, values: list[Tensor], keys: list[Tensor], queries: Tensor,
+                  consts: list[float], scale: float, heads: int, key_norm: bool, key_offset: int,
+                  record: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Phase 1 of a group: its G static queries [G, r] over the completed sources -> out [G, N, D],
+    lse [G, N, m] (compute dtype), alpha [1 + len(values), N, m, G] when `record` (else empty)."""
+    rd = _Read(emb_v, emb_k, values, keys, None, None, queries, consts, heads, key_offset, group=True)
+    out = torch.empty((rd.G, rd.N, rd.D), dtype=_out_dtype(emb_v, values, None), device=emb_v.device)
+    lse = torch.empty(rd.G, rd.N, heads, dtype=rd.cdtype, device=emb_v.device)
+    alpha = torch.empty((1 + rd.S_t, rd.N, heads, rd.G) if record else (0,), dtype=rd.cdtype, device=emb_v.device)
+    _kernels().group_fwd[rd.grid](
+        rd.ev, rd.sev, rd.ek, rd.sek, *rd.meta(), rd.query, out, lse, alpha if record else lse,
+        rd.N, rd.D, rd.R, rd.key_offset, heads, rd.S_t, rd.G, scale,
+        WRITE_ALPHA=record, BLOCK_G=rd.BLOCK_G, **rd.constexprs(key_norm))
+    return out, lse, alpha
+
+
+@attnres_group.register_fake
+def _(emb_v, emb_k, values, keys, queries, consts, scale, heads, key_norm, key_offset, record):
+    cdtype = torch.promote_types(emb_v.dtype, torch.float32)
+    N, D, G = emb_v.numel() // emb_v.shape[-1], emb_v.shape[-1], queries.shape[0]
+    alpha = emb_v.new_empty((1 + len(values), N, heads, G) if record else (0,), dtype=cdtype)
+    return (emb_v.new_empty((G, N, D), dtype=_out_dtype(emb_v, values, None)),
+            emb_v.new_empty((G, N, heads), dtype=cdtype), alpha)
+
+
+def _source_grads(rd: _Read, sources: list[Tensor], carried_keys: list[Tensor]) -> tuple[list, list]:
+    """Empty value gradients of `sources` and key gradients (carried keys; key mode 1's own buffers; key
+    mode 0: the value gradients themselves, the kernels add the key's share there)."""
+    dvs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in sources]
+    if rd.carried:
+        dks = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in carried_keys]
+    elif rd.key_mode == 1:
+        dks = [t.new_empty(*t.shape[:-1], rd.R) for t in dvs]
+    else:
+        dks = dvs
+    return dvs, dks
+
+
+def _fold_keys(rd: _Read, dvs: list[Tensor], dks: list[Tensor], key_offset: int) -> list[Tensor]:
+    """Key-in-value sources: key mode 1's key gradients added to their value columns; [] then (none apart)."""
+    if rd.carried:
+        return dks
+    if rd.key_mode == 1:
+        for dv, dk in zip(dvs, dks, strict=True):
+            dv[..., key_offset:] += dk
+    return []
+
+
+@torch.library.custom_op("lrattn::attnres_group_bwd", mutates_args=())
+def attnres_group_bwd(grad_out: Tensor, grad_lse: Tensor, out: Tensor, lse: Tensor, emb_v: Tensor,
+                      emb_k: Tensor | None, values: list[Tensor], keys: list[Tensor], queries: Tensor,
+                      consts: list[float], scale: float, heads: int, key_norm: bool,
+                      key_offset: int) -> list[Tensor]:
+    """[d emb_v, d values...] + [d emb_k, d keys...] (carried keys) + [d queries]."""
+    rd = _Read(emb_v, emb_k, values, keys, None, None, queries, consts, heads, key_offset, group=True)
+    dvs, dks = _source_grads(rd, [emb_v, *values], [emb_k, *keys] if rd.carried else [])
+    extra = [d.data_ptr() for d in dvs[1:]] + [d.data_ptr() for d in dks[1:]]
+    dq = torch.empty((rd.grid[0], rd.G, rd.R), dtype=rd.cdtype, device=emb_v.device)
+    _kernels().group_bwd[rd.grid](
+        rd.ev, rd.sev, rd.ek, rd.sek, *rd.meta(extra), rd.query, out, lse, grad_out.contiguous(),
+        grad_lse.contiguous(), dvs[0], dks[0], dq, rd.N, rd.D, rd.R, rd.key_offset, heads, rd.S_t, rd.G, scale,
+        BLOCK_G=rd.BLOCK_G, **rd.constexprs(key_norm))
+    dks = _fold_keys(rd, dvs, dks, key_offset)
+    return [*dvs, *dks, dq.sum(0).to(queries.dtype)]
+
+
+@attnres_group_bwd.register_fake
+def _(grad_out, grad_lse, out, lse, emb_v, emb_k, values, keys, queries, consts, scale, heads, key_norm,
+      key_offset):
+    vals = [emb_v, *values]
+    ks = [emb_k, *keys] if emb_k is not None else []
+    return [t.new_empty(t.shape, dtype=t.dtype) for t in vals + ks] + [queries.new_empty(queries.shape)]
+
+
+def _group_setup(ctx, inputs, output):
+    emb_v, emb_k, values, keys, queries, consts, scale, heads, key_norm, key_offset, _ = inputs
+    out, lse, _ = output
+    ctx.save_for_backward(emb_v, emb_k, queries, out, lse, *values, *keys)
+    ctx.n_values = len(values)
+    ctx.args = (consts, scale, heads, key_norm, key_offset)
+
+
+def _group_backward(ctx, grad_out, grad_lse, _grad_alpha):
+    emb_v, emb_k, queries, out, lse, *rest = ctx.saved_tensors
+    values, keys = rest[: ctx.n_values], rest[ctx.n_values :]
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+    grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
+    grads = attnres_group_bwd(grad_out, grad_lse, out, lse, emb_v, emb_k, list(values), list(keys), queries,
+                              *ctx.args)
+    n_src = 1 + ctx.n_values
+    dvs, dks, dq = grads[:n_src], grads[n_src:-1], grads[-1]
+    d_emb_k, d_keys = (dks[0], list(dks[1:])) if emb_k is not None else (None, [None] * len(keys))
+    return dvs[0], d_emb_k, list(dvs[1:]), d_keys, dq, None, None, None, None, None, None
+
+
+attnres_group.register_autograd(_group_backward, setup_context=_group_setup)
+
+
+def _merge_read(part_v, part_k, query, heads, key_offset) -> _Read:
+    """The partial block as the only source of a _Read (its embedding slot)."""
+    return _Read(part_v, part_k, [], [], None, None, query, [0.0] * 4, heads, key_offset)
+
+
+@torch.library.custom_op("lrattn::attnres_merge", mutates_args=())
+def attnres_merge(out_c: Tensor, lse_c: Tensor, part_v: Tensor, part_k: Tensor | None, query: Tensor,
+                  prior: float, eps: float, scale: float, heads: int, key_norm: bool,
+                  key_offset: int) -> tuple[Tensor, Tensor]:
+    """Phase 2 at one site: the group's out_c [N, D] and lse_c [N, m] merged with the partial block
+    (part_v [B, T, D], its carried key or None; the site's static query [r]) -> h [B, T, D], w [N, m]."""
+    rd = _merge_read(part_v, part_k, query, heads, key_offset)
+    out = torch.empty(part_v.shape, dtype=torch.promote_types(out_c.dtype, part_v.dtype), device=part_v.device)
+    w = torch.empty(rd.N, heads, dtype=lse_c.dtype, device=part_v.device)
+    fmeta = torch.tensor([prior, eps], dtype=torch.float64).to(part_v.device)
+    cx = rd.constexprs(key_norm)
+    _kernels().merge_fwd[rd.grid](
+        rd.ev, rd.sev, rd.ek, rd.sek, fmeta, rd.query, out_c.contiguous(), lse_c.contiguous(), out, w,
+        rd.N, rd.D, rd.R, rd.key_offset, heads, scale, KEY_MODE=cx["KEY_MODE"], KEY_NORM=key_norm, ACC=cx["ACC"],
+        BLOCK_N=rd.BLOCK_N, BLOCK_E=rd.BLOCK_E, BLOCK_K=rd.BLOCK_K, num_warps=rd.num_warps)
+    return out, w
+
+
+@attnres_merge.register_fake
+def _(out_c, lse_c, part_v, part_k, query, prior, eps, scale, heads, key_norm, key_offset):
+    N = part_v.numel() // part_v.shape[-1]
+    return (part_v.new_empty(part_v.shape, dtype=torch.promote_types(out_c.dtype, part_v.dtype)),
+            part_v.new_empty((N, heads), dtype=lse_c.dtype))
+
+
+@torch.library.custom_op("lrattn::attnres_merge_bwd", mutates_args=())
+def attnres_merge_bwd(grad: Tensor, out_c: Tensor, w: Tensor, part_v: Tensor, part_k: Tensor | None, query: Tensor,
+                      prior: float, eps: float, scale: float, heads: int, key_norm: bool,
+                      key_offset: int) -> list[Tensor]:
+    """[d out_c, d lse_c, d part_v] + [d part_k] (carried keys) + [d query]."""
+    rd = _merge_read(part_v, part_k, query, heads, key_offset)
+    (dv,), (dk,) = _source_grads(rd, [part_v], [part_k] if rd.carried else [])
+    d_out = torch.empty(out_c.shape, dtype=out_c.dtype, device=out_c.device)
+    d_lse = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+    dq = torch.empty((rd.grid[0], rd.R), dtype=rd.cdtype, device=part_v.device)
+    fmeta = torch.tensor([prior, eps], dtype=torch.float64).to(part_v.device)
+    cx = rd.constexprs(key_norm)
+    g, _ = _rows(grad.contiguous())
+    _kernels().merge_bwd[rd.grid](
+        rd.ev, rd.sev, rd.ek, rd.sek, fmeta, rd.query, out_c.contiguous(), w, g, d_out, d_lse, dv, dk, dq,
+        rd.N, rd.D, rd.R, rd.key_offset, heads, scale, KEY_MODE=cx["KEY_MODE"], KEY_NORM=key_norm, ACC=cx["ACC"],
+        BLOCK_N=rd.BLOCK_N, BLOCK_E=rd.BLOCK_E, BLOCK_K=rd.BLOCK_K, num_warps=rd.num_warps)
+    dks = _fold_keys(rd, [dv], [dk], key_offset)
+    return [d_out, d_lse, dv, *dks, dq.sum(0).to(query.dtype)]
+
+
+@attnres_merge_bwd.register_fake
+def _(grad, out_c, w, part_v, part_k, query, prior, eps, scale, heads, key_norm, key_offset):
+    keys = [part_k.new_empty(part_k.shape)] if part_k is not None else []
+    return [out_c.new_empty(out_c.shape), w.new_empty(w.shape), part_v.new_empty(part_v.shape), *keys,
+            query.new_empty(query.shape)]
+
+
+def _merge_setup(ctx, inputs, output):
+    out_c, _, part_v, part_k, query, *args = inputs
+    ctx.save_for_backward(out_c, part_v, part_k, query, output[1])
+    ctx.args = tuple(args)
+
+
+def _merge_backward(ctx, grad_h, _grad_w):
+    out_c, part_v, part_k, query, w = ctx.saved_tensors
+    grads = attnres_merge_bwd(grad_h, out_c, w, part_v, part_k, query, *ctx.args)
+    d_part_k = grads[3] if part_k is not None else None
+    return grads[0], grads[1], grads[2], d_part_k, grads[-1], None, None, None, None, None, None
+
+
+attnres_merge.register_autograd(_merge_backward, setup_context=_merge_setup)
 
 
 def check_device(device: torch.device) -> None:
