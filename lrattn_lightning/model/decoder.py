@@ -124,12 +124,19 @@ _COMPILED_FLEX: list[Any] = []
 
 
 def _flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any) -> Tensor:
-    """FlexAttention: inside a compiled region as it is (Inductor fuses it), eager on CUDA through one
-    torch.compile of flex_attention (its fused kernel), on CPU the unfused reference (no warning per call)."""
+    """FlexAttention: on CUDA through one torch.compile of flex_attention (its fused kernel), on CPU the unfused
+    reference (no warning per call). Inside a compiled region (--model.compile true) the call is its own
+    frame (`_flex_outside`): traced inline, Dynamo (torch 2.13) drops the routers' state mutations that
+    follow it (a dataclass attribute set after a flex_attention call keeps its old value: wrong results,
+    silently; tests/test_doc_masking.py), so it costs a graph break per attention instead."""
+    if torch.compiler.is_compiling():
+        return _flex_outside(q, k, v, block_mask)
+    return _flex_eager(q, k, v, block_mask)
+
+
+def _flex_eager(q: Tensor, k: Tensor, v: Tensor, block_mask: Any) -> Tensor:
     from torch.nn.attention.flex_attention import flex_attention
 
-    if torch.compiler.is_compiling():
-        return flex_attention(q, k, v, block_mask=block_mask)
     if q.device.type == "cuda":
         if not _COMPILED_FLEX:
             _COMPILED_FLEX.append(torch.compile(flex_attention, dynamic=False))
@@ -137,6 +144,10 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any) -> Tensor:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         return flex_attention(q, k, v, block_mask=block_mask)
+
+
+# not traced into the caller's graph; what it calls (the compiled flex_attention on CUDA) still compiles
+_flex_outside = torch.compiler.disable(_flex_eager, recursive=False)
 
 
 def document_block_mask(seg_BT: Tensor) -> Any:
@@ -263,7 +274,8 @@ class Decoder(nn.Module):
         seg_all = seg if before is None else torch.cat((before, seg), dim=1)
         if cache is not None:
             cache.segments = seg_all
-        if bool((seg_all[:, -1] == seg_all[:, 0]).all()):  # one document per row: the causal mask suffices
+        # one document per row: the causal mask suffices (a data-dependent shortcut: eager only, no graph break)
+        if not torch.compiler.is_compiling() and bool((seg_all[:, -1] == seg_all[:, 0]).all()):
             return None, seg
         if self.attention == "flex" and cache is None:
             return document_block_mask(seg), seg
