@@ -6,6 +6,7 @@ query of each site) is checked against the reference router on CPU with non-zero
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -74,7 +75,14 @@ def test_contracts():
     for name in ("attnres-block-n8", "attnres-full"):
         assert gpu_check.contract_mismatch(cfg(name), "liger") is None
         assert gpu_check.contract_mismatch(cfg(name), "fast-attnres") is None
-    for package in ("fast-attnres", "liger"):
+    for package in ("flash-attn-res", "fla"):  # standard AttnRes only, like Liger's
+        assert "key_source" in gpu_check.contract_mismatch(cfg("s-lr-block-n8-r64"), package)
+        for name in ("attnres-block-n8", "attnres-full"):
+            assert gpu_check.contract_mismatch(cfg(name), package) is None
+    odd = dataclasses.replace(cfg("attnres-full"), size=dataclasses.replace(REGISTRY.size("paper-0.5b"), d_model=768))
+    assert "power of two" in gpu_check.contract_mismatch(odd, "flash-attn-res")  # its kernel has no D mask
+    assert gpu_check.contract_mismatch(odd, "fla") is None
+    for package in gpu_check.PACKAGES:
         assert "projected" in gpu_check.contract_mismatch(cfg("p-lr-block-n8-r32"), package)
         assert gpu_check.contract_mismatch(cfg("s-lr-block-n8-r64-refdefault"), package) is not None  # means, prior
         assert "depth_heads" in gpu_check.contract_mismatch(cfg("s-lr-block-n8-r64-h4"), package)
