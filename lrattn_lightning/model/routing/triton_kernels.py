@@ -41,23 +41,35 @@ DTYPES = {"float32": tl.float32, "bfloat16": tl.bfloat16, "float16": tl.float16,
 
 
 @triton.jit
-def _source(vp, sv, kp, sk, eps, rows, rmask, vcols, emask, kcols, kmask, qt, K, scale,
-            KEY_MODE: tl.constexpr, KEY_NORM: tl.constexpr, ACC: tl.constexpr):
-    """A source's value tile [BLOCK_N, BLOCK_E], key tile (value-column or key-column space), its logit
-    without the prior scale * rstd * <x, q> and rstd (1 without key norm), per token."""
-    vmask = rmask[:, None] & emask[None, :]
-    v = tl.load(vp + rows[:, None] * sv + vcols[None, :], mask=vmask, other=0.0).to(ACC)
+def _load(vp, sv, kp, sk, rows, rmask, vcols, emask, kcols, kmask, KEY_MODE: tl.constexpr, ACC: tl.constexpr):
+    """A source's value tile [BLOCK_N, BLOCK_E] and key tile (value-column or key-column space), in ACC."""
+    v = tl.load(vp + rows[:, None] * sv + vcols[None, :], mask=rmask[:, None] & emask[None, :], other=0.0).to(ACC)
     if KEY_MODE == 0:
         x = tl.where(kmask[None, :], v, 0.0)
     else:
         x = tl.load(kp + rows[:, None] * sk + kcols[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         x = x.to(ACC)
-    dot = tl.sum(x * qt, 1)
+    return v, x
+
+
+@triton.jit
+def _rstd(x, K, eps, KEY_NORM: tl.constexpr):
+    """1 / RMS of each token's key (1 without key norm)."""
     if KEY_NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / K + eps)
+        r = 1.0 / tl.sqrt(tl.sum(x * x, 1) / K + eps)
     else:
-        rstd = tl.full(dot.shape, 1.0, dot.dtype)
-    return v, x, scale * rstd * dot, rstd
+        r = tl.full([x.shape[0]], 1.0, x.dtype)
+    return r
+
+
+@triton.jit
+def _source(vp, sv, kp, sk, eps, rows, rmask, vcols, emask, kcols, kmask, qt, K, scale,
+            KEY_MODE: tl.constexpr, KEY_NORM: tl.constexpr, ACC: tl.constexpr):
+    """A source's value tile, key tile, its logit without the prior scale * rstd * <x, q> and rstd, per
+    token."""
+    v, x = _load(vp, sv, kp, sk, rows, rmask, vcols, emask, kcols, kmask, KEY_MODE, ACC)
+    rstd = _rstd(x, K, eps, KEY_NORM)
+    return v, x, scale * rstd * tl.sum(x * qt, 1), rstd
 
 
 @triton.jit
@@ -243,19 +255,9 @@ def read_bwd(ev, sev, ek, sek, pv, spv, pk, spk, meta, fmeta, q, sq, out, lse, g
 def _group_source(vp, sv, kp, sk, eps, rows, rmask, vcols, emask, kcols, kmask, Qt, K, scale,
                   KEY_MODE: tl.constexpr, KEY_NORM: tl.constexpr, ACC: tl.constexpr):
     """_source for the G queries Qt [BLOCK_G, W] at once: value, key, raw logits [BLOCK_N, BLOCK_G], rstd."""
-    vmask = rmask[:, None] & emask[None, :]
-    v = tl.load(vp + rows[:, None] * sv + vcols[None, :], mask=vmask, other=0.0).to(ACC)
-    if KEY_MODE == 0:
-        x = tl.where(kmask[None, :], v, 0.0)
-    else:
-        x = tl.load(kp + rows[:, None] * sk + kcols[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        x = x.to(ACC)
-    dot = tl.sum(x[:, None, :] * Qt[None, :, :], 2)
-    if KEY_NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / K + eps)
-    else:
-        rstd = tl.full([x.shape[0]], 1.0, dot.dtype)
-    return v, x, scale * rstd[:, None] * dot, rstd
+    v, x = _load(vp, sv, kp, sk, rows, rmask, vcols, emask, kcols, kmask, KEY_MODE, ACC)
+    rstd = _rstd(x, K, eps, KEY_NORM)
+    return v, x, scale * rstd[:, None] * tl.sum(x[:, None, :] * Qt[None, :, :], 2), rstd
 
 
 @triton.jit
