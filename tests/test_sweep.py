@@ -462,3 +462,19 @@ def test_a_run_another_sweep_file_finished_counts_as_finished(data_dir, tmp_path
     assert finished_runs(sweep, uri) == {first}
     assert main(["sweep", str(path), "--dry_run", "--tracking_uri", uri]) == 0
     assert f"finished  {first.name}" in capsys.readouterr().out
+
+
+def test_a_dry_run_writes_nothing(data_dir, tmp_path, monkeypatch, capsys):
+    """`lrattn sweep --dry-run` with the default store (sqlite:///mlflow.db in the working folder) lists the
+    runs and leaves the folder as it was: no empty mlflow.db, no runs folder."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr("lrattn_lightning.train.tracking._USER_TRACKING_URI", None, raising=False)
+    folder = tmp_path / "work"
+    folder.mkdir()
+    path = write_sweep(folder, data_dir)
+    before = sorted(p.name for p in folder.iterdir())
+    monkeypatch.chdir(folder)
+    assert main(["sweep", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("new ") == 4, out
+    assert sorted(p.name for p in folder.iterdir()) == before  # recipe.yaml, sweep.yaml only
