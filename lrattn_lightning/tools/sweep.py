@@ -37,11 +37,6 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---- state -----------------------------------------------------------------------------------------
-def _absent_sqlite_store(tracking_uri: str) -> bool:
-    """A local sqlite store whose file does not exist yet (a dry run must not create it)."""
-    return tracking_uri.startswith("sqlite:///") and not Path(tracking_uri.removeprefix("sqlite:///")).exists()
-
-
 def finished_runs(sweep: Sweep, tracking_uri: str) -> set[SweepRun]:
     """Runs of this sweep that MLflow holds as FINISHED: a run of the experiment with the run's name (its
     folder) and tags size, ablation, seed (and variant), whichever sweep file ran it: two sweeps of one
@@ -49,9 +44,10 @@ def finished_runs(sweep: Sweep, tracking_uri: str) -> set[SweepRun]:
     from mlflow.tracking import MlflowClient
 
     from lrattn_lightning.tools.runs import search_all
-    from lrattn_lightning.train.tracking import store_lock
+    from lrattn_lightning.train.tracking import sqlite_file, store_lock
 
-    if _absent_sqlite_store(tracking_uri):  # nothing has finished there; opening it would create the file
+    db = sqlite_file(tracking_uri)
+    if db is not None and not db.exists():  # nothing has finished there; opening it would create the file
         return set()
     with store_lock(tracking_uri):  # a new sqlite store is created by the first client, once
         client = MlflowClient(tracking_uri)

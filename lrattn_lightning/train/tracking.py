@@ -119,21 +119,25 @@ def absolute_sqlite(uri: str) -> str:
     return uri
 
 
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a local sqlite store (sqlite:///FILE), as written; None for other stores."""
+    prefix = "sqlite:///"
+    return Path(uri[len(prefix):]) if uri.startswith(prefix) else None
+
+
 def artifact_location(uri: str) -> str | None:
     """Local stores keep artifacts in ./mlartifacts beside the database; servers decide themselves."""
-    if uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///"):]).resolve()
-        return (db.parent / "mlartifacts").as_uri()
-    return None
+    db = sqlite_file(uri)
+    return None if db is None else (db.resolve().parent / "mlartifacts").as_uri()
 
 
 @contextlib.contextmanager
 def store_lock(uri: str) -> Iterator[None]:
     """Serialise the creation of a sqlite store (MLflow creates its tables racily: 'table already exists')."""
-    if not uri.startswith("sqlite:///"):
+    db = sqlite_file(uri)
+    if db is None:
         yield
         return
-    db = Path(uri[len("sqlite:///"):])
     try:
         lock = FileLock(db.parent / f".{db.name}.lock").acquire(blocking=True)
     except OSError as err:

@@ -153,11 +153,9 @@ class TritonAttnRes(AttnResRouter):
             return out_ND.view(B, T, D)
         part_v, key = self.key_source.summary(state.partial)
         part_k = key if self.key_source.carried else None
-        eps = torch.finfo(compute_dtype(emb.dtype)).eps * (1.0 if self.key_source.carried
-                                                            else self.key_source.eps_factor(c))
         h, w = attnres_merge(out_ND, state.group_lse[g], part_v, part_k, self.site_query(self.queries, j).contiguous(),
-                             count_prior(self.count_prior, c), eps, float(self.scale), self.heads, self.key_norm,
-                             self.key_offset)
+                             count_prior(self.count_prior, c), self._eps(c, emb.dtype), float(self.scale), self.heads,
+                             self.key_norm, self.key_offset)
         if record:
             w = w.detach()
             state.weights.append(torch.cat((alpha * (1 - w), w[None])).view(-1, B, T, self.heads).float())
@@ -166,7 +164,9 @@ class TritonAttnRes(AttnResRouter):
     def _consts(self, state: TritonState, partial_count: int, dtype: torch.dtype) -> list[float]:
         """Priors then eps of the slots embedding, summaries, partial (the kernel's meta layout)."""
         counts = [1, *state.counts, max(partial_count, 1)]
-        eps = torch.finfo(compute_dtype(dtype)).eps
+        return [count_prior(self.count_prior, n) for n in counts] + [self._eps(n, dtype) for n in counts]
+
+    def _eps(self, count: int, dtype: torch.dtype) -> float:
+        """The key norm's eps of a source summarising `count` outputs (the summary rule: _math.py)."""
         keys = self.key_source
-        return ([count_prior(self.count_prior, n) for n in counts]
-                + [eps * (1.0 if keys.carried else keys.eps_factor(n)) for n in counts])
+        return torch.finfo(compute_dtype(dtype)).eps * (1.0 if keys.carried else keys.eps_factor(count))
