@@ -16,7 +16,9 @@ import argparse
 import difflib
 import inspect
 import logging
+import math
 import re
+import signal
 import sys
 import time
 import warnings
@@ -35,8 +37,13 @@ from lrattn_lightning.data.shards import validate_data_dir
 from lrattn_lightning.errors import Parser, UsageError, check_name, packaged
 from lrattn_lightning.train import checkpointing
 from lrattn_lightning.train.callbacks import step_progress_bar, training_monitors
-from lrattn_lightning.train.checkpointing import AtomicCheckpointIO, LastCheckpoint, load_checkpoint_file
-from lrattn_lightning.train.lit_module import LRAttnModule, NonFiniteLossError, architecture_differences
+from lrattn_lightning.train.checkpointing import (
+    AtomicCheckpointIO,
+    LastCheckpoint,
+    NonFiniteLossError,
+    load_checkpoint_file,
+)
+from lrattn_lightning.train.lit_module import LRAttnModule, architecture_differences
 from lrattn_lightning.train.summary import fit_summary, scoring_summary
 from lrattn_lightning.train.tracking import (
     RUN_DIR_TAG,
@@ -126,7 +133,13 @@ class LRAttnCLI(LightningCLI):
             load_yaml_strict(read_yaml_text(Path(recipe.absolute), "recipe"), recipe.relative)
         _check_numbers(self.subcommand, cfg)
         self._name_architecture(cfg)
-        model_cfg = load_registry(cfg.registry).model(cfg.size, cfg.ablation)  # unknown names list the closest
+        registry = load_registry(cfg.registry)
+        if self._ablation_from_ckpt and cfg.ablation not in registry.ablations:
+            ablation = self._ckpt_head["model_config"]["ablation"]
+            router = f" (routing external, router {ablation.get('router')})" if ablation.get("routing") == "external" else ""
+            raise UsageError(f"ablation '{cfg.ablation}'{router} of --ckpt_path {cfg.ckpt_path} is not in registry "
+                             f"{registry.path}; pass --registry FILE, the registry the checkpoint was trained with")
+        model_cfg = registry.model(cfg.size, cfg.ablation)  # unknown names list the closest
         cfg.model.size, cfg.model.ablation = cfg.size, cfg.ablation
         if cfg.data.seq_len is None:
             cfg.data.seq_len = model_cfg.size.seq_len
@@ -134,6 +147,8 @@ class LRAttnCLI(LightningCLI):
             raise UsageError(f"--data.seq_len={cfg.data.seq_len} exceeds seq_len={model_cfg.size.seq_len} of size "
                              f"'{cfg.size}'; use a shorter window or a larger size")
         validate_data_dir(cfg.data.data_dir, model_cfg.size, cfg.data.seq_len)
+        if self.subcommand == "fit":
+            _check_one_batch(cfg)
         if cfg.model.get("impl") == "triton" and model_cfg.kind.takes_impl:  # CUDA or the interpreter
             from lrattn_lightning.model.routing.triton_ops import availability_error
 
@@ -197,7 +212,9 @@ class LRAttnCLI(LightningCLI):
         if self.subcommand != "fit" and not cfg.get("ckpt_path"):
             raise UsageError(f"{self.subcommand} needs --ckpt_path: a checkpoint of `lrattn fit` (a file, or 'last' "
                              "with the run's --size/--ablation/--run_name); without one it would score random weights")
+        self._ablation_from_ckpt = False
         if self._ckpt_head is not None and self.subcommand != "fit":
+            self._ablation_from_ckpt = not cfg.ablation
             cfg.size = cfg.size or self._ckpt_head["model_config"]["size"]["name"]
             cfg.ablation = cfg.ablation or self._ckpt_head["model_config"]["ablation"]["name"]
             trained_on = self._ckpt_head["data"].get("data_dir")
@@ -234,6 +251,7 @@ class LRAttnCLI(LightningCLI):
             raise UsageError(
                 f"--ckpt_path {ckpt_path} was trained with a different architecture (size '{config['size']['name']}', "
                 f"ablation '{config['ablation']['name']}'); pass those names. Differences: " + "; ".join(diffs[:6]))
+        _check_checkpoint_data(self.subcommand, cfg, ckpt_path, stored)
         # resuming, validating or testing a checkpoint logs into the MLflow run that trained it
         if self.subcommand == "fit":
             _check_schedule(cfg, stored)
@@ -256,11 +274,35 @@ class LRAttnCLI(LightningCLI):
 
     def after_fit(self) -> None:
         """A fit always ends with a validation of its final weights (val/loss, routing, heatmap at the last
-        step), also when max_steps is not a multiple of val_check_interval."""
+        step), also when max_steps is not a multiple of val_check_interval, and also when it is resumed at its
+        end; the MLflow run is FINISHED only after it. A stop signal that came after the last step stops the run
+        before that validation (KILLED, exit 128 + N): the resume then runs it."""
         trainer, model = self.trainer, self.model
-        if trainer.interrupted or trainer.limit_val_batches == 0 or getattr(model, "last_validated_step", None) == trainer.global_step:
+        logger = trainer.logger if isinstance(trainer.logger, TrackingLogger) else None
+        if trainer.interrupted:
             return
+        last = next((c for c in trainer.callbacks if isinstance(c, LastCheckpoint)), None)
+        if logger is not None:
+            logger.final_validation_pending = False
+        if trainer.limit_val_batches == 0 or getattr(model, "last_validated_step", None) == trainer.global_step:
+            if logger is not None:  # validated at its last step already: the run is complete
+                logger.finalize("success")
+            if last is not None:
+                last.drop_previous(trainer)
+            return
+        signum = _agreed(trainer, checkpointing.NOTED_SIGNAL)
+        if signum:
+            saved = last is not None and last._last_global_step_saved == trainer.global_step > 0
+            stop = checkpointing.Stop(signum, trainer.global_step, last.path) if saved else checkpointing.Stop(signum)
+            checkpointing.LAST_STOP = stop
+            if logger is not None:
+                logger.stopped_by = stop.name
+                logger.finalize("failed")
+            raise SIGTERMException()
+        model._loaded_step = None  # the fit's own weights (a fit resumed at its end loaded them): val/*, not validate/*
         trainer.validate(model, datamodule=self.datamodule, verbose=False)
+        if last is not None:
+            last.drop_previous(trainer)
 
     def instantiate_trainer(self, **kwargs: Any):
         """Lightning's trainer with this run's defaults where the command line gives none: the MLflow
@@ -293,6 +335,7 @@ class LRAttnCLI(LightningCLI):
                   **({RUN_DIR_TAG: run_dir_tag(self.run_dir)} if self.subcommand == "fit" else {})},
         )
         logger.keep_status = self.subcommand != "fit" and bool(self.resume_run_id)
+        logger.final_validation_pending = self.subcommand == "fit"
         logger.log_epoch = bool(cfg.get("log_counters"))
         logger.open_run()
         if self.subcommand == "fit" and self.resume_run_id and checkpointing.launched_as_rank_zero():
@@ -320,6 +363,16 @@ def fsdp_strategy(trainer_cfg):
                                  save_distributed_checkpoint=False)
 
 
+def _agreed(trainer, signum: int) -> int:
+    """The highest stop signal any rank noted (every rank calls this at the same point)."""
+    if trainer.world_size == 1:
+        return signum
+    import torch
+
+    flag = torch.tensor(float(signum), device=trainer.strategy.root_device)
+    return int(trainer.strategy.reduce(flag, reduce_op="max"))
+
+
 def resolved_by_the_module(registry: str | None) -> None:
     """The value of a provenance field on the command line: none (LRAttnModule resolves it)."""
     return None
@@ -341,11 +394,92 @@ def _check_numbers(subcommand: str, cfg) -> None:
                                ("--data.num_workers", data.num_workers, 0)):
         if value is not None and value < least:
             raise UsageError(f"{name} {value}: must be an integer >= {least}")
+    _check_training_numbers(subcommand, cfg)
     for name in ("limit_val_batches", "limit_test_batches"):
         value = trainer.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value == 1:
             print(f"[lrattn] warning: --trainer.{name} 1 means ONE batch in Lightning (an integer counts batches); "
                   f"pass 1.0 for the whole validation split", file=sys.stderr)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_training_numbers(subcommand: str, cfg) -> None:
+    """The optimiser's, schedule's and trainer's numbers, checked before a run folder or MLflow run exists (torch,
+    Lightning and the scheduler would refuse some only at the first step, after the run was created, and take
+    others, such as a negative warmup, with a meaning nobody wants)."""
+    if subcommand != "fit":
+        return
+    m, trainer = cfg.model, cfg.trainer
+    rules = [  # (flag, value, ok, what it must be)
+        *((f"--model.{k}", m.get(k), lambda v: _number(v) and v > 0, "a positive number") for k in ("lr", "muon_lr")),
+        *((f"--model.{k}", m.get(k), lambda v: _number(v) and v >= 0, "a number >= 0")
+          for k in ("weight_decay", "muon_weight_decay", "z_loss")),
+        *((f"--model.{k}", m.get(k), lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+           "an integer >= 0") for k in ("warmup_steps", "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps")),
+        *((f"--model.{k}", m.get(k), lambda v: _number(v) and 0 <= v <= 1, "a fraction in [0, 1]")
+          for k in ("decay_fraction", "final_lr_fraction")),
+        ("--model.betas", m.get("betas"), lambda v: isinstance(v, list | tuple) and len(v) == 2
+         and all(_number(b) and 0 <= b < 1 for b in v), "two numbers in [0, 1), e.g. [0.9, 0.95]"),
+        ("--trainer.accumulate_grad_batches", trainer.get("accumulate_grad_batches"),
+         lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1), "an integer >= 1"),
+        ("--trainer.val_check_interval", trainer.get("val_check_interval"),
+         lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1)
+         or (isinstance(v, float) and 0 < v <= 1), "a number of steps >= 1 or a fraction of an epoch in (0, 1]"),
+        ("--trainer.gradient_clip_val", trainer.get("gradient_clip_val"), lambda v: v is None or (_number(v) and v >= 0),
+         "a number >= 0 (0 or null: no clipping)"),
+        ("--trainer.log_every_n_steps", trainer.get("log_every_n_steps"),
+         lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1), "an integer >= 1"),
+    ]
+    for flag, value, ok, what in rules:
+        if not ok(value):
+            raise UsageError(f"{flag} {value}: must be {what}")
+
+
+def _devices(trainer) -> int:
+    """Processes that split the training windows (devices x nodes); 1 where the count is left to Lightning."""
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
+    if isinstance(devices, str) and devices.isdigit():
+        devices = int(devices)
+    count = len(devices) if isinstance(devices, list | tuple) else devices if isinstance(devices, int) and devices > 0 else 1
+    return count * (nodes if isinstance(nodes, int) and nodes > 0 else 1)
+
+
+def _check_one_batch(cfg) -> None:
+    """A train split with fewer windows than one batch on every device trains nothing (0 steps) and would still
+    end 'finished': one line instead, before any work."""
+    from lrattn_lightning.data.shards import check_shards, count_windows
+
+    windows = count_windows(check_shards(cfg.data.data_dir, "train"), cfg.data.seq_len + 1)
+    world, batch = _devices(cfg.trainer), cfg.data.batch_size
+    if windows < batch * world:
+        per = f"{batch} windows per device x {world} devices" if world > 1 else f"--data.batch_size {batch} windows"
+        raise UsageError(f"the train split of {cfg.data.data_dir} has {windows} windows of seq_len + 1 = "
+                         f"{cfg.data.seq_len + 1} tokens, and one batch needs {per}; use a smaller --data.batch_size "
+                         "or --data.seq_len, or prepare more data")
+
+
+def _same_folder(a: str, b: str) -> bool:
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return Path(a).resolve() == Path(b).resolve()
+
+
+def _check_checkpoint_data(subcommand: str, cfg, ckpt_path: str, stored: dict) -> None:
+    """validate/test score with the checkpoint's tokenizer (another one's ids are other text to the model); a resume
+    continues at its position in the data folder it trained on (litdata refuses another folder only after the
+    model was restored)."""
+    from lrattn_lightning.train.checkpoints import check_tokenizer
+
+    if subcommand in ("validate", "test") and stored.get("tokenizer"):
+        check_tokenizer(stored["tokenizer"], ckpt_path, cfg.data.data_dir, "--data.data_dir")
+    trained_on = (stored.get("data") or {}).get("data_dir")
+    if subcommand == "fit" and trained_on and not _same_folder(str(cfg.data.data_dir), str(trained_on)):
+        raise UsageError(f"--data.data_dir {cfg.data.data_dir}: checkpoint {ckpt_path} trained on {trained_on}, and a "
+                         f"resume continues at its position in that folder; resume with --data.data_dir {trained_on} "
+                         "(or start a new run, e.g. --init_from the checkpoint)")
 
 
 def _parse_error(message: str, parser, subcommand: str | None) -> str:
@@ -407,7 +541,7 @@ def _read_checkpoint(path: str) -> dict:
     if not isinstance(stored, dict):
         raise UsageError(f"--ckpt_path {path}: not an lrattn_lightning checkpoint (no model_config hyper-parameter)")
     return {"model_config": stored, "mlflow": ckpt.get("mlflow") or {}, "schedule": ckpt.get("schedule") or {},
-            "global_step": ckpt.get("global_step"), "data": ckpt.get("data") or {}}
+            "global_step": ckpt.get("global_step"), "data": ckpt.get("data") or {}, "tokenizer": ckpt.get("tokenizer")}
 
 
 # What Lightning prints that does not concern the run: cloud tips, the seed (it is in config.yaml and the
@@ -519,20 +653,29 @@ def run_subcommand(argv: list[str]) -> int:
     """fit / validate / test with Lightning's own failures as one line and exit codes: 3 for a non-finite
     loss, 128 + the signal's number for SIGTERM, SIGINT or SIGHUP (143, 130, 129: a checkpoint at the
     current step was saved); the run folder is released."""
+    import contextlib
+
     from lrattn_lightning.errors import one_line
 
+    fit = argv[:1] == ["fit"]
     try:
-        cli = run_lightning(argv)
-        if cli.subcommand == "fit" and cli.trainer.is_global_zero:
-            print("\n".join(fit_summary(cli)))
-        elif cli.subcommand in ("validate", "test") and cli.trainer.is_global_zero:
-            print("\n".join(scoring_summary(cli)))
+        with checkpointing.stop_signals_noted() if fit else contextlib.nullcontext():
+            cli = run_lightning(argv)
+            if cli.subcommand == "fit" and cli.trainer.is_global_zero:
+                print("\n".join(fit_summary(cli)))
+            elif cli.subcommand in ("validate", "test") and cli.trainer.is_global_zero:
+                print("\n".join(scoring_summary(cli)))
+            late = checkpointing.NOTED_SIGNAL if fit else 0
+        if late:  # the run had ended (validated, FINISHED, checkpoint written): nothing was cut short
+            print(f"[lrattn] {signal.Signals(late).name} came after the run finished; nothing was lost", file=sys.stderr)
         return 0
     except MisconfigurationException as err:
         print(f"lrattn: error: {one_line(err)}", file=sys.stderr)
         return 2
     except NonFiniteLossError as err:
-        print(f"lrattn: training stopped: {err}", file=sys.stderr)
+        div = checkpointing.LAST_DIVERGENCE
+        print(f"lrattn: training stopped: {err}" + (f"; {div.describe()}" if div is not None and fit else ""),
+              file=sys.stderr)
         return 3
     except SIGTERMException:  # also SIGINT and SIGHUP (LastCheckpoint)
         stop = checkpointing.LAST_STOP or checkpointing.Stop()

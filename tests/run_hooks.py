@@ -76,8 +76,10 @@ class KillProcessGroupAtStep(Callback):
 class SignalAt(Callback):
     """Send this process the real signal `signal` ("SIGTERM", "SIGINT", "SIGHUP") at an exact point: when
     optimizer step `step` is about to run, or (`during: validation`) at the end of batch `batch` of the
-    validation that follows step `step` (the validation logged at step `step`); with `rank`, only that
-    rank's process gets it."""
+    validation that follows step `step` (the validation logged at step `step`), or (`during: train_end`) when
+    training has ended (after the last step's save, before `lrattn fit`'s final validation), or (`during:
+    final_validation`) at the end of batch `batch` of that final validation; with `rank`, only that rank's
+    process gets it."""
 
     def __init__(self, step: int, signal: str = "SIGTERM", during: str = "train", batch: int = 0,
                  rank: int | None = None):
@@ -97,6 +99,12 @@ class SignalAt(Callback):
         if (self.during == "validation" and not trainer.sanity_checking and trainer.state.fn == "fit"
                 and trainer.global_step == self.step and batch_idx == self.batch):
             self._send(trainer)
+        if self.during == "final_validation" and trainer.state.fn == "validate" and batch_idx == self.batch:
+            self._send(trainer)
+
+    def on_train_end(self, trainer, pl_module):
+        if self.during == "train_end":
+            self._send(trainer)
 
 
 class PauseAt(Callback):
@@ -112,3 +120,23 @@ class PauseAt(Callback):
             deadline = time.time() + self.timeout
             while not os.path.exists(self.go) and time.time() < deadline:
                 time.sleep(0.05)
+
+
+class KillBeforeStepLog(Callback):
+    """SIGKILL this process once the optimizer step that makes global_step `step` is done and its checkpoint
+    written, at the moment Lightning would log that step's metrics (after every callback's on_train_batch_end)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_start(self, trainer, pl_module):
+        connector = trainer._logger_connector
+        log_step = connector.update_train_step_metrics
+
+        def update_train_step_metrics():
+            saved = getattr(trainer.checkpoint_callback, "_last_global_step_saved", None)
+            if trainer.global_step == self.step and saved == self.step:  # the save is done, the logging not
+                os.kill(os.getpid(), signal.SIGKILL)
+            log_step()
+
+        connector.update_train_step_metrics = update_train_step_metrics

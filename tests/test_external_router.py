@@ -219,9 +219,19 @@ def test_fit_validate_eval_generate_export_with_a_users_router(package, tiny_dat
     assert "validate/val/loss" in run.data.metrics
     assert any(a.path.startswith("eval/") for a in client.list_artifacts(run.info.run_id, "eval"))
 
-    # where the user's package is missing, loading the checkpoint is one line
+    # elsewhere (no registry naming the class) the checkpoint's router is imported only on the user's word
+    router = f"{PACKAGE}.routers:MixRouter"
     done = subprocess.run([str(lrattn), "generate", "--checkpoint", str(ckpt), "--prompt", "x"], cwd=tmp_path,
-                          env=_env(), capture_output=True, text=True, timeout=120)
+                          env=_env(package), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and f"--trust_router {router}" in done.stderr, done.stderr[-2000:]
+    done = subprocess.run([str(lrattn), "generate", "--checkpoint", str(ckpt), "--prompt", "x", "--max_new_tokens", "3",
+                           "--trust_router", router], cwd=tmp_path, env=_env(package), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("x"), done.stderr[-2000:]
+    # where the user's package is missing, loading the checkpoint is one line
+    done = subprocess.run([str(lrattn), "generate", "--checkpoint", str(ckpt), "--prompt", "x", "--registry",
+                           str(work / "registry.yaml")], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                          timeout=120)
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode != 0 and len(lines) == 1, done.stderr[-2000:]
     assert f"cannot import module '{PACKAGE}.routers'" in lines[0] and "PYTHONPATH" in lines[0]

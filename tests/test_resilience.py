@@ -125,7 +125,9 @@ def test_sigterm_saves_the_current_step_exits_nonzero_and_resume_continues(data,
     assert "Traceback" not in stopped.stderr
     assert "lrattn: stopped by SIGTERM at step 6" in stopped.stderr  # the batch in progress completed
     last = ckpt_dir(tmp_path, "stopped") / "last.ckpt"
-    assert step_of(last) == 6 and sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]
+    # the state it replaced stays as previous.ckpt (the fallback should step 6 diverge on resume)
+    assert step_of(last) == 6 and sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt", "previous.ckpt"]
+    assert step_of(last.parent / "previous.ckpt") == 4
     client, run = the_run(tmp_path, "stopped")
     assert run.info.status == "KILLED"  # not FINISHED: a sweep must not skip it
 
@@ -250,7 +252,7 @@ def test_last_ckpt_is_always_the_newest_and_resume_logs_each_step_once(data, tmp
     killed = run_cli(fit_args(data, *STRETCHABLE, "--ckpt_path", "last", "--config",
                               hooks(tmp_path, "kill.yaml", ("KillAtStep", {"step": 7})), steps=12, every=5), tmp_path)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"] and step_of(folder / "last.ckpt") == 5
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "previous.ckpt"] and step_of(folder / "last.ckpt") == 5
     assert main(fit_args(data, *STRETCHABLE, "--ckpt_path", "last", steps=12, every=5)) == 0
     assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"] and step_of(folder / "last.ckpt") == 12
     client, run = the_run(tmp_path)
@@ -299,7 +301,9 @@ def test_full_disk_fails_with_one_line_and_keeps_the_previous_checkpoint(data, t
         lines = [line for line in err.splitlines() if line.startswith("lrattn:")]
         assert lines == [lines[0]] and f"could not save checkpoint {last}: No space left on device" in lines[0]
         assert "Traceback" not in err
-        assert step_of(last) == 2 and sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]
+        # (previous.ckpt: a hard link kept before the failed write, the same file: no space taken)
+        assert step_of(last) == 2 and sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt", "previous.ckpt"]
+        assert (last.parent / "previous.ckpt").stat().st_ino == last.stat().st_ino
 
 
 # ---- item 5: a dead MLflow server -----------------------------------------------------------------
@@ -419,6 +423,14 @@ BAD_INPUTS = {
     "token id beyond the vocabulary": (lambda d: fit_args(Path("big-ids")), ["holds token id 700", "vocab_size 512"]),
     "fit without --size": (lambda d: _drop(fit_args(d), "--size"), ["fit needs --size"]),
     "fit without --ablation": (lambda d: _drop(fit_args(d), "--ablation"), ["fit needs --ablation"]),
+    "negative learning rate": (lambda d: fit_args(d, "--model.lr", "-1"), ["--model.lr -1", "positive number"]),
+    "negative warmup": (lambda d: fit_args(d, "--model.warmup_steps", "-5"), ["--model.warmup_steps -5", ">= 0"]),
+    "no accumulation": (lambda d: fit_args(d, "--trainer.accumulate_grad_batches", "0"),
+                        ["--trainer.accumulate_grad_batches 0", ">= 1"]),
+    "validation every 0 steps": (lambda d: fit_args(d, "--trainer.val_check_interval", "0"),
+                                 ["--trainer.val_check_interval 0"]),
+    "a batch larger than the split": (lambda d: fit_args(d, "--data.batch_size", "100000"),
+                                      ["windows of seq_len + 1", "one batch needs --data.batch_size 100000 windows"]),
     "validate without a checkpoint": (
         lambda d: ["validate", "--size", "tiny", "--ablation", "baseline", "--registry", REGISTRY, "--data.data_dir",
                    str(d)], ["validate needs --ckpt_path", "random weights"]),

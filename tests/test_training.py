@@ -213,7 +213,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tiny_data, tmp_path):
         "trainer:\n  callbacks:\n    - class_path: run_hooks.PoisonAtStep\n      init_args: {step: 3}\n")
     proc = cli_subprocess(fit_args(tiny_data, "--config", "poison.yaml", steps=6), tmp_path)
     assert proc.returncode == 3
-    assert "non-finite loss" in proc.stderr and "at step 3" in proc.stderr
+    assert "non-finite training loss" in proc.stderr and "at step 3" in proc.stderr
     ckpt = torch.load(tmp_path / "runs/lrattn/tiny-s-lr-grid-n4-r16-seed0/checkpoints/last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 2
     assert all(torch.isfinite(t).all() for t in ckpt["state_dict"].values())

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import random
 import re
 import sys
@@ -49,7 +51,14 @@ from lrattn_lightning.eval.tasks import (
     write_tasks,
 )
 from lrattn_lightning.model.decoder import Decoder
-from lrattn_lightning.train.checkpoints import EvalError, LoadedCheckpoint, check_data_dir, load_checkpoint
+from lrattn_lightning.train.checkpoints import (
+    EvalError,
+    LoadedCheckpoint,
+    add_trust_flags,
+    check_data_dir,
+    load_checkpoint,
+    trust_routers,
+)
 from lrattn_lightning.train.lit_module import token_losses
 from lrattn_lightning.train.summary import ui_pointer
 
@@ -157,17 +166,25 @@ def open_eval_run(ckpt: LoadedCheckpoint, tracking_uri: str, experiment: str = "
 
     client = MlflowClient(tracking_uri)
     run_id = (ckpt.mlflow or {}).get("run_id")
+    cfg = ckpt.cfg
     if run_id:
+        why = f"is not in {tracking_uri}"
         try:
-            if client.get_run(run_id).info.lifecycle_stage == "active":
-                return client, run_id, False
+            run = client.get_run(str(run_id))
+            params = run.data.params
+            if run.info.lifecycle_stage != "active":
+                why = f"is deleted in {tracking_uri}"
+            elif (params.get("size"), params.get("ablation")) != (cfg.size.name, cfg.ablation.name):
+                why = (f"in {tracking_uri} trained {params.get('size')}/{params.get('ablation')}, not "
+                       f"{cfg.size.name}/{cfg.ablation.name}")  # a checkpoint names no other run to write into
+            else:
+                return client, run.info.run_id, False
         except MlflowException:
             pass
-        print(f"[lrattn eval] training run {run_id} of {ckpt.path} is not in {tracking_uri}; "
-              "logging to a new run", file=sys.stderr)
+        print(f"[lrattn eval] training run {str(run_id)[:64]} of {ckpt.path} {why}; logging to a new run",
+              file=sys.stderr)
     exp = client.get_experiment_by_name(experiment)
     exp_id = exp.experiment_id if exp else client.create_experiment(experiment, artifact_location(tracking_uri))
-    cfg = ckpt.cfg
     run = client.create_run(exp_id, run_name=f"eval-{cfg.size.name}-{cfg.ablation.name}", tags={
         "checkpoint": str(ckpt.path.resolve()), "eval_only": "true", "ablation": cfg.ablation.name,
         "size": cfg.size.name, "training_run_id": run_id or "none", "global_step": str(ckpt.global_step)})
@@ -217,18 +234,37 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--accelerator", default="auto", help="cpu | gpu | auto")
     parser.add_argument("--tracking-uri", default=None,
-                        help="default: the checkpoint's training store, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
+                        help="default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db (the checkpoint's training run is "
+                             "used when it is in that store)")
     parser.add_argument("--experiment", default="lrattn", help="experiment of a new run (no training run found)")
     parser.add_argument("--bootstrap-iters", type=int, default=100_000, help="lm-eval bootstrap for stderr (0: none)")
     parser.add_argument("--no-log", action="store_true", help="print the results only")
     parser.add_argument("--write-tasks", metavar="DIR", default=None,
                         help="write the local tasks for this checkpoint (cloze contexts cut to its trained window) "
                              "into DIR for `lm_eval --include_path DIR`, print that command, and exit")
-    return parser.parse_args(argv)
+    add_trust_flags(parser)
+    args = parser.parse_args(argv)
+    check_eval_numbers(args)
+    return args
+
+
+def check_eval_numbers(args: argparse.Namespace) -> None:
+    """Counts lm-eval would take apart with a traceback, or accept with a meaning nobody wants."""
+    for flag, value, least in (("--batch_size", args.batch_size, 1), ("--devices", args.devices, 1),
+                               ("--num_nodes", args.num_nodes, 1), ("--num_fewshot", args.num_fewshot, 0),
+                               ("--bootstrap_iters", args.bootstrap_iters, 0)):
+        if value is not None and value < least:
+            raise EvalError(f"{flag} {value}: must be an integer >= {least}")
+    limit = args.limit
+    if limit is not None and not (0 < limit < 1 or (limit >= 1 and float(limit).is_integer())):
+        raise EvalError(f"--limit {limit}: give a number of documents per task (>= 1) or a fraction in (0, 1); "
+                        "leave it out for every document")
 
 
 def _number(text: str) -> int | float:
     value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
     return int(value) if value >= 1 and value.is_integer() else value
 
 
@@ -238,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
 
     own_argv = argv is None or list(argv) == sys.argv[2:]  # the console script: ranks can re-execute it
     args = parse_args(sys.argv[2:] if argv is None else list(argv))
+    trust_routers(args)  # the router classes the user names, before a checkpoint names one
     ckpt = load_checkpoint(args.checkpoint)  # fail fast, before any process starts
     data_dir = args.data_dir or ckpt.data_dir
     names, _ = expand_tasks(args.tasks)
@@ -252,12 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         raise EvalError(f"nothing to evaluate: --tasks is empty; name tasks or presets ({', '.join(PRESETS)}) "
                         "or pass --val-loss")
     if not args.no_log:
-        from lrattn_lightning.train.tracking import resolve_tracking_uri
-
-        recorded = (ckpt.mlflow or {}).get("tracking_uri")
-        if recorded and recorded.startswith("sqlite:///") and not Path(recorded[len("sqlite:///"):]).is_file():
-            recorded = None  # a checkpoint copied from another machine: its store is not here
-        args.tracking_uri = resolve_tracking_uri(args.tracking_uri or recorded, False)
+        args.tracking_uri = eval_store(args.tracking_uri, ckpt)
     world = args.devices * args.num_nodes
     strategy = "auto" if world == 1 else ("ddp" if own_argv else "ddp_spawn")
     fabric = Fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy)
@@ -269,7 +301,26 @@ def main(argv: list[str] | None = None) -> int:
 _LOADED: dict[str, LoadedCheckpoint] = {}
 
 
+def eval_store(flag: str | None, ckpt: LoadedCheckpoint) -> str:
+    """Where results go: --tracking_uri, else $MLFLOW_TRACKING_URI, else the local store; never the store a
+    checkpoint names (a checkpoint is data from elsewhere). Said in one line when the checkpoint's training run was
+    logged to another store, before anything connects to it."""
+    from lrattn_lightning.train.tracking import absolute_sqlite, resolve_tracking_uri
+
+    uri = resolve_tracking_uri(flag, False)
+    recorded = (ckpt.mlflow or {}).get("tracking_uri")
+    if isinstance(recorded, str) and recorded and absolute_sqlite(recorded) != uri:
+        source = "--tracking_uri" if flag else ("$MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI")
+                                                else "the default local store")
+        print(f"[lrattn eval] results go to {uri} ({source}), not to "
+              f"{recorded[:200]!r} where {ckpt.path} says it was trained: a checkpoint does not choose the store; pass "
+              "--tracking_uri to log into its training run there", file=sys.stderr)
+    return uri
+
+
 def _evaluate(fabric: Any, args: argparse.Namespace, data_dir: str | None) -> dict[str, float] | None:
+    if args.checkpoint not in _LOADED:  # a spawned rank: a new process, told again which routers to trust
+        trust_routers(args)
     ckpt = _LOADED.pop(args.checkpoint, None) or load_checkpoint(args.checkpoint)
     model = ckpt.model.to(fabric.device)
     lm = LRAttnLM(model=model, tokenizer=ckpt.tokenizer, batch_size=args.batch_size, device=fabric.device,

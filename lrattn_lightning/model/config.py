@@ -245,10 +245,31 @@ class ModelConfig:
         return out
 
     @staticmethod
-    def from_dict(data: dict[str, Any]) -> ModelConfig:
-        ablation = dict(data["ablation"])
-        ablation["tags"] = tuple(ablation.get("tags", ()))
-        return ModelConfig(SizeConfig(**data["size"]), AblationConfig(**ablation))
+    def from_dict(data: dict[str, Any], where: str = "model_config") -> ModelConfig:
+        """A stored to_dict() (a checkpoint's, an exported config.json's), checked as strictly as a registry entry:
+        an unknown, missing or mistyped field is one line naming `where`, the part and the field."""
+        if not isinstance(data, dict) or not all(isinstance(data.get(p), dict) for p in ("size", "ablation")):
+            raise InputError(f"{where}: must hold the mappings 'size' and 'ablation', got {type(data).__name__}")
+        parts: dict[str, Any] = {}
+        for part, cls in (("size", SizeConfig), ("ablation", AblationConfig)):
+            fields = {f.name: f for f in dataclasses.fields(cls)}
+            given = dict(data[part])
+            unknown = sorted(str(k) for k in given if k not in fields)
+            if unknown:
+                raise config_error(f"{where}.{part}", unknown[0], "unknown field: not written by this version of "
+                                   "lrattn_lightning (an edited or foreign file); remove it or use the lrattn that wrote it")
+            missing = [n for n, f in fields.items() if n not in given and f.default is dataclasses.MISSING]
+            if missing:
+                raise config_error(f"{where}.{part}", missing[0], "required field is missing")
+            if part == "ablation":
+                given["tags"] = tuple(given.get("tags") or ())
+            parts[part] = given
+        try:
+            return ModelConfig(SizeConfig(**parts["size"]).validate(), AblationConfig(**parts["ablation"]).validate())
+        except InputError as err:
+            raise InputError(f"{where}: {err}") from None
+        except (TypeError, ValueError, KeyError, AttributeError) as err:  # a value of the wrong type
+            raise InputError(f"{where}: not a valid model config ({type(err).__name__}: {err})") from None
 
 
 def fit_to_size(ablation: AblationConfig, size: SizeConfig) -> AblationConfig:

@@ -23,6 +23,7 @@ import yaml
 
 from lrattn_lightning.errors import InputError
 from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig, config_error
+from lrattn_lightning.model.routing.trust import trust
 
 DEFAULT_PATH = Path("registry.yaml")
 PACKAGED_PATH = Path(__file__).resolve().parents[1] / "registry.yaml"  # shipped in the package (in a checkout: a link to ./registry.yaml)
@@ -163,6 +164,9 @@ def parse_registry(raw: dict[str, Any], *, path: str = "<dict>", sha256: str = "
         if abl.control is not None and abl.control not in ablations:
             hint = ", ".join(closest_names(abl.control, list(ablations)))
             raise config_error(f"ablations.{name}", "control", f"unknown ablation '{abl.control}'; closest: {hint}")
+    for abl in ablations.values():  # the user's registry names these classes: they may be imported (trust.py)
+        if abl.routing == "external":
+            trust(abl.router, f"ablations.{abl.name}.router")
     return Registry(sizes=sizes, ablations=ablations, path=path, sha256=sha256)
 
 

@@ -15,14 +15,21 @@ reply ends at EOS, at a blank line, or after --max_new_tokens. In chat: /reset f
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import TextIO
 
 import torch
 
-from lrattn_lightning.errors import Parser, one_line
+from lrattn_lightning.errors import InputError, Parser, one_line
 from lrattn_lightning.model.generate import generate_stream
-from lrattn_lightning.train.checkpoints import EvalError, LoadedCheckpoint, load_checkpoint
+from lrattn_lightning.train.checkpoints import (
+    EvalError,
+    LoadedCheckpoint,
+    add_trust_flags,
+    load_checkpoint,
+    trust_routers,
+)
 
 
 class TextStream:
@@ -50,13 +57,14 @@ def _add_sampling(parser: argparse.ArgumentParser, max_new: int) -> None:
     parser.add_argument("--top_p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
+    add_trust_flags(parser)
 
 
 def _check_sampling(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise EvalError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise EvalError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise EvalError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:
         raise EvalError(f"--top_k must be a positive integer, got {args.top_k}")
     if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
@@ -95,6 +103,7 @@ def stream_reply(ckpt: LoadedCheckpoint, ids: list[int], args: argparse.Namespac
 
 def _load(args: argparse.Namespace) -> tuple[LoadedCheckpoint, torch.Generator]:
     _check_sampling(args)
+    trust_routers(args)  # the router classes the user names, before a checkpoint names one
     ckpt = load_checkpoint(args.checkpoint)
     ckpt.model.to(args.device)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
@@ -111,7 +120,7 @@ def generate_main(argv: list[str] | None = None) -> int:
         ids = ckpt.tokenizer.encode(args.prompt)
         if len(ids) > ckpt.seq_len:
             raise EvalError(f"--prompt is {len(ids)} tokens; the model's trained window is {ckpt.seq_len}")
-    except EvalError as err:
+    except InputError as err:
         print(f"lrattn generate: error: {one_line(err)}", file=sys.stderr)
         return 2
     sys.stdout.write(args.prompt)
@@ -130,7 +139,7 @@ def chat_main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     try:
         ckpt, generator = _load(args)
-    except EvalError as err:
+    except InputError as err:
         print(f"lrattn chat: error: {one_line(err)}", file=sys.stderr)
         return 2
     stdout.write(f"lrattn chat: {ckpt.cfg.ablation.name} @ {ckpt.cfg.size.name}, step {ckpt.global_step}. "

@@ -14,7 +14,10 @@ config.json's AutoConfig first), generation_config.json (no max_length: generate
 would warn that both are set; the window is max_position_embeddings), and modeling_lrattn.py: a thin
 wrapper whose model *is* our `Decoder` (it imports lrattn_lightning, so the package must be installed
 where the folder is loaded; no second copy of the model). Document masking travels in the config. Generation through `generate()` recomputes the
-window at every step (the wrapper keeps no cache); `lrattn generate` uses our KV cache.
+window at every step (the wrapper keeps no cache); `lrattn generate` uses our KV cache. A `routing: external`
+model's folder names its router class in config.json; loading imports it only when the caller names it too:
+`from_pretrained(folder, trust_remote_code=True, trust_router="my_pkg.routers:MyRouter")` (the package must be
+importable there as well).
 
 --out is written whole into a temporary folder beside it and swapped in; an existing --out is replaced only
 when it is a previous export (its `.lrattn-export` marker names every file in it), never the working folder,
@@ -73,12 +76,17 @@ class LRAttnForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "model"
     _supports_cache_class = False
 
-    def __init__(self, config):
+    def __init__(self, config, trust_router=None):
+        """trust_router: "package.module:Class" (or a list) of a `routing: external` model's router class: config.json
+        names it, but only the caller's word lets it be imported (from_pretrained(..., trust_router=...))."""
         super().__init__(config)
         from lrattn_lightning.model.config import ModelConfig
         from lrattn_lightning.model.decoder import build_decoder
+        from lrattn_lightning.model.routing.trust import trust
 
-        self.model = build_decoder(ModelConfig.from_dict(config.model_config))
+        for path in [trust_router] if isinstance(trust_router, str) else (trust_router or []):
+            trust(path, "trust_router")
+        self.model = build_decoder(ModelConfig.from_dict(config.model_config, where="config.json: model_config"))
         self.model.doc_separator = config.doc_separator
         self.post_init()
 
@@ -358,25 +366,38 @@ def _bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
+def exported_router(folder: Path) -> str | None:
+    """The router class an exported folder's model imports (routing: external), else None."""
+    ablation = json.loads((Path(folder) / "config.json").read_text())["model_config"]["ablation"]
+    return ablation.get("router") if ablation.get("routing") == "external" else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="lrattn export", description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, help="a last.ckpt / step*.ckpt written by `lrattn fit`")
     parser.add_argument("--out", required=True, help="the folder to write (new, empty, or a previous export)")
     parser.add_argument("--overwrite", action="store_true",
                         help=f"replace a previous export (a folder holding {MARKER} and only the files it names)")
-    args = parser.parse_args(argv)
-    from lrattn_lightning.train.checkpoints import EvalError
+    from lrattn_lightning.train.checkpoints import add_trust_flags, trust_routers
 
+    add_trust_flags(parser)
+    args = parser.parse_args(argv)
     try:
+        trust_routers(args)  # the router classes the user names, before the checkpoint names one
         out = export_hf(args.checkpoint, args.out, overwrite=args.overwrite)
-    except (ExportError, EvalError) as err:
+    except InputError as err:
         print(f"lrattn export: error: {err}", file=sys.stderr)
         return 2
     except ExportFailed as err:  # the work failed (disk full, ...), not the input: exit 1, still one line
         print(f"lrattn export: error: {err}", file=sys.stderr)
         return 1
-    print(f"wrote {out}: load with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True) and "
-          f"AutoTokenizer.from_pretrained({str(out)!r}, trust_remote_code=True)")
+    router = exported_router(out)
+    trust = f", trust_router={router!r}" if router else ""
+    print(f"wrote {out}: load with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True{trust}) "
+          f"and AutoTokenizer.from_pretrained({str(out)!r}, trust_remote_code=True)")
+    if router:
+        print(f"note: the folder's model imports router class {router}: its package must be installed where the "
+              "folder is loaded", file=sys.stderr)
     return 0
 
 

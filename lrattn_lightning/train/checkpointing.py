@@ -7,6 +7,10 @@
                         SIGINT or SIGHUP arrives, at the end of the optimizer step in progress (all its
                         accumulated micro-batches) or validation batch, on every rank at once; then the run
                         exits 128 + the signal's number. A validation that did not finish is run first on resume.
+                        The state it replaces stays as `previous.ckpt`: when a loss turns non-finite at the step
+                        last.ckpt holds (those weights produced it), that file is set apart as
+                        `diverged-stepNNNNNN.ckpt` and previous.ckpt, the last finite state, becomes last.ckpt.
+                        A run that ends with a finite final validation drops previous.ckpt.
     lock_run_folder     one live `lrattn fit` per run folder (a `.lock` file held with flock, naming its pid).
 
 Errors are `CheckpointError`s whose message is one line naming the file, the cause and the fix.
@@ -23,7 +27,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +66,63 @@ class Stop:
 
 
 LAST_STOP: Stop | None = None
+# A stop signal this process received outside training (inside stop_signals_noted), 0 if none; LastCheckpoint
+# notes the ones it receives during training here too. `lrattn fit` stops before its final validation on it.
+NOTED_SIGNAL = 0
+
+
+def note_stop_signal(signum: int, _frame: Any = None) -> None:
+    global NOTED_SIGNAL
+    if signum == signal.SIGHUP:
+        _detach_hung_up_terminal()
+    NOTED_SIGNAL = max(NOTED_SIGNAL, signum)
+
+
+@contextlib.contextmanager
+def stop_signals_noted() -> Iterator[None]:
+    """Inside, a stop signal is noted, not fatal: `lrattn fit` decides where it stops (after a step's save, before
+    its final validation) and exits 128 + its number. A SIGINT or SIGHUP ignored at launch (nohup) stays ignored;
+    the handlers before are restored after."""
+    global NOTED_SIGNAL
+    NOTED_SIGNAL = 0
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    for signum, handler in before.items():
+        if signum == signal.SIGTERM or handler is not signal.SIG_IGN:
+            signal.signal(signum, note_stop_signal)
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training stopped on a NaN/inf training or validation loss (the message names the step and what was kept)."""
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """What became of the checkpoints when a fit diverged at `step`."""
+
+    step: int
+    set_apart: Path | None  # the checkpoint of `step`, whose weights produced the non-finite loss
+    last_step: int | None  # the step last.ckpt now holds (the last finite state), None: no checkpoint left
+    path: Path
+
+    def describe(self) -> str:
+        apart = f"its checkpoint is set apart as {self.set_apart.name}; " if self.set_apart else ""
+        if self.last_step is None:
+            kept = "no checkpoint of a finite state is left"
+        else:
+            kept = f"the last finite state is step {self.last_step} ({self.path})"
+        return (f"{apart}{kept}. Resuming repeats the same steps: start a new run with a lower learning rate "
+                "(or --init_from a finite checkpoint)")
+
+
+LAST_DIVERGENCE: Divergence | None = None
 
 
 class CheckpointError(InputError):
@@ -183,8 +244,8 @@ class LastCheckpoint(ModelCheckpoint):
     def __init__(self, dirpath: Path, every_n_train_steps: int):
         super().__init__(dirpath=dirpath, filename="step{step:06d}", every_n_train_steps=every_n_train_steps, save_top_k=0,
                          save_last=True, enable_version_counter=False)
-        global LAST_STOP
-        LAST_STOP = None
+        global LAST_STOP, LAST_DIVERGENCE
+        LAST_STOP = LAST_DIVERGENCE = None
         self._signum = 0  # the stop signal this process received, 0 if none (all its handler does but pass it on)
         self._stopped_by = 0  # the one every rank agreed on
         self._launcher: Any = None
@@ -196,8 +257,51 @@ class LastCheckpoint(ModelCheckpoint):
     def path(self) -> Path:
         return Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
 
+    @property
+    def previous(self) -> Path:
+        return Path(self.dirpath) / "previous.ckpt"
+
     def _save_now(self, trainer) -> None:
         self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        """last.ckpt's state before this save stays as previous.ckpt (a hard link: no copy, and last.ckpt is never
+        missing), the state to fall back to if the new one turns out to diverge."""
+        if Path(filepath) == self.path and trainer.is_global_zero and self.path.is_file():
+            keep = temp_path(self.previous)
+            try:
+                os.link(self.path, keep)
+                os.replace(keep, self.previous)
+            except OSError:  # a filesystem without hard links: the previous state is not kept
+                with contextlib.suppress(OSError):
+                    keep.unlink()
+        super()._save_checkpoint(trainer, filepath)
+
+    def drop_previous(self, trainer) -> None:
+        """The run finished with a finite final validation: last.ckpt is good, its fallback is not needed."""
+        if trainer.is_global_zero:
+            with contextlib.suppress(FileNotFoundError):
+                self.previous.unlink()
+
+    def _set_apart_diverged(self, trainer, exception: BaseException) -> None:
+        """The loss of step N is non-finite: if last.ckpt holds step N (the weights that produced it), set it apart
+        and make previous.ckpt last.ckpt again; say what is kept (LAST_DIVERGENCE)."""
+        global LAST_DIVERGENCE
+        step = trainer.global_step
+        set_apart = None
+        if trainer.is_global_zero and self._last_global_step_saved == step and self.path.is_file():
+            set_apart = self.path.with_name(f"diverged-step{step:06d}.ckpt")
+            os.replace(self.path, set_apart)
+            if self.previous.is_file():
+                os.replace(self.previous, self.path)
+        last_step = None
+        if self.path.is_file():
+            with contextlib.suppress(CheckpointError):
+                last_step = int(load_checkpoint_file(self.path, mmap=True).get("global_step", -1))
+        LAST_DIVERGENCE = Divergence(step, set_apart, last_step, self.path)
+        for logger in trainer.loggers:  # the MLflow run ends FAILED with a tag that says where
+            if hasattr(logger, "diverged"):
+                logger.diverged = str(exception).split(";")[0]
 
     def _unsaved(self, trainer) -> bool:
         return (trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
@@ -219,12 +323,12 @@ class LastCheckpoint(ModelCheckpoint):
             for signum in STOP_SIGNALS:  # Lightning's teardown restores the original handlers
                 if signum == signal.SIGTERM or signal.getsignal(signum) is not signal.SIG_IGN:
                     signal.signal(signum, self._note_signal)
+        self._signum = max(self._signum, NOTED_SIGNAL)  # one that came while the run was starting: stop at once
 
     def _note_signal(self, signum: int, _frame: Any) -> None:
         if not self._signum and self._launcher is not None:
             self._launcher.kill(signum)  # pass it on to the ranks this process launched (as Lightning does)
-        if signum == signal.SIGHUP:
-            _detach_hung_up_terminal()
+        note_stop_signal(signum)  # (after training, `lrattn fit` still sees it)
         self._signum = max(self._signum, signum)
 
     def _agreed_signal(self, trainer) -> int:
@@ -244,8 +348,13 @@ class LastCheckpoint(ModelCheckpoint):
         self._step_at_batch_start = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         stepped = trainer.global_step != self._step_at_batch_start  # not in the middle of an accumulation
+        if stepped and all(getattr(logger, "drops_repeated_steps", False) for logger in trainer.loggers):
+            # Lightning logs this step's metrics after this hook: a process killed right after the save below
+            # would lose them for good (its resume starts after this step). Log them first; Lightning's own call
+            # then finds them logged.
+            trainer._logger_connector.update_train_step_metrics()
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         self._mid_step = not stepped
         if stepped and not trainer.received_sigterm:
             self._stop_on_signal(trainer)  # this is the state to resume
@@ -260,6 +369,10 @@ class LastCheckpoint(ModelCheckpoint):
         # (a validation between the micro-batches of a step stops at the end of that step instead)
         if self._validating and not self._mid_step and not trainer.received_sigterm:
             self._stop_on_signal(trainer)  # Lightning stops the validation; on_exception saves the step it validates
+        elif trainer.state.fn == TrainerFn.VALIDATING and NOTED_SIGNAL and not trainer.received_sigterm:
+            # the final validation `lrattn fit` runs after training: SIGINT and SIGHUP stop it as SIGTERM does
+            self._stopped_by = NOTED_SIGNAL
+            trainer._signal_connector.received_sigterm = True
 
     def on_validation_end(self, trainer, pl_module) -> None:
         self._validating = False  # it finished: its results are logged
@@ -277,8 +390,11 @@ class LastCheckpoint(ModelCheckpoint):
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         global LAST_STOP
+        if isinstance(exception, NonFiniteLossError):
+            self._set_apart_diverged(trainer, exception)
+            return
         if not isinstance(exception, SIGTERMException):
-            return  # a crash (NaN loss, OOM) keeps the last good checkpoint instead of saving a bad state
+            return  # a crash (OOM, a bug) keeps the last checkpoint instead of saving a state of unknown worth
         if self._unsaved(trainer) and trainer.global_step > 0:  # the signal came during validation: the
             self._save_now(trainer)                              # checkpoint resumes into it (on_save_checkpoint)
         signum = self._stopped_by or signal.SIGTERM  # (Lightning's own handler, before training started)

@@ -48,14 +48,24 @@ def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
     if not isinstance(stored, dict) or "state_dict" not in ckpt:
         raise EvalError(f"checkpoint {path} was not written by lrattn_lightning (no hyper_parameters.model_config "
                         "and state_dict); evaluate a last.ckpt / step*.ckpt from `lrattn fit`")
-    cfg = ModelConfig.from_dict(stored)
     state = {k[len("model."):].replace("_orig_mod.", ""): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
-    model = build_decoder(cfg)
+    check_finite(state, path)
+    try:  # the stored config is data: checked field by field; a router class it names is imported only if trusted
+        cfg = ModelConfig.from_dict(stored, where=f"checkpoint {path}: model_config")
+        model = build_decoder(cfg)
+    except EvalError:
+        raise
+    except InputError as err:
+        raise EvalError(str(err)) from None
     try:
         model.load_state_dict(state)
     except RuntimeError as err:
         raise EvalError(f"checkpoint {path}: weights do not fit size '{cfg.size.name}' / ablation "
                         f"'{cfg.ablation.name}': {str(err)[:400]}") from err
+    with torch.no_grad():  # weights that are finite but huge (a diverged state) give NaN logits: refused as such
+        if not bool(torch.isfinite(model.eval()(torch.zeros(1, 1, dtype=torch.long))).all()):
+            raise EvalError(f"checkpoint {path} gives non-finite logits (a diverged state); use a checkpoint from before "
+                            "the divergence")
     hparams = ckpt.get("hyper_parameters", {})
     if hparams.get("document_masking"):  # evaluate as trained: attend only within documents
         model.doc_separator = hparams.get("doc_separator")
@@ -124,10 +134,25 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0][:160]}" if lines else type(err).__name__
 
 
+def check_finite(state: dict[str, torch.Tensor], path: Path | str) -> None:
+    """Weights with NaN or inf (a diverged state) score and generate nothing meaningful: one line naming them."""
+    bad = [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise EvalError(f"checkpoint {path} holds non-finite weights ({shown}): a diverged state; use a checkpoint "
+                        "from before the divergence")
+
+
 def tokenizer_from_spec(spec: dict[str, Any], where: Path | str) -> Tokenizer:
-    """The checkpoint's tokenizer: byte, or a file-backed one whose file text travels in `content`."""
+    """The checkpoint's tokenizer: byte, or a file-backed one whose file text travels in `content`. A checkpoint
+    never names a file to read: a file-backed spec without its content is refused."""
+    if not isinstance(spec, dict):
+        raise EvalError(f"checkpoint {where}: its tokenizer record is a {type(spec).__name__}, not a tokenizer spec")
     spec = dict(spec)
     content = spec.pop("content", None)
+    if spec.get("kind") != "byte" and not isinstance(content, str):
+        raise EvalError(f"checkpoint {where}: its {spec.get('kind')!r} tokenizer carries no file content (a checkpoint "
+                        "names no file to read); use a checkpoint written by `lrattn fit`")
     try:
         if content is None:
             return load_tokenizer(spec)
@@ -139,22 +164,47 @@ def tokenizer_from_spec(spec: dict[str, Any], where: Path | str) -> Tokenizer:
         raise EvalError(f"checkpoint {where}: its tokenizer {spec.get('kind')!r} cannot be rebuilt ({err})") from err
 
 
-def check_data_dir(ckpt: LoadedCheckpoint, data_dir: str | Path) -> dict[str, Any]:
+def check_data_dir(ckpt: LoadedCheckpoint, data_dir: str | Path, flag: str = "--data_dir") -> dict[str, Any]:
     """The prepared folder must use the checkpoint's tokenizer; returns its meta.json."""
+    return check_tokenizer(ckpt.tokenizer_spec, ckpt.path, data_dir, flag)
+
+
+def check_tokenizer(spec: dict[str, Any], path: Path | str, data_dir: str | Path, flag: str) -> dict[str, Any]:
+    """Tokens of a folder prepared with another tokenizer are other text to the model: scoring them is noise.
+    One line naming both tokenizers; returns the folder's meta.json."""
     from lrattn_lightning.data.shards import read_meta
 
     meta = read_meta(data_dir)
-    theirs, mine = meta["tokenizer"], ckpt.tokenizer_spec
+    theirs, mine = meta["tokenizer"], dict(spec or {})
     differs = theirs.get("kind") != mine.get("kind") or theirs.get("vocab_size") != mine.get("vocab_size")
     if not differs and "content" in mine and theirs.get("file"):
         file = Path(data_dir) / theirs["file"]
         differs = not file.is_file() or file.read_text(encoding="utf-8") != mine["content"]
     if differs:
         show = {k: v for k, v in mine.items() if k != "content"}
-        raise EvalError(f"tokenizer mismatch: checkpoint {ckpt.path} was trained with tokenizer {show}, but "
-                        f"{Path(data_dir) / 'meta.json'} was prepared with {theirs}; pass --data-dir of the folder "
+        raise EvalError(f"tokenizer mismatch: checkpoint {path} was trained with tokenizer {show}, but "
+                        f"{Path(data_dir) / 'meta.json'} was prepared with {theirs}; pass {flag} of the folder "
                         "the checkpoint was trained on")
     return meta
+
+
+def add_trust_flags(parser: Any) -> None:
+    """--registry and --trust_router: the user's word on which router classes a checkpoint may use."""
+    parser.add_argument("--registry", default=None,
+                        help="registry.yaml whose `routing: external` entries name the router classes a checkpoint may "
+                             "import (default: ./registry.yaml, else the shipped one)")
+    parser.add_argument("--trust_router", action="append", default=[], metavar="MODULE:CLASS",
+                        help="import this router class when a checkpoint names it (repeatable); only for code you trust")
+
+
+def trust_routers(args: Any) -> None:
+    """Make the classes the user named importable (model/routing/trust.py); before any checkpoint is read."""
+    from lrattn_lightning.model.registry import load_registry
+    from lrattn_lightning.model.routing.trust import trust
+
+    load_registry(args.registry)
+    for path in args.trust_router or ():
+        trust(path)
 
 
 @dataclass

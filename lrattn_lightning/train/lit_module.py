@@ -37,6 +37,7 @@ from lrattn_lightning.train.callbacks import (
     RunDescription,
     tokens_per_step,
 )
+from lrattn_lightning.train.checkpointing import NonFiniteLossError
 from lrattn_lightning.train.optim import (
     MUON_VARIANTS,
     MomentumSchedule,
@@ -45,10 +46,6 @@ from lrattn_lightning.train.optim import (
     build_optimizer,
     sharded_grad_norm,
 )
-
-
-class NonFiniteLossError(RuntimeError):
-    """Training stopped on a NaN/inf loss; the last saved checkpoint is the last good one."""
 
 
 def current_git_commit() -> str:
@@ -248,10 +245,7 @@ class LRAttnModule(L.LightningModule):
         loss = ce + self.hparams.z_loss * z
         bad = not bool(torch.isfinite(loss))
         if self.trainer.strategy.reduce_boolean_decision(bad, all=False):
-            raise NonFiniteLossError(
-                f"non-finite loss ({loss.item()}) at step {self.global_step}; training stopped. The last good "
-                f"checkpoint is the newest one in the run's checkpoint folder (resume with --ckpt_path last)."
-            )
+            raise NonFiniteLossError(f"non-finite training loss ({loss.item()}) at step {self.global_step}")
         self._step_losses.append((loss.detach(), ce.detach()))  # logged once per optimizer step (below)
         if self._gate_schedule_active:
             self.log("train/gates_held", float(self.model.router.gates_held))
@@ -358,6 +352,9 @@ class LRAttnModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
         self.val_loss.reset()
+        if not self.trainer.sanity_checking and not bool(torch.isfinite(loss)):  # never logged as a result
+            whose = (f"of checkpoint step {self.report_step}" if self.report_prefix else f"at step {self.report_step}")
+            raise NonFiniteLossError(f"non-finite validation loss ({float(loss)}) {whose}")
         if not self.trainer.sanity_checking:
             self.last_validated_step = self.report_step
         self._report("val/loss", loss, prog_bar=True, sync_dist=False)

@@ -17,7 +17,9 @@ values, the oldest go first) and checks at a logging call, at most once per `$LR
 seconds (30) and with a 2 s health probe for a server, whether the store is back; then it writes what it
 held and logs on. The `lrattn.tracking_gap` tag says which steps the gap spanned and what could not be
 recovered (figures, files); `lrattn.last_step` is the last step the fit logged, so `lrattn compare` can
-tell a run whose last validation is not at its end.
+tell a run whose last validation is not at its end. A fit's run is FINISHED only once its final validation is
+logged (`final_validation_pending`): a fit stopped before it is KILLED, one whose loss turned non-finite is
+FAILED with `lrattn.diverged` saying where.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ HTTP_LIMITS = {
 }
 # Tags this module writes on a training run.
 GAP_TAG, LAST_STEP_TAG, RUN_DIR_TAG = "lrattn.tracking_gap", "lrattn.last_step", "lrattn.run_dir"
+DIVERGED_TAG = "lrattn.diverged"
 RETRY_ENV = "LRATTN_TRACKING_RETRY_S"
 HOLD_VALUES = 100_000  # metric values (plus one per other call) held during a gap: ~30 MB at most
 # Held during a gap and replayed in order when the store is back; other calls (figures, files whose
@@ -298,6 +301,8 @@ class TrackingLogger(MLFlowLogger):
     """MLFlowLogger with bounded, guarded calls, held through a store outage, and no duplicate steps on
     resume (see module doc)."""
 
+    drops_repeated_steps = True  # a metric's value at a step it already logged is dropped (log_metrics)
+
     def __init__(self, *, experiment_id: str | None = None, **kwargs: Any):
         super().__init__(synchronous=True, **kwargs)  # errors surface here, not in a background queue
         self._experiment_id = experiment_id
@@ -308,6 +313,9 @@ class TrackingLogger(MLFlowLogger):
         self.log_epoch = False  # Lightning's `epoch` metric (lrattn fit --log_counters true)
         self._end_status: str | None = None
         self.stopped_by: str | None = None  # "SIGTERM": the run ends as KILLED, not FAILED
+        self.diverged: str | None = None  # "non-finite training loss (nan) at step 5": FAILED, tagged
+        # a fit's success is not the run's end: `lrattn fit` validates the final weights after it (LRAttnCLI.after_fit)
+        self.final_validation_pending = False
         # validate/test into a training run: its status stays the fit's (KILLED, RUNNING, ...), not FINISHED
         self.keep_status = False
         # an outage: the calls held for replay ([name, fn, args, kwargs, values]), the steps it spanned
@@ -461,7 +469,9 @@ class TrackingLogger(MLFlowLogger):
         after_fit): each time, write what an outage held if the store is back, then the tags and the fit's status."""
         if not self._initialized:
             return
-        if self._end_status is None:  # the fit's; the final validation's teardown says "success" again
+        if status == "success" and self.final_validation_pending:
+            return  # the run ends with the final validation's (or its stop's) finalize
+        if self._end_status is None:  # the first end decides: a fit's, or its final validation's
             self._end_status = "KILLED" if status == "failed" and self.stopped_by else status
         if self._offline and not self._reconnect(final=True):
             self._warn_lost_at_end()
@@ -469,6 +479,8 @@ class TrackingLogger(MLFlowLogger):
         if self.keep_status:
             return
         self.experiment.set_tag(self._run_id, LAST_STEP_TAG, str(self._max_step))
+        if self.diverged:
+            self.experiment.set_tag(self._run_id, DIVERGED_TAG, self.diverged)
         if self._gaps or self._lost:
             self.experiment.set_tag(self._run_id, GAP_TAG, self._gap_summary())
         super().finalize(self._end_status)

@@ -17,14 +17,15 @@ the added FLOPs are recorded as unknown) and `adamw_parameter_names() -> iterabl
 names` (those go to AdamW, the rest by the usual rule: matrices to Muon; without it every parameter of the
 router goes to AdamW). A state may carry `weights` (a list of per-site routing weights) for diagnostics.
 
-Only classes named in the registry the user passes are imported; a missing module or class is one line.
+Only classes named in the registry the user passes (or by `--trust_router`) are imported (routing/trust.py): a
+checkpoint or an exported folder that names another class is refused before anything is imported. A missing module
+or class is one line.
 The class's parameter count is its real one: the analytic counts build it once on the meta device.
 """
 
 from __future__ import annotations
 
 import importlib
-import re
 from typing import Any
 
 import torch
@@ -33,14 +34,15 @@ from torch import nn
 from lrattn_lightning.errors import InputError
 from lrattn_lightning.model.config import ModelConfig, config_error
 from lrattn_lightning.model.routing.kinds import NotExpressible, RoutingKind
-
-_IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")  # package.module:Class
+from lrattn_lightning.model.routing.trust import IMPORT_PATH, is_trusted, untrusted_error
 
 
 def router_class(cfg: ModelConfig) -> type[nn.Module]:
-    """Import the class `cfg.ablation.router` names; one line when it cannot be."""
+    """Import the class `cfg.ablation.router` names, if the user named it (trust.py); one line when it cannot be."""
     a = cfg.ablation
     where = f"ablations.{a.name}"
+    if not is_trusted(str(a.router)):
+        raise untrusted_error(str(a.router), a.name)
     module_name, _, class_name = str(a.router).partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -107,7 +109,7 @@ class ExternalKind(RoutingKind):
 
     def validate(self, a, where: str) -> None:
         """router: an import path; router_options: a mapping of identifier keys (or null)."""
-        if not isinstance(a.router, str) or not _IMPORT_PATH.fullmatch(a.router):
+        if not isinstance(a.router, str) or not IMPORT_PATH.fullmatch(a.router):
             raise config_error(where, "router", f"routing external needs the class as 'package.module:Class', got "
                                f"{a.router!r}")
         options = a.router_options

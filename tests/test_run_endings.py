@@ -1,0 +1,124 @@
+"""How a fit ends, told honestly: diverged, stopped after its last step, killed right after a save.
+
+Real `lrattn fit` processes, real signals and a real MLflow store. A run whose loss turns non-finite never keeps the
+state that produced it as last.ckpt and ends FAILED with a tag; a stop signal that arrives after the last step but
+before the final validation ends the run KILLED (exit 128 + N) and the resume runs that validation; one after the
+final validation changes nothing (FINISHED, exit 0); a SIGKILL right after a checkpoint is written loses no metric.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from test_resilience import REGISTRY, fit_args, hooks, run_cli, step_of, the_run
+from test_signals import assert_same_run, histories, stop_line
+
+STEPS = 5  # validations at 2 and 4 inside the fit, the final one at 5 after it (LRAttnCLI.after_fit)
+RUN = "tiny-baseline-seed0"
+
+
+def args(data: Path, *extra: str) -> list[str]:
+    return fit_args(data, "--experiment", "run", *extra, steps=STEPS, every=1)
+
+
+def checkpoints(folder: Path) -> Path:
+    return folder / "runs" / "run" / RUN / "checkpoints"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data, tmp_path_factory) -> dict[str, list[tuple[int, float]]]:
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    done = run_cli(args(data), folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    full = histories(folder)
+    assert [s for s, _ in full["val/loss"]] == [2, 4, 5]
+    assert [s for s, _ in full["train/loss"]] == list(range(STEPS))
+    return full
+
+
+def test_divergence_sets_the_bad_state_apart_and_fails_the_run(data, tmp_path):
+    """An absurd learning rate: the step whose loss is non-finite had its checkpoint written (a save every step);
+    that state is set apart, last.ckpt is the step before (finite weights, a finite loss), the run is FAILED and
+    tagged, and evaluation commands refuse the diverged file in one line."""
+    done = run_cli(args(data, "--model.lr", "1e6", "--model.muon_lr", "1e6", "--trainer.max_steps", "40"), tmp_path)
+    assert done.returncode == 3, done.stderr[-3000:]
+    line = stop_line(done.stderr)
+    found = re.search(r"non-finite training loss \(\w+\) at step (\d+); its checkpoint is set apart as "
+                      r"diverged-step(\d{6})\.ckpt; the last finite state is step (\d+) \(", line)
+    assert found, line
+    step, kept = int(found.group(1)), int(found.group(3))
+    assert int(found.group(2)) == step and kept == step - 1 and "lower learning rate" in line
+    folder = checkpoints(tmp_path)
+    assert sorted(p.name for p in folder.iterdir()) == [f"diverged-step{step:06d}.ckpt", "last.ckpt"]
+    last = torch.load(folder / "last.ckpt", weights_only=True)
+    assert last["global_step"] == kept
+    assert all(torch.isfinite(t).all() for t in last["state_dict"].values() if t.is_floating_point())
+    client, run = the_run(tmp_path, "run")
+    assert run.info.status == "FAILED"
+    assert re.fullmatch(rf"non-finite training loss \(\w+\) at step {step}", run.data.tags["lrattn.diverged"])
+    results = {k: v for k, v in run.data.metrics.items() if k.startswith(("val/", "train/loss", "train/ce"))}
+    assert "val/loss" in results and all(v == v for v in results.values()), results  # no NaN logged as a result
+
+    # the set-apart state: its weights are finite (huge) or not; either way one line, nothing logged
+    diverged = folder / f"diverged-step{step:06d}.ckpt"
+    gen = run_cli(["generate", "--checkpoint", str(diverged), "--prompt", "x"], tmp_path)
+    assert gen.returncode == 2 and "Traceback" not in gen.stderr, gen.stderr[-2000:]
+    assert re.search(r"non-finite (weights|logits)", gen.stderr) and "diverged" in gen.stderr
+    before = len(client.search_runs([run.info.experiment_id]))
+    val = run_cli(["validate", "--ckpt_path", str(diverged), "--registry", REGISTRY, "--data.data_dir", str(data),
+                   "--trainer.limit_val_batches", "2", "--trainer.enable_progress_bar", "false"], tmp_path)
+    assert val.returncode == 3, val.stderr[-2000:]
+    assert "non-finite validation loss" in stop_line(val.stderr)
+    run = client.get_run(run.info.run_id)
+    assert not any(k.startswith("validate/val") for k in run.data.metrics) and run.info.status == "FAILED"
+    assert len(client.search_runs([run.info.experiment_id])) == before
+
+
+@pytest.mark.parametrize("during, batch, code", [
+    ("train_end", 0, 143),  # after the last step's save, before the final validation
+    ("final_validation", 0, 143),  # in its first batch: it stops, and runs again whole on resume
+    ("final_validation", 1, 0),  # in its last batch: it completes; the run is FINISHED, nothing to resume
+])
+def test_a_stop_after_the_last_step_ends_as_the_run_did(data, tmp_path, uninterrupted, during, batch, code):
+    stop = hooks(tmp_path, "stop.yaml", ("SignalAt", {"step": 0, "during": during, "batch": batch}))
+    stopped = run_cli(args(data, "--config", stop), tmp_path)
+    assert stopped.returncode == code, stopped.stderr[-3000:]
+    _, run = the_run(tmp_path, "run")
+    last = checkpoints(tmp_path) / "last.ckpt"
+    assert step_of(last) == STEPS
+    if code:
+        assert stop_line(stopped.stderr) == (f"lrattn: stopped by SIGTERM at step {STEPS}; checkpoint {last} holds "
+                                             "it, continue with --ckpt_path last")
+        assert run.info.status == "KILLED"
+        assert [m.step for m in MlflowHistory(tmp_path).of("val/loss")] == [2, 4]
+        resumed = run_cli(args(data, "--ckpt_path", "last"), tmp_path)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        _, run = the_run(tmp_path, "run")
+    else:
+        assert "[lrattn] SIGTERM came after the run finished; nothing was lost" in stopped.stderr
+    assert run.info.status == "FINISHED"
+    assert_same_run(tmp_path, uninterrupted)  # val/loss at 2, 4, 5 (not validate/val/loss), every metric once
+
+
+def test_a_sigkill_right_after_a_save_loses_no_metric(data, tmp_path, uninterrupted):
+    """Lightning logs a step's metrics after the checkpoint callbacks: a process killed between the save of step 3
+    and that logging resumed after step 2's metrics and never logged them. They are logged before the save now."""
+    kill = hooks(tmp_path, "kill.yaml", ("KillBeforeStepLog", {"step": 3}))
+    killed = run_cli(args(data, "--config", kill), tmp_path)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert step_of(checkpoints(tmp_path) / "last.ckpt") == 3
+    resumed = run_cli(args(data, "--ckpt_path", "last"), tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(tmp_path, uninterrupted)
+
+
+class MlflowHistory:
+    def __init__(self, folder: Path):
+        self.client, self.run = the_run(folder, "run")
+
+    def of(self, key: str):
+        return sorted(self.client.get_metric_history(self.run.info.run_id, key), key=lambda m: m.step)
