@@ -414,7 +414,8 @@ def _check_training_numbers(subcommand: str, cfg) -> None:
         return
     m, trainer = cfg.model, cfg.trainer
     rules = [  # (flag, value, ok, what it must be)
-        *((f"--model.{k}", m.get(k), lambda v: _number(v) and v > 0, "a positive number") for k in ("lr", "muon_lr")),
+        *((f"--model.{k}", m.get(k), lambda v: _number(v) and v >= 0, "a number >= 0 (0: that group stays fixed)")
+          for k in ("lr", "muon_lr")),
         *((f"--model.{k}", m.get(k), lambda v: _number(v) and v >= 0, "a number >= 0")
           for k in ("weight_decay", "muon_weight_decay", "z_loss")),
         *((f"--model.{k}", m.get(k), lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,

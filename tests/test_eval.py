@@ -72,7 +72,7 @@ def single_process_eval(trained) -> dict:
     client = MlflowClient(trained["uri"])
     before = {a.path for a in client.list_artifacts(trained["run_id"], "eval")}
     rc = main(["eval", "--checkpoint", str(trained["ckpt"]), "--tasks", "local", "--limit", "6", "--val-loss",
-               "--batch-size", "8", "--accelerator", "cpu"])
+               "--batch-size", "8", "--accelerator", "cpu", "--tracking-uri", trained["uri"]])
     assert rc == 0
     return {"before": before, "run": client.get_run(trained["run_id"])}
 

@@ -423,7 +423,7 @@ BAD_INPUTS = {
     "token id beyond the vocabulary": (lambda d: fit_args(Path("big-ids")), ["holds token id 700", "vocab_size 512"]),
     "fit without --size": (lambda d: _drop(fit_args(d), "--size"), ["fit needs --size"]),
     "fit without --ablation": (lambda d: _drop(fit_args(d), "--ablation"), ["fit needs --ablation"]),
-    "negative learning rate": (lambda d: fit_args(d, "--model.lr", "-1"), ["--model.lr -1", "positive number"]),
+    "negative learning rate": (lambda d: fit_args(d, "--model.lr", "-1"), ["--model.lr -1", "a number >= 0"]),
     "negative warmup": (lambda d: fit_args(d, "--model.warmup_steps", "-5"), ["--model.warmup_steps -5", ">= 0"]),
     "no accumulation": (lambda d: fit_args(d, "--trainer.accumulate_grad_batches", "0"),
                         ["--trainer.accumulate_grad_batches 0", ">= 1"]),

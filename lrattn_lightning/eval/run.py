@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import re
 import sys
@@ -305,14 +304,12 @@ def eval_store(flag: str | None, ckpt: LoadedCheckpoint) -> str:
     """Where results go: --tracking_uri, else $MLFLOW_TRACKING_URI, else the local store; never the store a
     checkpoint names (a checkpoint is data from elsewhere). Said in one line when the checkpoint's training run was
     logged to another store, before anything connects to it."""
-    from lrattn_lightning.train.tracking import absolute_sqlite, resolve_tracking_uri
+    from lrattn_lightning.train.tracking import absolute_sqlite, resolve_tracking_uri, uri_source
 
     uri = resolve_tracking_uri(flag, False)
     recorded = (ckpt.mlflow or {}).get("tracking_uri")
     if isinstance(recorded, str) and recorded and absolute_sqlite(recorded) != uri:
-        source = "--tracking_uri" if flag else ("$MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI")
-                                                else "the default local store")
-        print(f"[lrattn eval] results go to {uri} ({source}), not to "
+        print(f"[lrattn eval] results go to {uri} ({uri_source(flag)}), not to "
               f"{recorded[:200]!r} where {ckpt.path} says it was trained: a checkpoint does not choose the store; pass "
               "--tracking_uri to log into its training run there", file=sys.stderr)
     return uri

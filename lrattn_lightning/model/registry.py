@@ -165,7 +165,7 @@ def parse_registry(raw: dict[str, Any], *, path: str = "<dict>", sha256: str = "
             hint = ", ".join(closest_names(abl.control, list(ablations)))
             raise config_error(f"ablations.{name}", "control", f"unknown ablation '{abl.control}'; closest: {hint}")
     for abl in ablations.values():  # the user's registry names these classes: they may be imported (trust.py)
-        if abl.routing == "external":
+        if abl.router is not None:
             trust(abl.router, f"ablations.{abl.name}.router")
     return Registry(sizes=sizes, ablations=ablations, path=path, sha256=sha256)
 

@@ -114,6 +114,11 @@ def resolve_tracking_uri(flag: str | None, fallback_local: bool) -> str:
     return uri
 
 
+def uri_source(flag: str | None) -> str:
+    """Where resolve_tracking_uri(flag) took the store from, in words."""
+    return "--tracking_uri" if flag else "$MLFLOW_TRACKING_URI" if _USER_TRACKING_URI else "the default local store"
+
+
 def absolute_sqlite(uri: str) -> str:
     """sqlite:///relative.db -> sqlite:////abs/relative.db (MLflow caches stores by URI, not by cwd)."""
     prefix = "sqlite:///"
