@@ -124,6 +124,11 @@ def verify_files(shard_dir: str | Path, files: dict[str, dict[str, Any]]) -> Non
 _VERIFIED: dict[tuple, str] = {}  # (path, size, mtime_ns, ctime_ns, inode) -> sha256, for this process
 
 
+def sha256_files(paths: list[Path]) -> list[str]:
+    """The sha256 of each file (hex), hashed in parallel threads."""
+    return _sha256_all(paths)
+
+
 def _sha256_all(paths: list[Path]) -> list[str]:
     # hashlib releases the GIL on large updates, so threads hash several chunks at once
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1, max(len(paths), 1))) as pool:

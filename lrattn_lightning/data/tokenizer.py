@@ -36,6 +36,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_batch(self, texts: Sequence[str]) -> list[Any]: ...
+
     def decode(self, ids: list[int]) -> str: ...
 
     def spec(self) -> dict[str, Any]: ...
@@ -49,6 +51,11 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[Any]:
+        import numpy as np
+
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -75,6 +82,10 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_batch(self, texts: Sequence[str]) -> list[Any]:
+        # one thread per process (TOKENIZERS_PARALLELISM=false in `prepare`): its workers are the parallelism
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
@@ -100,6 +111,9 @@ class TiktokenTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._enc.encode_ordinary(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[Any]:
+        return [self._enc.encode_ordinary(t) for t in texts]
 
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode([i for i in ids if i < self.eos_id])  # EOS and ids the model's padded vocabulary adds
@@ -169,12 +183,22 @@ def _cached_tokenizer(spec_json: str, base_dir: str) -> Tokenizer:
     return load_tokenizer(json.loads(spec_json), base_dir=base_dir)
 
 
-def encode_document(index: int, *, texts: Sequence[str], spec_json: str, base_dir: str, dtype: str) -> Any:
-    """litdata `optimize` worker fn: document `index` -> its token ids then EOS, a numpy array (n + 1,)."""
+def encode_texts(texts: Sequence[str], *, spec_json: str, base_dir: str, dtype: str) -> tuple[Any, Any, Any]:
+    """`prepare`'s worker: documents -> (their token ids, each followed by EOS, as one array; the number of ids of
+    each document, EOS included; the UTF-8 bytes of each document)."""
     import numpy as np
 
     tok = _cached_tokenizer(spec_json, base_dir)
-    return np.asarray([*tok.encode(texts[index]), tok.eos_id], dtype=dtype)
+    pieces = tok.encode_batch(texts)
+    lengths = np.fromiter((len(p) + 1 for p in pieces), dtype=np.int64, count=len(pieces))
+    ids = np.empty(int(lengths.sum()), dtype=dtype)
+    end = 0
+    for piece, length in zip(pieces, lengths.tolist(), strict=True):
+        ids[end : end + length - 1] = piece
+        ids[end + length - 1] = tok.eos_id
+        end += length
+    n_bytes = np.fromiter((len(t.encode("utf-8")) for t in texts), dtype=np.int64, count=len(texts))
+    return ids, lengths, n_bytes
 
 
 def _find_eos(tok: Any, path: Path) -> int:
