@@ -173,10 +173,11 @@ class FileInput:
             tail = f.read(4)
         found = magic_of(head)
         if self.kind == "parquet":
-            if found != "parquet" or tail != b"PAR1":
-                what = f"a {found} file" if found else "no Parquet magic bytes (PAR1) at both ends"
-                raise InputError(f"{self.path}: not a Parquet file ({what}); name it for what it is "
-                                 f"({SUPPORTED}), or copy it again if it was cut short")
+            if found == "parquet" and tail != b"PAR1":
+                raise InputError(f"{self.path}: a Parquet file cut short (no PAR1 magic bytes at its end); copy it again")
+            if found != "parquet":
+                what = f"a {found} file" if found else "no Parquet magic bytes (PAR1)"
+                raise InputError(f"{self.path}: not a Parquet file ({what}); name it for what it is ({SUPPORTED})")
             self._check_parquet()
             return
         if found != self.compression:
@@ -188,11 +189,9 @@ class FileInput:
         try:
             with raw, stream:
                 content = stream.read(HEAD_BYTES)
-                if self.kind == "jsonl":
-                    first = content.split(b"\n", 1)[0]
-                    while b"\n" not in content and len(first) == len(content) and (more := stream.read(HEAD_BYTES)):
-                        content += more  # a first record longer than the head
-                        first = content.split(b"\n", 1)[0]
+                while self.kind == "jsonl" and b"\n" not in content and (more := stream.read(HEAD_BYTES)):
+                    content += more  # a first record longer than the head
+                whole = not stream.read(1)
         except _decompress_errors() as err:
             raise self._broken(err) from err
         inner = magic_of(content[:16])
@@ -202,11 +201,11 @@ class FileInput:
         stats = TextStats(self.path)
         stats.decode(content[:HEAD_BYTES], "in the first bytes")
         stats.check(final=True)
-        if self.kind == "jsonl":
-            for lineno, line in enumerate(content.split(b"\n"), 1):
+        if self.kind == "jsonl":  # every whole line of the head
+            lines = content.split(b"\n")
+            for lineno, line in enumerate(lines if whole else lines[:-1], 1):
                 if line.strip():
                     _json_text(line.decode("utf-8", errors="replace"), self.path, lineno, self.options.text_field)
-                    break
 
     def _check_parquet(self) -> None:
         import pyarrow as pa

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from lrattn_lightning.data import remote
+from lrattn_lightning.data import pipeline, remote
 from lrattn_lightning.data.corpora import Document
 from lrattn_lightning.data.formats import COMPRESSIONS, KINDS, ReadOptions
 from lrattn_lightning.data.pipeline import Encoder, Progress, finished_parts, merge_index, write_parts
@@ -98,6 +98,7 @@ def prepare(
               "tokenizer": tokenizer, "val_fraction": val_fraction, "split_seed": split_seed, "options": options.__dict__,
               "limits": [max_documents, max_bytes], "chunk_bytes": chunk_bytes, "seed": seed,
               "tasks": [cloze_items, perplexity_documents], "format_version": FORMAT_VERSION,
+              "part_bytes": pipeline.PART_BYTES,
               "inputs": {s: c.fingerprint() for s, c in corpora.items() if c is not None}}
     staging = claim(out, recipe)
     try:
