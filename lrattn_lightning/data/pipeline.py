@@ -87,6 +87,8 @@ class Encoder:
 
 def _init_worker(parent: int, kwargs: dict[str, str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    for signum in (signal.SIGTERM, signal.SIGHUP):  # not the parent's handlers: terminate() ends a worker at once
+        signal.signal(signum, signal.SIG_DFL)
     if sys.platform.startswith("linux"):  # a killed parent (SIGKILL) takes its workers with it
         import ctypes
 

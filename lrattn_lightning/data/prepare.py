@@ -291,6 +291,7 @@ def prepare_main(argv: list[str]) -> int:
     parser.add_argument("--split_seed", type=int, default=0, help="salts the split's hash (0: the historic split)")
     parser.add_argument("--max_documents", type=int, default=None, help="use only the first N documents")
     parser.add_argument("--num_workers", type=int, default=1, help="tokenizer processes (one core each)")
+    parser.add_argument("--chunk_bytes", default="8MB", help="litdata's chunk size (e.g. 64MB for object storage)")
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
     out = args.out or default_out(args.source, args.tokenizer)
@@ -300,6 +301,7 @@ def prepare_main(argv: list[str]) -> int:
         with stop_on_signals():
             prepare(source=args.source, out_dir=out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
                     max_documents=args.max_documents, num_workers=args.num_workers, overwrite=args.overwrite,
+                    chunk_bytes=args.chunk_bytes,
                     val_source=args.val_source, text_field=args.text_field,
                     document_separator=_separator(args.document_separator), hf_config=args.hf_config,
                     hf_split=args.hf_split, split_seed=args.split_seed)
