@@ -105,11 +105,16 @@ def prepare(
         meta = _build(staging, corpora, recipe, kind, arg, val_fraction, num_workers, chunk_bytes, progress,
                       max_documents, max_bytes, seed, cloze_items, perplexity_documents)
         if url:
-            remote.upload(staging.path, url, overwrite)
+            try:
+                remote.upload(staging.path, url, overwrite)
+            except InputError as err:  # the folder is complete: the same command uploads it again, nothing else
+                raise remote.UploadFailed(f"{err} (the prepared folder is kept in {staging.path}: the same command "
+                                          "uploads it again)") from err
             staging.remove()
+            shutil.rmtree(out.parent, ignore_errors=True)  # the upload's own folder in the cache
         else:
             publish(staging, out, overwrite)
-    except (Interrupted, KeyboardInterrupt):
+    except (Interrupted, KeyboardInterrupt, remote.UploadFailed):
         staging.release()  # the finished parts stay for the same command to continue
         raise
     except BaseException:

@@ -8,7 +8,7 @@ which keeps them in a local cache; meta.json, index.json and the tokenizer are f
 
     LRATTN_CACHE_DIR (default ~/.cache/lrattn)/
       s3/BUCKET/PREFIX/                 meta.json, train/index.json, ... fetched again at each start
-      s3/BUCKET/PREFIX/chunks-SHA/      litdata's chunk cache, one per content (index.json's sha256)
+      s3/BUCKET/PREFIX/chunks/SPLIT/    litdata's chunk cache (inside, a folder per index.json it was made from)
       upload/BUCKET-PREFIX-HASH/NAME    where `prepare --out s3://...` builds the folder before uploading
 
 A wrong bucket, missing credentials, refused credentials or an unreachable endpoint is one line.
@@ -24,6 +24,10 @@ from typing import Any
 from lrattn_lightning.errors import InputError
 
 SCHEME = "s3://"
+
+
+class UploadFailed(InputError):
+    """An upload of a finished folder failed: it is kept, so the same command only uploads it again."""
 
 
 def is_remote(path: str | Path | None) -> bool:
@@ -61,9 +65,11 @@ def staging_out(url: str) -> Path:
 
 
 def client() -> Any:
+    """An S3 client from the environment as it is now (a new session: boto3's default one keeps the first
+    credentials it found)."""
     import boto3
 
-    return boto3.client("s3")
+    return boto3.session.Session().client("s3")
 
 
 def explain(err: BaseException, url: str) -> InputError:
