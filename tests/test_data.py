@@ -443,3 +443,6 @@ def test_tiktoken_rank_file_round_trip_and_out_of_vocab_ids(tmp_path):
     ids = tok.encode(text)
     assert 257 in ids and tok.eos_id not in ids and tok.decode(ids) == text
     assert tok.decode([*ids, tok.eos_id, tok.eos_id + 1, tok.eos_id + 20]) == text
+    # the file is read as it is now: tiktoken's own cache (by path, in $TMPDIR) would return the first version
+    (tmp_path / "mini.tiktoken").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(ranks[:257])))
+    assert load_tokenizer(f"tiktoken:{tmp_path / 'mini.tiktoken'}").vocab_size == 258

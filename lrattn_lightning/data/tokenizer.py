@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -102,7 +103,17 @@ class TiktokenTokenizer:
 
         self.path = Path(path)
         self.spec_file = spec_file or str(self.path)
-        ranks = load_tiktoken_bpe(str(self.path))
+        # tiktoken caches every file it reads under $TMPDIR/data-gym-cache, keyed by its path, and later returns
+        # that copy: a file changed (or a prepared folder made again) at the same path would be read stale
+        saved = os.environ.get("TIKTOKEN_CACHE_DIR")
+        os.environ["TIKTOKEN_CACHE_DIR"] = ""  # "": no cache
+        try:
+            ranks = load_tiktoken_bpe(str(self.path))
+        finally:
+            if saved is None:
+                os.environ.pop("TIKTOKEN_CACHE_DIR", None)
+            else:
+                os.environ["TIKTOKEN_CACHE_DIR"] = saved
         self.eos_id = max(ranks.values()) + 1
         self.vocab_size = self.eos_id + 1
         self._enc = tiktoken.Encoding(
