@@ -303,3 +303,24 @@ def test_val_source_is_the_whole_validation_split(documents, tmp_path):
     assert [Path(r["file"]).name for r in meta["inputs"]["val"]] == ["val.jsonl"]
     with pytest.raises(ValueError, match="--val_fraction and --val_source exclude each other"):
         prepare(str(tmp_path / "train.jsonl"), tmp_path / "x", val_source=str(tmp_path / "val.jsonl"), val_fraction=0.1)
+
+
+# ---------------------------------------------------------------------------------------------- progress
+
+
+def test_progress_shows_documents_tokens_per_second_and_eta(corpus, tmp_path, capsys, monkeypatch):
+    """A bar on a terminal (tqdm: bytes read of the total, elapsed<remaining, documents and tokens/s); in a batch
+    job's log, a line every LOG_SECONDS with the same and the ETA."""
+    from lrattn_lightning.data.pipeline import Progress
+
+    _, sources = corpus
+    prepare(sources["jsonl"], tmp_path / "bar", progress=True, cloze_items=0, perplexity_documents=0)
+    bar = capsys.readouterr().err.split("\r")[-1]
+    assert "[lrattn prepare]: 100%|" in bar and " docs, " in bar and " tok/s" in bar, bar
+    assert "240 docs" in bar and "<00:00" in bar  # elapsed<remaining (tqdm's ETA)
+    monkeypatch.setattr(Progress, "LOG_SECONDS", 0.0)
+    prepare(sources["jsonl"], tmp_path / "log", progress=False, cloze_items=0, perplexity_documents=0)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "ETA" in line]
+    size = Path(sources["jsonl"][0]).stat().st_size
+    assert lines and lines[-1].startswith(f"[lrattn prepare] 100% of {size / 1e6:,.1f} MB read, 240 documents, "), lines
+    assert "tokens/s, ETA 00:00:00" in lines[-1]

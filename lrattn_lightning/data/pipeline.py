@@ -35,10 +35,11 @@ from lrattn_lightning.data.tokenizer import encode_texts
 PART_BYTES = 256 << 20  # characters of documents in a part: what a resumed prepare may have to redo
 BATCH_BYTES = 1 << 20  # characters a worker gets at once
 BATCH_DOCUMENTS = 256
+ITEM_TOKENS = 1 << 15  # consecutive documents of one split go to litdata as one item of about this many tokens
 
 
 def new_counts() -> dict[str, int]:
-    return {"documents": 0, "tokens": 0, "bytes": 0, "max_token_id": -1}
+    return {"documents": 0, "tokens": 0, "bytes": 0, "max_token_id": -1, "items": 0}
 
 
 class Encoder:
@@ -59,9 +60,12 @@ class Encoder:
             self.pool = context.Pool(self.num_workers, initializer=_init_worker, initargs=(os.getpid(), self.kwargs))
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, kind: Any, *exc: Any) -> None:
         if self.pool is not None:
-            self.pool.terminate()  # at the end all results are in; after an error or a signal nothing more is wanted
+            if kind is None:
+                self.pool.close()  # all results are in: the workers end
+            else:
+                self.pool.terminate()  # an error or a signal: nothing more is wanted
             self.pool.join()
         if self._parallelism is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
@@ -125,25 +129,23 @@ class PartWriter:
             self.writers[split] = writer
         return self.writers[split]
 
-    def add(self, split: str, ids: np.ndarray, n_bytes: int) -> None:
+    def add(self, split: str, ids: np.ndarray, documents: int, n_bytes: int) -> None:
+        """Consecutive documents of one split (their ids, EOS after each) as one litdata item."""
         counts = self.counts[split]
-        with warnings.catch_warnings():  # a document longer than a chunk makes that chunk longer: as intended
-            warnings.filterwarnings("ignore", message="An item was larger than the target chunk size")
-            self._writer(split).add_item(counts["documents"], ids)
-        counts["documents"] += 1
+        self._writer(split).add_item(counts["items"], ids)
+        counts["items"] += 1
+        counts["documents"] += documents
         counts["tokens"] += int(ids.size)
         counts["bytes"] += n_bytes
         counts["max_token_id"] = max(counts["max_token_id"], int(ids.max()))
-        self.documents += 1
+        self.documents += documents
 
     def close(self) -> dict[str, Any]:
         """Write the last chunks, then mark the part complete with its chunk records; returns the record."""
         index = {}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="An item was larger than the target chunk size")
-            for split, writer in self.writers.items():
-                writer.done()
-                index[split] = json.loads((self.staging / split / f"{self.part}.index.json").read_text())
+        for split, writer in self.writers.items():
+            writer.done()
+            index[split] = json.loads((self.staging / split / f"{self.part}.index.json").read_text())
         record = {"part": self.part, "documents": self.documents, "splits": self.counts, "index": index}
         write_json(self.staging / BOOK / "parts" / f"{self.part}.json", record)
         for split in index:
@@ -215,16 +217,32 @@ def write_parts(stream: Iterable[tuple[Document, str]], staging: Path, encoder: 
             yield (part, sides, True), texts
 
     writer: PartWriter | None = None
-    for (part, sides, last), (ids, lengths, n_bytes) in encoder.map(batches()):
-        writer = writer if writer is not None and writer.part == part else PartWriter(staging, part, chunk_bytes)
-        ends = np.cumsum(lengths)
-        for side, start, end, size in zip(sides, (ends - lengths).tolist(), ends.tolist(), n_bytes.tolist(), strict=True):
-            writer.add(side, ids[start:end], size)
-        on_batch(len(sides), int(ids.size))
-        if last:
-            records.append(writer.close())
-            writer = None
+    with warnings.catch_warnings():  # a document longer than a chunk makes that chunk longer: as intended
+        warnings.filterwarnings("ignore", message="An item was larger than the target chunk size")
+        for (part, sides, last), (ids, lengths, n_bytes) in encoder.map(batches()):
+            writer = writer if writer is not None and writer.part == part else PartWriter(staging, part, chunk_bytes)
+            for side, start, end, docs, size in _items(sides, lengths, n_bytes):
+                writer.add(side, ids[start:end], docs, size)
+            on_batch(len(sides), int(ids.size))
+            if last:
+                records.append(writer.close())
+                writer = None
     return records
+
+
+def _items(sides: list[str], lengths: Any, n_bytes: Any) -> Iterator[tuple[str, int, int, int, int]]:
+    """(side, start, end, documents, bytes) of the litdata items of a batch: runs of consecutive documents of one
+    side, cut after ITEM_TOKENS (a chunk is cut between items only; one item per document cost litdata's
+    per-item bookkeeping on every document)."""
+    start = end = docs = size = 0
+    side = sides[0] if sides else None
+    for s, length, b in zip(sides, lengths.tolist(), n_bytes.tolist(), strict=True):
+        if docs and (s != side or end - start >= ITEM_TOKENS):
+            yield side, start, end, docs, size
+            start, docs, size = end, 0, 0
+        side, end, docs, size = s, end + length, docs + 1, size + b
+    if docs:
+        yield side, start, end, docs, size
 
 
 class Progress:

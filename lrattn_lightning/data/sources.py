@@ -225,6 +225,9 @@ class Corpus:
 
 def limited(docs: Iterator[Document], max_documents: int | None, max_bytes: int | None) -> Iterator[Document]:
     """The first documents of a stream: stop after `max_documents`, or once `max_bytes` of UTF-8 are reached."""
+    if max_documents is None and max_bytes is None:
+        yield from docs
+        return
     count = total = 0
     for doc in docs:
         yield doc

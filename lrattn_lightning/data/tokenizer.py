@@ -202,12 +202,18 @@ def encode_texts(texts: Sequence[str], *, spec_json: str, base_dir: str, dtype: 
     tok = _cached_tokenizer(spec_json, base_dir)
     pieces = tok.encode_batch(texts)
     lengths = np.fromiter((len(p) + 1 for p in pieces), dtype=np.int64, count=len(pieces))
-    ids = np.empty(int(lengths.sum()), dtype=dtype)
-    end = 0
-    for piece, length in zip(pieces, lengths.tolist(), strict=True):
-        ids[end : end + length - 1] = piece
-        ids[end + length - 1] = tok.eos_id
-        end += length
+    if pieces and isinstance(pieces[0], np.ndarray):  # the byte tokenizer: array copies
+        ids = np.empty(int(lengths.sum()), dtype=dtype)
+        ends = np.cumsum(lengths)
+        for piece, end in zip(pieces, ends.tolist(), strict=True):
+            ids[end - len(piece) - 1 : end - 1] = piece
+        ids[ends - 1] = tok.eos_id
+    else:  # lists of ints: one flat list, converted once
+        flat: list[int] = []
+        for piece in pieces:
+            flat += piece
+            flat.append(tok.eos_id)
+        ids = np.array(flat, dtype=dtype)
     n_bytes = np.fromiter((len(t.encode("utf-8")) for t in texts), dtype=np.int64, count=len(texts))
     return ids, lengths, n_bytes
 
