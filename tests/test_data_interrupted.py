@@ -210,3 +210,25 @@ def test_a_corpus_ten_times_larger_prepares_in_about_the_same_memory(tmp_path):
         peaks[name] = int(done.stdout.strip().splitlines()[-1])  # kB
         assert read_meta(tmp_path / f"out-{name}")["splits"]["train"]["bytes"] > 0.7 * size
     assert peaks["large"] - peaks["small"] < 12_000, peaks
+
+
+def test_an_out_that_appears_while_preparing_is_one_line_and_left_alone(tmp_path, monkeypatch, capsys):
+    """Two prepares of one --out, the first finished between the second's start and its end: the second says so
+    in one line (it was a FileExistsError traceback) and leaves the first's folder as it is."""
+    from lrattn_lightning.cli import main
+    from lrattn_lightning.data import prepare as prepare_module
+
+    real = prepare_module.publish
+
+    def first_finished(staging, out, overwrite):
+        out.mkdir()
+        (out / "meta.json").write_text("{}")
+        return real(staging, out, overwrite)
+
+    monkeypatch.setattr(prepare_module, "publish", first_finished)
+    monkeypatch.chdir(tmp_path)
+    assert main(["prepare", "--max_documents", "5", "--out", "data"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lrattn:")]
+    assert lines == ["lrattn: error: --out data appeared while this prepare ran (another one finished it first); it is "
+                     "left as it is: pass --overwrite to replace it, or choose another --out"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"] and (tmp_path / "data" / "meta.json").read_text() == "{}"

@@ -166,7 +166,8 @@ def publish(staging: Staging, out: Path, overwrite: bool) -> None:
         staging.path.chmod(0o777 & ~_current_umask())
         if out.exists():
             if not overwrite:
-                raise FileExistsError(f"{out} appeared while preparing; not replacing it")
+                raise InputError(f"--out {out} appeared while this prepare ran (another one finished it first); "
+                                 "it is left as it is: pass --overwrite to replace it, or choose another --out")
             trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, trash / out.name)
             os.replace(staging.path, out)
