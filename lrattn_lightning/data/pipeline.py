@@ -187,7 +187,9 @@ def merge_index(split_dir: Path, split: str, records: list[dict[str, Any]]) -> N
             chunks += index["chunks"]
             config = config or index["config"]
     split_dir.mkdir(parents=True, exist_ok=True)
-    write_json(split_dir / "index.json", {"chunks": chunks, "config": config, "updated_at": str(time.time())})
+    tmp = split_dir / ".index.json.tmp"  # written as litdata writes it (sorted keys, no indent)
+    tmp.write_text(json.dumps({"chunks": chunks, "config": config, "updated_at": str(time.time())}, sort_keys=True))
+    os.replace(tmp, split_dir / "index.json")
 
 
 def write_parts(stream: Iterable[tuple[Document, str]], staging: Path, encoder: Encoder, chunk_bytes: int | str,
