@@ -97,22 +97,33 @@ def processes_naming(marker: str) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "a worker SIGKILLed"])
 def test_an_interrupted_prepare_continues_to_the_same_shards(how, corpus, uninterrupted, tmp_path):
-    out = f"out-{how.name}"
+    """SIGKILL (nothing runs after it), SIGTERM (exit 143, one line), a worker killed under it (the OOM killer's
+    way: one line, exit 1; multiprocessing.Pool would have waited for the lost batch forever)."""
+    out = f"out-{how.split()[-1]}-{len(how)}"
     args = [*ARGS, "--out", out]
     (tmp_path / "corpus.jsonl").symlink_to(corpus / "corpus.jsonl")
     (tmp_path / "tok.json").symlink_to(corpus / "tok.json")
     proc = start(args, tmp_path)
     staging = tmp_path / f".{out}.tmp-prepare"
     wait_for_part(staging, 2, proc)
-    proc.send_signal(how)
+    if how == "a worker SIGKILLed":
+        workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert len(workers) == 2
+        os.kill(int(workers[0]), signal.SIGKILL)
+    else:
+        proc.send_signal(getattr(signal, how))
     _, err = proc.communicate(timeout=60)
-    if how == signal.SIGTERM:
+    lines = [line for line in err.splitlines() if line.strip()]
+    if how == "SIGTERM":
         assert proc.returncode == 143, err
-        lines = [line for line in err.splitlines() if line.strip()]
         assert lines[-1] == ("[lrattn prepare] stopped by SIGTERM: the finished parts are kept; run the same command "
                              "to continue from them") and "Traceback" not in err, err
+    if how == "a worker SIGKILLed":
+        assert proc.returncode == 1 and "Traceback" not in err, err
+        assert lines[-1] == ("lrattn: error: a tokenizer process died (killed by the system: out of memory? see "
+                             "`dmesg`); the finished parts are kept: run the same command to continue from them")
     deadline = time.monotonic() + 10
     while processes_naming(out) and time.monotonic() < deadline:  # the workers go with their parent
         time.sleep(0.1)

@@ -14,6 +14,7 @@ large the corpus. `num_workers` 1 tokenises in this process (no copies between p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -42,12 +43,16 @@ def new_counts() -> dict[str, int]:
     return {"documents": 0, "tokens": 0, "bytes": 0, "max_token_id": -1, "items": 0}
 
 
+class WorkerDied(RuntimeError):
+    """A tokenizer process died (killed by the system: out of memory?); the finished parts are kept."""
+
+
 class Encoder:
-    """Token ids for batches of texts, in order: in this process (one worker) or a pool of forked workers."""
+    """Token ids for batches of texts, in order: in this process (one worker) or in forked worker processes."""
 
     def __init__(self, spec: dict[str, Any], base_dir: Path, dtype: Any, num_workers: int) -> None:
         self.kwargs = {"spec_json": json.dumps(spec), "base_dir": str(base_dir), "dtype": np.dtype(dtype).name}
-        self.num_workers, self.pool = num_workers, None
+        self.num_workers, self.pool, self.pids = num_workers, None, []
 
     def __enter__(self) -> Encoder:
         # one tokenizer thread per process: the workers are the parallelism (and rayon must not run across a fork)
@@ -55,18 +60,25 @@ class Encoder:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         if self.num_workers > 1:
             import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
 
             context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-            self.pool = context.Pool(self.num_workers, initializer=_init_worker, initargs=(os.getpid(), self.kwargs))
+            started = context.SimpleQueue()
+            # a pool that notices a worker killed under it (multiprocessing.Pool would wait for its task forever)
+            self.pool = ProcessPoolExecutor(self.num_workers, mp_context=context, initializer=_init_worker,
+                                            initargs=(os.getpid(), self.kwargs, started))
+            self.pool.submit(int).result()  # starts every worker, now: before any thread of ours (progress bar)
+            self.pids = [started.get() for _ in range(self.num_workers)]
         return self
 
     def __exit__(self, kind: Any, *exc: Any) -> None:
         if self.pool is not None:
-            if kind is None:
-                self.pool.close()  # all results are in: the workers end
-            else:
-                self.pool.terminate()  # an error or a signal: nothing more is wanted
-            self.pool.join()
+            if kind is not None:  # an error or a signal: nothing more is wanted
+                self.pool.shutdown(wait=False, cancel_futures=True)
+                for pid in self.pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGTERM)
+            self.pool.shutdown(wait=True)
         if self._parallelism is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:
@@ -78,18 +90,24 @@ class Encoder:
             for tag, texts in batches:
                 yield tag, encode_texts(texts, **self.kwargs)
             return
+        from concurrent.futures.process import BrokenProcessPool
+
         pending: deque = deque()
-        for tag, texts in batches:
-            pending.append((tag, self.pool.apply_async(encode_texts, (texts,), self.kwargs)))
-            if len(pending) >= 2 * self.num_workers:
+        try:
+            for tag, texts in batches:
+                pending.append((tag, self.pool.submit(encode_texts, texts, **self.kwargs)))
+                if len(pending) >= 2 * self.num_workers:
+                    tag, result = pending.popleft()
+                    yield tag, result.result()
+            while pending:
                 tag, result = pending.popleft()
-                yield tag, result.get()
-        while pending:
-            tag, result = pending.popleft()
-            yield tag, result.get()
+                yield tag, result.result()
+        except BrokenProcessPool as err:
+            raise WorkerDied("a tokenizer process died (killed by the system: out of memory? see `dmesg`); the "
+                             "finished parts are kept: run the same command to continue from them") from err
 
 
-def _init_worker(parent: int, kwargs: dict[str, str]) -> None:
+def _init_worker(parent: int, kwargs: dict[str, str], started: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
     for signum in (signal.SIGTERM, signal.SIGHUP):  # not the parent's handlers: terminate() ends a worker at once
         signal.signal(signum, signal.SIG_DFL)
@@ -100,6 +118,7 @@ def _init_worker(parent: int, kwargs: dict[str, str]) -> None:
     if os.getppid() != parent:
         os._exit(0)
     encode_texts([], **kwargs)  # load the tokenizer once, before the first batch
+    started.put(os.getpid())
 
 
 class PartWriter:

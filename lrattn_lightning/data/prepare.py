@@ -27,7 +27,14 @@ import numpy as np
 from lrattn_lightning.data import pipeline, remote
 from lrattn_lightning.data.corpora import Document
 from lrattn_lightning.data.formats import COMPRESSIONS, KINDS, ReadOptions
-from lrattn_lightning.data.pipeline import Encoder, Progress, finished_parts, merge_index, write_parts
+from lrattn_lightning.data.pipeline import (
+    Encoder,
+    Progress,
+    WorkerDied,
+    finished_parts,
+    merge_index,
+    write_parts,
+)
 from lrattn_lightning.data.shards import FORMAT_VERSION, shard_files
 from lrattn_lightning.data.sources import Corpus, limited
 from lrattn_lightning.data.split import SPLITS, check_seed, fixed, key_hash, sided, split_of
@@ -114,7 +121,7 @@ def prepare(
             shutil.rmtree(out.parent, ignore_errors=True)  # the upload's own folder in the cache
         else:
             publish(staging, out, overwrite)
-    except (Interrupted, KeyboardInterrupt, remote.UploadFailed):
+    except (Interrupted, KeyboardInterrupt, remote.UploadFailed, WorkerDied):
         staging.release()  # the finished parts stay for the same command to continue
         raise
     except BaseException:
@@ -154,7 +161,9 @@ def _build(staging: Staging, corpora: dict[str, Corpus | None], recipe: dict[str
 
     say(f"reading {' '.join(train.specs)}{' (validation: ' + ' '.join(val.specs) + ')' if val else ''}")
     with Encoder(tok.spec(), root, dtype, num_workers) as encoder:
-        bar = Progress(train.total if val is None else None, lambda: train.consumed, progress)
+        totals = [c.total for c in (train, val) if c is not None]
+        bar = Progress(None if None in totals else sum(totals),
+                       lambda: train.consumed + (val.consumed if val else 0), progress)
         try:
             records = write_parts(stream(), root, encoder, chunk_bytes, done, keep, bar.update)
         finally:
@@ -190,7 +199,6 @@ def _build(staging: Staging, corpora: dict[str, Corpus | None], recipe: dict[str
         "created_with": {"python": platform.python_version(), "litdata": _litdata_version()},
     }
     (root / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    shutil.rmtree(root / ".litdata-scratch", ignore_errors=True)
     return meta
 
 
@@ -310,6 +318,9 @@ def prepare_main(argv: list[str]) -> int:
                     val_source=args.val_source, text_field=args.text_field,
                     document_separator=_separator(args.document_separator), hf_config=args.hf_config,
                     hf_split=args.hf_split, split_seed=args.split_seed)
+    except WorkerDied as err:
+        print(f"lrattn: error: {err}", file=sys.stderr, flush=True)
+        return 1
     except (Interrupted, KeyboardInterrupt) as stop:
         signum = stop.signum if isinstance(stop, Interrupted) else 2
         print(f"[lrattn prepare] stopped by {stop or 'SIGINT'}: the finished parts are kept; run the same command to "
