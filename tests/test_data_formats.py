@@ -135,6 +135,19 @@ def test_shards_hold_exactly_the_documents(documents, reference):
     assert sorted(seen) == sorted(documents)
 
 
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    """Some editors start UTF-8 files with EF BB BF: not part of the first document, and not a JSON error."""
+    from lrattn_lightning.data.formats import ReadOptions
+    from lrattn_lightning.data.sources import Corpus
+
+    (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + _lines(2))
+    (tmp_path / "b.txt").write_bytes("\ufeffcaf\u00e9 text".encode())
+    corpus = Corpus([str(tmp_path / "a.jsonl"), str(tmp_path / "b.txt")], ReadOptions())
+    corpus.check()
+    assert [d.text for d in corpus.documents()] == ["document number 0 with some words",
+                                                    "document number 1 with some words", "caf\u00e9 text"]
+
+
 def test_meta_records_every_input_file_with_size_and_sha256(corpus, tmp_path):
     root, sources = corpus
     meta = prepare(sources["a folder mixing jsonl.zst and parquet"], tmp_path / "out", cloze_items=0,

@@ -37,6 +37,7 @@ COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd", ".bz2": "bz2", "
 _SUFFIX_OF = {"gzip": ".gz", "zstd": ".zst", "bz2": ".bz2", "xz": ".xz"}
 HEAD_BYTES = 1 << 16  # what `check` reads of each file (decompressed) before anything is written
 BLOCK_BYTES = 1 << 20  # read size of text files split by a separator
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark some editors put first: not part of the text
 BAD_FRACTION = 0.01  # undecodable byte sequences per byte above which a file is not UTF-8 text, but refused
 SUPPORTED = ".parquet, .jsonl/.ndjson or .txt (the last two also as .gz, .zst, .bz2, .xz)"
 
@@ -194,6 +195,7 @@ class FileInput:
                 whole = not stream.read(1)
         except _decompress_errors() as err:
             raise self._broken(err) from err
+        content = content.removeprefix(BOM)
         inner = magic_of(content[:16])
         if inner is not None and self.compression:
             raise InputError(f"{self.path}: the {self.compression} data holds a {inner} file, not {self.kind}: "
@@ -235,12 +237,13 @@ class FileInput:
                 if self.kind == "jsonl":
                     for lineno, line in enumerate(stream, 1):
                         self.consumed = raw.tell()
+                        line = line.removeprefix(BOM) if lineno == 1 else line
                         if line.strip():
                             text = _json_text(stats.decode(line, f"on line {lineno}"), self.path, lineno,
                                               self.options.text_field)
                             yield Document(text, None, f"{self.path.name}:{lineno}")
                 elif self.options.separator is None:
-                    text = stats.decode(stream.read(), "")
+                    text = stats.decode(stream.read().removeprefix(BOM), "")
                     self.consumed = raw.tell()
                     yield Document(text, None, self.path.name)
                 else:
@@ -255,6 +258,7 @@ class FileInput:
         sep, buf, piece = self.options.separator.encode("utf-8"), b"", 0
         while True:
             block = stream.read(BLOCK_BYTES)
+            block = block.removeprefix(BOM) if piece == 0 and not buf else block
             self.consumed = raw.tell()
             pieces = (buf + block).split(sep)
             buf = pieces.pop() if block else b""  # the last piece may go on in the next block
