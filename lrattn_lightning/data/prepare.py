@@ -169,6 +169,9 @@ def _build(staging: Staging, corpora: dict[str, Corpus | None], recipe: dict[str
         finally:
             bar.close()
     counts = _counts(records, train, val)
+    say(f"read {sum(c['documents'] for c in counts.values()):,} documents "
+        f"({sum(c['bytes'] for c in counts.values()):,} bytes of text) from {' '.join(train.specs)}"
+        f"{' and ' + ' '.join(val.specs) if val else ''}")
     for split in SPLITS:
         merge_index(root / split, split, records)
         say(f"{split}: {counts[split]['documents']:,} documents, {counts[split]['tokens']:,} tokens written")
