@@ -35,7 +35,7 @@ from lrattn_lightning.data.pipeline import (
     merge_index,
     write_parts,
 )
-from lrattn_lightning.data.shards import FORMAT_VERSION, shard_files
+from lrattn_lightning.data.shards import FORMAT_VERSION, sha256_files, shard_files
 from lrattn_lightning.data.sources import Corpus, limited
 from lrattn_lightning.data.split import SPLITS, check_seed, fixed, key_hash, sided, split_of
 from lrattn_lightning.data.staging import Interrupted, Staging, claim, publish, say, stop_on_signals
@@ -106,6 +106,8 @@ def prepare(
               "limits": [max_documents, max_bytes], "chunk_bytes": chunk_bytes, "seed": seed,
               "tasks": [cloze_items, perplexity_documents], "format_version": FORMAT_VERSION,
               "part_bytes": pipeline.PART_BYTES,
+              # a tokenizer file changed under an interrupted prepare would tokenise its parts two ways
+              "tokenizer_file": sha256_files([Path(arg)])[0] if kind in ("hf", "tiktoken") else None,
               "inputs": {s: c.fingerprint() for s, c in corpora.items() if c is not None}}
     staging = claim(out, recipe)
     try:
