@@ -9,7 +9,6 @@ import dataclasses
 import json
 import shutil
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from lrattn_lightning.data import corpora
 from lrattn_lightning.data import prepare as prepare_module
 from lrattn_lightning.data.corpora import Document, iter_documents
 from lrattn_lightning.data.datamodule import TokenDataModule
+from lrattn_lightning.data.formats import ReadOptions
 from lrattn_lightning.data.prepare import prepare, split_of
 from lrattn_lightning.data.shards import (
     FORMAT_VERSION,
@@ -28,6 +28,8 @@ from lrattn_lightning.data.shards import (
     read_meta,
     validate_data_dir,
 )
+from lrattn_lightning.data.sources import Corpus
+from lrattn_lightning.data.split import sided
 from lrattn_lightning.data.task_files import build_cloze_items
 from lrattn_lightning.data.tokenizer import ByteTokenizer, load_tokenizer, parse_tokenizer_name, train_bpe
 from lrattn_lightning.model.registry import load_registry
@@ -121,9 +123,16 @@ def test_stdlib_corpus_is_real_english():
     assert not any("  " in line.strip() for d in docs for line in d.text.splitlines())  # runs collapsed
 
 
+def _sides(docs, fraction=0.05, seed=0) -> dict[str, list[Document]]:
+    out: dict[str, list[Document]] = {"train": [], "val": []}
+    for doc, side in sided(docs, fraction, seed):
+        out[side].append(doc)
+    return out
+
+
 def test_split_is_deterministic_and_disjoint(data_test_docs):
-    first = prepare_module._split_documents(data_test_docs, 0.05, "stdlib-docs")
-    second = prepare_module._split_documents(list(iter_documents("stdlib-docs", max_bytes=MAX_BYTES)), 0.05, "stdlib-docs")
+    first = _sides(data_test_docs)
+    second = _sides(list(iter_documents("stdlib-docs", max_bytes=MAX_BYTES)))
     assert [d.key for d in first["val"]] == [d.key for d in second["val"]]
     train_keys, val_keys = {d.key for d in first["train"]}, {d.key for d in first["val"]}
     assert val_keys and train_keys and not train_keys & val_keys
@@ -133,31 +142,35 @@ def test_split_is_deterministic_and_disjoint(data_test_docs):
     assert 0.04 < frac < 0.06
 
 
+def _corpus_documents(spec, **options) -> list[Document]:
+    corpus = Corpus(spec, ReadOptions(**options))
+    corpus.check()
+    return list(corpus.documents())
+
+
 def test_text_folder_and_jsonl_sources(tmp_path):
-    para = "This paragraph is long enough to be kept as prose by the cleaner, it has many words in it."
+    """A user's files are read as they are: a .txt file is one document, a JSONL line is one; no key (the split
+    goes by content); an empty document is skipped; a line without the field is one line naming it."""
+    para = "This paragraph is long enough to be kept as prose, it has many words in it."
     (tmp_path / "a.txt").write_text(f"{para}\n\nshort\n\n{para} Again.\n")
-    (tmp_path / "b.jsonl").write_text(json.dumps({"text": para + " From jsonl."}) + "\n\n")
-    docs = list(iter_documents(str(tmp_path)))
-    assert [d.key for d in docs] == ["a.txt", "b.jsonl"]  # a file stays on one side of the split
-    assert "short" not in docs[0].text
-    assert list(iter_documents(str(tmp_path / "a.txt")))[0].key == "a.txt:0"
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": para + " From jsonl."}) + "\n\n"
+                                      + json.dumps({"text": "  "}) + "\n")
+    docs = _corpus_documents(str(tmp_path))
+    assert [d.text for d in docs] == [(tmp_path / "a.txt").read_text(), para + " From jsonl."]
+    assert [d.key for d in docs] == [None, None] and [d.origin for d in docs] == ["a.txt", "b.jsonl:1"]
     (tmp_path / "c.jsonl").write_text('{"body": "no text field"}\n')
-    with pytest.raises(ValueError, match=r"c\.jsonl:1: .*'text'"):
-        list(iter_documents(str(tmp_path)))
+    with pytest.raises(ValueError, match=r"c\.jsonl:1: no field 'text' \(fields: body\); pass --text_field"):
+        _corpus_documents(str(tmp_path))
+    assert [d.text for d in _corpus_documents(str(tmp_path / "c.jsonl"), text_field="body")] == ["no text field"]
     with pytest.raises(ValueError, match="not a built-in corpus"):
-        list(iter_documents(str(tmp_path / "nope")))
+        Corpus(str(tmp_path / "nope"), ReadOptions())
 
 
-def test_hf_source_wraps_errors(monkeypatch):
-    def load_dataset(path, config, split, streaming):
-        if path == "offline/x":
-            raise ConnectionError("Couldn't reach the Hub")
-        return iter([{"text": "A row of a Hugging Face dataset that is long enough to keep as a document."}])
-
-    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
-    assert [d.key for d in iter_documents("hf:user/ds")] == ["hf:user/ds:0"]
-    with pytest.raises(ValueError, match="could not load Hugging Face dataset 'offline/x'.*network"):
-        list(iter_documents("hf:offline/x"))
+def test_hf_source_offline_is_one_line(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(ValueError, match="could not load Hugging Face dataset 'no-such-user/no-such-data'.*local cache"):
+        Corpus("hf:no-such-user/no-such-data", ReadOptions()).check()
 
 
 def test_debian_corpora_name_their_package(monkeypatch, tmp_path):
@@ -430,3 +443,6 @@ def test_tiktoken_rank_file_round_trip_and_out_of_vocab_ids(tmp_path):
     ids = tok.encode(text)
     assert 257 in ids and tok.eos_id not in ids and tok.decode(ids) == text
     assert tok.decode([*ids, tok.eos_id, tok.eos_id + 1, tok.eos_id + 20]) == text
+    # the file is read as it is now: tiktoken's own cache (by path, in $TMPDIR) would return the first version
+    (tmp_path / "mini.tiktoken").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(ranks[:257])))
+    assert load_tokenizer(f"tiktoken:{tmp_path / 'mini.tiktoken'}").vocab_size == 258

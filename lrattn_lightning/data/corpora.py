@@ -1,11 +1,12 @@
-"""Where documents come from: the built-in corpora and reading a user's text files.
+"""The built-in corpora, and the Document every source yields.
 
-    iter_documents(source) -> cleaned, deduplicated Documents (text, key)
+    iter_documents(name) -> cleaned, deduplicated Documents (text, key)
 
-Sources: `stdlib-docs` (default; the Python reference docs and standard-library docstrings of the
-running interpreter, parsed with `ast`, never imported), `jargon` and `bible-kjv` (Debian packages),
-a .txt file, a folder of .txt/.jsonl files, or `hf:<dataset>`. A document's `key` decides its
-train/val side (`data/prepare.py`). The project commits no corpus text. Nothing runs at import time.
+Built-in corpora: `stdlib-docs` (default; the Python reference docs and standard-library docstrings of the
+running interpreter, parsed with `ast`, never imported), `jargon` and `bible-kjv` (Debian packages). Their
+documents carry a `key` (a topic, an entry, a chapter) that decides the train/val side, so related pieces
+stay together. A user's own files are read by `data/formats.py`, as they are. The project commits no corpus
+text. Nothing runs at import time.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import ast
 import gzip
 import hashlib
 import inspect
-import json
 import re
 import shutil
 import subprocess
@@ -29,10 +29,17 @@ from lrattn_lightning.errors import InputError
 
 @dataclass(frozen=True)
 class Document:
-    """A unit of text. `key` decides the split: documents that share a key land on the same side."""
+    """A unit of text. `key` decides the split: documents that share a key land on the same side; a document
+    without one (a user's corpus) is split by its content (`data/split.py`). `origin` says where it came from
+    (a file and line, for the eval tasks' `source`)."""
 
     text: str
-    key: str
+    key: str | None = None
+    origin: str = ""
+
+    @property
+    def source(self) -> str:
+        return self.key if self.key is not None else self.origin
 
 
 BUILTIN_SOURCES = ("stdlib-docs", "jargon", "bible-kjv")
@@ -56,12 +63,8 @@ def clean_text(text: str) -> str:
 
 
 def iter_documents(source: str, max_documents: int | None = None, max_bytes: int | None = None) -> Iterator[Document]:
-    """Cleaned, deduplicated documents of `source`, stopping after `max_documents` or `max_bytes`.
-
-    source: stdlib-docs | jargon | bible-kjv | a .txt file (paragraph groups, keyed by position) |
-    a folder of .txt/.jsonl files (keyed by file: a file stays on one side of the split; jsonl rows
-    need a `text` field) | hf:<dataset>[:<config>] (needs network or a local Hugging Face cache).
-    """
+    """Cleaned, deduplicated documents of the built-in corpus `source`, stopping after `max_documents` or
+    `max_bytes`: stdlib-docs | jargon | bible-kjv."""
     seen: set[bytes] = set()
     count = total = 0
     for doc in _source_documents(source):
@@ -83,17 +86,7 @@ def _source_documents(source: str) -> Iterator[Document]:
         return _jargon_documents()
     if source == "bible-kjv":
         return _bible_documents()
-    if source.startswith("hf:"):
-        return _hf_documents(source[3:])
-    path = Path(source)
-    if path.is_file():
-        return (Document(t, f"{path.name}:{i}") for i, t in enumerate(_group_paragraphs(_read_text(path))))
-    if path.is_dir():
-        return _folder_documents(path)
-    raise InputError(
-        f"unknown source '{source}': not a built-in corpus {list(BUILTIN_SOURCES)}, nor an existing .txt file or "
-        "folder; for a Hugging Face dataset use hf:<name>"
-    )
+    raise InputError(f"unknown built-in corpus '{source}'; built-in corpora: {list(BUILTIN_SOURCES)}")
 
 
 def _stdlib_documents() -> Iterator[Document]:
@@ -180,52 +173,8 @@ def _bible_documents() -> Iterator[Document]:
             verses.append(line.strip().split(" ", 1)[-1])  # drop the verse number
 
 
-def _folder_documents(folder: Path) -> Iterator[Document]:
-    files = sorted(p for p in folder.rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file())
-    if not files:
-        raise InputError(f"source folder {folder} has no .txt or .jsonl files")
-    for path in files:
-        rel = path.relative_to(folder).as_posix()
-        if path.suffix == ".txt":
-            yield from (Document(t, rel) for t in _group_paragraphs(_read_text(path)))
-            continue
-        undecodable = 0
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                line, bad = _decode_utf8(raw)
-                undecodable += bad
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                    text = row["text"]
-                except (json.JSONDecodeError, KeyError, TypeError) as err:
-                    raise InputError(f"{path}:{lineno}: expected a JSON object with a string field 'text' ({err!r})") from err
-                yield Document(str(text), rel)
-        if undecodable:
-            _warn_undecodable(path, undecodable)
-
-
-def _hf_documents(name: str) -> Iterator[Document]:
-    """Rows of a Hugging Face dataset's train split (field `text`); `name` may be 'path:config'."""
-    path, _, config = name.partition(":")
-    try:
-        import datasets
-
-        rows = datasets.load_dataset(path, config or None, split="train", streaming=True)
-        for i, row in enumerate(rows):
-            if "text" not in row:
-                raise InputError(f"hf:{name}: rows have no 'text' field (fields: {sorted(row)})")
-            yield Document(str(row["text"]), f"hf:{name}:{i}")
-    except ValueError:
-        raise
-    except Exception as err:  # network, missing dataset, missing package: one clear message
-        raise InputError(f"could not load Hugging Face dataset '{name}' ({type(err).__name__}: {err}); "
-                         "it needs network access or a local Hugging Face cache") from err
-
-
 def _read_text(path: Path) -> str:
-    """A text file as UTF-8; undecodable bytes become U+FFFD, with one warning that counts them."""
+    """A Debian corpus file as UTF-8; undecodable bytes become U+FFFD, with one warning that counts them."""
     if path.suffix == ".gz":
         with gzip.open(path, "rb") as f:
             raw = f.read()

@@ -1,7 +1,8 @@
 """The LightningDataModule: fixed token windows from a prepared folder (`lrattn prepare`).
 
 Each batch is a LongTensor (B, seq_len + 1): inputs x[:-1], targets x[1:]. Windows never cross a
-chunk boundary (litdata's TokensLoader). The folder is checked by `data/shards.py`.
+chunk boundary (litdata's TokensLoader). The folder is checked by `data/shards.py`. `data_dir` may be
+an s3:// prefix: litdata streams the chunks into a local cache (`data/remote.py`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import lightning as L
 import numpy as np
 import torch
 
+from lrattn_lightning.data import remote
 from lrattn_lightning.data.shards import check_shards, read_meta, validate_data_dir
 from lrattn_lightning.data.tokenizer import load_tokenizer
 from lrattn_lightning.errors import InputError
@@ -66,7 +68,17 @@ class TokenDataModule(L.LightningDataModule):
         return float(self.meta["splits"][split]["bytes_per_token"])
 
     def tokenizer(self) -> Any:
-        return load_tokenizer(self.meta["tokenizer"], base_dir=self.data_dir)
+        spec = self.meta["tokenizer"]
+        base = self.local_file(spec["file"]).parent if "file" in spec else self.data_dir
+        return load_tokenizer(spec, base_dir=base)
+
+    def local_file(self, name: str) -> Path:
+        """A file of the prepared folder on this machine (fetched into the cache from an s3:// prefix)."""
+        return remote.fetch(self.data_dir, name) if remote.is_remote(self.data_dir) else Path(self.data_dir) / name
+
+    def location(self) -> str:
+        """Where the data is, as a checkpoint records it: an absolute path, or the s3:// URL."""
+        return self.data_dir if remote.is_remote(self.data_dir) else str(Path(self.data_dir).resolve())
 
     def validate_for(self, size: SizeConfig) -> dict[str, Any]:
         """Check the data against a model size (see `validate_data_dir`); fills in seq_len if unset."""
@@ -83,8 +95,14 @@ class TokenDataModule(L.LightningDataModule):
             raise InputError("TokenDataModule.seq_len is unset: pass seq_len or call validate_for(size) first")
         _ = self.meta  # a missing or corrupt folder fails here, with its fix
         check_shards(self.data_dir, split)
+        where: dict[str, Any] = {"input_dir": str(Path(self.data_dir) / split)}
+        if remote.is_remote(self.data_dir):
+            remote.allow_plain_http()
+            # litdata keeps a folder per index.json (its timestamp) inside: a prefix prepared again is not mixed
+            where = {"input_dir": f"{self.data_dir.rstrip('/')}/{split}",
+                     "cache_dir": str(remote.local_dir(self.data_dir) / "chunks" / split)}
         return StreamingDataset(
-            str(Path(self.data_dir) / split),
+            **where,
             item_loader=TokensLoader(block_size=self.seq_len + 1),
             shuffle=self.shuffle if split == "train" else False,
             drop_last=split == "train",  # equal train batches on every rank; keep every val window

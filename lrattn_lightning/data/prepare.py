@@ -1,53 +1,57 @@
-"""`prepare`: a corpus -> tokenised litdata shards in a prepared folder, published atomically.
+"""`prepare`: a corpus -> tokenised litdata shards in a prepared folder, published whole.
 
-    source --documents--> deterministic split by key hash --tokenize + EOS--> litdata shards
+    sources (data/sources.py) --documents--> train/val (data/split.py) --token ids in workers, EOS after each
+    document--> shards in resumable parts (data/pipeline.py) --> eval tasks, meta.json --> the staging folder
+    renamed to --out (data/staging.py), or uploaded to s3:// (data/remote.py)
 
-and `lrattn prepare`, its command line. The folder's layout and its checks are in `data/shards.py`,
-the documents in `data/corpora.py`, the offline eval tasks' files in `data/task_files.py`. Training
-reads fixed windows of seq_len + 1 tokens (inputs x[:-1], targets x[1:]); windows never cross a chunk
-boundary (litdata's TokensLoader). Nothing here runs at import time.
+and `lrattn prepare`, its command line. Every input is checked before anything is written; a failure removes
+what was written; a signal or a kill keeps the finished parts for the same command to continue. Training reads
+fixed windows of seq_len + 1 tokens (inputs x[:-1], targets x[1:]) that never cross a chunk boundary
+(litdata's TokensLoader). Nothing here runs at import time.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
-import multiprocessing
 import os
 import platform
+import re
 import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from lrattn_lightning.data.corpora import Document, iter_documents
-from lrattn_lightning.data.shards import FORMAT_VERSION, SPLITS, check_shards, max_token_id, shard_files
+from lrattn_lightning.data import pipeline, remote
+from lrattn_lightning.data.corpora import Document
+from lrattn_lightning.data.formats import COMPRESSIONS, KINDS, ReadOptions
+from lrattn_lightning.data.pipeline import (
+    Encoder,
+    Progress,
+    WorkerDied,
+    finished_parts,
+    merge_index,
+    write_parts,
+)
+from lrattn_lightning.data.shards import FORMAT_VERSION, sha256_files, shard_files
+from lrattn_lightning.data.sources import Corpus, limited
+from lrattn_lightning.data.split import SPLITS, check_seed, fixed, key_hash, sided, split_of
+from lrattn_lightning.data.staging import Interrupted, Staging, claim, publish, say, stop_on_signals
 from lrattn_lightning.data.task_files import write_task_files
-from lrattn_lightning.data.tokenizer import encode_document, load_tokenizer, parse_tokenizer_name, train_bpe
+from lrattn_lightning.data.tokenizer import load_tokenizer, parse_tokenizer_name, train_bpe
 from lrattn_lightning.errors import InputError, Parser, UsageError
 
-
-def key_hash(key: str) -> float:
-    """A stable uniform number in [0, 1) for a document key."""
-    return int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "big") / 2**64
-
-
-def split_of(key: str, val_fraction: float) -> str:
-    """'val' for about `val_fraction` of keys, else 'train'; the same on every machine and run."""
-    return "val" if key_hash(key) < val_fraction else "train"
+__all__ = ["prepare", "prepare_main", "default_out", "split_of", "key_hash"]
+TASK_TEXT_BYTES = 32 << 20  # held-out text kept in memory for the eval tasks, at most
 
 
 def prepare(
-    source: str = "stdlib-docs",
+    source: str | list[str] = "stdlib-docs",
     out_dir: str | Path = "data/stdlib-docs-byte",
     tokenizer: str = "byte",
-    val_fraction: float = 0.05,
+    val_fraction: float | None = None,
     num_workers: int = 1,
     chunk_bytes: int | str = "8MB",
     overwrite: bool = False,
@@ -56,164 +60,191 @@ def prepare(
     seed: int = 1234,
     cloze_items: int = 500,
     perplexity_documents: int = 200,
+    *,
+    val_source: str | list[str] | None = None,
+    text_field: str = "text",
+    document_separator: str | None = None,
+    hf_config: str | None = None,
+    hf_split: str = "train",
+    split_seed: int = 0,
+    progress: bool | None = None,
 ) -> dict[str, Any]:
-    """Tokenise `source` into litdata shards under `out_dir`; returns the written meta.json as a dict.
+    """Tokenise `source` into litdata shards under `out_dir` (a folder, or s3://BUCKET/PREFIX); returns meta.json.
 
-    Atomic: everything is built in a hidden sibling folder that is renamed to `out_dir` at the end,
-    so a failure leaves nothing behind. An existing `out_dir` is an error unless `overwrite=True`.
-    `max_documents` / `max_bytes` take a prefix of the source (tests, quick runs). `num_workers`
-    tokenizer processes (forked on Linux) write the shards; `chunk_bytes` is litdata's chunk size.
+    `val_fraction` (default 0.05) of the documents are held out, or all of `val_source`. An existing `out_dir` is
+    an error unless `overwrite=True`. `max_documents` / `max_bytes` take a prefix of the source. `num_workers`
+    tokenizer processes; `chunk_bytes` is litdata's chunk size; `seed` draws the eval tasks, `split_seed` the split.
     """
-    out = Path(out_dir)
-    if not 0.0 < val_fraction < 1.0:
-        raise InputError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    parse_tokenizer_name(tokenizer)  # fail fast on a bad name
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists; pass overwrite=True (--overwrite) to replace it")
-    _check_out(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    if val_source is not None and val_fraction is not None:
+        raise InputError("--val_fraction and --val_source exclude each other: --val_source is the whole validation set")
+    val_fraction = 0.05 if val_fraction is None else val_fraction
+    if val_source is None and not 0.0 < val_fraction < 1.0:
+        raise InputError(f"--val_fraction must be in (0, 1), got {val_fraction}")
+    if not isinstance(num_workers, int) or num_workers < 1:
+        raise InputError(f"--num_workers {num_workers}: at least 1 (one tokenizer process each)")
+    check_seed(split_seed)
+    kind, arg = parse_tokenizer_name(tokenizer)
+    if kind in ("hf", "tiktoken") and not Path(arg).is_file():
+        raise InputError(f"tokenizer '{tokenizer}': file {arg} not found")
+    if document_separator == "":
+        raise InputError("--document_separator is empty; give the text between documents, e.g. '\\n\\n\\n'")
+    options = ReadOptions(text_field, document_separator, hf_config, hf_split)
+    corpora = {"train": Corpus(source, options), "val": Corpus(val_source, options) if val_source else None}
+    url = str(out_dir) if remote.is_remote(out_dir) else None
+    out = remote.staging_out(url) if url else Path(out_dir)
+    if url:
+        remote.check_target(url, overwrite)
+    else:
+        if out.exists() and not overwrite:
+            raise FileExistsError(f"{out} already exists; pass overwrite=True (--overwrite) to replace it")
+        _check_out(out)
+    for corpus in corpora.values():
+        if corpus is not None:
+            corpus.check()  # magic bytes, text, the first record: before anything is written
+    recipe = {"source": corpora["train"].specs, "val_source": corpora["val"] and corpora["val"].specs,
+              "tokenizer": tokenizer, "val_fraction": val_fraction, "split_seed": split_seed, "options": options.__dict__,
+              "limits": [max_documents, max_bytes], "chunk_bytes": chunk_bytes, "seed": seed,
+              "tasks": [cloze_items, perplexity_documents], "format_version": FORMAT_VERSION,
+              "part_bytes": pipeline.PART_BYTES,
+              # a tokenizer file changed under an interrupted prepare would tokenise its parts two ways
+              "tokenizer_file": sha256_files([Path(arg)])[0] if kind in ("hf", "tiktoken") else None,
+              "inputs": {s: c.fingerprint() for s, c in corpora.items() if c is not None}}
+    staging = claim(out, recipe)
     try:
-        docs = list(iter_documents(source, max_documents=max_documents, max_bytes=max_bytes))
-        print(f"[lrattn prepare] read {len(docs):,} documents ({sum(len(d.text) for d in docs):,} characters) "
-              f"from {source}", file=sys.stderr, flush=True)
-        splits = _split_documents(docs, val_fraction, source)
-        tok = _make_tokenizer(tokenizer, [d.text for d in splits["train"]], staging)
-        dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
-        counts = {split: _write_split(splits[split], staging, split, tok, dtype, num_workers, chunk_bytes)
-                  for split in SPLITS}
-        tasks = write_task_files(splits["val"], staging / "tasks", seed, cloze_items, perplexity_documents)
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "source": source,
-            "tokenizer": tok.spec(),
-            "vocab_size": tok.vocab_size,
-            "eos_id": tok.eos_id,
-            "dtype": np.dtype(dtype).name,
-            "val_fraction": val_fraction,
-            "limits": {"max_documents": max_documents, "max_bytes": max_bytes},
-            "splits": counts,
-            # each shard file's size and sha256, checked before every run (`validate_data_dir`); apart from
-            # "splits" because index.json holds a timestamp: the same tokens give the same "splits"
-            "checksums": {split: shard_files(staging / split) for split in SPLITS},
-            "tasks": tasks,
-            # stdlib-docs is the running interpreter's documentation: it changes with the Python version.
-            "created_with": {"python": platform.python_version(), "litdata": _litdata_version()},
-        }
-        (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        staging.chmod(0o777 & ~_current_umask())  # mkdtemp made it private
-        _publish(staging, out, overwrite)
+        meta = _build(staging, corpora, recipe, kind, arg, val_fraction, num_workers, chunk_bytes, progress,
+                      max_documents, max_bytes, seed, cloze_items, perplexity_documents)
+        if url:
+            try:
+                remote.upload(staging.path, url, overwrite)
+            except InputError as err:  # the folder is complete: the same command uploads it again, nothing else
+                raise remote.UploadFailed(f"{err} (the prepared folder is kept in {staging.path}: the same command "
+                                          "uploads it again)") from err
+            staging.remove()
+            shutil.rmtree(out.parent, ignore_errors=True)  # the upload's own folder in the cache
+        else:
+            publish(staging, out, overwrite)
+    except (Interrupted, KeyboardInterrupt, remote.UploadFailed, WorkerDied):
+        staging.release()  # the finished parts stay for the same command to continue
+        raise
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        staging.remove()
         raise
     return meta
 
 
-def _write_split(docs: list[Document], staging: Path, split: str, tok: Any, dtype: Any, num_workers: int,
-                 chunk_bytes: int | str) -> dict[str, Any]:
-    """Shards of one split under staging/split; returns its counts for meta.json (with the largest token id)."""
-    texts = [d.text for d in docs]
-    _write_shards(texts, staging / split, tok.spec(), staging, dtype, num_workers, chunk_bytes)
-    counts = _split_counts(texts, staging / split)
-    counts["max_token_id"] = max_token_id(staging / split, check_shards(staging, split), dtype)
-    print(f"[lrattn prepare] {split}: {len(texts):,} documents, {counts.get('tokens', 0):,} tokens written",
-          file=sys.stderr, flush=True)
+def _build(staging: Staging, corpora: dict[str, Corpus | None], recipe: dict[str, Any], kind: str, arg: str | None,
+           val_fraction: float, num_workers: int, chunk_bytes: int | str, progress: bool | None,
+           max_documents: int | None, max_bytes: int | None, seed: int, cloze_items: int,
+           perplexity_documents: int) -> dict[str, Any]:
+    """Everything inside the claimed staging folder; returns meta.json (written)."""
+    root, train, val = staging.path, corpora["train"], corpora["val"]
+
+    def stream() -> Iterator[tuple[Document, str]]:
+        docs = limited(train.documents(), max_documents, max_bytes)
+        if val is None:
+            yield from sided(docs, val_fraction, recipe["split_seed"])
+        else:
+            yield from fixed(docs, "train")
+            yield from fixed(val.documents(), "val")
+
+    done = finished_parts(root) if staging.resumed else []
+    if staging.resumed:
+        say(f"continuing the interrupted prepare in {root}: {len(done)} part(s), "
+            f"{sum(p['documents'] for p in done):,} documents done")
+    tok = _tokenizer(kind, arg, root, lambda: (d.text for d, side in stream() if side == "train"))
+    dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
+    kept: list[Document] = []  # the first held-out documents, for the eval tasks
+    wanted, kept_bytes = max(cloze_items, perplexity_documents, 1), [0]
+
+    def keep(doc: Document, side: str) -> None:
+        if side == "val" and len(kept) < wanted and kept_bytes[0] < TASK_TEXT_BYTES:
+            kept.append(doc)
+            kept_bytes[0] += len(doc.text)
+
+    say(f"reading {' '.join(train.specs)}{' (validation: ' + ' '.join(val.specs) + ')' if val else ''}")
+    with Encoder(tok.spec(), root, dtype, num_workers) as encoder:
+        totals = [c.total for c in (train, val) if c is not None]
+        bar = Progress(None if None in totals else sum(totals),
+                       lambda: train.consumed + (val.consumed if val else 0), progress)
+        try:
+            records = write_parts(stream(), root, encoder, chunk_bytes, done, keep, bar.update)
+        finally:
+            bar.close()
+    counts = _counts(records, train, val)
+    say(f"read {sum(c['documents'] for c in counts.values()):,} documents "
+        f"({sum(c['bytes'] for c in counts.values()):,} bytes of text) from {' '.join(train.specs)}"
+        f"{' and ' + ' '.join(val.specs) if val else ''}")
+    for split in SPLITS:
+        merge_index(root / split, split, records)
+        say(f"{split}: {counts[split]['documents']:,} documents, {counts[split]['tokens']:,} tokens written")
+    empty = train.empty + (val.empty if val else 0)
+    if empty:
+        say(f"skipped {empty:,} empty document(s) (nothing but whitespace)")
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "source": " ".join(train.specs),
+        "val_source": " ".join(val.specs) if val else None,
+        "tokenizer": tok.spec(),
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "dtype": np.dtype(dtype).name,
+        "val_fraction": None if val else val_fraction,
+        # built-in corpora by their keys, a user's documents one by one by content; both salted by the seed
+        "split": {"by": "val_source" if val else "key" if train.builtin else "document", "seed": recipe["split_seed"]},
+        "read": None if train.builtin else recipe["options"],
+        "limits": {"max_documents": max_documents, "max_bytes": max_bytes},
+        "splits": counts,
+        # each shard file's size and sha256, checked before every run (`validate_data_dir`); apart from
+        # "splits" because index.json holds a timestamp: the same tokens give the same "splits"
+        "checksums": {split: shard_files(root / split) for split in SPLITS},
+        "inputs": {split: c.records() for split, c in corpora.items() if c is not None},
+        "empty_documents_skipped": empty,
+        "tasks": write_task_files(kept, root / "tasks", seed, cloze_items, perplexity_documents),
+        # stdlib-docs is the running interpreter's documentation: it changes with the Python version.
+        "created_with": {"python": platform.python_version(), "litdata": _litdata_version()},
+    }
+    (root / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def _counts(records: list[dict[str, Any]], train: Corpus, val: Corpus | None) -> dict[str, dict[str, Any]]:
+    counts = {}
+    for split in SPLITS:
+        parts = [r["splits"][split] for r in records]
+        total = {k: sum(p[k] for p in parts) for k in ("documents", "tokens", "bytes")}
+        total["bytes_per_token"] = total["bytes"] / max(total["tokens"], 1)
+        total["max_token_id"] = max((p["max_token_id"] for p in parts), default=-1)
+        counts[split] = total
+    n = counts["train"]["documents"] + counts["val"]["documents"]
+    if n == 0:
+        raise InputError(f"source '{train}' yielded no documents")
+    for split, corpus in (("train", train), ("val", val or train)):
+        if counts[split]["documents"] == 0:
+            raise InputError(f"source '{corpus}': too few documents ({n}) for a train/val split: no {split} document")
     return counts
 
 
-def _split_documents(docs: list[Document], val_fraction: float, source: str) -> dict[str, list[Document]]:
-    """Train/val by key hash. If no key falls in val, the lowest-hash key goes there (tiny corpora)."""
-    if not docs:
-        raise InputError(f"source '{source}' yielded no documents")
-    out: dict[str, list[Document]] = {"train": [], "val": []}
-    for doc in docs:
-        out[split_of(doc.key, val_fraction)].append(doc)
-    if not out["val"]:
-        lowest = min(docs, key=lambda d: key_hash(d.key))
-        out["val"] = [d for d in docs if d.key == lowest.key]
-        out["train"] = [d for d in docs if d.key != lowest.key]
-    if not out["train"]:
-        raise InputError(f"source '{source}': too few documents ({len(docs)}) for a train/val split")
-    return out
-
-
-def _make_tokenizer(name: str, train_texts: list[str], staging: Path) -> Any:
-    kind, arg = parse_tokenizer_name(name)
+def _tokenizer(kind: str, arg: str | None, root: Path, train_texts: Any) -> Any:
+    """The tokenizer, its file inside the prepared folder (a bpe trained on the train split, once: a resumed
+    prepare reuses it)."""
     if kind == "byte":
         return load_tokenizer({"kind": "byte"})
     if kind == "bpe":
-        return train_bpe(train_texts, int(arg), staging / "tokenizer.json")
-    src = Path(arg)
-    if not src.is_file():
-        raise InputError(f"tokenizer '{name}': file {src} not found")
-    dst = staging / ("tokenizer.json" if kind == "hf" else "tokenizer.tiktoken")
-    shutil.copyfile(src, dst)  # the prepared folder carries its own tokenizer
-    return load_tokenizer({"kind": kind, "file": dst.name}, base_dir=staging)
-
-
-def _write_shards(
-    texts: list[str], out: Path, spec: dict, base_dir: Path, dtype: Any, num_workers: int, chunk_bytes: int | str
-) -> None:
-    from litdata import TokensLoader, optimize
-
-    # The worker fn lives in tokenizer.py so spawned workers need not import lightning (seconds).
-    fn = functools.partial(
-        encode_document, texts=tuple(texts), spec_json=json.dumps(spec), base_dir=str(base_dir), dtype=np.dtype(dtype).name
-    )
-    with _optimizer_scratch(base_dir / ".litdata-scratch"):
-        # Inputs are indices, not texts: litdata inspects string inputs for file paths.
-        optimize(
-            fn=fn,
-            inputs=list(range(len(texts))),
-            output_dir=str(out),
-            chunk_bytes=chunk_bytes,
-            item_loader=TokensLoader(),
-            num_workers=num_workers,
-            reorder_files=False,
-            verbose=False,
-            # litdata defaults to spawn: seconds of re-imports per call, and a hang when the caller's
-            # script lacks an `if __name__ == "__main__":` guard. Fork is what torch's DataLoader uses on Linux.
-            start_method="fork" if sys.platform.startswith("linux") else "spawn",
-        )
-
-
-@contextmanager
-def _optimizer_scratch(path: Path) -> Iterator[None]:
-    """Undo what `litdata.optimize` does to the process: its scratch caches (default: the system temp
-    dir) go inside the staging folder, and the multiprocessing start method it forces is restored."""
-    keys = ("DATA_OPTIMIZER_CACHE_FOLDER", "DATA_OPTIMIZER_DATA_CACHE_FOLDER")
-    saved = {k: os.environ.get(k) for k in keys}
-    start_method = multiprocessing.get_start_method(allow_none=True)
-    for k in keys:
-        os.environ[k] = str(path / k.lower())
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        multiprocessing.set_start_method(start_method, force=True)
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _split_counts(texts: list[str], shard_dir: Path) -> dict[str, Any]:
-    tokens = sum(c["dim"] for c in json.loads((shard_dir / "index.json").read_text())["chunks"])
-    n_bytes = sum(len(t.encode("utf-8")) for t in texts)
-    return {"documents": len(texts), "tokens": tokens, "bytes": n_bytes, "bytes_per_token": n_bytes / max(tokens, 1)}
+        if (root / "tokenizer.json").is_file():
+            return load_tokenizer({"kind": "bpe", "file": "tokenizer.json"}, base_dir=root)
+        tmp = root / ".tokenizer.json.tmp"
+        train_bpe(train_texts(), int(arg), tmp)
+        os.replace(tmp, root / "tokenizer.json")
+        return load_tokenizer({"kind": "bpe", "file": "tokenizer.json"}, base_dir=root)
+    dst = root / ("tokenizer.json" if kind == "hf" else "tokenizer.tiktoken")
+    shutil.copyfile(arg, dst)  # the prepared folder carries its own tokenizer
+    return load_tokenizer({"kind": kind, "file": dst.name}, base_dir=root)
 
 
 def _litdata_version() -> str:
     import litdata
 
     return litdata.__version__
-
-
-def _current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _check_out(out: Path) -> None:
@@ -239,43 +270,66 @@ def _check_out(out: Path) -> None:
         raise InputError(f"--out {out}: cannot write in {ancestor} (permission denied); choose another --out")
 
 
-def _publish(staging: Path, out: Path, overwrite: bool) -> None:
-    """Rename the finished staging folder to `out` (replacing an old one only if `overwrite`)."""
-    if out.exists():
-        if not overwrite:
-            raise FileExistsError(f"{out} appeared while preparing; not replacing it")
-        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, trash / out.name)
-        os.replace(staging, out)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(staging, out)
-
-
-def default_out(source: str, tokenizer: str) -> str:
-    """data/SOURCE-TOKENIZER, one folder level: `hf:/a/b/tok.json` names itself by the file's stem."""
+def default_out(source: str | list[str], tokenizer: str) -> str:
+    """data/SOURCE-TOKENIZER, one safe folder name: `hf:/a/b/tok.json` names itself by the file's stem, a file by
+    its name without format suffixes, a glob by its folder."""
     kind, arg = parse_tokenizer_name(tokenizer)
     tok = kind if arg is None else f"{kind}{arg}" if kind == "bpe" else f"{kind}-{Path(arg).stem}"
-    return f"data/{Path(source.replace(':', '-')).name}-{tok}"
+    first = source if isinstance(source, str) else source[0]
+    parts = [p for p in Path(first.replace(":", "-")).parts if not re.search(r"[*?\[]", p)] or ["corpus"]
+    name = parts[-1]
+    for suffixes in (COMPRESSIONS, KINDS):
+        name = next((name.removesuffix(s) for s in suffixes if name.endswith(s)), name)
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "corpus"
+    return f"data/{name}-{tok}"
+
+
+def _separator(text: str | None) -> str | None:
+    """--document_separator as typed: backslash escapes (\\n, \\t, \\\\) mean what they do in Python."""
+    return None if text is None else text.encode("latin-1", "backslashreplace").decode("unicode_escape")
 
 
 def prepare_main(argv: list[str]) -> int:
     """`lrattn prepare`: the command line of `prepare`."""
     parser = Parser(prog="lrattn prepare", description="Tokenise a corpus into litdata shards.")
-    parser.add_argument("--source", default="stdlib-docs",
-                        help="stdlib-docs (default, offline), jargon, bible-kjv, a .txt file, a folder of .txt/.jsonl, "
-                             "or hf:DATASET (needs network)")
+    parser.add_argument("--source", nargs="+", default=["stdlib-docs"],
+                        help="stdlib-docs (default, offline), jargon, bible-kjv; or your corpus: files, folders or "
+                             "globs of .parquet, .jsonl, .txt (.gz/.zst/.bz2/.xz), hf:DATASET, a save_to_disk folder")
+    parser.add_argument("--val_source", nargs="+", default=None,
+                        help="a separate validation corpus (then no --val_fraction)")
+    parser.add_argument("--text_field", default="text", help="the column (Parquet, datasets) or field (JSONL) of text")
+    parser.add_argument("--document_separator", default=None,
+                        help="text files: documents are the pieces between this text (e.g. '\\n\\n\\n'); default: "
+                             "one document per file")
+    parser.add_argument("--hf_config", default=None, help="hf:DATASET: its configuration")
+    parser.add_argument("--hf_split", default="train", help="hf:DATASET or a saved DatasetDict: the split to read")
     parser.add_argument("--tokenizer", default="byte", help="byte | bpe:VOCAB | hf:tokenizer.json | tiktoken:FILE")
-    parser.add_argument("--out", default=None, help="output folder (default: data/SOURCE-TOKENIZER)")
-    parser.add_argument("--val_fraction", type=float, default=0.05)
+    parser.add_argument("--out", default=None, help="output folder, or s3://BUCKET/PREFIX (default: data/SOURCE-TOKENIZER)")
+    parser.add_argument("--val_fraction", type=float, default=None, help="held-out fraction of documents (0.05)")
+    parser.add_argument("--split_seed", type=int, default=0, help="salts the split's hash (0: the historic split)")
     parser.add_argument("--max_documents", type=int, default=None, help="use only the first N documents")
-    parser.add_argument("--num_workers", type=int, default=1)
+    parser.add_argument("--num_workers", type=int, default=1, help="tokenizer processes (one core each)")
+    parser.add_argument("--chunk_bytes", default="8MB", help="litdata's chunk size (e.g. 64MB for object storage)")
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
     out = args.out or default_out(args.source, args.tokenizer)
-    if Path(out).exists() and not args.overwrite:
+    if not remote.is_remote(out) and Path(out).exists() and not args.overwrite:
         raise UsageError(f"--out {out} already exists; pass --overwrite to replace it, or choose another --out")
-    prepare(source=args.source, out_dir=out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
-            max_documents=args.max_documents, num_workers=args.num_workers, overwrite=args.overwrite)
+    try:
+        with stop_on_signals():
+            prepare(source=args.source, out_dir=out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+                    max_documents=args.max_documents, num_workers=args.num_workers, overwrite=args.overwrite,
+                    chunk_bytes=args.chunk_bytes,
+                    val_source=args.val_source, text_field=args.text_field,
+                    document_separator=_separator(args.document_separator), hf_config=args.hf_config,
+                    hf_split=args.hf_split, split_seed=args.split_seed)
+    except WorkerDied as err:
+        print(f"lrattn: error: {err}", file=sys.stderr, flush=True)
+        return 1
+    except (Interrupted, KeyboardInterrupt) as stop:
+        signum = stop.signum if isinstance(stop, Interrupted) else 2
+        print(f"[lrattn prepare] stopped by {stop or 'SIGINT'}: the finished parts are kept; run the same command to "
+              "continue from them", file=sys.stderr, flush=True)
+        return 128 + signum
     print(f"[lrattn prepare] wrote {out}")
     return 0

@@ -1,6 +1,6 @@
 """A prepared folder: its layout, and the checks that it is whole and fits a model before training.
 
-    out_dir/
+    out_dir/ (a folder, or an s3:// prefix: data/remote.py)
       meta.json            tokenizer spec, vocab size, token/byte counts per split, source, format version,
                            and `checksums`: per split, the size and sha256 of each shard file
       train/, val/         litdata chunks (index.json + chunk-*.bin), one flat token stream per split
@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from lrattn_lightning.data import remote
 from lrattn_lightning.errors import InputError
 from lrattn_lightning.model.config import SizeConfig
 
@@ -32,14 +33,25 @@ REPREPARE_HINT = "prepare it again with `lrattn prepare --overwrite` (prepare(..
 
 
 def read_meta(data_dir: str | Path) -> dict[str, Any]:
-    """Parsed meta.json; ValueError (saying what to run) if the folder or file is missing or corrupt."""
+    """Parsed meta.json of a folder or an s3:// prefix; InputError (saying what to run) if it is missing or corrupt."""
+    if remote.is_remote(data_dir):
+        try:
+            path = remote.fetch(data_dir, "meta.json")
+        except FileNotFoundError as err:
+            raise InputError(f"{data_dir}/meta.json does not exist, so {data_dir} is not a prepared data dir; write one "
+                             f"with `lrattn prepare --out {data_dir}`") from err
+        return _parse_meta(path)
     root = Path(data_dir)
     if not root.is_dir() or not any(root.iterdir()):
         raise InputError(f"data dir {root} is missing or empty; create it with `lrattn prepare --source stdlib-docs "
-                         f"--tokenizer byte --out {root}` (the bundled corpus; --source FOLDER for your own text files)")
+                         f"--tokenizer byte --out {root}` (the bundled corpus; --source FILES for your own corpus)")
     path = root / "meta.json"
     if not path.is_file():
         raise InputError(f"{path} is missing, so {root} is not a prepared data dir; {REPREPARE_HINT}")
+    return _parse_meta(path)
+
+
+def _parse_meta(path: Path) -> dict[str, Any]:
     try:
         meta = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -54,8 +66,11 @@ def read_meta(data_dir: str | Path) -> dict[str, Any]:
     return meta
 
 
-def check_shards(data_dir: str | Path, split: str) -> list[dict[str, Any]]:
-    """The chunk records of `split`; ValueError if index.json or a chunk file is missing or the wrong size."""
+def check_shards(data_dir: str | Path, split: str, listing: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """The chunk records of `split`; InputError if index.json or a chunk file is missing or the wrong size. For
+    an s3:// prefix, the sizes are its objects' (`listing`, else listed now)."""
+    if remote.is_remote(data_dir):
+        return _check_remote_shards(data_dir, split, listing)
     shard_dir = Path(data_dir) / split
     index = shard_dir / "index.json"
     try:
@@ -70,6 +85,21 @@ def check_shards(data_dir: str | Path, split: str) -> list[dict[str, Any]]:
             raise InputError(
                 f"shard {path} is corrupt: expected {chunk['chunk_bytes']} bytes, found {found}; {REPREPARE_HINT}"
             )
+    return chunks
+
+
+def _check_remote_shards(url: str, split: str, listing: dict[str, int] | None) -> list[dict[str, Any]]:
+    try:
+        chunks = json.loads(remote.fetch(url, f"{split}/index.json").read_text())["chunks"]
+    except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
+        raise InputError(f"{url}/{split}/index.json is missing or unreadable ({err}); {REPREPARE_HINT}") from err
+    listing = remote.sizes(url) if listing is None else listing
+    for chunk in chunks:
+        size = listing.get(f"{split}/{chunk['filename']}")
+        if size != chunk["chunk_bytes"]:
+            found = "missing" if size is None else f"{size} bytes"
+            raise InputError(f"shard {url}/{split}/{chunk['filename']} is corrupt: expected {chunk['chunk_bytes']} bytes, "
+                             f"found {found}; {REPREPARE_HINT}")
     return chunks
 
 
@@ -124,6 +154,11 @@ def verify_files(shard_dir: str | Path, files: dict[str, dict[str, Any]]) -> Non
 _VERIFIED: dict[tuple, str] = {}  # (path, size, mtime_ns, ctime_ns, inode) -> sha256, for this process
 
 
+def sha256_files(paths: list[Path]) -> list[str]:
+    """The sha256 of each file (hex), hashed in parallel threads."""
+    return _sha256_all(paths)
+
+
 def _sha256_all(paths: list[Path]) -> list[str]:
     # hashlib releases the GIL on large updates, so threads hash several chunks at once
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1, max(len(paths), 1))) as pool:
@@ -162,11 +197,14 @@ def validate_data_dir(data_dir: str | Path, size: SizeConfig, seq_len: int | Non
         )
     if seq_len > size.seq_len:
         raise InputError(f"seq_len {seq_len} exceeds the {size.seq_len} positions of size '{size.name}'; use seq_len <= {size.seq_len}")
+    listing = remote.sizes(data_dir) if remote.is_remote(data_dir) else None
     for split in ("val", "train"):
-        chunks = check_shards(data_dir, split)
+        chunks = check_shards(data_dir, split, listing)
         files = meta.get("checksums", {}).get(split)
+        if listing is not None:
+            _verify_remote(data_dir, split, files, listing)
         _check_token_ids(data_dir, split, chunks, meta, size, trust_recorded=bool(files))
-        if files:
+        if files and listing is None:
             verify_files(Path(data_dir) / split, files)
         if count_windows(chunks, seq_len + 1) == 0:
             tokens = sum(c["dim"] for c in chunks)
@@ -175,6 +213,22 @@ def validate_data_dir(data_dir: str | Path, size: SizeConfig, seq_len: int | Non
                 f"window of seq_len + 1 = {seq_len + 1}; use a shorter seq_len, a larger val_fraction or more data"
             )
     return meta
+
+
+def _verify_remote(url: str, split: str, files: dict[str, dict[str, Any]] | None, listing: dict[str, int]) -> None:
+    """A prepared folder in object storage: every object's size as prepare recorded it, and index.json's sha256
+    (the chunks' contents are not read here: that would download the whole corpus before training)."""
+    if not files:
+        raise InputError(f"{url}/meta.json records no checksums (prepared by an older version); {REPREPARE_HINT}")
+    for name, record in files.items():
+        if listing.get(f"{split}/{name}") != record["bytes"]:
+            found = listing.get(f"{split}/{name}")
+            raise InputError(f"{url}/{split}/{name}: {'missing' if found is None else f'{found} bytes'}, but prepare "
+                             f"wrote {record['bytes']} bytes (truncated or replaced since); {REPREPARE_HINT}")
+    digest = _sha256(remote.local_dir(url) / split / "index.json")
+    if digest != files["index.json"]["sha256"]:
+        raise InputError(f"{url}/{split}/index.json: contents changed since prepare (sha256 {digest[:12]}...); "
+                         f"{REPREPARE_HINT}")
 
 
 def _check_token_ids(data_dir: str | Path, split: str, chunks: list[dict[str, Any]], meta: dict[str, Any],

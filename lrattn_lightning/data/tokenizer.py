@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -36,6 +37,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_batch(self, texts: Sequence[str]) -> list[Any]: ...
+
     def decode(self, ids: list[int]) -> str: ...
 
     def spec(self) -> dict[str, Any]: ...
@@ -49,6 +52,11 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[Any]:
+        import numpy as np
+
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -75,6 +83,10 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_batch(self, texts: Sequence[str]) -> list[Any]:
+        # one thread per process (TOKENIZERS_PARALLELISM=false in `prepare`): its workers are the parallelism
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
@@ -91,7 +103,17 @@ class TiktokenTokenizer:
 
         self.path = Path(path)
         self.spec_file = spec_file or str(self.path)
-        ranks = load_tiktoken_bpe(str(self.path))
+        # tiktoken caches every file it reads under $TMPDIR/data-gym-cache, keyed by its path, and later returns
+        # that copy: a file changed (or a prepared folder made again) at the same path would be read stale
+        saved = os.environ.get("TIKTOKEN_CACHE_DIR")
+        os.environ["TIKTOKEN_CACHE_DIR"] = ""  # "": no cache
+        try:
+            ranks = load_tiktoken_bpe(str(self.path))
+        finally:
+            if saved is None:
+                os.environ.pop("TIKTOKEN_CACHE_DIR", None)
+            else:
+                os.environ["TIKTOKEN_CACHE_DIR"] = saved
         self.eos_id = max(ranks.values()) + 1
         self.vocab_size = self.eos_id + 1
         self._enc = tiktoken.Encoding(
@@ -100,6 +122,9 @@ class TiktokenTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._enc.encode_ordinary(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[Any]:
+        return [self._enc.encode_ordinary(t) for t in texts]
 
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode([i for i in ids if i < self.eos_id])  # EOS and ids the model's padded vocabulary adds
@@ -169,12 +194,28 @@ def _cached_tokenizer(spec_json: str, base_dir: str) -> Tokenizer:
     return load_tokenizer(json.loads(spec_json), base_dir=base_dir)
 
 
-def encode_document(index: int, *, texts: Sequence[str], spec_json: str, base_dir: str, dtype: str) -> Any:
-    """litdata `optimize` worker fn: document `index` -> its token ids then EOS, a numpy array (n + 1,)."""
+def encode_texts(texts: Sequence[str], *, spec_json: str, base_dir: str, dtype: str) -> tuple[Any, Any, Any]:
+    """`prepare`'s worker: documents -> (their token ids, each followed by EOS, as one array; the number of ids of
+    each document, EOS included; the UTF-8 bytes of each document)."""
     import numpy as np
 
     tok = _cached_tokenizer(spec_json, base_dir)
-    return np.asarray([*tok.encode(texts[index]), tok.eos_id], dtype=dtype)
+    pieces = tok.encode_batch(texts)
+    lengths = np.fromiter((len(p) + 1 for p in pieces), dtype=np.int64, count=len(pieces))
+    if pieces and isinstance(pieces[0], np.ndarray):  # the byte tokenizer: array copies
+        ids = np.empty(int(lengths.sum()), dtype=dtype)
+        ends = np.cumsum(lengths)
+        for piece, end in zip(pieces, ends.tolist(), strict=True):
+            ids[end - len(piece) - 1 : end - 1] = piece
+        ids[ends - 1] = tok.eos_id
+    else:  # lists of ints: one flat list, converted once
+        flat: list[int] = []
+        for piece in pieces:
+            flat += piece
+            flat.append(tok.eos_id)
+        ids = np.array(flat, dtype=dtype)
+    n_bytes = np.fromiter((len(t.encode("utf-8")) for t in texts), dtype=np.int64, count=len(texts))
+    return ids, lengths, n_bytes
 
 
 def _find_eos(tok: Any, path: Path) -> int:

@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -209,9 +208,9 @@ class CheckpointContents(Callback):
         if isinstance(meta, dict):  # what evaluation needs to rebuild the tokenizer
             spec = dict(meta["tokenizer"])
             if "file" in spec:  # file-backed tokenizers travel inside the checkpoint
-                spec["content"] = (Path(datamodule.data_dir) / spec["file"]).read_text(encoding="utf-8")
+                spec["content"] = datamodule.local_file(spec["file"]).read_text(encoding="utf-8")  # (s3:// fetched)
             checkpoint["tokenizer"] = spec
-            checkpoint["data"] = {"data_dir": str(Path(datamodule.data_dir).resolve()), "source": meta.get("source"),
+            checkpoint["data"] = {"data_dir": datamodule.location(), "source": meta.get("source"),
                                   "seq_len": getattr(datamodule, "seq_len", None)}  # the trained window
         schedules = [c.scheduler for c in trainer.lr_scheduler_configs if hasattr(c.scheduler, "total_steps")]
         if schedules:  # the length the learning-rate schedule was built for: a resume must keep it (or say so)

@@ -1,0 +1,310 @@
+"""The streaming core of `prepare`: batches of documents -> token ids in worker processes -> litdata shards,
+written in parts that an interrupted prepare keeps.
+
+    STAGING/train/, STAGING/val/   chunk-P-I.bin: part P's chunks (litdata's BinaryWriter with TokensLoader, whose
+                                   rank is P), and at the end index.json: every part's chunks, in order
+    STAGING/.prepare/parts/P.json  part P is complete: its documents, counts and chunk records (written last,
+                                   atomically; the writer's own P.index.json is folded into it)
+
+A part is PART_BYTES characters of documents. Batches go to `num_workers` processes (one tokenizer thread
+each) and come back in order, so the shards are the same for any number of workers. At most two batches per
+worker are in flight: with the chunk being filled for each split, that is what is held in memory, however
+large the corpus. `num_workers` 1 tokenises in this process (no copies between processes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lrattn_lightning.data.corpora import Document
+from lrattn_lightning.data.split import SPLITS
+from lrattn_lightning.data.staging import BOOK
+from lrattn_lightning.data.tokenizer import encode_texts
+
+PART_BYTES = 256 << 20  # characters of documents in a part: what a resumed prepare may have to redo
+BATCH_BYTES = 1 << 20  # characters a worker gets at once
+BATCH_DOCUMENTS = 256
+ITEM_TOKENS = 1 << 15  # consecutive documents of one split go to litdata as one item of about this many tokens
+
+
+def new_counts() -> dict[str, int]:
+    return {"documents": 0, "tokens": 0, "bytes": 0, "max_token_id": -1, "items": 0}
+
+
+class WorkerDied(RuntimeError):
+    """A tokenizer process died (killed by the system: out of memory?); the finished parts are kept."""
+
+
+class Encoder:
+    """Token ids for batches of texts, in order: in this process (one worker) or in forked worker processes."""
+
+    def __init__(self, spec: dict[str, Any], base_dir: Path, dtype: Any, num_workers: int) -> None:
+        self.kwargs = {"spec_json": json.dumps(spec), "base_dir": str(base_dir), "dtype": np.dtype(dtype).name}
+        self.num_workers, self.pool, self.pids = num_workers, None, []
+
+    def __enter__(self) -> Encoder:
+        # one tokenizer thread per process: the workers are the parallelism (and rayon must not run across a fork)
+        self._parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        if self.num_workers > 1:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+            started = context.SimpleQueue()
+            # a pool that notices a worker killed under it (multiprocessing.Pool would wait for its task forever)
+            self.pool = ProcessPoolExecutor(self.num_workers, mp_context=context, initializer=_init_worker,
+                                            initargs=(os.getpid(), self.kwargs, started))
+            self.pool.submit(int).result()  # starts every worker, now: before any thread of ours (progress bar)
+            self.pids = [started.get() for _ in range(self.num_workers)]
+        return self
+
+    def __exit__(self, kind: Any, *exc: Any) -> None:
+        if self.pool is not None:
+            if kind is not None:  # an error or a signal: nothing more is wanted
+                self.pool.shutdown(wait=False, cancel_futures=True)
+                for pid in self.pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGTERM)
+            self.pool.shutdown(wait=True)
+        if self._parallelism is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = self._parallelism
+
+    def map(self, batches: Iterable[tuple[Any, list[str]]]) -> Iterator[tuple[Any, tuple[Any, Any, Any]]]:
+        """(tag, (ids, lengths, bytes)) for each (tag, texts), in order."""
+        if self.pool is None:
+            for tag, texts in batches:
+                yield tag, encode_texts(texts, **self.kwargs)
+            return
+        from concurrent.futures.process import BrokenProcessPool
+
+        pending: deque = deque()
+        try:
+            for tag, texts in batches:
+                pending.append((tag, self.pool.submit(encode_texts, texts, **self.kwargs)))
+                if len(pending) >= 2 * self.num_workers:
+                    tag, result = pending.popleft()
+                    yield tag, result.result()
+            while pending:
+                tag, result = pending.popleft()
+                yield tag, result.result()
+        except BrokenProcessPool as err:
+            raise WorkerDied("a tokenizer process died (killed by the system: out of memory? see `dmesg`); the "
+                             "finished parts are kept: run the same command to continue from them") from err
+
+
+def _init_worker(parent: int, kwargs: dict[str, str], started: Any) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    for signum in (signal.SIGTERM, signal.SIGHUP):  # not the parent's handlers: terminate() ends a worker at once
+        signal.signal(signum, signal.SIG_DFL)
+    if sys.platform.startswith("linux"):  # a killed parent (SIGKILL) takes its workers with it
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(0)
+    encode_texts([], **kwargs)  # load the tokenizer once, before the first batch
+    started.put(os.getpid())
+
+
+class PartWriter:
+    """The shards of one part, for each split: a litdata BinaryWriter whose rank is the part's number."""
+
+    def __init__(self, staging: Path, part: int, chunk_bytes: int | str) -> None:
+        self.staging, self.part, self.chunk_bytes = staging, part, chunk_bytes
+        self.writers: dict[str, Any] = {}
+        self.counts = {split: new_counts() for split in SPLITS}
+        self.documents = 0
+
+    def _writer(self, split: str) -> Any:
+        if split not in self.writers:
+            from litdata import TokensLoader
+            from litdata.streaming.writer import BinaryWriter
+
+            saved = os.environ.get("DATA_OPTIMIZER_GLOBAL_RANK")
+            os.environ["DATA_OPTIMIZER_GLOBAL_RANK"] = str(self.part)  # chunk-PART-I.bin, PART.index.json
+            try:
+                writer = BinaryWriter(str(self.staging / split), chunk_bytes=self.chunk_bytes, item_loader=TokensLoader())
+                assert writer.rank == self.part
+            finally:
+                if saved is None:
+                    os.environ.pop("DATA_OPTIMIZER_GLOBAL_RANK", None)
+                else:
+                    os.environ["DATA_OPTIMIZER_GLOBAL_RANK"] = saved
+            self.writers[split] = writer
+        return self.writers[split]
+
+    def add(self, split: str, ids: np.ndarray, documents: int, n_bytes: int) -> None:
+        """Consecutive documents of one split (their ids, EOS after each) as one litdata item."""
+        counts = self.counts[split]
+        self._writer(split).add_item(counts["items"], ids)
+        counts["items"] += 1
+        counts["documents"] += documents
+        counts["tokens"] += int(ids.size)
+        counts["bytes"] += n_bytes
+        counts["max_token_id"] = max(counts["max_token_id"], int(ids.max()))
+        self.documents += documents
+
+    def close(self) -> dict[str, Any]:
+        """Write the last chunks, then mark the part complete with its chunk records; returns the record."""
+        index = {}
+        for split, writer in self.writers.items():
+            writer.done()
+            index[split] = json.loads((self.staging / split / f"{self.part}.index.json").read_text())
+        record = {"part": self.part, "documents": self.documents, "splits": self.counts, "index": index}
+        write_json(self.staging / BOOK / "parts" / f"{self.part}.json", record)
+        for split in index:
+            (self.staging / split / f"{self.part}.index.json").unlink()
+        return record
+
+
+def write_json(path: Path, value: Any) -> None:
+    """A whole JSON file or none: written beside, then renamed over."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def finished_parts(staging: Path) -> list[dict[str, Any]]:
+    """The records of parts 0..n-1 that are complete; every other file a part wrote is removed (the chunks of an
+    unfinished part, index files: the records hold the chunk lists)."""
+    done: list[dict[str, Any]] = []
+    while (marker := staging / BOOK / "parts" / f"{len(done)}.json").is_file():
+        done.append(json.loads(marker.read_text()))
+    for split in SPLITS:
+        for path in (staging / split).glob("*"):
+            part = path.name.split("-")[1] if path.name.startswith("chunk-") else ""
+            if not part.isdigit() or int(part) >= len(done):
+                path.unlink()
+    for marker in (staging / BOOK / "parts").glob("*"):
+        if not marker.stem.isdigit() or int(marker.stem) >= len(done):
+            marker.unlink()
+    return done
+
+
+def merge_index(split_dir: Path, split: str, records: list[dict[str, Any]]) -> None:
+    """index.json of a split: the chunks of every part in order, as litdata's own merge of its workers' files."""
+    chunks, config = [], None
+    for record in records:
+        index = record["index"].get(split)
+        if index is not None:
+            chunks += index["chunks"]
+            config = config or index["config"]
+    split_dir.mkdir(parents=True, exist_ok=True)
+    tmp = split_dir / ".index.json.tmp"  # written as litdata writes it (sorted keys, no indent)
+    tmp.write_text(json.dumps({"chunks": chunks, "config": config, "updated_at": str(time.time())}, sort_keys=True))
+    os.replace(tmp, split_dir / "index.json")
+
+
+def write_parts(stream: Iterable[tuple[Document, str]], staging: Path, encoder: Encoder, chunk_bytes: int | str,
+                done: list[dict[str, Any]], on_document: Callable[[Document, str], None],
+                on_batch: Callable[[int, int], None]) -> list[dict[str, Any]]:
+    """Tokenise and write every document of `stream` after those of the `done` parts (read again, not
+    tokenised); `on_document` sees every document (the eval tasks keep held-out ones), `on_batch(documents,
+    tokens)` each written batch. Returns the records of all parts."""
+    skip = sum(p["documents"] for p in done)
+    records = list(done)
+
+    def batches() -> Iterator[tuple[tuple[int, list[str], bool], list[str]]]:
+        part, texts, sides, size, part_size = len(done), [], [], 0, 0
+        for index, (doc, side) in enumerate(stream):
+            on_document(doc, side)
+            if index < skip:
+                continue
+            texts.append(doc.text)
+            sides.append(side)
+            size, part_size = size + len(doc.text), part_size + len(doc.text)
+            if part_size >= PART_BYTES or size >= BATCH_BYTES or len(texts) >= BATCH_DOCUMENTS:
+                yield (part, sides, part_size >= PART_BYTES), texts
+                texts, sides, size = [], [], 0
+                if part_size >= PART_BYTES:
+                    part, part_size = part + 1, 0
+        if texts:
+            yield (part, sides, True), texts
+
+    writer: PartWriter | None = None
+    with warnings.catch_warnings():  # a document longer than a chunk makes that chunk longer: as intended
+        warnings.filterwarnings("ignore", message="An item was larger than the target chunk size")
+        for (part, sides, last), (ids, lengths, n_bytes) in encoder.map(batches()):
+            writer = writer if writer is not None and writer.part == part else PartWriter(staging, part, chunk_bytes)
+            for side, start, end, docs, size in _items(sides, lengths, n_bytes):
+                writer.add(side, ids[start:end], docs, size)
+            on_batch(len(sides), int(ids.size))
+            if last:
+                records.append(writer.close())
+                writer = None
+    return records
+
+
+def _items(sides: list[str], lengths: Any, n_bytes: Any) -> Iterator[tuple[str, int, int, int, int]]:
+    """(side, start, end, documents, bytes) of the litdata items of a batch: runs of consecutive documents of one
+    side, cut after ITEM_TOKENS (a chunk is cut between items only; one item per document cost litdata's
+    per-item bookkeeping on every document)."""
+    start = end = docs = size = 0
+    side = sides[0] if sides else None
+    for s, length, b in zip(sides, lengths.tolist(), n_bytes.tolist(), strict=True):
+        if docs and (s != side or end - start >= ITEM_TOKENS):
+            yield side, start, end, docs, size
+            start, docs, size = end, 0, 0
+        side, end, docs, size = s, end + length, docs + 1, size + b
+    if docs:
+        yield side, start, end, docs, size
+
+
+class Progress:
+    """How far `prepare` is: documents, tokens/s and the ETA (by input bytes read, when their total is known).
+    A tqdm bar on a terminal; elsewhere (a batch job's log) one line every LOG_SECONDS."""
+
+    LOG_SECONDS = 30.0
+
+    def __init__(self, total: int | None, position: Callable[[], int], enabled: bool | None = None) -> None:
+        self.total, self.position = total, position
+        self.documents = self.tokens = 0
+        self.start = self.logged = time.monotonic()
+        self.bar = None
+        if enabled if enabled is not None else sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="B" if total else "doc", unit_scale=True, unit_divisor=1024 if total else 1000,
+                            desc="[lrattn prepare]", file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
+
+    def rate(self) -> float:
+        return self.tokens / max(time.monotonic() - self.start, 1e-9)
+
+    def update(self, documents: int, tokens: int) -> None:
+        self.documents, self.tokens = self.documents + documents, self.tokens + tokens
+        if self.bar is not None:
+            self.bar.update((min(self.position(), self.total) if self.total else self.documents) - self.bar.n)
+            self.bar.set_postfix_str(f"{self.documents:,} docs, {self.rate():,.0f} tok/s", refresh=False)
+        elif time.monotonic() - self.logged >= self.LOG_SECONDS:
+            self.logged = time.monotonic()
+            print(f"[lrattn prepare] {self.line()}", file=sys.stderr, flush=True)
+
+    def line(self) -> str:
+        done = f"{self.documents:,} documents, {self.tokens:,} tokens, {self.rate():,.0f} tokens/s"
+        if not self.total:
+            return done
+        fraction = min(self.position() / self.total, 1.0)
+        elapsed = time.monotonic() - self.start
+        eta = elapsed * (1 - fraction) / fraction if fraction > 0 else float("nan")
+        eta_text = time.strftime("%H:%M:%S", time.gmtime(eta)) if eta == eta else "?"
+        return f"{fraction:.0%} of {self.total / 1e6:,.1f} MB read, {done}, ETA {eta_text}"
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

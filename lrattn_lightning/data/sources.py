@@ -1,0 +1,236 @@
+"""What `--source` (and `--val_source`) name, as one stream of documents: a built-in corpus, or a user's files
+and Hugging Face datasets.
+
+    Corpus(specs, options).check()       every input is what its name says, before anything is written
+    Corpus.documents()                   Documents in order (built-in: cleaned; a user's: as they are, empty ones
+                                         skipped and counted)
+    Corpus.fingerprint() / .records()    what a resumed prepare compares; what meta.json records (size, sha256)
+
+Specs, in order: a built-in corpus name (alone), a file, a folder (its files of known kinds, recursively,
+sorted, hidden ones left out), a glob, `hf:NAME` (a dataset of the hub or its local cache, or a local folder of
+data files, streamed by `datasets.load_dataset`) or a folder written by `save_to_disk`.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from lrattn_lightning.data.corpora import BUILTIN_SOURCES, Document, iter_documents
+from lrattn_lightning.data.formats import SUPPORTED, FileInput, ReadOptions, hidden, kind_of
+from lrattn_lightning.data.shards import sha256_files
+from lrattn_lightning.errors import InputError
+
+
+class HFInput:
+    """A Hugging Face dataset: `hf:NAME` (streamed by `datasets.load_dataset`, from its cache or the hub; a local
+    folder of data files too) or a folder written by `save_to_disk` (memory-mapped Arrow)."""
+
+    def __init__(self, name: str, options: ReadOptions, saved: bool) -> None:
+        self.name, self.options, self.saved = name, options, saved
+        self.size, self.consumed = 0, 0
+        self._dataset: Any = None
+
+    def describe(self) -> str:
+        return "saved Hugging Face dataset" if self.saved else "Hugging Face dataset"
+
+    def _load(self) -> Any:
+        if self._dataset is not None:
+            return self._dataset
+        o = self.options
+        try:
+            import datasets
+
+            if self.saved:
+                ds = datasets.load_from_disk(self.name)
+                if isinstance(ds, datasets.DatasetDict):
+                    if o.hf_split not in ds:
+                        raise InputError(f"{self.name}: no split '{o.hf_split}' (splits: {', '.join(ds)}); pass "
+                                         "--hf_split NAME")
+                    ds = ds[o.hf_split]
+                self.size = sum(os.path.getsize(f["filename"]) for f in ds.cache_files)
+            else:
+                ds = datasets.load_dataset(self.name, o.hf_config, split=o.hf_split, streaming=True)
+        except InputError:
+            raise
+        except Exception as err:  # missing dataset, no network, no cache, a bad config or split: one line
+            offline = " (HF_DATASETS_OFFLINE=1 reads only the local cache)" if os.environ.get(
+                "HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1" else ""
+            raise InputError(f"could not load Hugging Face dataset '{self.name}' (config {o.hf_config}, split "
+                             f"'{o.hf_split}': {type(err).__name__}: {' '.join(str(err).split())[:300]}){offline}; it "
+                             "needs network access or the dataset in the local Hugging Face cache") from err
+        names = ds.column_names or (list(ds.features) if ds.features else None)
+        if names is not None and o.text_field not in names:
+            raise InputError(f"Hugging Face dataset '{self.name}': no column '{o.text_field}' (columns: "
+                             f"{', '.join(names)}); pass --text_field NAME")
+        self._dataset = ds
+        return ds
+
+    def check(self) -> None:
+        ds = self._load()
+        if not self.saved:
+            for _ in self._rows(ds.take(1)):
+                break
+
+    def _rows(self, rows: Any, start: int = 0) -> Iterator[Document]:
+        field = self.options.text_field
+        for i, row in enumerate(rows, start):
+            text = row.get(field)
+            if not isinstance(text, str):
+                raise InputError(f"Hugging Face dataset '{self.name}': row {i} has {type(text).__name__} in "
+                                 f"'{field}', not text; pass --text_field NAME of a text column")
+            yield Document(text, None, f"{self.name}#{i}")
+
+    def documents(self) -> Iterator[Document]:
+        ds = self._load()
+        if not self.saved:
+            yield from self._rows(ds)
+            return
+        total, done = max(len(ds), 1), 0
+        for batch in ds.select_columns([self.options.text_field]).iter(batch_size=1000):
+            texts = batch[self.options.text_field]
+            yield from self._rows(({self.options.text_field: t} for t in texts), done)
+            done += len(texts)
+            self.consumed = self.size * done // total
+
+    def inputs(self) -> list[Path]:
+        """Files to record in meta.json: a saved dataset's Arrow files, a local folder's files, none for the hub."""
+        if self.saved:
+            return sorted(Path(f["filename"]) for f in self._load().cache_files)
+        local = Path(self.name)
+        return sorted(p for p in local.rglob("*") if p.is_file() and not hidden(p, local)) if local.is_dir() else []
+
+
+def saved_dataset(path: Path) -> bool:
+    """A folder written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`."""
+    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+def resolve(specs: list[str], options: ReadOptions) -> list[FileInput | HFInput]:
+    """The inputs of `--source` (or `--val_source`) in order: each spec a file, a folder (its files of known
+    kinds, recursively, sorted; hidden ones left out), a glob, `hf:NAME` or a saved dataset folder."""
+    items: list[FileInput | HFInput] = []
+    seen: set[Path] = set()
+    for spec in specs:
+        if spec.startswith("hf:"):
+            name = spec[3:]
+            items.append(HFInput(name, options, saved=saved_dataset(Path(name))))
+            continue
+        path = Path(spec)
+        if saved_dataset(path):
+            items.append(HFInput(spec, options, saved=True))
+            continue
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.is_file() and not hidden(p, path))
+            where = f"folder {path}"
+        elif path.is_file():
+            files, where = [path], None
+        elif glob.has_magic(spec):
+            files, where = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file()), f"glob {spec}"
+            if not files:
+                raise InputError(f"--source {spec}: no file matches the pattern")
+        else:
+            raise InputError(f"unknown source '{spec}': not a built-in corpus {list(BUILTIN_SOURCES)}, nor an existing "
+                             "file, folder or glob; for a Hugging Face dataset use hf:NAME")
+        known = [(p, kind_of(p)) for p in files]
+        unknown = [p for p, k in known if k is None]
+        if where is None and unknown:
+            raise InputError(f"{path}: unknown format (by its name); {SUPPORTED}: rename it, or convert it")
+        if unknown:
+            names = ", ".join(p.name for p in unknown[:3]) + (", ..." if len(unknown) > 3 else "")
+            print(f"[lrattn prepare] {where}: left out {len(unknown)} file(s) of other kinds ({names})",
+                  file=sys.stderr, flush=True)
+        if where is not None and len(unknown) == len(files):
+            raise InputError(f"--source {spec}: the {where} holds no corpus files ({SUPPORTED})")
+        for p, k in known:
+            if k is not None and p.resolve() not in seen:
+                seen.add(p.resolve())
+                items.append(FileInput(p, k[0], k[1], options))
+    return items
+
+
+class Corpus:
+    """The documents of one `--source` list (or `--val_source`), read in order."""
+
+    def __init__(self, specs: str | list[str], options: ReadOptions) -> None:
+        self.specs = [specs] if isinstance(specs, str) else list(specs)
+        if not self.specs:
+            raise InputError("--source names nothing; give a built-in corpus, files, folders, globs or hf:NAME")
+        builtin = [s for s in self.specs if s in BUILTIN_SOURCES]
+        if builtin and len(self.specs) > 1:
+            raise InputError(f"--source {' '.join(self.specs)}: the built-in corpus {builtin[0]} stands alone; "
+                             "prepare it, or your files, in one run")
+        self.builtin = builtin[0] if builtin else None
+        self.items = [] if self.builtin else resolve(self.specs, options)
+        self.options = options
+        self.empty = 0  # documents skipped because they are empty or only whitespace
+
+    def __str__(self) -> str:
+        return " ".join(self.specs)
+
+    def check(self) -> None:
+        for item in self.items:
+            item.check()
+
+    @property
+    def total(self) -> int | None:
+        """Bytes of input to read (the progress bar's 100 %), None when unknown (a built-in or streamed dataset)."""
+        if self.builtin or any(isinstance(i, HFInput) and not i.saved for i in self.items):
+            return None
+        return sum(i.size for i in self.items)
+
+    @property
+    def consumed(self) -> int:
+        return sum(i.consumed for i in self.items)
+
+    def documents(self) -> Iterator[Document]:
+        if self.builtin:
+            yield from iter_documents(self.builtin)
+            return
+        for item in self.items:
+            for doc in item.documents():
+                if doc.text.strip():
+                    yield doc
+                else:
+                    self.empty += 1
+
+    def fingerprint(self) -> list[Any]:
+        """What decides the documents: each input's path, size and modification time (a resume needs them equal)."""
+        if self.builtin:
+            return [self.builtin, sys.version]
+        out: list[Any] = []
+        for item in self.items:
+            if isinstance(item, HFInput) and not item.inputs():
+                out.append([item.name, self.options.hf_config, self.options.hf_split])
+            for path in item.inputs():
+                st = path.stat()
+                out.append([str(path), st.st_size, st.st_mtime_ns])
+        return out
+
+    def records(self) -> list[dict[str, Any]]:
+        """meta.json's `inputs`: every input file with its size and sha256 (a hub dataset by name)."""
+        out: list[dict[str, Any]] = []
+        for item in self.items:
+            paths = item.inputs()
+            if isinstance(item, HFInput) and not paths:
+                out.append({"hf_dataset": item.name, "config": self.options.hf_config, "split": self.options.hf_split})
+            for path, digest in zip(paths, sha256_files(paths), strict=True):
+                out.append({"file": str(path), "format": item.describe(), "bytes": path.stat().st_size, "sha256": digest})
+        return out
+
+
+def limited(docs: Iterator[Document], max_documents: int | None, max_bytes: int | None) -> Iterator[Document]:
+    """The first documents of a stream: stop after `max_documents`, or once `max_bytes` of UTF-8 are reached."""
+    if max_documents is None and max_bytes is None:
+        yield from docs
+        return
+    count = total = 0
+    for doc in docs:
+        yield doc
+        count, total = count + 1, total + len(doc.text.encode("utf-8"))
+        if (max_documents is not None and count >= max_documents) or (max_bytes is not None and total >= max_bytes):
+            return

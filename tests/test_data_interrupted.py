@@ -1,0 +1,245 @@
+"""`lrattn prepare` as a process (issues 28 and 29): killed, stopped, run twice at once, run on a corpus 10x
+larger; what it leaves and what the next run does.
+
+Real processes and real signals: a prepare tokenising a 4 MB JSONL corpus with a BPE tokenizer in two worker
+processes, its parts made small (200 kB) so that a kill lands between parts. A SIGKILL or a SIGTERM leaves no
+folder that `fit` accepts and no worker process; the same command continues from the finished parts (one
+line) to shards byte-identical to an uninterrupted run. A second prepare of the same --out is one line while
+the first runs. Leftovers nobody holds are removed with one line; one a live process holds is left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lrattn_lightning.data import pipeline
+from lrattn_lightning.data.corpora import iter_documents
+from lrattn_lightning.data.prepare import prepare
+from lrattn_lightning.data.shards import read_meta, validate_data_dir
+from lrattn_lightning.data.tokenizer import train_bpe
+from lrattn_lightning.model.registry import load_registry
+
+REPO = Path(__file__).resolve().parent.parent
+PART_BYTES = 200_000
+# `lrattn prepare` with small parts (the only change): a kill lands between parts of a 4 MB corpus
+RUN = ("import sys; from lrattn_lightning.data import pipeline; pipeline.PART_BYTES = int(sys.argv[1]); "
+       "from lrattn_lightning.cli import main; sys.exit(main(['prepare', *sys.argv[2:]]))")
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1"}
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", RUN, str(PART_BYTES), *args], cwd=cwd, env=env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """corpus.jsonl (about 4 MB: the stdlib docs twice, each copy marked) and tok.json (a BPE of 2000 ids)."""
+    root = tmp_path_factory.mktemp("interrupted")
+    docs = [d.text for d in iter_documents("stdlib-docs")]
+    train_bpe(docs[:150], 2000, root / "tok.json")
+    with open(root / "corpus.jsonl", "w") as f:
+        for copy in range(2):
+            for i, text in enumerate(docs):
+                f.write(json.dumps({"text": f"copy {copy} of {i}\n{text}"}) + "\n")
+    return root
+
+
+ARGS = ["--source", "corpus.jsonl", "--tokenizer", "hf:tok.json", "--num_workers", "2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("whole") / "data"
+    saved = pipeline.PART_BYTES
+    pipeline.PART_BYTES = PART_BYTES
+    try:
+        prepare(str(corpus / "corpus.jsonl"), out, tokenizer=f"hf:{corpus / 'tok.json'}")
+    finally:
+        pipeline.PART_BYTES = saved
+    return out
+
+
+def chunks(out: Path) -> dict[str, str]:
+    meta = read_meta(out)
+    return {f"{s}/{n}": r["sha256"] for s in ("train", "val") for n, r in meta["checksums"][s].items() if n != "index.json"}
+
+
+def wait_for_part(staging: Path, n: int, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while not (staging / ".prepare" / "parts" / f"{n}.json").is_file():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no part was finished"
+        time.sleep(0.02)
+
+
+def processes_naming(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "a worker SIGKILLed"])
+def test_an_interrupted_prepare_continues_to_the_same_shards(how, corpus, uninterrupted, tmp_path):
+    """SIGKILL (nothing runs after it), SIGTERM (exit 143, one line), a worker killed under it (the OOM killer's
+    way: one line, exit 1; multiprocessing.Pool would have waited for the lost batch forever)."""
+    out = f"out-{how.split()[-1]}-{len(how)}"
+    args = [*ARGS, "--out", out]
+    (tmp_path / "corpus.jsonl").symlink_to(corpus / "corpus.jsonl")
+    (tmp_path / "tok.json").symlink_to(corpus / "tok.json")
+    proc = start(args, tmp_path)
+    staging = tmp_path / f".{out}.tmp-prepare"
+    wait_for_part(staging, 2, proc)
+    if how == "a worker SIGKILLed":
+        workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert len(workers) == 2
+        os.kill(int(workers[0]), signal.SIGKILL)
+    else:
+        proc.send_signal(getattr(signal, how))
+    _, err = proc.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if line.strip()]
+    if how == "SIGTERM":
+        assert proc.returncode == 143, err
+        assert lines[-1] == ("[lrattn prepare] stopped by SIGTERM: the finished parts are kept; run the same command "
+                             "to continue from them") and "Traceback" not in err, err
+    if how == "a worker SIGKILLed":
+        assert proc.returncode == 1 and "Traceback" not in err, err
+        assert lines[-1] == ("lrattn: error: a tokenizer process died (killed by the system: out of memory? see "
+                             "`dmesg`); the finished parts are kept: run the same command to continue from them")
+    deadline = time.monotonic() + 10
+    while processes_naming(out) and time.monotonic() < deadline:  # the workers go with their parent
+        time.sleep(0.1)
+    assert processes_naming(out) == []
+    # nothing `fit` accepts: no --out folder, and the staging folder has no meta.json
+    assert not (tmp_path / out).exists() and not (staging / "meta.json").exists()
+    with pytest.raises(ValueError, match="meta.json is missing"):
+        validate_data_dir(staging, load_registry().size("tiny"))
+    again = subprocess.run([sys.executable, "-c", RUN, str(PART_BYTES), *args], cwd=tmp_path, env=env(),
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    resumed = [line for line in again.stderr.splitlines() if "continuing" in line]
+    assert len(resumed) == 1 and f".{out}.tmp-prepare" in resumed[0], again.stderr
+    assert int(resumed[0].split(": ")[1].split(" part")[0]) >= 3  # parts 0, 1, 2 at least were kept
+    assert chunks(tmp_path / out) == chunks(uninterrupted)
+    assert read_meta(tmp_path / out)["splits"] == read_meta(uninterrupted)["splits"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", out, "tok.json"]
+
+
+def test_a_second_prepare_of_the_same_out_is_one_line_while_the_first_runs(corpus, uninterrupted, tmp_path):
+    (tmp_path / "corpus.jsonl").symlink_to(corpus / "corpus.jsonl")
+    (tmp_path / "tok.json").symlink_to(corpus / "tok.json")
+    first = start([*ARGS, "--out", "data"], tmp_path)
+    wait_for_part(tmp_path / ".data.tmp-prepare", 0, first)
+    second = subprocess.run([sys.executable, "-m", "lrattn_lightning.cli", "prepare", *ARGS, "--out", "data"],
+                            cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"lrattn: error: --out data is being written by another `lrattn "
+                                                   f"prepare` (pid {first.pid} on "), lines
+    assert "wait for it to finish, or choose another --out" in lines[0]
+    assert first.wait(timeout=300) == 0, first.communicate()
+    assert chunks(tmp_path / "data") == chunks(uninterrupted)
+
+
+def test_leftovers_nobody_holds_are_removed_and_a_live_one_is_not(tmp_path, capsys):
+    """Issue 28: a SIGKILLed prepare left `.NAME.tmp-*` folders that nothing removed."""
+    import fcntl
+
+    (tmp_path / "a.txt").write_text("one document of text\n")
+    (tmp_path / "b.txt").write_text("another document of text\n")
+    for name in (".data.tmp-k2j4h1", ".data.old-x8x8x8", ".data.tmp-live"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "chunk-0-0.bin").write_bytes(b"partial")
+    held = os.open(tmp_path / ".data.tmp-live", os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # as a live prepare holds its folder
+    (tmp_path / ".data.tmp-prepare" / ".prepare").mkdir(parents=True)  # a dead prepare's, of other arguments
+    (tmp_path / ".data.tmp-prepare" / ".prepare" / "recipe.json").write_text('{"source": ["elsewhere"]}')
+    try:
+        prepare([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], tmp_path / "data", val_fraction=0.5, cloze_items=0,
+                perplexity_documents=0)
+    finally:
+        os.close(held)
+    err = capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".data.tmp-live", "a.txt", "b.txt", "data"]
+    assert f"[lrattn prepare] emptied {tmp_path / '.data.tmp-prepare'}, left by an interrupted prepare of other " \
+           "arguments or inputs; starting afresh" in err
+    for name in (".data.tmp-k2j4h1", ".data.old-x8x8x8"):
+        assert f"[lrattn prepare] removed {tmp_path / name}, left by an interrupted `lrattn prepare`" in err
+    assert (tmp_path / ".data.tmp-live" / "chunk-0-0.bin").read_bytes() == b"partial"
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+def write_corpus(path: Path, n_bytes: int, seed: int) -> None:
+    """JSONL documents of 150 random words from a 5000-word vocabulary (different text throughout)."""
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    vocab = np.array(["".join(rng.choice(letters, size=rng.integers(2, 10))) for _ in range(5000)])
+    with open(path, "w") as f:
+        size = 0
+        while size < n_bytes:
+            line = json.dumps({"text": " ".join(vocab[rng.integers(0, len(vocab), size=150)])}) + "\n"
+            f.write(line)
+            size += len(line)
+
+
+PEAK = ("import resource, sys; from lrattn_lightning.cli import main; code = main(['prepare', *sys.argv[1:]]); "
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)")
+
+
+@pytest.mark.slow
+def test_a_corpus_ten_times_larger_prepares_in_about_the_same_memory(tmp_path):
+    """Peak RSS of `lrattn prepare` on 3 MB and on 30 MB of JSONL (1 MB chunks; 20 % held out, so both keep as
+    many held-out documents for the eval tasks as they may): the larger corpus may not need more than a few MB
+    more, while holding its text in memory would take 27 MB more (and its token ids 54 MB)."""
+    peaks = {}
+    for name, size in (("small", 3_000_000), ("large", 30_000_000)):
+        write_corpus(tmp_path / f"{name}.jsonl", size, seed=1)
+        done = subprocess.run([sys.executable, "-c", PEAK, "--source", f"{name}.jsonl", "--out", f"out-{name}",
+                               "--chunk_bytes", "1MB", "--val_fraction", "0.2"], cwd=tmp_path, env=env(),
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        peaks[name] = int(done.stdout.strip().splitlines()[-1])  # kB
+        assert read_meta(tmp_path / f"out-{name}")["splits"]["train"]["bytes"] > 0.7 * size
+    assert peaks["large"] - peaks["small"] < 12_000, peaks
+
+
+def test_an_out_that_appears_while_preparing_is_one_line_and_left_alone(tmp_path, monkeypatch, capsys):
+    """Two prepares of one --out, the first finished between the second's start and its end: the second says so
+    in one line (it was a FileExistsError traceback) and leaves the first's folder as it is."""
+    from lrattn_lightning.cli import main
+    from lrattn_lightning.data import prepare as prepare_module
+
+    real = prepare_module.publish
+
+    def first_finished(staging, out, overwrite):
+        out.mkdir()
+        (out / "meta.json").write_text("{}")
+        return real(staging, out, overwrite)
+
+    monkeypatch.setattr(prepare_module, "publish", first_finished)
+    monkeypatch.chdir(tmp_path)
+    assert main(["prepare", "--max_documents", "5", "--out", "data"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lrattn:")]
+    assert lines == ["lrattn: error: --out data appeared while this prepare ran (another one finished it first); it is "
+                     "left as it is: pass --overwrite to replace it, or choose another --out"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"] and (tmp_path / "data" / "meta.json").read_text() == "{}"
