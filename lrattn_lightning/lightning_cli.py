@@ -602,7 +602,9 @@ def demo_main(argv: list[str]) -> int:
     if not Path(args.data, "meta.json").exists():
         from lrattn_lightning.data.prepare import prepare_main
 
-        prepare_main(["--source", "stdlib-docs", "--tokenizer", "byte", "--out", args.data])
+        code = prepare_main(["--source", "stdlib-docs", "--tokenizer", "byte", "--out", args.data])
+        if code:  # stopped by a signal, or a worker failed: it said why; no fit on a half-prepared folder
+            return code
     recipe = Path("experiments/cpu-demo.yaml")
     recipe = recipe if recipe.is_file() else packaged(str(recipe))
     if args.run_name is None:  # each demo is a new run
