@@ -17,6 +17,7 @@ skipped with a line.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import fcntl
 import os
@@ -177,9 +178,8 @@ def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False, ex
     seq_len = sweep.setting("data.seq_len")
     for size in sorted({run.size for run in sweep.runs}):  # missing data fails once, before any run
         validate_data_dir(data_dir, registry.size(size), seq_len)
-    env = {**os.environ, **sweep.env}
-    # the runs import the same package as this process, wherever the command is started from
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = run_env(sweep)
+    check_routers(sweep, registry, env)
     steps = plan(sweep, tracking_uri)
     todo = [run for run, state in steps if state != "finished"]
     print(f"[sweep {sweep.name}] {len(steps)} runs into experiment '{sweep.experiment}' at {tracking_uri}: "
@@ -195,13 +195,20 @@ def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False, ex
                       flush=True)
                 continue
             resume = sweep.checkpoint(run).is_file()
-            print(head + (" (resuming from last.ckpt)" if resume else ""), flush=True)
-            args = sweep.fit_args(run, tracking_uri) + (extra or []) + (["--ckpt_path", "last"] if resume else [])
+            log = sweep.checkpoint(run).parent.parent / "fit.log"
+            print(head + (" (resuming from last.ckpt)" if resume else "") + f": training; its output goes to {log}",
+                  flush=True)
+            args = (sweep.fit_args(run, tracking_uri) + LOCAL_ARGS + (extra or [])
+                    + (["--ckpt_path", "last"] if resume else []))
             start = time.time()
-            rc, stopped = _run_forwarding_signals([sys.executable, "-m", "lrattn_lightning.cli", *args], env)
+            rc, stopped, result, tail = _run_forwarding_signals(
+                [sys.executable, "-m", "lrattn_lightning.cli", *args], env, log, head)
         state = "ok" if rc == 0 else ("stopped by SIGTERM" if rc == PREEMPTED_EXIT_CODE else f"failed (exit {rc})")
         results.append((run, state))
-        print(f"[sweep {sweep.name}] {run.name}: {state} after {time.time() - start:.0f} s", flush=True)
+        print(f"[sweep {sweep.name}] {run.name}: {state} after {time.time() - start:.0f} s"
+              + (f", {result}" if rc == 0 and result else ""), flush=True)
+        if rc not in (0, PREEMPTED_EXIT_CODE):
+            print("".join(f"    {line}" for line in tail) + f"    (the whole output: {log})", flush=True)
         if stopped:
             print(f"[sweep {sweep.name}] stopped by a signal: no further runs start; run the sweep again to resume",
                   flush=True)
@@ -209,6 +216,7 @@ def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False, ex
         if rc != 0 and stop_on_failure:
             break
     _summary(sweep, results, len(steps) - len(todo), len(todo) - len(results))
+    print(f"[sweep {sweep.name}] compare the runs: {compare_command(sweep, tracking_uri)}", flush=True)
     if stopped:
         return PREEMPTED_EXIT_CODE
     return 1 if any(s not in ("ok", "finished", "held") for _, s in results) or len(results) < len(todo) else 0
@@ -224,10 +232,72 @@ def _summary(sweep: Sweep, results: list[tuple[SweepRun, str]], finished_before:
           + "".join(f"\n  {run.name}: {s}" for run, s in failed), flush=True)
 
 
-def _run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> tuple[int, bool]:
-    """Run one fit; a SIGTERM/SIGINT to the sweep goes on to it (it checkpoints and stops). (exit code, stopped)."""
-    proc = subprocess.Popen(cmd, env=env)
-    stopped = False
+# Locally a fit's output goes to its run folder's fit.log; the sweep's terminal shows its progress lines.
+LOCAL_ARGS = ["--trainer.enable_progress_bar", "false"]
+PROGRESS, RESULT = "[lrattn fit] step ", "[lrattn fit] finished at step "
+
+
+def run_env(sweep: Sweep) -> dict[str, str]:
+    """The environment of a local run: this one, the sweep's `env` over it, and PYTHONPATH = this package's
+    root (the runs import the same package as this process, wherever the command is started from), this
+    environment's PYTHONPATH, the sweep's (appended, not replacing: an own router's folder stays on it)."""
+    env = {**os.environ, **{k: v for k, v in sweep.env.items() if k != "PYTHONPATH"}, "PYTHONUNBUFFERED": "1"}
+    parts = (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH"), sweep.env.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in parts if p)
+    return env
+
+
+# imports every external router a sweep names, as its runs will (their environment, their registry): on
+# failure one line per entry, exit 2; the meta device builds it, so its options and protocol are checked too
+_ROUTER_CHECK = """
+import sys
+from lrattn_lightning.errors import InputError, one_line
+from lrattn_lightning.model.accounting import count_params
+from lrattn_lightning.model.registry import load_registry
+reg = load_registry(sys.argv[1] or None)
+failed = False
+for pair in sys.argv[2:]:
+    size, ablation = pair.split(" ")
+    try:
+        count_params(reg.model(size, ablation))
+    except InputError as err:
+        print(f"{ablation}: {one_line(err)}")
+        failed = True
+sys.exit(2 if failed else 0)
+"""
+
+
+def check_routers(sweep: Sweep, registry: Any, env: dict[str, str]) -> None:
+    """Every external router of the sweep imported (and built on the meta device) in the runs' environment
+    before the first run starts: a missing module is one line, not a failed run after the others trained."""
+    pairs = sorted({(run.size, run.ablation) for run in sweep.runs
+                    if registry.ablation(run.ablation).routing == "external"})
+    if not pairs:
+        return
+    done = subprocess.run([sys.executable, "-c", _ROUTER_CHECK, sweep.registry or "", *[f"{a} {b}" for a, b in pairs]],
+                          env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        why = done.stdout.strip().splitlines() or [one_line(done.stderr.strip().splitlines()[-1:] or ["failed"])]
+        raise SweepError(f"sweep '{sweep.name}': {why[0]} (the runs' PYTHONPATH: {env.get('PYTHONPATH', '')}; the "
+                         "sweep's env: PYTHONPATH is appended to it, relative to the sweep file)")
+
+
+def compare_command(sweep: Sweep, tracking_uri: str) -> str:
+    from lrattn_lightning.train.summary import command
+    from lrattn_lightning.train.tracking import LOCAL_TRACKING_URI, absolute_sqlite
+
+    store = "" if tracking_uri == absolute_sqlite(LOCAL_TRACKING_URI) else f" --tracking_uri {shlex.quote(tracking_uri)}"
+    return f"{command('lrattn')} compare --experiment {shlex.quote(sweep.experiment)}{store}"
+
+
+def _run_forwarding_signals(cmd: list[str], env: dict[str, str], log: Path, head: str
+                            ) -> tuple[int, bool, str | None, list[str]]:
+    """Run one fit, its output appended to `log`; its progress lines shown under `head`. A SIGTERM/SIGINT to the
+    sweep goes on to it (it checkpoints and stops). (exit code, stopped, its result line, its last lines)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace")
+    stopped, result, tail = False, None, collections.deque(maxlen=12)
 
     def forward(signum: int, _frame: Any) -> None:
         nonlocal stopped
@@ -237,15 +307,30 @@ def _run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> tuple[int, b
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return proc.wait(), stopped
+        with log.open("a", encoding="utf-8") as out:
+            for line in proc.stdout:
+                out.write(line)
+                out.flush()
+                tail.append(line)
+                if line.startswith(PROGRESS):
+                    print(f"{head}: {line[len('[lrattn fit] '):].rstrip()}", flush=True)
+                elif line.startswith(RESULT):
+                    result = line[len("[lrattn fit] "):].strip()
+        return proc.wait(), stopped, result, list(tail)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
+def _env_words(sweep: Sweep) -> list[str]:
+    """The sweep's env as NAME=value shell words; PYTHONPATH appended to the environment's own."""
+    return [f'{k}="${{PYTHONPATH:+$PYTHONPATH:}}"{shlex.quote(v)}' if k == "PYTHONPATH" else f"{k}={shlex.quote(v)}"
+            for k, v in sweep.env.items()]
+
+
 def emit_commands(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: str | None,
                   extra: list[str] | None = None) -> str:
-    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sweep.env.items())
+    env = " ".join(_env_words(sweep))
     lines = [f"# lrattn sweep {sweep.path} --emit commands: {sum(s != 'finished' for _, s in steps)} runs "
              f"({sum(s == 'finished' for _, s in steps)} finished runs skipped). Run from the repository root;",
              "# for several GPUs or nodes prefix each with srun/torchrun, or set the recipe's trainer.devices/num_nodes."]
@@ -301,7 +386,7 @@ def emit_slurm(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: st
             head.append(f"#SBATCH --{option}={s[key]}")
     head += [f"#SBATCH {opt}" for opt in s.get("extra", [])]
     head += [f"#SBATCH --output={log_dir}/%x-%A_%a.out", "set -euo pipefail"]
-    head += [f"export {k}={shlex.quote(v)}" for k, v in sweep.env.items()]
+    head += [f"export {word}" for word in _env_words(sweep)]
     body = ['case "$SLURM_ARRAY_TASK_ID" in']
     for i, run in enumerate(todo):
         ckpt = sweep.checkpoint(run)
@@ -346,6 +431,7 @@ def main(argv: list[str] | None = None, fit_parser: Callable[[], Any] | None = N
         check_fit_args(sweep, args.tracking_uri, extra, fit_parser())
     uri = resolve_tracking_uri(args.tracking_uri, fallback_local=args.mlflow_fallback_local)
     if args.dry_run:
+        check_routers(sweep, load_registry(sweep.registry), run_env(sweep))
         steps = plan(sweep, uri)
         print(f"sweep '{sweep.name}' ({sweep.path}): {len(steps)} runs, experiment '{sweep.experiment}', recipe {sweep.recipe}")
         for run, state in steps:
