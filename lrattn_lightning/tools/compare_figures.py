@@ -84,9 +84,9 @@ def loss_vs_flops_figure(rows: list[Row], title: str) -> Any:
         front = sorted((r for r in shown if (r.size, r.group) == (size, group) and r.pareto),
                        key=lambda r: r.added_flops_pct)
         label = "Pareto front" + (f" of recipe {group}" if len({g for _, g in fronts}) > 1 else "")
+        first = (size, group) == min((s, g) for s, g in fronts if g == group)
         ax.step([r.added_flops_pct for r in front], [r.mean for r in front], where="post", color="0.35", lw=1.2,
-                ls="--" if group == "A" else ":", zorder=2, label=label if (size, group) == min(
-                    (s, g) for s, g in fronts if g == group) else None)
+                ls="--" if group == "A" else ":", zorder=2, label=label if first and len(front) > 1 else None)
         ax.scatter([r.added_flops_pct for r in front], [r.mean for r in front], s=190, facecolors="none",
                    edgecolors="0.2", lw=1.4, zorder=4)
     for row in rows:

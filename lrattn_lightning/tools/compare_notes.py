@@ -55,7 +55,8 @@ def recipe_notes(rows: list[Row]) -> str:
         for group in sorted(groups):
             row = groups[group][0]
             names = ", ".join(f"`{r.label}`" for r in groups[group])
-            head = f"- **{group}** (`{row.recipe}`{legacy if row.recipe.startswith(fp.LEGACY) else ''}; {count[group]} runs: {names})"
+            runs = f"{count[group]} run{'s' if count[group] > 1 else ''}"
+            head = f"- **{group}** (`{row.recipe}`{legacy if row.recipe.startswith(fp.LEGACY) else ''}; {runs}: {names})"
             if group == "A":
                 lines.append(f"{head}: {describe(row.parts)}.")
             else:
@@ -68,9 +69,12 @@ def delta_notes(rows: list[Row], reference: str) -> str:
     """One line per reason a Δ is —, naming the rows it applies to."""
     reasons: dict[str, list[str]] = defaultdict(list)
     for row in rows:
+        if row.why_no_control and row.why_no_control == row.why_no_reference:
+            reasons[f"Δ vs control and vs {reference} — where {row.why_no_control}"].append(row.label)
+            continue
         if row.why_no_control:
             reasons[f"Δ vs control — where {row.why_no_control}"].append(row.label)
-        if row.why_no_reference and row.why_no_reference != row.why_no_control:
+        if row.why_no_reference:
             reasons[f"Δ vs {reference} — where {row.why_no_reference}"].append(row.label)
     if not reasons:
         return ""
