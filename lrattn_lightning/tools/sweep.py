@@ -271,7 +271,7 @@ def check_routers(sweep: Sweep, registry: Any, env: dict[str, str]) -> None:
     """Every external router of the sweep imported (and built on the meta device) in the runs' environment
     before the first run starts: a missing module is one line, not a failed run after the others trained."""
     pairs = sorted({(run.size, run.ablation) for run in sweep.runs
-                    if registry.ablation(run.ablation).routing == "external"})
+                    if registry.ablation(run.ablation).kind.user_code})
     if not pairs:
         return
     done = subprocess.run([sys.executable, "-c", _ROUTER_CHECK, sweep.registry or "", *[f"{a} {b}" for a, b in pairs]],

@@ -107,6 +107,7 @@ class ExternalKind(RoutingKind):
     fields = ("router", "router_options")
     owner_phrase = "only routing external names a router class"
     diagnostics = "mixing"  # whatever a recording state's `weights` hold (README: the contract); none: nothing
+    user_code = True
 
     def diagnostic_axes(self, cfg: ModelConfig) -> dict:
         return {"site_labels": None, "source_labels": None, "site_axis": "row of the router's state.weights",

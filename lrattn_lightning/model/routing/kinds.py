@@ -21,6 +21,7 @@ built-in kind is that module plus registry entries. A kind states:
                           hyper-connections' coefficients, an own router's), or None (nothing recorded)
     diagnostic_axes(cfg)  what the rows and columns of those weights are: labels and axis titles of
                           routing/weights.json and the heatmaps (train/diagnostics.py)
+    user_code             whether it imports the user's code (an own router): a sweep imports it before its runs
     takes_impl            whether the AttnRes backends (`--model.impl`) apply
     depth_attention       softmax attention over depth sources: the roofline's traffic model applies
     reference_flags(cfg)  the paper's code's flags for it (NotExpressible where it has none) and
@@ -63,6 +64,7 @@ class RoutingKind:
     training_options: tuple[str, ...] = ()
     owner_phrase = ""  # how an error says a foreign field belongs here, e.g. "only AttnRes routing (...) reads it"
     diagnostics: str | None = None
+    user_code = False
     takes_impl = False
     depth_attention = False
 
