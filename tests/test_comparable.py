@@ -348,3 +348,33 @@ def test_eval_prints_no_progress_bars(study):
     both = done.stdout + done.stderr
     assert "it/s" not in both and "examples/s" not in both and "View run" not in both, both[-3000:]
     assert "[lrattn eval] 16/16 loglikelihood requests scored" in both
+
+
+def test_rows_split_by_recipe_and_method_and_pair_only_within_a_recipe():
+    """summarise on records as read_runs makes them: a variant pairs with its plain ablation under one recipe; runs
+    of one ablation whose routing's own training options differ (no variant label) are two labelled rows; a run of
+    another recipe is its own row and pairs with nothing there."""
+    from lrattn_lightning.tools.compare_table import RunRecord, summarise
+
+    def run(ablation, seed, loss, recipe="r1", method="", control="baseline", start=0):
+        return RunRecord(run_id=f"{ablation}-{seed}-{recipe}-{method}", name=f"{ablation}-{seed}", size="tiny",
+                         ablation=ablation, control=control, seed=seed, start_time=start, val_loss=loss, params=1,
+                         added_flops_pct=0.0 if ablation == "baseline" else 1.0, metrics={}, recipe=recipe,
+                         parts={"max_steps": 4}, method=method)
+
+    m0, m1 = '{"gate_freeze_steps": 0}', '{"gate_freeze_steps": 50}'
+    records = [run("baseline", 0, 3.0, control=None), run("baseline", 1, 3.2, control=None),
+               run("gated", 0, 2.9, method=m0), run("gated", 1, 3.0, method=m0),
+               run("gated+freeze", 0, 2.7, method=m1, control="gated"), run("gated+freeze", 1, 2.8, method=m1, control="gated"),
+               run("gated", 2, 2.5, method=m1),
+               run("baseline", 0, 2.0, recipe="r2", control=None), run("gated", 0, 1.9, recipe="r2", method=m0)]
+    rows = {(r.label, r.group): r for r in summarise(records)}
+    assert set(rows) == {("baseline", "A"), ("gated (gate_freeze_steps=0)", "A"), ("gated (gate_freeze_steps=50)", "A"),
+                         ("gated+freeze", "A"), ("baseline", "B"), ("gated", "B")}
+    gated = rows[("gated (gate_freeze_steps=0)", "A")]
+    assert gated.delta_control == pytest.approx((2.9 + 3.0) / 2 - (3.0 + 3.2) / 2) and gated.p_control is not None
+    variant = rows[("gated+freeze", "A")]
+    assert variant.delta_control is None and "2 settings" in variant.why_no_control  # which gated? not guessed
+    assert variant.delta_baseline == pytest.approx(2.75 - 3.1)
+    assert rows[("gated", "B")].delta_control == pytest.approx(1.9 - 2.0)  # within recipe B only
+    assert rows[("gated", "B")].p_control is None  # one seed a side
