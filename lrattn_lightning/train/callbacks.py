@@ -223,7 +223,7 @@ class RoutingArtifacts(Callback):
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         weights, logger = getattr(pl_module, "routing_weights", None), _mlflow(trainer)
-        if not weights or logger is None:
+        if weights is None or logger is None or (isinstance(weights, list | tuple) and not weights):
             return
         import matplotlib.pyplot as plt
 
