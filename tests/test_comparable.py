@@ -378,3 +378,23 @@ def test_rows_split_by_recipe_and_method_and_pair_only_within_a_recipe():
     assert variant.delta_baseline == pytest.approx(2.75 - 3.1)
     assert rows[("gated", "B")].delta_control == pytest.approx(1.9 - 2.0)  # within recipe B only
     assert rows[("gated", "B")].p_control is None  # one seed a side
+
+
+def test_mlflows_own_view_run_links_stay_off_a_servers_terminal(study, tmp_path, monkeypatch, capsys):
+    """Against a real MLflow server (where MLflow prints '🏃 View run ... at' when a run ends), compare ends its
+    summary run and prints only its own lines."""
+    from conftest import mlflow_server
+
+    monkeypatch.delenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", raising=False)  # lrattn sets it; not the user
+    source = study["runs"]["tiny-baseline-seed0"]
+    with mlflow_server(tmp_path) as (_, uri):
+        client = MlflowClient(uri)
+        made = client.create_run(client.create_experiment("served"), run_name="one")
+        for key in ("ablation", "size", "params", "added_flops_pct", "train_max_steps"):
+            client.log_param(made.info.run_id, key, source.data.params[key])
+        client.log_metric(made.info.run_id, "val/loss", 3.0, step=int(source.data.params["train_max_steps"]))
+        client.set_terminated(made.info.run_id, "FINISHED")
+        capsys.readouterr()
+        assert main(["compare", "--experiment", "served", "--tracking_uri", uri, "--out", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert "[lrattn compare] logged as artifacts" in out and "View run" not in out and "View experiment" not in out

@@ -358,19 +358,20 @@ def csv_table(rows: list[Row], reference: str = "baseline") -> str:
     evals = eval_keys(rows)
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(["size", "ablation", "row", "recipe", "fingerprint", "upcycled_from", "n_seeds", "seeds",
-                     "val_loss_mean", "val_loss_std", "val_loss_per_seed",
+    # (the columns of the recipe come after the older ones, so that a reader by position reads what it did)
+    writer.writerow(["size", "ablation", "n_seeds", "seeds", "val_loss_mean", "val_loss_std", "val_loss_per_seed",
                      "control", "delta_control", "p_control", f"delta_{reference}", f"p_{reference}",
                      "added_flops_pct", "params", "tokens_per_s", "val_bpb_mean", "pareto", "run_ids",
+                     "row", "recipe", "fingerprint", "upcycled_from",
                      *[f"{k}_mean" for k in evals], *[f"{k}_std" for k in evals]])
     for row in rows:
-        writer.writerow([row.size, row.ablation, row.label, row.group, row.recipe, row.runs[0].upcycled_from or "",
-                         len(row.runs), ";".join(map(str, row.seeds)), row.mean,
+        writer.writerow([row.size, row.ablation, len(row.runs), ";".join(map(str, row.seeds)), row.mean,
                          "" if row.std is None else row.std, ";".join(f"{v:.6f}" for v in row.losses),
                          row.control or "", _blank(row.delta_control), _blank(row.p_control),
                          _blank(row.delta_baseline), _blank(row.p_baseline), row.added_flops_pct, row.params,
                          _blank(row.tokens_per_s), _blank(row.metric("val/bpb")[0]), row.pareto,
-                         ";".join(r.run_id for r in row.runs),
+                         ";".join(r.run_id for r in row.runs), row.label, row.group, row.recipe,
+                         row.runs[0].upcycled_from or "",
                          *[_blank(row.metric(k)[0]) for k in evals], *[_blank(row.metric(k)[1]) for k in evals]])
     return out.getvalue()
 
