@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     # The platform runs offline and writes only where it is told: MLflow 3's usage telemetry (a file under
     # ~/.config/mlflow and calls home) is off unless the user's environment says otherwise.
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # our commands print the run's page themselves, in the UI's training view; MLflow's own "View run" links
+    # (to a server, without ?workflowType=machine_learning) would stand beside them
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0 if argv else 2
@@ -77,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lrattn: error: unknown command '{command}'{hint} (lrattn --help lists them)", file=sys.stderr)
         return 2
     rest = resolve_shipped_paths(rest)
+    if command == "eval":  # lm-eval's and datasets' progress bars: `lrattn eval` reports its own progress
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     try:
         if command in LIGHTNING:
             return _function(COMMANDS[command][0])([command, *rest])
@@ -109,13 +115,17 @@ def list_main(argv: list[str]) -> int:
     print(f"parameters and added FLOPs at size '{size.name}' (L={size.n_layers}, d={size.d_model}, vocab "
           f"{size.vocab_size}; another with --size NAME)")
     print(f"{'ablation':40s} {'params':>13s} {'added FLOPs %':>13s}  control")
+    why: list[str] = []  # the reason of every n/a: the entry does not fit the size, or its router cannot be built
     for name, abl in reg.ablations.items():
         try:
             pct = added_flops_percent(size, abl)
             params, flops = f"{count_params(size, abl):,}", "unknown" if pct is None else f"{pct:.3f}"
-        except ValueError:
+        except ValueError as err:
             params, flops = "n/a", "n/a"
+            why.append(f"  {name}: {one_line(err)}")
         print(f"{name:40s} {params:>13s} {flops:>13s}  {abl.control or '-'}")
+    if why:
+        print(f"n/a at size '{size.name}':", *why, sep="\n")
     return 0
 
 

@@ -36,7 +36,7 @@ from lrattn_lightning.data.datamodule import TokenDataModule
 from lrattn_lightning.data.shards import validate_data_dir
 from lrattn_lightning.errors import Parser, UsageError, check_name, packaged
 from lrattn_lightning.train import checkpointing
-from lrattn_lightning.train.callbacks import step_progress_bar, training_monitors
+from lrattn_lightning.train.callbacks import StepProgressLog, step_progress_bar, training_monitors
 from lrattn_lightning.train.checkpointing import (
     AtomicCheckpointIO,
     LastCheckpoint,
@@ -92,6 +92,8 @@ class LRAttnCLI(LightningCLI):
         parser.add_argument("--init_from", type=str | None, default=None,
                             help="fit: start from another run's checkpoint wherever names and shapes match "
                                  "(upcycling; the optimiser and schedule start fresh)")
+        parser.add_argument("--progress_every", type=int | None, default=None,
+                            help="without a progress bar: a progress line every N steps (default: a tenth of the run; 0: none)")
         parser.add_argument("--run_tags", type=dict[str, str] | None, default=None,
                             help='extra MLflow tags of a new run, e.g. \'{"sweep": "cpu-study", "seed": "0"}\'')
         parser.link_arguments("size", "model.size", compute_fn=lambda name: name or "")
@@ -324,6 +326,10 @@ class LRAttnCLI(LightningCLI):
         bar = step_progress_bar() if given.enable_progress_bar is not False else None
         if bar is not None and not any(isinstance(c, ProgressBar) for c in _as_list(given.callbacks)):
             kwargs["callbacks"] = [*kwargs.get("callbacks", _as_list(given.callbacks)), bar]
+        every = cfg.get("progress_every")
+        every = max(1, (given.max_steps or 0) // 10) if every is None else every
+        if self.subcommand == "fit" and given.enable_progress_bar is False and every > 0:  # progress lines instead
+            kwargs["callbacks"] = [*kwargs.get("callbacks", _as_list(given.callbacks)), StepProgressLog(every)]
         return super().instantiate_trainer(**kwargs)
 
     def _tracking_logger(self, cfg) -> TrackingLogger:

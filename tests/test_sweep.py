@@ -386,6 +386,7 @@ def test_a_run_held_by_a_live_process_is_skipped(finished_sweep, tmp_path, monke
          "lock = FileLock(sys.argv[1]).acquire(blocking=False); print('held', flush=True); sys.stdin.read(); "
          "lock.release()",
          str(run_dir / lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir() if p.name != lock}  # checkpoints/, fit.log
     try:
         assert holder.stdout.readline() == "held\n"
         monkeypatch.chdir(folder)
@@ -399,7 +400,8 @@ def test_a_run_held_by_a_live_process_is_skipped(finished_sweep, tmp_path, monke
     after = {r.info.run_name: r for r in sweep_runs(uri)}
     assert after["tiny-baseline-seed1"].info.status == "FAILED"  # not started here
     assert after["tiny-baseline-seed1"].info.end_time == runs["tiny-baseline-seed1"].info.end_time
-    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints"]  # the sweep left nothing of its own
+    after = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir() if p.name != lock}
+    assert after == before and sorted(before) == ["checkpoints", "fit.log"]  # the sweep left nothing of its own
 
 
 def test_a_run_finished_meanwhile_is_skipped(finished_sweep, tmp_path):

@@ -237,7 +237,8 @@ def test_a_run_left_running_by_a_killed_fit_is_marked_killed_by_the_next_start(d
 # ---- item 5: compare leaves out a run whose last validation is not at its last step -----------------
 def _finished_run(client: MlflowClient, exp: str, seed: int, val: dict[int, float], train_steps: int,
                   max_steps: int | None, last_step: int | None = None, gap: str | None = None) -> str:
-    tags = {"seed": str(seed), "control": "none", "mlflow.runName": f"tiny-baseline-seed{seed}"}
+    tags = {"seed": str(seed), "control": "none", "mlflow.runName": f"tiny-baseline-seed{seed}",
+            "lrattn.recipe": "one-recipe", "lrattn.recipe_parts": "{}"}  # (as a fit tags it: one recipe, pooled)
     tags.update({"lrattn.last_step": str(last_step)} if last_step else {})
     tags.update({"lrattn.tracking_gap": gap} if gap else {})
     run_id = client.create_run(exp).info.run_id

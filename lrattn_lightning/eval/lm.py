@@ -129,6 +129,15 @@ class LRAttnLM(TemplateLM):
             self._coll.barrier()
 
     # ---- scoring --------------------------------------------------------------------------------
+    def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """lm-eval's own: tokenise, then _loglikelihood_tokens; without its tqdm bar over the (instant) tokenising,
+        which would stand beside the scoring's progress lines."""
+        self._quiet = disable_tqdm
+        try:
+            return super().loglikelihood(requests, disable_tqdm=True)
+        finally:
+            self._quiet = None
+
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
         """requests: (cache key or None, context ids, continuation ids) -> (sum log p, greedy?) each."""
         pieces = []  # (request index, input ids, continuation ids); long continuations become windows
@@ -140,7 +149,8 @@ class LRAttnLM(TemplateLM):
         totals = [0.0] * len(requests)
         greedy = [True] * len(requests)
         order = sorted(range(len(pieces)), key=lambda k: (-len(pieces[k][1]), pieces[k][1]))
-        progress = _Progress("loglikelihood requests", len(requests), quiet=disable_tqdm or self.rank != 0)
+        quiet = disable_tqdm if getattr(self, "_quiet", None) is None else self._quiet  # (loglikelihood's caller's)
+        progress = _Progress("loglikelihood requests", len(requests), quiet=quiet or self.rank != 0)
         with torch.no_grad():
             for first in range(0, len(order), self.batch_size):
                 progress.update(len({pieces[k][0] for k in order[:first + self.batch_size]}))

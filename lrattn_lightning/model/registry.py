@@ -5,6 +5,9 @@ The file has three sections:
   ablations:  name -> AblationConfig fields (+ optional `extends`); `doc` and `control` required
   grids:      name -> {extends, name: "template-{rank}-{blocks}", doc, axes: {field: [values]}, ...}
               each grid point becomes a named ablation, exactly as if written out by hand.
+and optionally
+  include: builtin   the registry shipped with lrattn comes first: this file adds its own entries (which may
+                     extend or name as control the shipped ones, never redefine one); the hash covers both
 
 Every error is a ValueError that names the entry and the field and says how to fix it.
 """
@@ -28,6 +31,7 @@ from lrattn_lightning.model.routing.trust import trust
 DEFAULT_PATH = Path("registry.yaml")
 PACKAGED_PATH = Path(__file__).resolve().parents[1] / "registry.yaml"  # shipped in the package (in a checkout: a link to ./registry.yaml)
 _SECTIONS = ("sizes", "ablations", "grids")
+INCLUDE = "include"  # the one value: "builtin", the registry shipped with the package
 
 
 class UnknownNameError(InputError, KeyError):
@@ -80,7 +84,37 @@ def load_registry(path: str | Path | None = None) -> Registry:
         raise FileNotFoundError(f"registry file {path} not found; pass the path of a registry.yaml")
     text = read_yaml_text(path, "registry")
     raw = load_yaml_strict(text, path) or {}
+    if isinstance(raw, dict) and INCLUDE in raw:
+        raw, text = _with_builtin(raw, path, text)
     return parse_registry(raw, path=str(path), sha256=hashlib.sha256(text.encode()).hexdigest())
+
+
+def _with_builtin(raw: dict[str, Any], path: Path, text: str) -> tuple[dict[str, Any], str]:
+    """`include: builtin`: the shipped registry's sections, then this file's entries (a name given twice is an
+    error naming the entry: extend the shipped one under a new name instead). Returns the merged sections and
+    the text the registry's hash covers (both files)."""
+    where = str(path)
+    if raw[INCLUDE] != "builtin":
+        raise config_error(where, INCLUDE, f"only 'builtin' (the registry shipped with lrattn) can be included, got "
+                           f"{raw[INCLUDE]!r}")
+    if path.resolve() == PACKAGED_PATH.resolve():
+        raise config_error(where, INCLUDE, "the shipped registry cannot include itself")
+    builtin_text = read_yaml_text(PACKAGED_PATH, "registry")
+    builtin = load_yaml_strict(builtin_text, PACKAGED_PATH) or {}
+    merged: dict[str, Any] = {}
+    for section in _SECTIONS:
+        mine = _section(raw, section)
+        theirs = _section(builtin, section)
+        for name in mine:
+            if name in theirs:
+                raise config_error(f"{section}.{name}", name, f"already in the builtin registry ({where} includes it); "
+                                   f"choose another name (`extends: {name}` to build on it)")
+        if mine or theirs:
+            merged[section] = {**theirs, **mine}
+    for key in raw:
+        if key not in (*_SECTIONS, INCLUDE):
+            raise config_error(where, key, f"unknown section; expected one of {[*_SECTIONS, INCLUDE]}")
+    return merged, builtin_text + "\n" + text
 
 
 def read_yaml_text(path: Path, what: str) -> str:
@@ -138,7 +172,8 @@ def parse_registry(raw: dict[str, Any], *, path: str = "<dict>", sha256: str = "
         raise InputError(f"{path}: the top level must be a mapping with sections {list(_SECTIONS)}")
     for key in raw:
         if key not in _SECTIONS:
-            raise config_error(path, key, f"unknown section; expected one of {list(_SECTIONS)}")
+            hint = f" (`{INCLUDE}: builtin` is read by load_registry from a file)" if key == INCLUDE else ""
+            raise config_error(path, key, f"unknown section; expected one of {[*_SECTIONS, INCLUDE]}{hint}")
     sizes_raw = _section(raw, "sizes")
     ablations_raw = dict(_section(raw, "ablations"))
     for grid_name, grid in _section(raw, "grids").items():

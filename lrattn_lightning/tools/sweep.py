@@ -1,30 +1,23 @@
 """`lrattn sweep FILE`: the runs of a sweep file (tools/sweep_file.py) into one MLflow experiment.
 
-A run is *finished* when the MLflow experiment holds a FINISHED run of its name tagged with its size,
-ablation, variant and seed (whichever sweep file of the experiment ran it); finished runs are skipped, and a run with a last.ckpt resumes from it
-(`--ckpt_path last`, into the same MLflow run). Locally the runs go one after another, each its own
-`lrattn fit` process; for a cluster, `--emit commands` writes the launch commands and `--emit slurm` an
-sbatch array script with one `srun lrattn fit ...` per array task (Lightning reads the SLURM environment;
-nodes and tasks per node come from the recipe's trainer.num_nodes and trainer.devices).
+Finished runs are skipped, and a run with a last.ckpt resumes from it (`--ckpt_path last`, into the same MLflow
+run). Locally the runs go one after another, each its own `lrattn fit` process (tools/sweep_local.py: which runs
+are finished, claiming a run, the runs' environment, their output); for a cluster, `--emit commands` writes the
+launch commands and `--emit slurm` an sbatch array script with one `srun lrattn fit ...` per array task
+(Lightning reads the SLURM environment; nodes and tasks per node come from the recipe's trainer.num_nodes and
+trainer.devices).
 
 Every run's full argument list is parsed by `fit`'s own parser before the first run starts (also for
---dry-run and --emit), so a typo in the sweep's `args` or its recipe is one line, not a failed fit per run.
-Two sweeps of one experiment may run at once: each run is claimed (a lock in its run folder) right before
-it starts and MLflow asked again, so a run another live process holds, or one finished meanwhile, is
-skipped with a line.
+--dry-run and --emit), so a typo in the sweep's `args` or its recipe is one line, not a failed fit per run;
+every external router the sweep names is imported in the runs' environment before the first local run (and
+for --dry-run).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
-import os
 import shlex
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,44 +25,13 @@ from typing import Any
 from lrattn_lightning.errors import Parser, one_line
 from lrattn_lightning.model.registry import closest_names, load_registry, load_yaml_strict, read_yaml_text
 from lrattn_lightning.tools.sweep_file import Sweep, SweepError, SweepRun, load_sweep
-
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]
-
-
-# ---- state -----------------------------------------------------------------------------------------
-def finished_runs(sweep: Sweep, tracking_uri: str) -> set[SweepRun]:
-    """Runs of this sweep that MLflow holds as FINISHED: a run of the experiment with the run's name (its
-    folder) and tags size, ablation, seed (and variant), whichever sweep file ran it: two sweeps of one
-    experiment that share a run (a screen's seed-0 runs reused by the study) share its folder and its result."""
-    from mlflow.tracking import MlflowClient
-
-    from lrattn_lightning.tools.runs import search_all
-    from lrattn_lightning.train.tracking import sqlite_file, store_lock
-
-    db = sqlite_file(tracking_uri)
-    if db is not None and not db.exists():  # nothing has finished there; opening it would create the file
-        return set()
-    with store_lock(tracking_uri):  # a new sqlite store is created by the first client, once
-        client = MlflowClient(tracking_uri)
-    exp = client.get_experiment_by_name(sweep.experiment)
-    if exp is None:
-        return set()
-    done = set()
-    for run in search_all(client, exp.experiment_id, "attributes.status = 'FINISHED'"):
-        tags = run.data.tags
-        if run.info.status == "FINISHED" and {"size", "ablation", "seed"} <= set(tags):
-            with contextlib.suppress(ValueError):
-                found = SweepRun(tags["size"], tags["ablation"], int(tags["seed"]), tags.get("variant", ""))
-                if found.name == run.info.run_name:
-                    done.add(found)
-    return done
-
-
-def plan(sweep: Sweep, tracking_uri: str) -> list[tuple[SweepRun, str]]:
-    """(run, state) in order; state is 'finished', 'resume' (has last.ckpt) or 'new'."""
-    done = finished_runs(sweep, tracking_uri)
-    return [(run, "finished" if run in done else "resume" if sweep.checkpoint(run).is_file() else "new")
-            for run in sweep.runs]
+from lrattn_lightning.tools.sweep_local import (
+    check_routers,
+    finished_runs,  # noqa: F401  (part of this module's interface)
+    plan,
+    run_env,
+    run_local,
+)
 
 
 # ---- every run's fit arguments, checked before the first run starts ---------------------------------
@@ -115,137 +77,15 @@ def _flat_keys(node: dict, known: set[str], groups: set[str], prefix: str = "") 
         else:
             yield dotted
 
-
-# ---- claiming a run: two sweeps of one experiment at once -------------------------------------------
-@contextlib.contextmanager
-def claim(sweep: Sweep, run: SweepRun) -> Iterator[str | None]:
-    """Hold RUN_DIR/.sweep.lock while this sweep runs `run`: yields None, or who else holds the run (another
-    sweep, or a live `lrattn fit` holding the run folder's own lock) and then this sweep skips it. The fit
-    takes RUN_DIR/.lock itself, so the sweep's claim is a lock file of its own; folders made for it and
-    left empty are removed again."""
-    from lrattn_lightning.train.checkpointing import FileLock, RunFolderError
-
-    run_dir = sweep.checkpoint(run).parent.parent
-    created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
-    lock = FileLock(run_dir / ".sweep.lock")
-    for attempt in range(3):  # another sweep may remove an empty parent between our mkdir and open
-        try:
-            lock.acquire(blocking=False, describe=lambda holder: f"another sweep runs it ({holder})")
-            break
-        except RunFolderError as err:
-            yield str(err)
-            return
-        except FileNotFoundError:
-            if attempt == 2:
-                raise
-    try:
-        holder = _held_by(run_dir / ".lock")
-        yield f"a live process holds its run folder ({holder})" if holder else None
-    finally:
-        lock.release()
-        for folder in created:  # deepest first; one that is not empty stays, and so do its parents
-            try:
-                folder.rmdir()
-            except OSError:
-                break
-
-
-def _held_by(path: Path) -> str | None:
-    """Who holds the flock on `path` (checkpointing.FileLock writes 'pid N on HOST since ...'), or None.
-    Read-only: a shared lock taken and dropped at once, the file left as it is."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-    finally:
-        os.close(fd)  # also drops the shared lock
-    return None
-
-
-# ---- running ---------------------------------------------------------------------------------------
-def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False, extra: list[str] | None = None) -> int:
-    """Run the unfinished runs one after another, each as its own `lrattn fit` process (`extra`: flags for each)."""
-    from lrattn_lightning.data.shards import validate_data_dir
-    from lrattn_lightning.train.checkpointing import PREEMPTED_EXIT_CODE
-
-    registry = load_registry(sweep.registry)
-    data_dir = sweep.setting("data.data_dir", "data/stdlib-docs-byte")
-    seq_len = sweep.setting("data.seq_len")
-    for size in sorted({run.size for run in sweep.runs}):  # missing data fails once, before any run
-        validate_data_dir(data_dir, registry.size(size), seq_len)
-    env = {**os.environ, **sweep.env}
-    # the runs import the same package as this process, wherever the command is started from
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")) if p)
-    steps = plan(sweep, tracking_uri)
-    todo = [run for run, state in steps if state != "finished"]
-    print(f"[sweep {sweep.name}] {len(steps)} runs into experiment '{sweep.experiment}' at {tracking_uri}: "
-          f"{len(steps) - len(todo)} finished (skipped), {len(todo)} to run", flush=True)
-    results: list[tuple[SweepRun, str]] = []  # (run, "ok" | "finished" | "held" | why it failed)
-    stopped = False
-    for i, run in enumerate(todo, start=1):
-        head = f"[sweep {sweep.name}] ({i}/{len(todo)}) {run.name}"
-        with claim(sweep, run) as holder:
-            if holder or run in finished_runs(sweep, tracking_uri):  # asked again: another sweep may have run it
-                results.append((run, "held" if holder else "finished"))
-                print(f"{head}: skipped, " + (f"{holder}" if holder else "finished meanwhile by another process"),
-                      flush=True)
-                continue
-            resume = sweep.checkpoint(run).is_file()
-            print(head + (" (resuming from last.ckpt)" if resume else ""), flush=True)
-            args = sweep.fit_args(run, tracking_uri) + (extra or []) + (["--ckpt_path", "last"] if resume else [])
-            start = time.time()
-            rc, stopped = _run_forwarding_signals([sys.executable, "-m", "lrattn_lightning.cli", *args], env)
-        state = "ok" if rc == 0 else ("stopped by SIGTERM" if rc == PREEMPTED_EXIT_CODE else f"failed (exit {rc})")
-        results.append((run, state))
-        print(f"[sweep {sweep.name}] {run.name}: {state} after {time.time() - start:.0f} s", flush=True)
-        if stopped:
-            print(f"[sweep {sweep.name}] stopped by a signal: no further runs start; run the sweep again to resume",
-                  flush=True)
-            break
-        if rc != 0 and stop_on_failure:
-            break
-    _summary(sweep, results, len(steps) - len(todo), len(todo) - len(results))
-    if stopped:
-        return PREEMPTED_EXIT_CODE
-    return 1 if any(s not in ("ok", "finished", "held") for _, s in results) or len(results) < len(todo) else 0
-
-
-def _summary(sweep: Sweep, results: list[tuple[SweepRun, str]], finished_before: int, not_started: int) -> None:
-    count = {s: sum(r == s for _, r in results) for s in ("ok", "finished", "held")}
-    failed = [(run, s) for run, s in results if s not in count]
-    print(f"[sweep {sweep.name}] done: {count['ok']} ran, {len(failed)} failed, "
-          f"{finished_before + count['finished']} skipped as finished"
-          + (f", {count['held']} skipped as running in another process" if count["held"] else "")
-          + (f", {not_started} not started" if not_started else "")
-          + "".join(f"\n  {run.name}: {s}" for run, s in failed), flush=True)
-
-
-def _run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> tuple[int, bool]:
-    """Run one fit; a SIGTERM/SIGINT to the sweep goes on to it (it checkpoints and stops). (exit code, stopped)."""
-    proc = subprocess.Popen(cmd, env=env)
-    stopped = False
-
-    def forward(signum: int, _frame: Any) -> None:
-        nonlocal stopped
-        stopped = True
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        return proc.wait(), stopped
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+def _env_words(sweep: Sweep) -> list[str]:
+    """The sweep's env as NAME=value shell words; PYTHONPATH appended to the environment's own."""
+    return [f'{k}="${{PYTHONPATH:+$PYTHONPATH:}}"{shlex.quote(v)}' if k == "PYTHONPATH" else f"{k}={shlex.quote(v)}"
+            for k, v in sweep.env.items()]
 
 
 def emit_commands(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: str | None,
                   extra: list[str] | None = None) -> str:
-    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sweep.env.items())
+    env = " ".join(_env_words(sweep))
     lines = [f"# lrattn sweep {sweep.path} --emit commands: {sum(s != 'finished' for _, s in steps)} runs "
              f"({sum(s == 'finished' for _, s in steps)} finished runs skipped). Run from the repository root;",
              "# for several GPUs or nodes prefix each with srun/torchrun, or set the recipe's trainer.devices/num_nodes."]
@@ -301,7 +141,7 @@ def emit_slurm(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: st
             head.append(f"#SBATCH --{option}={s[key]}")
     head += [f"#SBATCH {opt}" for opt in s.get("extra", [])]
     head += [f"#SBATCH --output={log_dir}/%x-%A_%a.out", "set -euo pipefail"]
-    head += [f"export {k}={shlex.quote(v)}" for k, v in sweep.env.items()]
+    head += [f"export {word}" for word in _env_words(sweep)]
     body = ['case "$SLURM_ARRAY_TASK_ID" in']
     for i, run in enumerate(todo):
         ckpt = sweep.checkpoint(run)
@@ -346,6 +186,7 @@ def main(argv: list[str] | None = None, fit_parser: Callable[[], Any] | None = N
         check_fit_args(sweep, args.tracking_uri, extra, fit_parser())
     uri = resolve_tracking_uri(args.tracking_uri, fallback_local=args.mlflow_fallback_local)
     if args.dry_run:
+        check_routers(sweep, load_registry(sweep.registry), run_env(sweep))
         steps = plan(sweep, uri)
         print(f"sweep '{sweep.name}' ({sweep.path}): {len(steps)} runs, experiment '{sweep.experiment}', recipe {sweep.recipe}")
         for run, state in steps:

@@ -5,7 +5,7 @@ loaded strictly; every error names the file and the field.
     doc: what the sweep is for           # required
     recipe: ../cpu-study.yaml            # required: the --config of every run, relative to the sweep file
     experiment: cpu-study                # MLflow experiment (default: the sweep name)
-    registry: registry.yaml              # optional --registry
+    registry: my-registry.yaml           # optional --registry, relative to the sweep file (as recipe is)
     sizes: [cpu-study]                   # a grid: sizes x ablations x seeds ...
     ablations: [baseline, s-lr-block-n8-r64]
     seeds: [0, 1, 2]
@@ -14,7 +14,9 @@ loaded strictly; every error names the file and the field.
       - {size: small, ablation: gated-last09, seed: 0,       # variants of one entry: the label joins
          variant: freeze50, args: {model.gate_freeze_steps: 50}}   # the run name and the tags)
     args: {trainer.max_steps: 200}       # extra `lrattn fit` flags for every run (--trainer.max_steps 200)
-    env: {OMP_NUM_THREADS: "1"}          # environment of every run (local runs and emitted scripts)
+    env: {OMP_NUM_THREADS: "1"}          # environment of every run (local runs and emitted scripts); a
+                                         # PYTHONPATH is appended to the environment's own, its relative
+                                         # folders relative to the sweep file
     slurm: {time: "48:00:00", partition: gpu, account: null, cpus_per_task: 8, max_parallel: 4}
 
 Every (size, ablation) pair is validated against the registry before anything runs. A `Sweep` knows
@@ -141,24 +143,33 @@ def load_sweep(path: str | Path, registry: Registry | None = None) -> tuple[Swee
     experiment = raw.get("experiment", name)
     for key, value in (("name", name), ("experiment", experiment)):  # both name folders under runs_dir
         _check_label(value, key if key in raw else f"{key} (by default the file's stem)", fail)
-    recipe = _resolve_recipe(raw["recipe"], path)
+    recipe = _resolve_path(raw["recipe"], path)
     if recipe is None:
         raise fail("recipe", f"{raw['recipe']} not found (a path relative to the sweep file, e.g. ../cpu-study.yaml)")
     reg_path = raw.get("registry")
-    if reg_path is not None and not isinstance(reg_path, str):
-        raise fail("registry", "must be a path to a registry.yaml")
-    reg = registry or load_registry(reg_path)
+    if reg_path is not None:
+        if not isinstance(reg_path, str) or not reg_path.strip():
+            raise fail("registry", "must be a path to a registry.yaml")
+        found = _resolve_path(reg_path, path)
+        if found is None:
+            raise fail("registry", f"{reg_path} not found (a path relative to the sweep file, as `recipe` is)")
+        reg_path = str(found)
+    try:
+        reg = registry or load_registry(reg_path)
+    except ValueError as err:  # a bad registry names its own field
+        raise SweepError(f"{path}: registry {reg_path}: {err}") from err
 
     grid, listed = _grid_runs(raw, fail), _list_runs(raw.get("runs"), fail)
     _check_runs(reg, grid, listed, fail)
-    args, env, slurm = _options(raw, fail)
+    args, env, slurm = _options(raw, fail, path)
     return Sweep(name=name, doc=raw["doc"].strip(), path=str(path), recipe=str(recipe), experiment=experiment,
                  runs=tuple(grid + listed), registry=reg_path, args=args, env=env, slurm=slurm), reg
 
 
-def _resolve_recipe(recipe: str, sweep_file: Path) -> Path | None:
-    """The recipe of a sweep: relative to the sweep file (so `lrattn sweep PATH` works from any folder), else
-    relative to the working folder (older sweep files), else shipped in the package (`experiments/...`)."""
+def _resolve_path(recipe: str, sweep_file: Path) -> Path | None:
+    """A file a sweep names (its recipe, its registry): relative to the sweep file (so `lrattn sweep PATH` works
+    from any folder), else relative to the working folder (older sweep files), else shipped in the package
+    (`experiments/...`)."""
     from lrattn_lightning.errors import packaged
 
     given = Path(recipe)
@@ -192,12 +203,16 @@ def _check_runs(reg: Registry, grid: list[SweepRun], listed: list[SweepRun], fai
         _check_label(run.name, f"{where} (the run name)", fail)  # its folder: e.g. not too long
 
 
-def _options(raw: dict[str, Any], fail) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
+def _options(raw: dict[str, Any], fail, sweep_file: Path) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
     """The optional sections: args (extra fit flags), env and slurm."""
     args = _check_args(raw.get("args") or {}, "args", fail)
     env = raw.get("env") or {}
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str | int | float) for k, v in env.items()):
         raise fail("env", "must be a mapping NAME: value (strings or numbers)")
+    if "PYTHONPATH" in env:  # appended to the environment's own; a relative folder is relative to the sweep file
+        env = {**env, "PYTHONPATH": os.pathsep.join(
+            str(Path(p) if Path(p).is_absolute() else (Path(sweep_file).parent / p).resolve())
+            for p in str(env["PYTHONPATH"]).split(os.pathsep) if p)}
     slurm = raw.get("slurm") or {}
     if not isinstance(slurm, dict):
         raise fail("slurm", f"must be a mapping with fields {list(_SLURM_FIELDS)}")

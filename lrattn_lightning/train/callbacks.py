@@ -2,9 +2,11 @@
 
     RunDescription      at fit start: every resolved size/ablation field, the optimiser and recipe settings
                         as MLflow params (a new run only: a resumed run keeps its own), and the tags ablation,
-                        size, control, git_commit, registry_sha256
-    RoutingArtifacts    after each validation/test, at the step of the weights scored: routing/heatmap.png,
-                        routing/weights.json, routing/sites.json (the gated residual: routing/gates.png,
+                        size, control, git_commit, registry_sha256, the recipe fingerprint and its parts
+                        (lrattn.recipe, lrattn.recipe_parts: train/fingerprint.py) and lrattn.method
+    RoutingArtifacts    after each validation/test, at the step of the weights scored, for every routing kind
+                        that records: routing/heatmap.png and routing/weights.json (train/diagnostics.py),
+                        routing/sites.json for softmax reads (the gated residual: also routing/gates.png,
                         routing/gates.json); the mean diagnostics are the module's metrics
     CheckpointContents  plain values in every checkpoint: the tokenizer spec (a file-backed tokenizer's text
                         under `content`), the data folder and the MLflow run (what `lrattn eval` rebuilds from)
@@ -13,12 +15,17 @@
                         Lightning's ThroughputMonitor counting tokens (`train/device/items_per_sec`: tokens/s
                         on one device; `train/items_per_sec` over all devices when there are several)
 
+    StepProgressLog     a line per N optimizer steps (step, train loss, time, time left) where no progress
+                        bar is drawn
+
 `LRAttnModule.configure_callbacks` installs the first three, so a Trainer built in Python records what
-`lrattn fit` records; `lrattn fit` adds the monitors (lightning_cli.py).
+`lrattn fit` records; `lrattn fit` adds the monitors and, without a progress bar, the progress lines
+(lightning_cli.py).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -32,6 +39,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lrattn_lightning.model.accounting import added_flops_percent, count_params
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.train import diagnostics
+from lrattn_lightning.train import fingerprint as fingerprints
 
 # the module's settings logged as `train_<name>` params
 TRAIN_PARAMS = ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_decay", "muon_variant", "muon_momentum",
@@ -95,7 +103,8 @@ class RunDescription(Callback):
             logger.log_hyperparams({f"train_max_steps_from_step_{step}": trainer.max_steps})
         tags = {"ablation": cfg.ablation.name, "size": cfg.size.name, "control": cfg.ablation.control or "none",
                 "git_commit": hp.git_commit, "registry_sha256": hp.registry_sha256,
-                "lrattn_version": package_version()}  # an installed wheel has no git commit to tag
+                "lrattn_version": package_version(),  # an installed wheel has no git commit to tag
+                **recipe_tags(trainer, pl_module, run.data.params if run is not None else {})}
         if run is not None and "mlflow.note.content" not in run.data.tags:  # the UI's description; the user may edit it
             tags["mlflow.note.content"] = run_description(trainer, pl_module)
         for key, value in tags.items():
@@ -107,6 +116,24 @@ class RunDescription(Callback):
 
 
 EXPERIMENT_KIND = "mlflow.experimentKind"
+
+
+def recipe_tags(trainer: L.Trainer, pl_module: L.LightningModule, stored: dict[str, str]) -> dict[str, str]:
+    """The recipe fingerprint and its parts (train/fingerprint.py), and the routing kind's own training options,
+    as tags; set at every fit start, so a resume that changes the schedule's length updates them. `stored`: the
+    run's params (a resumed run's source of upcycling: --init_from is not applied again on a resume)."""
+    hp, dm = pl_module.hparams, trainer.datamodule
+    init = getattr(pl_module, "init_from_params", None) or stored
+    parts = fingerprints.recipe_parts(
+        size=pl_module.cfg.size.name, max_steps=trainer.max_steps, tokens_per_step=tokens_per_step(trainer),
+        seq_len=getattr(dm, "seq_len", None),
+        data=fingerprints.data_checksum(getattr(dm, "data_dir", ""), getattr(dm, "meta", None)),
+        settings=dict(hp), gradient_clip_val=trainer.gradient_clip_val, precision=str(trainer.precision),
+        init_from=fingerprints.init_from_part(init))
+    method = {k: hp.get(k) for k in pl_module.cfg.kind.training_options}
+    return {fingerprints.FINGERPRINT_TAG: fingerprints.fingerprint(parts),
+            fingerprints.PARTS_TAG: json.dumps(parts, sort_keys=True, default=str),
+            fingerprints.METHOD_TAG: json.dumps(method, sort_keys=True)}
 
 
 def package_version() -> str:
@@ -126,8 +153,9 @@ def run_description(trainer: L.Trainer, pl_module: L.LightningModule) -> str:
     lines = [
         f"**{cfg.ablation.name}** at size **{size.name}**: {' '.join((cfg.ablation.doc or '').split())}",
         "",
-        f"Control: `{cfg.ablation.control or 'none'}`. {count_params(cfg):,} parameters, "
-        f"added FLOPs {'unknown' if pct is None else f'{pct:.3f} %'} of the core (L={size.n_layers}, d={size.d_model}).",
+        f"Control: `{cfg.ablation.control or 'none'}`. {count_params(cfg):,} parameters. Added FLOPs of this "
+        f"run: {'unknown' if pct is None else f'{pct:.3f} %'} of its core (size {size.name}: L={size.n_layers}, "
+        f"d={size.d_model}).{paper_flops(cfg, hp.get('registry'), pct)}",
         "",
         f"Recipe: {recipe['train_max_steps']} steps of {recipe['train_tokens_per_step']} tokens "
         f"(batch {recipe['train_batch_size']} x seq {recipe['train_seq_len']}), optimizer {hp.get('optimizer')} "
@@ -135,6 +163,28 @@ def run_description(trainer: L.Trainer, pl_module: L.LightningModule) -> str:
         f"{recipe['train_devices']} device(s) x {recipe['train_num_nodes']} node(s), data {recipe['train_data_dir']}.",
     ]
     return "\n".join(lines)
+
+
+PAPER_SIZE = "paper-0.5b"
+
+
+def paper_flops(cfg: ModelConfig, registry: str | None, this_run: float | None) -> str:
+    """The entry's added FLOPs at the paper's model, the number its doc and the paper's table quote; '' at that
+    size, or where the registry has no such size or the cost is unknown."""
+    from lrattn_lightning.model.registry import load_registry
+
+    if cfg.size.name == PAPER_SIZE:
+        return " This is the paper's model size: the figure compares with the paper's table."
+    try:
+        paper = load_registry(registry).size(PAPER_SIZE)
+        pct = added_flops_percent(paper, cfg.ablation)
+    except (ValueError, OSError):  # a user's registry without the paper's size
+        return ""
+    if pct is None or this_run is None:
+        return ""
+    return (f" The paper's figure for this entry is {pct:.3f} % (at its model, size {PAPER_SIZE}: L={paper.n_layers}, "
+            f"d={paper.d_model}); the routing's share of the core depends on the size, so this run's figure is "
+            f"{'larger' if this_run > pct else 'smaller' if this_run < pct else 'the same'}.")
 
 
 def strategy_name(trainer: L.Trainer) -> str:
@@ -166,36 +216,52 @@ def recipe_params(trainer: L.Trainer) -> dict[str, Any]:
 
 
 class RoutingArtifacts(Callback):
-    """The routing of the first validation batch as MLflow artifacts (see module doc). Runs before the
-    module's own epoch-end hook, which reports the mean diagnostics and clears `routing_weights`."""
+    """The routing of the first validation batch as MLflow artifacts (see module doc), for every kind that
+    records (RoutingKind.diagnostics). Runs before the module's own epoch-end hook, which reports the mean
+    diagnostics and clears `routing_weights`."""
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         weights, logger = getattr(pl_module, "routing_weights", None), _mlflow(trainer)
-        if weights is None or logger is None:
+        if weights is None or logger is None or (isinstance(weights, list | tuple) and not weights):
             return
         import matplotlib.pyplot as plt
 
         cfg, step = pl_module.cfg, pl_module.report_step
         title = f"{cfg.ablation.name} @ {cfg.size.name}, step {step}"
         client, run_id = logger.experiment, logger.run_id
-        if cfg.kind.diagnostics == "gates":
+        try:
+            table = diagnostics.weights_table(cfg, weights)
+        except (RuntimeError, TypeError, ValueError, AttributeError) as err:  # an own router's odd `weights`
+            if not getattr(self, "_warned", False):
+                self._warned = True
+                print(f"[lrattn] routing diagnostics skipped: the router's state.weights are not a list of "
+                      f"[S, B, T(, m)] tensors ({type(err).__name__}: {err})", flush=True)
+            return
+        fig = diagnostics.heatmap_figure(table, title)
+        client.log_figure(run_id, fig, "routing/heatmap.png")
+        plt.close(fig)
+        client.log_dict(run_id, {"step": step, **table}, "routing/weights.json")
+        if cfg.kind.diagnostics == "depth_weights":  # per read site: one table per validation, not 4 x 2L metrics
+            stats = diagnostics.site_stats(weights, cfg.kind.diagnostic_axes(cfg)["embedding_column"])
+            client.log_dict(run_id, {"step": step, "sites": [{"site": label, **row} for label, row in
+                                                             zip(_site_labels(table), stats, strict=True)]},
+                            "routing/sites.json")
+        elif cfg.kind.diagnostics == "gates":
             stats = diagnostics.gate_stats(weights)
             alphas = [r["alpha"] for r in stats]
             fig = diagnostics.gate_figure({cfg.ablation.name: alphas}, title, initial=cfg.kind.initial_gates(cfg))
             client.log_figure(run_id, fig, "routing/gates.png")
+            plt.close(fig)
             client.log_dict(run_id, {"step": step, "held": pl_module.model.router.gates_held, "alpha": alphas,
                                      "saturated": [r["saturated"] for r in stats]}, "routing/gates.json")
-        else:
-            stats = diagnostics.site_stats(weights)  # per read site: one table per validation, not 4 x 2L metrics
-            matrix = diagnostics.mean_weights(weights)
-            fig = diagnostics.heatmap_figure(matrix, title)
-            client.log_figure(run_id, fig, "routing/heatmap.png")
-            client.log_dict(run_id, {"step": step, "sites_by_sources": matrix}, "routing/weights.json")
-            client.log_dict(run_id, {"step": step, "sites": [{"site": j, **row} for j, row in enumerate(stats, 1)]},
-                            "routing/sites.json")
-        plt.close(fig)
 
     on_test_epoch_end = on_validation_epoch_end
+
+
+def _site_labels(table: dict) -> list:
+    """The sites of a weights table as routing/sites.json names them: their labels, else 1, 2, ..."""
+    labels = table.get("site_labels")
+    return [int(x) if str(x).isdigit() else x for x in labels] if labels else list(range(1, len(table["sites_by_sources"]) + 1))
 
 
 class CheckpointContents(Callback):
@@ -294,6 +360,38 @@ def training_monitors(counters: bool = False) -> list[Callback]:
     """The step monitors of `lrattn fit`: learning rate, Muon momentum, tokens/s (see module doc); `counters`
     adds Lightning's running counts (train/batches, train/samples, train/lengths, train/time)."""
     return [LearningRateMonitor(logging_interval="step"), MuonMomentumMonitor(), TokenThroughput(counters)]
+
+
+class StepProgressLog(Callback):
+    """`[lrattn fit] step 40/200 (20 %): train/loss 3.2104, 52 s, ~3.5 min left` every `every` optimizer steps
+    (and at the last), on rank zero: a run's progress where no progress bar is drawn (a recipe that turns it
+    off, a log file, `lrattn sweep`'s terminal, which shows these lines)."""
+
+    def __init__(self, every: int) -> None:
+        self.every, self.start, self.first, self.shown = max(1, int(every)), 0.0, 0, -1
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import time
+
+        self.start, self.first = time.monotonic(), trainer.global_step  # a resumed run starts its clock here
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        import time
+
+        step, total = trainer.global_step, trainer.max_steps
+        if not trainer.is_global_zero or step == self.shown or (step % self.every and step != total):
+            return
+        self.shown = step
+        elapsed = time.monotonic() - self.start
+        loss = trainer.callback_metrics.get("train/loss")
+        line = f"[lrattn fit] step {step}" + (f"/{total} ({100 * step // total} %)" if total > 0 else "")
+        line += f": train/loss {float(loss):.4f}" if loss is not None else ":"
+        line += f", {elapsed:.0f} s"
+        if total > 0 and step > self.first:
+            left = elapsed / (step - self.first) * (total - step)
+            line += f", ~{left / 60:.1f} min left" if left >= 90 else f", ~{left:.0f} s left"
+        print(line, flush=True)
 
 
 def step_progress_bar() -> Callback | None:

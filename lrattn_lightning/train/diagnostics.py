@@ -1,12 +1,20 @@
 """Routing diagnostics computed from the forward pass's own weights (not a re-derivation).
 
-For read site j with weights alpha [S_j, B, T, M] (sources: embedding first, then later outputs
-or block summaries in order):
+Every routing kind that records (RoutingKind.diagnostics) hands over one tensor [S, B, T, m] per heatmap row
+(S sources; B, T, m may be 1); `weights_table` averages each over batch, tokens and depth heads into the
+ragged rows x sources matrix of routing/weights.json, with the kind's labels (RoutingKind.diagnostic_axes):
+
+    {"step": N, "kind": ..., "sites_by_sources": [[...], ...], "site_labels": [...], "source_labels": [...],
+     "site_axis": ..., "source_axis": ..., "value": ...}           (a cell the kind leaves empty: null)
+
+`heatmap_figure` draws it (compare draws the same file). For a softmax read over sources
+("depth_weights": AttnRes, Delta AttnRes), read site j with weights alpha [S_j, B, T, M] has
     entropy      H = -sum_i alpha_i log alpha_i, normalised by log S_j   (1 = uniform)
     eff_sources  exp(H)                                                 (effective number of sources)
     top1         max_i alpha_i                                          (mass on the favourite)
-    embedding    alpha_0                                                (weight of the token embedding)
-each averaged over batch, tokens and depth heads.
+    embedding    alpha_e                                                (weight of the token embedding)
+each averaged over batch, tokens and depth heads. Real mixing weights ("mixing": DenseFormer's alpha, the
+hyper-connections' coefficients, an own router's) have no such statistics: the table is all.
 
 The gated residual (routing: gated) records at site i the two-source weights [alpha_i, 1 - alpha_i]
 of its write y = alpha_i x + (1 - alpha_i) F(x); its statistics per site are
@@ -18,7 +26,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor
 
 STATS = ("entropy", "eff_sources", "top1", "embedding")
@@ -26,8 +33,8 @@ GATE_STATS = ("alpha", "saturated")
 SATURATION = 0.01
 
 
-def site_stats(weights: list[Tensor]) -> list[dict[str, float]]:
-    """One dict of STATS per read site j = 1..2L."""
+def site_stats(weights: list[Tensor], embedding_column: int = 0) -> list[dict[str, float]]:
+    """One dict of STATS per read site."""
     out = []
     for alpha_SBTM in weights:
         a = alpha_SBTM.double().clamp_min(1e-30)
@@ -37,37 +44,85 @@ def site_stats(weights: list[Tensor]) -> list[dict[str, float]]:
             "entropy": float((entropy_BTM / math.log(S)).mean()) if S > 1 else 0.0,
             "eff_sources": float(entropy_BTM.exp().mean()),
             "top1": float(a.max(0).values.mean()),
-            "embedding": float(a[0].mean()),
+            "embedding": float(a[embedding_column].mean()) if S > embedding_column else 0.0,
         })
     return out
 
 
-def mean_weights(weights: list[Tensor]) -> list[list[float]]:
-    """Mean alpha per site and source: a ragged sites x sources matrix (row j-1 has S_j entries)."""
-    return [alpha.float().mean(dim=(1, 2, 3)).tolist() for alpha in weights]
+def mean_stats(cfg, weights: list[Tensor]) -> dict[str, float]:
+    """The statistics averaged over sites, as the routing/mean/<stat> metrics ({} for mixing weights)."""
+    kind = cfg.kind.diagnostics
+    if kind == "gates":
+        stats, names = gate_stats(weights), GATE_STATS
+    elif kind == "depth_weights":
+        stats, names = site_stats(weights, cfg.kind.diagnostic_axes(cfg)["embedding_column"]), STATS
+    else:
+        return {}
+    return {name: sum(r[name] for r in stats) / len(stats) for name in names} if stats else {}
 
 
-def heatmap_figure(matrix: list[list[float]], title: str):
-    """Sites x sources heatmap (matplotlib Figure); empty cells where a site has fewer sources."""
+def mean_weights(weights: list[Tensor]) -> list[list[float | None]]:
+    """Mean weight per row and source over everything else: a ragged rows x sources matrix (None: no source)."""
+    rows = []
+    for w in weights:
+        w = w.detach().float()
+        values = (w.reshape(w.shape[0], -1).mean(1) if w.dim() > 1 else w).tolist()
+        rows.append([None if not math.isfinite(v) else v for v in values])
+    return rows
+
+
+def weights_table(cfg, weights: list[Tensor]) -> dict:
+    """routing/weights.json's content (without the step): the matrix and the kind's labels."""
+    axes = {k: v for k, v in cfg.kind.diagnostic_axes(cfg).items() if k != "embedding_column"}
+    matrix = mean_weights(weights)
+    if axes.get("site_labels") is not None and len(axes["site_labels"]) != len(matrix):
+        axes["site_labels"] = None  # (a router recording other rows than its kind says: numbered instead)
+    width = max((len(r) for r in matrix), default=0)
+    if axes.get("source_labels") is not None and len(axes["source_labels"]) < width:
+        axes["source_labels"] = None
+    return {"kind": cfg.kind.name, "sites_by_sources": matrix, **axes}
+
+
+def heatmap_figure(table: dict, title: str, ax=None):
+    """The rows x sources heatmap of a weights table (matplotlib Figure; or drawn into `ax`): weights in [0, 1]
+    on viridis from 0 to 1, any others (negative, above 1) on a diverging scale centred at 0; empty cells
+    where a row has fewer sources (or the kind leaves one out)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
+    matrix = table["sites_by_sources"]
     n_sites, n_src = len(matrix), max(len(row) for row in matrix)
-    grid = torch.full((n_sites, n_src), float("nan"))
+    grid = np.full((n_sites, n_src), np.nan)
     for j, row in enumerate(matrix):
-        grid[j, : len(row)] = torch.tensor(row)
-    fig, ax = plt.subplots(figsize=(1.2 + 0.35 * n_src, 1.2 + 0.3 * n_sites), dpi=110)
-    im = ax.imshow(grid.numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
-    ax.set_xlabel("source (0 = embedding)")
-    ax.set_ylabel("read site j")
-    ax.set_yticks(range(n_sites), [str(j + 1) for j in range(n_sites)], fontsize=7)
-    ax.set_xticks(range(n_src), [str(i) for i in range(n_src)], fontsize=7)
+        grid[j, : len(row)] = [np.nan if v is None else v for v in row]
+    fig = None
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(1.6 + 0.38 * n_src, 1.2 + 0.3 * n_sites), dpi=110)
+    finite = grid[np.isfinite(grid)]
+    unit = finite.size == 0 or (finite.min() >= 0 and finite.max() <= 1)
+    limit = 1.0 if unit else max(float(np.abs(finite).max()), 1e-12)
+    im = ax.imshow(grid, cmap="viridis" if unit else "RdBu_r", vmin=0.0 if unit else -limit, vmax=limit,
+                   aspect="auto", interpolation="nearest")
+    sites = table.get("site_labels") or [str(j + 1) for j in range(n_sites)]
+    sources = table.get("source_labels") or [str(i) for i in range(n_src)]
+    ax.set_xlabel(table.get("source_axis") or "source (0 = embedding)", fontsize=7)
+    ax.set_ylabel(table.get("site_axis") or "read site j", fontsize=7)
+    ax.set_yticks(range(n_sites), sites[:n_sites], fontsize=6)
+    ax.set_xticks(range(n_src), sources[:n_src], fontsize=6, rotation=90 if max(map(len, sources)) > 3 else 0)
+    if grid.size <= 400:  # small enough to print the weights themselves
+        for (j, i), value in np.ndenumerate(grid):
+            if np.isfinite(value):
+                dark = (value > 0.55) if unit else abs(value) > 0.6 * limit
+                ax.text(i, j, f"{value:.2f}", ha="center", va="center", fontsize=5,
+                        color=("black" if unit else "white") if dark else ("white" if unit else "black"))
     ax.set_title(title, fontsize=9)
-    fig.colorbar(im, ax=ax, label="mean routing weight")
-    fig.tight_layout()
-    return fig
+    (fig or ax.figure).colorbar(im, ax=ax, label=table.get("value") or "mean routing weight", shrink=0.85)
+    if fig is not None:
+        fig.tight_layout()
+    return fig or ax.figure
 
 
 def gate_stats(weights: list[Tensor]) -> list[dict[str, float]]:

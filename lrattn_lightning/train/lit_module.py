@@ -369,11 +369,9 @@ class LRAttnModule(L.LightningModule):
 
     def _report_routing(self, weights: list[torch.Tensor]) -> None:
         """The mean over read sites as metrics routing/mean/<stat> (the gated residual: over sublayers,
-        routing/mean/alpha and saturated); per site they are artifacts (RoutingArtifacts)."""
-        gated = self.cfg.kind.diagnostics == "gates"
-        stats = diagnostics.gate_stats(weights) if gated else diagnostics.site_stats(weights)
-        for stat in diagnostics.GATE_STATS if gated else diagnostics.STATS:
-            self._report(f"routing/mean/{stat}", sum(r[stat] for r in stats) / len(stats))
+        routing/mean/alpha and saturated; mixing weights: none); per site they are artifacts (RoutingArtifacts)."""
+        for stat, value in diagnostics.mean_stats(self.cfg, weights).items():
+            self._report(f"routing/mean/{stat}", value)
 
     test_step = validation_step
     on_test_epoch_end = on_validation_epoch_end

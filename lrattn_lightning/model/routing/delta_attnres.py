@@ -21,8 +21,9 @@ an unused query there). Its block mode (`delta_block`) is not built here.
     FLOPs/token = sum_j |S_j| (2 d + 2 d + d) + d         logits, weighted sum, the norm weight; the add
 
 Depth routing is per token: KV-cache decoding needs no cache of its own. Every parameter is one d-vector per
-site, so AdamW takes them all under muon_adamw. Diagnostics are not recorded (its reads are added terms,
-not the mixtures routing/sites.json describes).
+site, so AdamW takes them all under muon_adamw. Diagnostics ("depth_weights"): a recording pass keeps each
+read's softmax over its sources, [S_j, B, T, 1] (the null source first), as AttnRes does; the read is added to
+the plain stream, so these weights say how the added term is made, not how much of the stream it is.
 
 Shape legend: S sources, B batch, T tokens, D = d_model, J read sites.
 """
@@ -46,7 +47,7 @@ NORM_EPS = 1e-6  # the public code's RMSNorm eps (its config default)
 class DeltaState:
     stream: Tensor  # s_j, the plain residual stream [B, T, D]
     deltas: list[Tensor] = field(default_factory=list)  # o_0, o_1, ... once a sublayer has written
-    weights: list[Tensor] | None = None  # recording: nothing (diagnostics are not recorded)
+    weights: list[Tensor] | None = None  # recording: per read site, the softmax over its sources [S, B, T, 1]
 
 
 class DeltaAttnResRouter(nn.Module):
@@ -70,7 +71,7 @@ class DeltaAttnResRouter(nn.Module):
 
     def start(self, emb_BTD: Tensor, *, record: bool = False, cache: None = None,
               segments: Tensor | None = None) -> DeltaState:
-        return DeltaState(emb_BTD)
+        return DeltaState(emb_BTD, weights=[] if record else None)
 
     def write(self, state: DeltaState, i: int, out_BTE: Tensor) -> None:
         out = out_BTE[..., : self.d]
@@ -92,12 +93,25 @@ class DeltaAttnResRouter(nn.Module):
             K = F.rms_norm(V, (self.d,), eps=NORM_EPS) * self.key_norm_weight[site].to(dtype)
             alpha = (K * self.queries[site].to(dtype)).sum(-1).softmax(dim=0)  # [S, B, T]
             added = (alpha.unsqueeze(-1) * V).sum(0)
+        if state.weights is not None:
+            state.weights.append(alpha.detach().float().unsqueeze(-1))
         return state.stream + added.to(state.stream.dtype)
 
 
 class DeltaAttnResKind(RoutingKind):
     name = "delta_attnres"
     options = {"null_source": False}
+    diagnostics = "depth_weights"
+
+    def diagnostic_axes(self, cfg: ModelConfig) -> dict:
+        null = cfg.ablation.null_source
+        sources = max(self._sources(cfg))
+        first = 0 if null else 1
+        return {"site_labels": [str(j) for j in range(first, cfg.size.n_sublayers)],
+                "source_labels": (["null"] if null else []) + [str(i) for i in range(sources - int(null))],
+                "site_axis": "read site j (its read is added to the stream sublayer j + 1 sees)",
+                "source_axis": "source (null: the learned zero source; 0 = embedding, i = sublayer i's output)",
+                "value": "mean softmax weight", "embedding_column": 1 if null else 0}
 
     def validate(self, a, where: str) -> None:
         if not isinstance(a.null_source, bool):

@@ -14,7 +14,8 @@ vector of (t + k) // k entries per averaged layer; the outputs kept in k interle
     params = sum_{t: t mod p = 0} (t + k) // k          FLOPs/token = 2 d x that   (one multiply-add per weight)
 
 Depth routing is per token: KV-cache decoding needs no cache of its own. The weight vectors are 1-D, so AdamW
-takes them under muon_adamw (the usual rule).
+takes them under muon_adamw (the usual rule). Diagnostics ("mixing"): a recording pass keeps each DWA's weights
+as one heatmap row over x_0 .. x_t (NaN at the outputs a dilation leaves out of G_t).
 
 Shape legend: B batch, T tokens, D = d_model.
 """
@@ -44,7 +45,7 @@ def group_of(t: int, dilation: int) -> list[int]:
 class DWAState:
     outputs: list[Tensor]  # x_0 (the embedding), x_1 .. x_t: the layers' outputs as they wrote them
     stream: Tensor  # the stream inside the current layer
-    weights: list[Tensor] | None = field(default=None)  # recording: nothing (the weights are input-independent)
+    weights: list[Tensor] | None = field(default=None)  # recording: per DWA, w over x_0..x_t as [t + 1, 1, 1, 1]
 
 
 class DenseFormerRouter(nn.Module):
@@ -75,8 +76,13 @@ class DenseFormerRouter(nn.Module):
         state.outputs.append(state.stream)  # x_t, before its average
         if str(t) in self.dwa:
             w = self.dwa[str(t)]
-            sources = [state.outputs[s] for s in group_of(t, self.dilation)]
+            group = group_of(t, self.dilation)
+            sources = [state.outputs[s] for s in group]
             state.stream = sum(w[n].to(x.dtype) * x for n, x in enumerate(sources))
+            if state.weights is not None:  # input-independent: one value per source; NaN outside G_t
+                row = torch.full((t + 1,), float("nan"), device=w.device)
+                row[group] = w.detach().float()
+                state.weights.append(row.view(t + 1, 1, 1, 1))
 
     def read(self, state: DWAState, j: int) -> Tensor:
         return state.stream
@@ -85,6 +91,13 @@ class DenseFormerRouter(nn.Module):
 class DenseFormerKind(RoutingKind):
     name = "denseformer"
     options = {"dilation": 1, "period": 1}
+    diagnostics = "mixing"
+
+    def diagnostic_axes(self, cfg: ModelConfig) -> dict:
+        return {"site_labels": [f"after layer {t}" for t in averaged_layers(cfg)], "source_labels": None,
+                "site_axis": "DWA (its average is what the next layer and the head read)",
+                "source_axis": "source x_s (0 = embedding, s = layer s's output)", "value": "weight w_{t,s}",
+                "embedding_column": 0}
 
     def validate(self, a, where: str) -> None:
         for option in self.options:

@@ -15,7 +15,9 @@ The contract (README, "Writing your own router"; kept stable): the class is an `
 None). Optional: `added_flops_per_token() -> int` (forward FLOPs per token it adds to the core; without it
 the added FLOPs are recorded as unknown) and `adamw_parameter_names() -> iterable of its own parameter
 names` (those go to AdamW, the rest by the usual rule: matrices to Muon; without it every parameter of the
-router goes to AdamW). A state may carry `weights` (a list of per-site routing weights) for diagnostics.
+router goes to AdamW). `write`'s `out` is [B, T, D], exactly d wide. A recording state (`start(record=True)`)
+may carry `weights`: a list of one tensor [S, B, T] or [S, B, T, m] per heatmap row (the weights of its S
+sources), logged as routing/weights.json and drawn by compare (train/diagnostics.py).
 
 Only classes named in the registry the user passes (or by `--trust_router`) are imported (routing/trust.py): a
 checkpoint or an exported folder that names another class is refused before anything is imported. A missing module
@@ -106,6 +108,13 @@ class ExternalKind(RoutingKind):
     name = "external"
     fields = ("router", "router_options")
     owner_phrase = "only routing external names a router class"
+    diagnostics = "mixing"  # whatever a recording state's `weights` hold (README: the contract); none: nothing
+    user_code = True
+
+    def diagnostic_axes(self, cfg: ModelConfig) -> dict:
+        return {"site_labels": None, "source_labels": None, "site_axis": "row of the router's state.weights",
+                "source_axis": f"source, as {cfg.ablation.router} orders them", "value": "mean weight",
+                "embedding_column": None}
 
     def validate(self, a, where: str) -> None:
         """router: an import path; router_options: a mapping of identifier keys (or null)."""

@@ -240,6 +240,11 @@ class GatedKind(RoutingKind):
     owner_phrase = "only the gated residual (routing: gated) has gates"
     diagnostics = "gates"
 
+    def diagnostic_axes(self, cfg: ModelConfig) -> dict:
+        return {"site_labels": [str(i) for i in range(1, cfg.size.n_sublayers + 1)],
+                "source_labels": ["stream: α", "F(x): 1 - α"], "site_axis": "sublayer i (its gated write)",
+                "source_axis": "source of y = α x + (1 - α) F(x)", "value": "mean weight", "embedding_column": None}
+
     def validate(self, a, where: str) -> None:
         """gate_alpha exactly when the bias needs one."""
         _check_literal(where, "gate_bias", a.gate_bias, GateBias)

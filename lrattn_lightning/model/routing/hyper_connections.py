@@ -26,7 +26,9 @@ The mixing computes in float32 (float64 for float64 models).
     FLOPs/token     = 2L (2 d n (n + 1) + 2 n d [+ dynamic: 2 n d (n + 2) + 4 n d]) + n d (the final sum)
 
 Depth routing is per token: KV-cache decoding needs no cache of its own. AdamW takes every parameter of the
-router (small coefficient tables, not matrices of the core).
+router (small coefficient tables, not matrices of the core). Diagnostics ("mixing"): a recording pass keeps
+each read site's coefficients as one heatmap row of 2n + n^2 columns: the read A[:, 0] (n), the width
+connection A[s, 1 + t] from stream s into stream t (n^2), and beta (n).
 
 Shape legend: B batch, T tokens, n streams, D = d_model.
 """
@@ -59,7 +61,7 @@ def sinkhorn(log_alpha: Tensor, iters: int) -> Tensor:
 class StreamsState:
     streams: Tensor  # H [B, T, n, D]
     pending: tuple[Tensor, Tensor] | None = None  # (H', beta) of the sublayer that just read
-    weights: list[Tensor] | None = None  # recording: nothing
+    weights: list[Tensor] | None = None  # recording: per read site, [read | width | beta] as [2n + n^2, B, T, 1]
 
 
 class HyperConnectionsRouter(nn.Module):
@@ -93,7 +95,8 @@ class HyperConnectionsRouter(nn.Module):
 
     def start(self, emb_BTD: Tensor, *, record: bool = False, cache: None = None,
               segments: Tensor | None = None) -> StreamsState:
-        return StreamsState(emb_BTD.unsqueeze(-2).expand(*emb_BTD.shape[:-1], self.n, self.d))
+        return StreamsState(emb_BTD.unsqueeze(-2).expand(*emb_BTD.shape[:-1], self.n, self.d),
+                            weights=[] if record else None)
 
     def _coefficients(self, H: Tensor, i: int) -> tuple[Tensor, Tensor]:
         """(A [B, T, n, 1 + n], beta [B, T, n]) of sublayer i + 1 for streams H (compute dtype)."""
@@ -120,6 +123,9 @@ class HyperConnectionsRouter(nn.Module):
             A, beta = self._coefficients(H, j)
             mixed = A.transpose(-1, -2) @ H  # [B, T, 1 + n, D]
         state.pending = (mixed[..., 1:, :], beta)
+        if state.weights is not None:  # [B, T, n + n^2 + n] -> [2n + n^2, B, T, 1]
+            row = torch.cat((A[..., 0], A[..., 1:].flatten(-2), beta), dim=-1).detach().float()
+            state.weights.append(row.movedim(-1, 0).unsqueeze(-1))
         return mixed[..., 0, :].to(dtype)
 
     def write(self, state: StreamsState, i: int, out_BTE: Tensor) -> None:
@@ -132,6 +138,16 @@ class HyperConnectionsRouter(nn.Module):
 class HyperConnectionsKind(RoutingKind):
     name = "hyper_connections"
     options = {"streams": 4, "dynamic": True, "manifold": False, "sinkhorn_iters": 20}
+    diagnostics = "mixing"
+
+    def diagnostic_axes(self, cfg: ModelConfig) -> dict:
+        n = cfg.ablation.streams
+        return {"site_labels": [str(j) for j in range(cfg.size.n_sublayers)],
+                "source_labels": ([f"read {s}" for s in range(n)] + [f"{s}→{t}" for s in range(n) for t in range(n)]
+                                  + [f"β {s}" for s in range(n)]),
+                "site_axis": "read site j (feeds sublayer j + 1)",
+                "source_axis": "coefficient: read A[s, 0]; width s→t A[s, 1 + t]; depth β[s]",
+                "value": "mean coefficient", "embedding_column": None}
 
     def validate(self, a, where: str) -> None:
         for option in ("streams", "sinkhorn_iters"):

@@ -14,8 +14,14 @@ built-in kind is that module plus registry entries. A kind states:
     routing_params, added_flops    the analytic parameter count and forward FLOPs per token it adds
                                    (added_flops None: unknown)
     adamw_names(router)   its router's parameter names that AdamW takes under muon_adamw (None: all of them)
-    diagnostics           what `state.weights` hold when a pass records: "depth_weights" (alpha [S_j, B, T, m]
-                          per read site), "gates" (alpha per sublayer) or None (nothing recorded)
+    diagnostics           what `state.weights` hold when a pass records, one tensor [S, B, T, m] per row of
+                          the heatmap (S sources; B, T, m may be 1): "depth_weights" (a softmax over sources per
+                          read site: entropy, top-1 ... apply), "gates" (the gated residual's [alpha, 1 - alpha]
+                          per sublayer), "mixing" (any real mixing weights: DenseFormer's alpha, the
+                          hyper-connections' coefficients, an own router's), or None (nothing recorded)
+    diagnostic_axes(cfg)  what the rows and columns of those weights are: labels and axis titles of
+                          routing/weights.json and the heatmaps (train/diagnostics.py)
+    user_code             whether it imports the user's code (an own router): a sweep imports it before its runs
     takes_impl            whether the AttnRes backends (`--model.impl`) apply
     depth_attention       softmax attention over depth sources: the roofline's traffic model applies
     reference_flags(cfg)  the paper's code's flags for it (NotExpressible where it has none) and
@@ -58,6 +64,7 @@ class RoutingKind:
     training_options: tuple[str, ...] = ()
     owner_phrase = ""  # how an error says a foreign field belongs here, e.g. "only AttnRes routing (...) reads it"
     diagnostics: str | None = None
+    user_code = False
     takes_impl = False
     depth_attention = False
 
@@ -95,6 +102,14 @@ class RoutingKind:
         """The router's own parameter names AdamW takes; the rest by the usual rule (matrices to Muon).
         None: every parameter of the router."""
         return set()
+
+    def diagnostic_axes(self, cfg: ModelConfig) -> dict[str, Any]:
+        """Rows and columns of the recorded weights: `site_labels` (one per row; None: 1, 2, ...),
+        `source_labels` (one per column; None: 0, 1, ...), `site_axis`, `source_axis`, `value` (what a cell is)
+        and `embedding_column` (the embedding's column, for the `embedding` statistic of a softmax read)."""
+        return {"site_labels": None, "source_labels": None, "site_axis": "read site j (feeds sublayer j + 1; 2L: the head)",
+                "source_axis": "source (0 = embedding, then the later outputs or block summaries)",
+                "value": "mean routing weight", "embedding_column": 0}
 
     def reference_flags(self, cfg: ModelConfig) -> dict[str, Any]:
         """The reference's routing flags for cfg ({} for its plain residual stream)."""

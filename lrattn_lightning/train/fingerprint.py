@@ -1,0 +1,112 @@
+"""The recipe fingerprint of a run: what two runs must share for their losses to be compared.
+
+A run's result depends on its architecture (the size and ablation, which name a row of `lrattn compare`),
+its seed (which compare pools over) and its recipe. The recipe's parts, as `recipe_parts` returns them:
+
+    size            the registry size (rows are per size anyway; here so that a fingerprint names it)
+    max_steps       the schedule's length (a resume with --model.allow_schedule_change: the new one)
+    tokens_per_step batch x seq_len x devices x nodes x gradient accumulation
+    seq_len         the training window
+    data            sha256 over the data folder's shard checksums (meta.json `checksums`), 16 hex; a folder
+                    prepared without checksums: `meta:` + the hash of its meta.json (token and byte counts)
+    optimizer       the optimiser and every setting that shapes its steps: learning rates, weight decays, Muon's
+                    variant and momentum schedule, warmup / decay / final LR, z-loss, gradient clipping
+    precision       Lightning's precision (32-true, bf16-mixed, ...)
+    document_masking  whether attention stops at document boundaries
+    init_from       `none`, or the source of an upcycled run: `run RUN_ID step N` (its MLflow run) or
+                    `file NAME step N` (a checkpoint without one)
+
+The fingerprint is the first 12 hex digits of the sha256 of the parts as sorted JSON. `lrattn fit` records
+both as tags (FINGERPRINT_TAG, PARTS_TAG, rewritten when a resume changes the schedule's length), so
+`lrattn compare` groups by the one and says what differs from the other. The routing kind's own training
+options (the gated residual's `gate_*`) are not recipe: they are the method under test, tagged apart
+(METHOD_TAG) and named by a sweep's `variant` label.
+
+Runs from before the fingerprint have no tags: `legacy_parts` rebuilds the parts from their MLflow params,
+with `data` as `folder PATH` (no checksums were recorded), so they group among themselves and never with
+a fingerprinted run; compare marks them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+FINGERPRINT_TAG = "lrattn.recipe"
+PARTS_TAG = "lrattn.recipe_parts"
+METHOD_TAG = "lrattn.method"
+LEGACY = "legacy-"  # prefix of a fingerprint rebuilt from params
+
+# the module's settings that shape the optimiser's steps (LRAttnModule's arguments)
+OPTIMIZER_SETTINGS = ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_decay", "muon_variant",
+                      "muon_momentum", "muon_momentum_min", "muon_momentum_warmup_steps",
+                      "muon_momentum_cooldown_steps", "warmup_steps", "decay_fraction", "final_lr_fraction", "z_loss")
+
+
+def fingerprint(parts: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def data_checksum(data_dir: str | Path, meta: dict[str, Any] | None) -> str:
+    """The `data` part: a hash of the shards' recorded checksums (the contents, wherever the folder lies)."""
+    if isinstance(meta, dict) and meta.get("checksums"):
+        return hashlib.sha256(json.dumps(meta["checksums"], sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(data_dir) / "meta.json" if data_dir else None
+    if path is None or not path.is_file():
+        return "unknown"  # a Trainer built in Python without our data module
+    return "meta:" + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def init_from_part(params: dict[str, Any]) -> str:
+    """`none`, or the source of an upcycled run from its init_from* params (as fit records them)."""
+    if not params.get("init_from"):
+        return "none"
+    run, step = params.get("init_from_run"), params.get("init_from_step")
+    if run and run != "none":
+        return f"run {run} step {step}"
+    return f"file {Path(str(params['init_from'])).name} step {step}"
+
+
+def recipe_parts(*, size: str, max_steps: int, tokens_per_step: int | None, seq_len: int | None, data: str,
+                 settings: dict[str, Any], gradient_clip_val: Any, precision: str, init_from: str) -> dict[str, Any]:
+    optimizer = {k: _plain(settings.get(k)) for k in OPTIMIZER_SETTINGS}
+    optimizer["gradient_clip_val"] = _plain(gradient_clip_val)
+    return {"size": size, "max_steps": max_steps, "tokens_per_step": tokens_per_step, "seq_len": seq_len,
+            "data": data, "optimizer": optimizer, "precision": str(precision),
+            "document_masking": bool(settings.get("document_masking")), "init_from": init_from}
+
+
+def legacy_parts(params: dict[str, str]) -> dict[str, Any]:
+    """The parts of a run from before the fingerprint, from its MLflow params (values as logged: strings)."""
+    def get(key: str) -> Any:
+        return params.get(key)
+
+    optimizer = {k: get(f"train_{k}") for k in OPTIMIZER_SETTINGS}
+    optimizer["gradient_clip_val"] = get("train_gradient_clip_val")
+    return {"size": get("size"), "max_steps": get("train_max_steps"), "tokens_per_step": get("train_tokens_per_step"),
+            "seq_len": get("train_seq_len"), "data": f"folder {get('train_data_dir')}", "optimizer": optimizer,
+            "precision": get("train_precision"), "document_masking": get("train_document_masking"),
+            "init_from": init_from_part(params)}
+
+
+def flat(parts: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested parts as one level: optimizer.lr, optimizer.z_loss, ..."""
+    out: dict[str, Any] = {}
+    for key, value in parts.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def differences(parts: dict[str, Any], other: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(part, value here, value there) where two recipes differ, in the parts' order."""
+    a, b = flat(parts), flat(other)
+    return [(k, a.get(k), b.get(k)) for k in dict.fromkeys([*a, *b]) if str(a.get(k)) != str(b.get(k))]
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
