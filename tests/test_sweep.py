@@ -480,3 +480,25 @@ def test_a_dry_run_writes_nothing(data_dir, tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert out.count("new ") == 4, out
     assert sorted(p.name for p in folder.iterdir()) == before  # recipe.yaml, sweep.yaml only
+
+
+def test_a_diverged_run_is_not_resumed_again(finished_sweep, tmp_path, monkeypatch, capsys):
+    """A run that ended FAILED on a non-finite loss (what `lrattn fit` tags, tests/test_run_endings.py) would
+    diverge again at the same step if resumed: the sweep says so and leaves it, and its exit code is not 0."""
+    uri, runs = _copy_with_failed(finished_sweep, tmp_path / "copy", "tiny-baseline-seed1")
+    diverged = runs["tiny-baseline-seed1"]
+    MlflowClient(uri).set_tag(diverged.info.run_id, "lrattn.diverged", "non-finite training loss (nan) at step 2")
+    monkeypatch.chdir(tmp_path / "copy")
+    capsys.readouterr()
+    assert main(["sweep", "sweep.yaml", "--dry-run", "--tracking_uri", uri]) == 0
+    states = dict(line.split()[::-1] for line in capsys.readouterr().out.splitlines()[1:])
+    assert states["tiny-baseline-seed1"] == "diverged"
+    assert main(["sweep", "sweep.yaml", "--tracking_uri", uri]) == 1
+    out = capsys.readouterr().out
+    assert ("tiny-baseline-seed1: diverged (non-finite training loss (nan) at step 2); not resumed" in out
+            and "3 finished (skipped), 0 to run" in out), out
+    after = MlflowClient(uri).get_run(diverged.info.run_id)
+    assert after.info.status == "FAILED" and after.info.end_time == diverged.info.end_time
+    capsys.readouterr()
+    assert main(["sweep", "sweep.yaml", "--emit", "commands", "--out", "-", "--tracking_uri", uri]) == 0
+    assert "tiny-baseline-seed1" not in capsys.readouterr().out.split("skipped)", 1)[1]  # no command for it

@@ -60,11 +60,40 @@ def finished_runs(sweep: Sweep, tracking_uri: str) -> set[SweepRun]:
     return done
 
 
+def diverged_runs(sweep: Sweep, tracking_uri: str) -> dict[SweepRun, str]:
+    """Runs of this sweep whose MLflow run ended FAILED with a non-finite loss (tag lrattn.diverged -> where):
+    resuming them repeats the same steps to the same divergence, so a sweep does not."""
+    from mlflow.tracking import MlflowClient
+
+    from lrattn_lightning.tools.runs import search_all
+    from lrattn_lightning.train.tracking import DIVERGED_TAG, sqlite_file
+
+    db = sqlite_file(tracking_uri)
+    if db is not None and not db.exists():
+        return {}
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(sweep.experiment)
+    if exp is None:
+        return {}
+    out = {}
+    for run in search_all(client, exp.experiment_id, f"attributes.status = 'FAILED' and tags.`{DIVERGED_TAG}` != ''"):
+        tags = run.data.tags
+        with contextlib.suppress(ValueError, KeyError):
+            found = SweepRun(tags["size"], tags["ablation"], int(tags["seed"]), tags.get("variant", ""))
+            if found.name == run.info.run_name and DIVERGED_TAG in tags:
+                out[found] = tags[DIVERGED_TAG]
+    return out
+
+
+DONE = ("finished", "diverged")  # states a sweep does not run again
+
+
 def plan(sweep: Sweep, tracking_uri: str) -> list[tuple[SweepRun, str]]:
-    """(run, state) in order; state is 'finished', 'resume' (has last.ckpt) or 'new'."""
-    done = finished_runs(sweep, tracking_uri)
-    return [(run, "finished" if run in done else "resume" if sweep.checkpoint(run).is_file() else "new")
-            for run in sweep.runs]
+    """(run, state) in order; state is 'finished', 'diverged' (FAILED on a non-finite loss: not resumed),
+    'resume' (has last.ckpt) or 'new'."""
+    done, diverged = finished_runs(sweep, tracking_uri), diverged_runs(sweep, tracking_uri)
+    return [(run, "finished" if run in done else "diverged" if run in diverged
+             else "resume" if sweep.checkpoint(run).is_file() else "new") for run in sweep.runs]
 
 
 # ---- claiming a run: two sweeps of one experiment at once -------------------------------------------
@@ -131,9 +160,15 @@ def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False, ex
     env = run_env(sweep)
     check_routers(sweep, registry, env)
     steps = plan(sweep, tracking_uri)
-    todo = [run for run, state in steps if state != "finished"]
+    todo = [run for run, state in steps if state not in DONE]
+    diverged = diverged_runs(sweep, tracking_uri)
     print(f"[sweep {sweep.name}] {len(steps)} runs into experiment '{sweep.experiment}' at {tracking_uri}: "
-          f"{len(steps) - len(todo)} finished (skipped), {len(todo)} to run", flush=True)
+          f"{sum(s == 'finished' for _, s in steps)} finished (skipped), {len(todo)} to run", flush=True)
+    for run, state in steps:
+        if state == "diverged":
+            print(f"[sweep {sweep.name}] {run.name}: diverged ({diverged.get(run, 'non-finite loss')}); not resumed, "
+                  "which would repeat it: give it another recipe (a variant) or remove its run folder and MLflow run",
+                  flush=True)
     results: list[tuple[SweepRun, str]] = []  # (run, "ok" | "finished" | "held" | why it failed)
     stopped = False
     for i, run in enumerate(todo, start=1):
@@ -165,7 +200,9 @@ def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False, ex
             break
         if rc != 0 and stop_on_failure:
             break
-    _summary(sweep, results, len(steps) - len(todo), len(todo) - len(results))
+    not_started = len(todo) - len(results)
+    results += [(run, "diverged") for run, state in steps if state == "diverged"]  # (they count as failed)
+    _summary(sweep, results, sum(s == "finished" for _, s in steps), not_started)
     print(f"[sweep {sweep.name}] compare the runs: {compare_command(sweep, tracking_uri)}", flush=True)
     if stopped:
         return PREEMPTED_EXIT_CODE
