@@ -176,4 +176,4 @@ def test_validate_reads_the_split_its_checkpoint_trained_on_and_a_missing_folder
     proc = run_cli(["fit", "--size", "tiny", "--ablation", "baseline", "--data.data_dir", "nowhere"], tmp_path)
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "lrattn: error: data dir nowhere is missing or empty; create it with `lrattn prepare --source stdlib-docs "
-        "--tokenizer byte --out nowhere` (the bundled corpus; --source FOLDER for your own text files)"), proc.stderr
+        "--tokenizer byte --out nowhere` (the bundled corpus; --source FILES for your own corpus)"), proc.stderr
