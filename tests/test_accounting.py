@@ -9,7 +9,7 @@ from conftest import ALL_ABLATIONS, ATTNRES_ABLATIONS, DEEPER, tiny_config, toke
 from lrattn_lightning.model.accounting import added_flops_percent, core_flops, count_params, sources_per_site
 from lrattn_lightning.model.config import ModelConfig, fit_to_size
 from lrattn_lightning.model.decoder import build_decoder
-from lrattn_lightning.model.routing.keys import key_source
+from lrattn_lightning.model.routing.attnres.keys import key_source
 
 
 def real_params(model: torch.nn.Module) -> int:
@@ -33,7 +33,7 @@ def test_fit_to_size_clips_only_what_does_not_fit(registry, tiny):
     with pytest.raises(ValueError, match="rank"):
         ModelConfig(tiny, abl)
     fitted = fit_to_size(abl, tiny)
-    assert (fitted.rank, fitted.blocks, fitted.key_source) == (tiny.d_model, tiny.n_sublayers, "sliced")
+    assert (fitted.options.rank, fitted.options.blocks, fitted.options.key_source) == (tiny.d_model, tiny.n_sublayers, "sliced")
     assert fitted.name != abl.name  # the clipped copy says so
     fits = registry.ablation("attnres-block-n4")
     assert fit_to_size(fits, tiny) == fits
@@ -74,7 +74,7 @@ def test_paper_size_params_follow_the_spec(registry, name, extra):
     with torch.device("meta"):
         model = build_decoder(cfg)
     expected = spec_baseline_params(s.n_layers, s.d_model, s.d_mlp, s.vocab_size)
-    expected += extra(s.n_layers, s.d_model, s.d_mlp, cfg.ablation.rank)
+    expected += extra(s.n_layers, s.d_model, s.d_mlp, getattr(cfg.ablation.options, "rank", None))
     assert real_params(model) == expected
 
 
@@ -207,13 +207,13 @@ def test_flops_match_the_spec_formula(registry, name):
     cfg = registry.model("paper-0.5b", name)
     # independent |S_j|: full routing sees j + 1 outputs; block routing with ends every 48/N sublayers
     # sees the embedding, the completed blocks and a non-empty partial block
-    N = cfg.ablation.blocks
+    N = cfg.ablation.options.blocks
     if N is None:
         sites = [j + 1 for j in range(1, 49)]
     else:
         size = 48 // N
         sites = [1 + j // size + (j % size != 0) for j in range(1, 49)]
-    expected = spec_added_percent(24, 1024, 2816, cfg.key_dim, sites, cfg.ablation.key_source == "projected")
+    expected = spec_added_percent(24, 1024, 2816, cfg.kind.key_dim(cfg), sites, cfg.ablation.options.key_source == "projected")
     assert added_flops_percent(cfg) == pytest.approx(expected, rel=1e-12)
 
 
@@ -224,5 +224,5 @@ def test_key_sources_count_their_parameters(registry, name):
     model = build_decoder(cfg, impl="reference")
     router = sum(p.numel() for n, p in model.router.named_parameters() if n not in ("queries", "query_gates"))
     a, s = cfg.ablation, cfg.size
-    rows = s.n_layers * cfg.key_dim * (s.d_model + s.d_mlp) if a.key_source == "projected" else 0
+    rows = s.n_layers * cfg.kind.key_dim(cfg) * (s.d_model + s.d_mlp) if a.options.key_source == "projected" else 0
     assert key_source(cfg).num_params() == router + rows

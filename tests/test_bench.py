@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lrattn_lightning import cli
-from lrattn_lightning.tools import bench
+from lrattn_lightning.tools.bench import bench
 
 torch.set_num_threads(1)
 

@@ -15,7 +15,7 @@ from test_export import make_checkpoint
 
 from lrattn_lightning.data.tokenizer import ByteTokenizer
 from lrattn_lightning.model.generate import generate
-from lrattn_lightning.tools.chat import TextStream, chat_main, generate_main
+from lrattn_lightning.tools.generate import TextStream, chat_main, generate_main
 
 TESTS = Path(__file__).resolve().parent
 
@@ -105,7 +105,7 @@ def test_chat_in_a_real_terminal(tmp_path):
     make_checkpoint(tmp_path / "last.ckpt", "s-lr-block-n8-r64", seq_len=64)
     main, child = pty.openpty()
     env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    code = ("import sys; from lrattn_lightning.tools.chat import chat_main; "
+    code = ("import sys; from lrattn_lightning.tools.generate import chat_main; "
             f"sys.exit(chat_main(['--checkpoint', {str(tmp_path / 'last.ckpt')!r}, '--max_new_tokens', '6']))")
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=child, stdout=child, stderr=child, env=env,
                             close_fds=True)

@@ -209,3 +209,26 @@ def test_validate_refuses_data_of_another_tokenizer_and_a_resume_another_folder(
     err = capsys.readouterr().err
     assert f"--data.data_dir {copy}: checkpoint {trained} trained on {data}" in err
     assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+# ---- checkpoints written before typed kind options still load -------------------------------------------
+OLD = Path(__file__).with_name("golden") / "checkpoints-v0"
+
+
+@pytest.mark.parametrize("name", ["p-lr-block-n4-r32", "denseformer", "gated-residual"])
+def test_a_checkpoint_of_the_earlier_format_loads_with_the_same_logits(name):
+    """Their model_config holds every kind's fields at their defaults (and denseformer's options nested): read as
+    the registry entry it was trained as, computing what it computed then."""
+    from lrattn_lightning.model.registry import load_registry, model_config_from_dict
+    from lrattn_lightning.train.checkpoint.compat import architecture_differences
+    from lrattn_lightning.train.checkpoint.load import load_checkpoint
+
+    stored = torch.load(OLD / f"{name}.ckpt", weights_only=True)["hyper_parameters"]["model_config"]
+    assert "key_source" in stored["ablation"] and "gate_bias" in stored["ablation"]  # the earlier, flat-for-all format
+    registry_cfg = load_registry(REGISTRY).model("tiny", name)
+    assert architecture_differences(stored, registry_cfg) == []
+    assert model_config_from_dict(stored) == registry_cfg
+    loaded = load_checkpoint(OLD / f"{name}.ckpt")
+    with torch.no_grad():
+        logits = loaded.model(torch.arange(1, 17)[None])
+    assert torch.equal(logits, torch.load(OLD / "logits.pt")[name])

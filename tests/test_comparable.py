@@ -26,10 +26,10 @@ from conftest import prepared_corpus
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
-from lrattn_lightning.errors import InputError
+from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops_percent, core_flops, count_params, sources_per_site
 from lrattn_lightning.model.registry import load_registry, parse_registry
-from lrattn_lightning.tools.sweep_file import SweepRun, load_sweep
+from lrattn_lightning.tools.sweep.file import SweepRun, load_sweep
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -282,8 +282,8 @@ def test_compare_never_pools_or_pairs_runs_of_different_recipes(study, capsys):
     assert f"Δ vs control and vs baseline — where `baseline` ran only under recipe A, B, not C: `{upcycled}`" in table, table
     assert f"counted `{RERUN}`" in table and "not counted: `tiny-baseline-seed0`" in table, table
     # the figures: every kind's routing weights drawn, the upcycled row's too
-    from lrattn_lightning.tools.compare_figures import routing_matrices
-    from lrattn_lightning.tools.compare_table import read_runs, summarise
+    from lrattn_lightning.tools.compare.figures import routing_matrices
+    from lrattn_lightning.tools.compare.table import read_runs, summarise
 
     drawn = routing_matrices(client, summarise(read_runs(client, "kinds")))
     assert set(drawn) == {f"{k} [A]" for k in ["my-router", *KINDS]} | {f"{upcycled} [C]"}, sorted(drawn)
@@ -314,8 +314,8 @@ def test_runs_from_before_the_fingerprint_group_among_themselves(study, tmp_path
 
 # ---- figures: nothing covers data, curves show the whole run ------------------------------------------------------
 def test_no_legend_or_label_covers_a_point_and_curves_show_the_whole_run(study):
-    from lrattn_lightning.tools.compare_figures import curves_figure, loss_vs_flops_figure
-    from lrattn_lightning.tools.compare_table import read_runs, summarise
+    from lrattn_lightning.tools.compare.figures import curves_figure, loss_vs_flops_figure
+    from lrattn_lightning.tools.compare.table import read_runs, summarise
 
     rows = summarise(read_runs(study["client"], "kinds"))
     fig = loss_vs_flops_figure(rows, "test")
@@ -354,7 +354,7 @@ def test_rows_split_by_recipe_and_method_and_pair_only_within_a_recipe():
     """summarise on records as read_runs makes them: a variant pairs with its plain ablation under one recipe; runs
     of one ablation whose routing's own training options differ (no variant label) are two labelled rows; a run of
     another recipe is its own row and pairs with nothing there."""
-    from lrattn_lightning.tools.compare_table import RunRecord, summarise
+    from lrattn_lightning.tools.compare.table import RunRecord, summarise
 
     def run(ablation, seed, loss, recipe="r1", method="", control="baseline", start=0):
         return RunRecord(run_id=f"{ablation}-{seed}-{recipe}-{method}", name=f"{ablation}-{seed}", size="tiny",

@@ -143,8 +143,8 @@ def test_gated_residual_follows_its_formula(registry):
 )
 def test_mean_summaries_with_count_prior_equal_full_routing_at_init(registry, full, block, changes):
     block_abl = variant(registry.ablation(block), **changes)
-    assert (block_abl.block_summary, block_abl.count_prior) == ("mean", 1.0)
-    full_abl = variant(registry.ablation(full), rank=changes.get("rank"), depth_heads=block_abl.depth_heads)
+    assert (block_abl.options.block_summary, block_abl.options.count_prior) == ("mean", 1.0)
+    full_abl = variant(registry.ablation(full), rank=changes.get("rank"), depth_heads=block_abl.options.depth_heads)
     full_model = build_decoder(ModelConfig(DEEPER, full_abl))
     block_model = build_decoder(ModelConfig(DEEPER, block_abl))
     block_model.load_state_dict(full_model.state_dict())  # same parameters, strict
@@ -197,14 +197,15 @@ def test_gradients_reach_every_parameter(registry, name):
     logits = model(idx)
     F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
     a = cfg.ablation
+    key_source, embedding_key = (getattr(a.options, k, None) for k in ("key_source", "embedding_key"))
     names = [n for n, _ in model.named_parameters()]
     expected = {
         "router.queries": a.routing in ("attnres", "delta_attnres"),
         "router.gate_q.": a.routing == "gated",
         "router.gate_k.": a.routing == "gated",
-        "router.embedding_key_static": a.routing == "attnres" and a.embedding_key in ("static", "projected_plus_static"),
-        "router.embedding_key_proj.": a.key_source == "projected" and a.embedding_key != "static",
-        "router.value_key_proj.": a.key_source in ("value_projected", "value_projected_shared"),
+        "router.embedding_key_static": embedding_key in ("static", "projected_plus_static"),
+        "router.embedding_key_proj.": key_source == "projected" and embedding_key != "static",
+        "router.value_key_proj.": key_source in ("value_projected", "value_projected_shared"),
     }
     for prefix, present in expected.items():
         assert any(n.startswith(prefix) for n in names) == present, prefix
@@ -214,7 +215,7 @@ def test_gradients_reach_every_parameter(registry, name):
         assert p.grad.abs().sum() > 0, f"{n} has a zero gradient"
     if a.routing == "attnres":  # every site's query row, not just the tensor as a whole
         assert (model.router.queries.grad.abs().sum(-1) > 0).all()
-    if a.routing == "attnres" and a.key_source == "projected":  # the P-LR key rows of every sublayer
+    if key_source == "projected":  # the P-LR key rows of every sublayer
         D = cfg.size.d_model
         for layer in model.layers:
             for lin in (layer.attn.proj, layer.mlp.fc2):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from conftest import DEEPER, assert_causal_and_decodes_with_the_kv_cache, capture, ref_rms_norm, tokens
 
-from lrattn_lightning.errors import InputError
+from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, count_params, routing_params
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.decoder import build_decoder

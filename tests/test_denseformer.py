@@ -13,11 +13,11 @@ from conftest import (
     tokens,
 )
 
-from lrattn_lightning.errors import InputError
+from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, count_params, routing_params
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.decoder import build_decoder
-from lrattn_lightning.model.registry import parse_registry
+from lrattn_lightning.model.registry import model_config_from_dict, parse_registry
 from lrattn_lightning.train.optim import split_parameters
 
 SIZE = DEEPER  # three layers: dilation 2 and period 2 have something to skip
@@ -128,7 +128,7 @@ def test_bad_options_are_one_line(fields, says):
 
 def test_options_belong_to_their_kind():
     raw = {"sizes": {}, "ablations": {"x": {"doc": "d", "control": None, "routing": "residual", "dilation": 2}}}
-    with pytest.raises(InputError, match="ablations.x: field 'dilation': unknown field"):
+    with pytest.raises(InputError, match="ablations.x: field 'dilation': only routing denseformer reads it; routing is 'residual'"):
         parse_registry(raw)
     with pytest.raises(InputError, match="period=4 exceeds the 3 layers"):
         config(None, 1, 4)
@@ -138,8 +138,8 @@ def test_registry_entries_and_mlflow_params(registry):
     from lrattn_lightning.train.callbacks import flat_run_params
 
     cfg = tiny_config(registry, "denseformer-k2-p2")
-    assert (cfg.ablation.dilation, cfg.ablation.period) == (2, 2)
+    assert (cfg.ablation.options.dilation, cfg.ablation.options.period) == (2, 2)
     params = flat_run_params(cfg)
     assert params["routing"] == "denseformer" and params["dilation"] == 2 and params["period"] == 2
     assert params["params"] == count_params(cfg) and "options" not in params
-    assert ModelConfig.from_dict(cfg.to_dict()) == cfg  # as a checkpoint stores it
+    assert model_config_from_dict(cfg.to_dict()) == cfg  # as a checkpoint stores it

@@ -93,7 +93,7 @@ def test_fit_with_document_masking_keeps_the_separator_for_evaluation(tiny_data,
     from test_training import fit_args
 
     from lrattn_lightning.cli import main
-    from lrattn_lightning.train.checkpoints import load_checkpoint
+    from lrattn_lightning.train.checkpoint.load import load_checkpoint
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

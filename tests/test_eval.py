@@ -27,8 +27,8 @@ from lrattn_lightning.eval.lm import LRAttnLM
 from lrattn_lightning.eval.run import log_eval, validation_loss
 from lrattn_lightning.eval.tasks import expand_tasks
 from lrattn_lightning.model.generate import generate
-from lrattn_lightning.train.checkpoints import load_checkpoint
-from lrattn_lightning.train.lit_module import token_losses
+from lrattn_lightning.train.checkpoint.load import load_checkpoint
+from lrattn_lightning.train.losses import token_losses
 
 REPO = Path(__file__).resolve().parent.parent
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}

@@ -18,7 +18,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 from test_training import tiny_data  # noqa: F401  (the fixture)
 
-from lrattn_lightning.errors import InputError
+from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, core_flops, count_params
 from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.model.registry import parse_registry
@@ -238,7 +238,7 @@ def test_fit_validate_eval_generate_export_with_a_users_router(package, tiny_dat
 
 
 def test_compare_reads_an_unknown_cost_as_off_the_front():
-    from lrattn_lightning.tools.compare_table import _flops_pct, pareto_front
+    from lrattn_lightning.tools.compare.table import _flops_pct, pareto_front
 
     assert _flops_pct("unknown") != _flops_pct("unknown")  # NaN
     assert _flops_pct("1.5") == 1.5 and _flops_pct(None) == 0.0

@@ -7,7 +7,6 @@ gradient is bounded and scale-free; KV-cache decoding stays exact with gates tha
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import lightning as L
@@ -19,7 +18,7 @@ from conftest import DEEPER, capture, tokens, variant
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.decoder import KVCache, build_decoder
 from lrattn_lightning.model.generate import generate
-from lrattn_lightning.model.registry import load_registry
+from lrattn_lightning.model.registry import load_registry, model_config_from_dict
 from lrattn_lightning.model.routing.gated import NormalizedGateGrad
 from lrattn_lightning.train.lit_module import LRAttnModule
 
@@ -333,7 +332,7 @@ def test_bad_gate_flags_name_the_flag(ablation, flags, field):
 
 def test_checkpoints_from_before_the_gate_fields_still_match(registry):
     """A stored model_config without gate_bias / gate_alpha is the same architecture (the defaults)."""
-    from lrattn_lightning.train.lit_module import architecture_differences
+    from lrattn_lightning.train.checkpoint.compat import architecture_differences
 
     cfg = registry.model("tiny", "gated-residual")
     stored = cfg.to_dict()
@@ -342,4 +341,4 @@ def test_checkpoints_from_before_the_gate_fields_still_match(registry):
     assert architecture_differences(stored, cfg) == []
     other = registry.model("tiny", "gated-alpha09")
     assert any("gate_bias" in d for d in architecture_differences(stored, other))
-    assert dataclasses.asdict(ModelConfig.from_dict(stored).ablation) == dataclasses.asdict(cfg.ablation)
+    assert model_config_from_dict(stored).ablation == cfg.ablation

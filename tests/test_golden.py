@@ -17,9 +17,13 @@ from lrattn_lightning.model.accounting import count_params
 from lrattn_lightning.model.config import ModelConfig, fit_to_size
 from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.model.registry import load_registry
-from lrattn_lightning.model.routing.keys import ProjectedKeys
-from lrattn_lightning.tools import golden
-from lrattn_lightning.tools.fidelity import NotExpressible, from_reference_state_dict, reference_flags
+from lrattn_lightning.model.routing.attnres.keys import ProjectedKeys
+from lrattn_lightning.tools.fidelity import golden
+from lrattn_lightning.tools.fidelity.interface import (
+    NotExpressible,
+    from_reference_state_dict,
+    reference_flags,
+)
 
 GOLDEN_DIR = Path(__file__).with_name("golden")
 REGISTRY = load_registry()
@@ -60,15 +64,15 @@ def test_the_golden_set_is_the_whole_registry():
 def test_the_golden_set_covers_every_variant():
     ablations = [REGISTRY.ablation(n) for n in ENTRIES]
     attnres = [a for a in ablations if a.routing == "attnres"]
-    assert {a.key_source for a in attnres} == {"value", "sliced", "projected", "value_projected",
+    assert {a.options.key_source for a in attnres} == {"value", "sliced", "projected", "value_projected",
                                                "value_projected_shared"}
-    assert {a.embedding_key for a in attnres} == {"value", "sliced", "projected", "static", "projected_plus_static"}
-    assert {a.block_summary for a in attnres if a.is_block} == {"sum", "mean", "sqrt_mean"}
-    assert {a.depth_heads for a in attnres} >= {1, 4}
-    assert {a.query for a in attnres} == {"static", "gated_dynamic"}
-    assert {a.key_norm for a in attnres} == {"rms", "none"} and {a.query_norm for a in attnres} == {True, False}
-    assert {a.is_block for a in attnres} == {True, False} and any(a.block_size for a in attnres)
-    assert {a.count_prior for a in attnres} >= {0.0, 1.0}
+    assert {a.options.embedding_key for a in attnres} == {"value", "sliced", "projected", "static", "projected_plus_static"}
+    assert {a.options.block_summary for a in attnres if a.options.is_block} == {"sum", "mean", "sqrt_mean"}
+    assert {a.options.depth_heads for a in attnres} >= {1, 4}
+    assert {a.options.query for a in attnres} == {"static", "gated_dynamic"}
+    assert {a.options.key_norm for a in attnres} == {"rms", "none"} and {a.options.query_norm for a in attnres} == {True, False}
+    assert {a.options.is_block for a in attnres} == {True, False} and any(a.options.block_size for a in attnres)
+    assert {a.options.count_prior for a in attnres} >= {0.0, 1.0}
 
 
 @pytest.mark.parametrize("name", ["p-lr-block-n8-r32", "s-lr-block-n8-r64-h4", "attnres-block-n8-refdefault",
@@ -123,7 +127,7 @@ def test_golden_loss_file(name, impl):
 
 
 def test_fidelity_table_command(tmp_path):
-    from lrattn_lightning.tools import fidelity
+    from lrattn_lightning.tools.fidelity import fidelity
 
     out = tmp_path / "fidelity.md"
     assert fidelity.main(["--golden", str(GOLDEN_DIR / "reference.pt"), "--out", str(out),
@@ -138,7 +142,7 @@ def test_fidelity_table_command(tmp_path):
 def test_fidelity_file_is_the_same_on_a_rerun(tmp_path):
     """Errors are written as upper bounds on the 1-2-5 grid (rounding noise dropped): two runs, one file,
     and every bound holds the measured value."""
-    from lrattn_lightning.tools import fidelity
+    from lrattn_lightning.tools.fidelity import fidelity
 
     entries = "baseline,attnres-block-n8,s-lr-full-r16"
     args = ["--golden", str(GOLDEN_DIR / "reference.pt"), "--entries", entries]
@@ -156,7 +160,7 @@ def test_fidelity_file_is_the_same_on_a_rerun(tmp_path):
 
 
 def test_flag_language_states_departures_from_the_reference_defaults():
-    from lrattn_lightning.tools.fidelity import flag_language
+    from lrattn_lightning.tools.fidelity.interface import flag_language
 
     cfg = golden.config(REGISTRY, "p-lr-block-n8-r32-refdefault")  # the reference's class defaults
     assert flag_language(cfg) == "use_attnres=True use_lrid=True lrid_rank=32"

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from conftest import DEEPER, assert_causal_and_decodes_with_the_kv_cache, capture, ref_rms_norm, tokens
 
-from lrattn_lightning.errors import InputError
+from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, count_params, routing_params
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.decoder import build_decoder
@@ -118,9 +118,9 @@ def test_every_read_is_the_formula_with_random_coefficients(manifold):
 def test_parameters_and_flops_are_counted(options):
     cfg = config(**options)
     model = build_decoder(cfg)
-    n, d, M = cfg.ablation.streams, SIZE.d_model, 2 * SIZE.n_layers
-    dyn = cfg.ablation.dynamic
-    per = n * (n + 1) + n + ((d * (n + 1) + 2 * d + (3 if cfg.ablation.manifold else 2)) if dyn else 0)
+    n, d, M = cfg.ablation.options.streams, SIZE.d_model, 2 * SIZE.n_layers
+    dyn = cfg.ablation.options.dynamic
+    per = n * (n + 1) + n + ((d * (n + 1) + 2 * d + (3 if cfg.ablation.options.manifold else 2)) if dyn else 0)
     assert sum(p.numel() for p in model.router.parameters()) == routing_params(cfg) == M * per
     assert count_params(cfg) == sum(p.numel() for p in model.parameters())
     assert added_flops(cfg) == M * (2 * d * n * (n + 1) + 2 * n * d + ((2 * n * d * (n + 2) + 4 * n * d) if dyn else 0)) + n * d

@@ -92,7 +92,7 @@ def test_help_lists_every_subcommand_quickly():
 
 
 def test_one_flag_style_with_the_hyphenated_alias():
-    from lrattn_lightning.errors import Parser
+    from lrattn_lightning.core.flags import Parser
 
     parser = Parser()
     parser.add_argument("--max-new-tokens", type=int, default=1)

@@ -62,38 +62,36 @@ def test_grid_expands_into_named_entries(registry):
     for n in (4, 8, 16):
         for r in (16, 32, 64, 128):
             a = registry.ablation(f"s-lr-grid-n{n}-r{r}")
-            assert (a.blocks, a.rank) == (n, r)
+            assert (a.options.blocks, a.options.rank) == (n, r)
             # inherited through extends: s-lr-block-n8-r64 -> s-lr-full-r64 -> attnres-full
-            assert (a.routing, a.key_source, a.embedding_key) == ("attnres", "sliced", "sliced")
+            assert (a.routing, a.options.key_source, a.options.embedding_key) == ("attnres", "sliced", "sliced")
             assert a.control == "attnres-block-n8"
             assert a.doc.startswith("S-LR rank x block-count grid")
 
 
 def test_grid_point_equals_the_hand_written_entry(registry):
     grid, hand = registry.ablation("s-lr-grid-n8-r64"), registry.ablation("s-lr-block-n8-r64")
-    for field in ("routing", "key_source", "rank", "depth_heads", "key_norm", "query_norm", "query_init",
-                  "logit_scale", "blocks", "block_size", "block_summary", "count_prior", "embedding_key"):
-        assert getattr(grid, field) == getattr(hand, field), field
+    assert grid.routing == hand.routing and grid.options == hand.options
 
 
 def test_extends_overrides_fields(registry):
     parent, child = registry.ablation("s-lr-block-n8-r64"), registry.ablation("s-lr-block-n4-r64")
-    assert (parent.blocks, child.blocks) == (8, 4)
+    assert (parent.options.blocks, child.options.blocks) == (8, 4)
     assert (parent.control, child.control) == ("attnres-block-n8", "attnres-block-n4")
-    assert child.rank == parent.rank == 64 and child.key_source == "sliced"
+    assert child.options.rank == parent.options.rank == 64 and child.options.key_source == "sliced"
     assert child.doc != parent.doc  # doc describes the entry itself, it is not inherited
     size4 = registry.ablation("s-lr-block-size4-r64")
-    assert (size4.blocks, size4.block_size) == (None, 4)  # an override to null
+    assert (size4.options.blocks, size4.options.block_size) == (None, 4)  # an override to null
     refdefault = registry.ablation("s-lr-block-n8-r64-refdefault")
-    assert (refdefault.block_summary, refdefault.count_prior, refdefault.logit_scale) == ("mean", 1.0, "inv_sqrt_head_dim")
-    assert (refdefault.rank, refdefault.blocks, refdefault.key_source) == (64, 8, "sliced")
+    assert (refdefault.options.block_summary, refdefault.options.count_prior, refdefault.options.logit_scale) == ("mean", 1.0, "inv_sqrt_head_dim")
+    assert (refdefault.options.rank, refdefault.options.blocks, refdefault.options.key_source) == (64, 8, "sliced")
 
 
 def test_extends_chain_in_a_dict_registry(raw_registry):
     reg = parse_registry(raw_registry)
     slr, block = reg.ablation("slr"), reg.ablation("slr-block")
-    assert (slr.routing, slr.key_source, slr.rank, slr.blocks) == ("attnres", "sliced", 8, None)
-    assert (block.routing, block.key_source, block.rank, block.blocks) == ("attnres", "sliced", 8, 2)
+    assert (slr.routing, slr.options.key_source, slr.options.rank, slr.options.blocks) == ("attnres", "sliced", 8, None)
+    assert (block.routing, block.options.key_source, block.options.rank, block.options.blocks) == ("attnres", "sliced", 8, 2)
     assert block.control == "full"  # inherited from slr
     assert reg.model("t", "slr-block").block_ends() == [2, 4]
 
@@ -112,7 +110,7 @@ def test_grid_in_a_dict_registry(raw_registry):
     reg = parse_registry(raw_registry)
     names = sorted(n for n in reg.ablations if n.startswith("g-"))
     assert names == sorted(f"g-r{r}-n{b}" for r in (4, 8) for b in (1, 2, 4))
-    assert reg.ablation("g-r4-n2").rank == 4 and reg.ablation("g-r4-n2").blocks == 2
+    assert reg.ablation("g-r4-n2").options.rank == 4 and reg.ablation("g-r4-n2").options.blocks == 2
     assert reg.model("t", "g-r8-n4").block_ends() == [1, 2, 3, 4]
 
 

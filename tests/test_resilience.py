@@ -485,11 +485,13 @@ def test_read_only_store_is_one_line(data, tmp_path, monkeypatch, capsys):
 def test_non_utf8_corpus_is_prepared_with_a_warning_that_counts(tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     paragraph = "A paragraph of plain words that is long enough to be kept as a document here. "
-    text = "\n\n".join([paragraph * 3] * 60).encode()  # about 14 kB: a few documents of ~4 kB
+    # 60 distinct paragraphs (about 14 kB), one document each: a user's documents split by their content
+    text = "\n\n".join(f"{i}: {paragraph * 3}" for i in range(60)).encode()
     corpus.write_bytes(text + "\n\ncafé \ufffd ".encode() + b"caf\xe9 \xff\xfe " + paragraph.encode() * 2)
-    assert main(["prepare", "--source", str(corpus), "--out", str(tmp_path / "out"), "--val-fraction", "0.3"]) == 0
+    args = ["--out", str(tmp_path / "out"), "--val-fraction", "0.3", "--document_separator", "\n\n"]
+    assert main(["prepare", "--source", str(corpus), *args]) == 0
     err = capsys.readouterr().err  # \xe9 (a lead byte before a space), \xff, \xfe; the real U+FFFD is not counted
-    assert f"warning: {corpus} is not valid UTF-8: 3 undecodable byte sequence(s)" in err
+    assert f"warning: {corpus}: 3 undecodable byte sequence(s)" in err
 
 
 def test_doc_and_control_edits_do_not_block_resume_and_limit_val_batches_1_warns(data, tmp_path, monkeypatch, capsys):
@@ -517,7 +519,7 @@ def test_doc_and_control_edits_do_not_block_resume_and_limit_val_batches_1_warns
 
 def test_last_of_a_folder_from_before_one_last_ckpt_is_the_newest(tmp_path):
     """Folders written by earlier versions hold a stale last.ckpt beside last-vN.ckpt; `last` means the newest."""
-    from lrattn_lightning.train.checkpointing import newest_last
+    from lrattn_lightning.train.checkpoint.save import newest_last
 
     for name, step in (("last.ckpt", 30), ("last-v1.ckpt", 30), ("last-v2.ckpt", 100), ("step000010.ckpt", 10)):
         torch.save({"global_step": step}, tmp_path / name)

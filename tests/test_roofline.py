@@ -8,7 +8,7 @@ import torch
 from lrattn_lightning.model.accounting import sources_per_site
 from lrattn_lightning.model.config import ModelConfig, fit_to_size
 from lrattn_lightning.model.registry import load_registry
-from lrattn_lightning.tools.roofline import _groups, measure_bandwidth, routing_traffic
+from lrattn_lightning.tools.bench.roofline import _groups, measure_bandwidth, routing_traffic
 
 REGISTRY = load_registry()
 SMALL = REGISTRY.size("small")

@@ -22,8 +22,8 @@ from conftest import (
 from lrattn_lightning.model.accounting import sources_per_site
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.decoder import build_decoder
-from lrattn_lightning.model.routing import attnres as routing
-from lrattn_lightning.model.routing.attnres import depth_read
+from lrattn_lightning.model.routing.attnres import reference as routing
+from lrattn_lightning.model.routing.attnres.reference import depth_read
 
 # ---- depth_read against a float64 loop (requirement 10) ----------------------------------------
 
@@ -117,7 +117,7 @@ UNIFORM_CASES = [
 @pytest.mark.parametrize("name, changes", UNIFORM_CASES)
 def test_zero_queries_route_uniformly(registry, name, changes):
     abl = variant(registry.ablation(name), **changes)
-    assert abl.query_init == "zero" and abl.count_prior == 0.0
+    assert abl.options.query_init == "zero" and abl.options.count_prior == 0.0
     cfg = ModelConfig(DEEPER, abl)
     model = build_decoder(cfg)
     assert torch.count_nonzero(model.router.queries) == 0
@@ -126,8 +126,8 @@ def test_zero_queries_route_uniformly(registry, name, changes):
     assert len(out.routing) == DEEPER.n_sublayers  # sites j = 1..2L
     for j, alpha in enumerate(out.routing, start=1):
         S = alpha.shape[0]
-        assert alpha.shape == (S, 2, 5, abl.depth_heads)
-        assert S == (j + 1 if not abl.is_block else sources_per_site(cfg)[j - 1])
+        assert alpha.shape == (S, 2, 5, abl.options.depth_heads)
+        assert S == (j + 1 if not abl.options.is_block else sources_per_site(cfg)[j - 1])
         torch.testing.assert_close(alpha, torch.full_like(alpha, 1.0 / S))
 
 
@@ -187,13 +187,13 @@ def test_s_lr_keys_are_the_value_tails(registry, monkeypatch, name, changes):
     calls = spy_depth_read(monkeypatch)
     model(tokens(DEEPER.vocab_size, 2, 5))
     assert len(calls) == DEEPER.n_sublayers, "every read site j >= 1 goes through depth_read"
-    r, heads = abl.rank, abl.depth_heads
+    r, heads = abl.options.rank, abl.options.depth_heads
     for j, (values, keys, kwargs) in enumerate(calls, start=1):
         assert keys.shape == (*values.shape[:-1], r)
         tail = values[..., -r:]  # every source, embedding and block summaries included
-        if abl.key_norm == "rms":  # the key is the tail of the raw sum c^a v (a summary's count c)
+        if abl.options.key_norm == "rms":  # the key is the tail of the raw sum c^a v (a summary's count c)
             counts = torch.tensor([len(m) for m in ref_sources(j, cfg.block_ends())], dtype=torch.float32)
-            expected = ref_head_rms_norm(tail * counts.view(-1, 1, 1, 1) ** abl.summary_exponent, heads)
+            expected = ref_head_rms_norm(tail * counts.view(-1, 1, 1, 1) ** abl.options.summary_exponent, heads)
         else:
             expected = tail
         torch.testing.assert_close(effective_keys(keys, kwargs, heads), expected, atol=1e-5, rtol=1e-5)
@@ -230,9 +230,9 @@ def ref_sources(j: int, ends: list[int]) -> list[list[int]]:
 def ref_read(cfg, params, emb, outputs, j):
     """h_j and alpha_j in float64, from SPEC §2-3 (RMSNorm eps of the float32 model: EPS)."""
     a, D = cfg.ablation, cfg.size.d_model
-    r, heads = cfg.key_dim, a.depth_heads
-    exponent = {"sum": 0.0, "mean": 1.0, "sqrt_mean": 0.5}[a.block_summary]
-    norm = a.key_norm == "rms"
+    r, heads = a.options.rank or cfg.size.d_model, a.options.depth_heads
+    exponent = {"sum": 0.0, "mean": 1.0, "sqrt_mean": 0.5}[a.options.block_summary]
+    norm = a.options.key_norm == "rms"
     raw = [emb.double(), *(o.double() for o in outputs)]
     value = [x[..., :D] for x in raw]
 
@@ -240,20 +240,20 @@ def ref_read(cfg, params, emb, outputs, j):
         return params[name].double()
 
     def project(v, index):  # value_projected: W RMSNorm(v)
-        if a.key_source == "value_projected_shared":
+        if a.options.key_source == "value_projected_shared":
             index = 0
-        elif a.embedding_key not in ("projected", "projected_plus_static"):
+        elif a.options.embedding_key not in ("projected", "projected_plus_static"):
             index -= 1  # no embedding projection: sublayer i uses projection i - 1
         return ref_rms_norm(v, EPS) @ weight(f"value_key_proj.{index}.weight").T
 
     emb_key = torch.zeros(*emb.shape[:-1], r, dtype=torch.float64)
-    if a.embedding_key in ("projected", "projected_plus_static"):
-        if a.key_source == "projected":  # emitted keys are normalised where they are emitted
+    if a.options.embedding_key in ("projected", "projected_plus_static"):
+        if a.options.key_source == "projected":  # emitted keys are normalised where they are emitted
             k0 = emb.double() @ weight("embedding_key_proj.weight").T
             emb_key = ref_head_rms_norm(k0, heads, EPS) if norm else k0
         else:
             emb_key = project(emb.double(), 0)
-    if a.embedding_key in ("static", "projected_plus_static"):
+    if a.options.embedding_key in ("static", "projected_plus_static"):
         emb_key = emb_key + weight("embedding_key_static")
     emitted = [emb_key, *(ref_head_rms_norm(x[..., D : D + r], heads, EPS) if norm else x[..., D : D + r]
                           for x in raw[1:])]
@@ -262,13 +262,13 @@ def ref_read(cfg, params, emb, outputs, j):
         c = len(members)
         total = sum(value[i] for i in members)
         v = total / c**exponent
-        if members == [0] and a.key_source not in ("value", "sliced"):
+        if members == [0] and a.options.key_source not in ("value", "sliced"):
             k = emb_key
-        elif a.key_source == "value":
+        elif a.options.key_source == "value":
             k = v
-        elif a.key_source == "sliced":  # the tail of the raw sum; / c^a only without key norm
+        elif a.options.key_source == "sliced":  # the tail of the raw sum; / c^a only without key norm
             k = total[..., -r:] if norm else v[..., -r:]
-        elif a.key_source == "projected":  # the sum of the normalised emitted keys
+        elif a.options.key_source == "projected":  # the sum of the normalised emitted keys
             k = sum(emitted[i] for i in members)
             k = k if norm else k / c**exponent
         else:  # value_projected: the block's most recent sublayer projects the summary value
@@ -277,13 +277,14 @@ def ref_read(cfg, params, emb, outputs, j):
         keys.append(ref_head_rms_norm(k, heads, EPS) if norm else k)
         counts.append(c)
     q = weight("queries")[j - 1]
-    if a.query == "gated_dynamic":  # q_j + g_j q_dyn, q_dyn: the last r rows sublayer j emitted
+    if a.options.query == "gated_dynamic":  # q_j + g_j q_dyn, q_dyn: the last r rows sublayer j emitted
         q_dyn = raw[j][..., -r:].unflatten(-1, (heads, -1))
         q = (q.view(heads, -1) + weight("query_gates")[j - 1].view(heads, 1) * q_dyn).flatten(-2)
-    if a.query_norm:
+    if a.options.query_norm:
         q = ref_head_rms_norm(q, heads, EPS)
-    scale = cfg.logit_scale
-    bias = torch.tensor([a.count_prior * math.log(c) for c in counts], dtype=torch.float64)
+    scale = a.options.logit_scale
+    scale = 1.0 if scale == "none" else 1 / math.sqrt(r // heads) if scale == "inv_sqrt_head_dim" else float(scale)
+    bias = torch.tensor([a.options.count_prior * math.log(c) for c in counts], dtype=torch.float64)
     return ref_depth_read(torch.stack(values), torch.stack(keys), q, bias, scale, False, heads)
 
 

@@ -1,4 +1,4 @@
-"""The AttnRes backends `fast` (attnres_fast.py) and `compiled` (attnres_compiled.py) against `reference`.
+"""The AttnRes backends `fast` (attnres/fast.py) and `compiled` (attnres/compiled.py) against `reference`.
 
 Both are checked in eager mode: `fast`, the buffered autograd Functions, and `compiled`, the plain tensor
 ops Inductor compiles. Parity covers logits, every parameter gradient and the recorded routing weights,
@@ -8,8 +8,6 @@ full/block routing x every key source x depth heads 1 and 4 x block summaries an
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from conftest import randomize_routing
@@ -17,10 +15,12 @@ from conftest import randomize_routing
 from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig, fit_to_size
 from lrattn_lightning.model.decoder import KVCache, build_decoder
 from lrattn_lightning.model.registry import load_registry
-from lrattn_lightning.model.routing.attnres import ReferenceAttnRes
-from lrattn_lightning.model.routing.attnres_compiled import CompiledAttnRes
-from lrattn_lightning.model.routing.attnres_fast import FastAttnRes
-from lrattn_lightning.model.routing.base import IMPLS, build_router, compile_impl
+from lrattn_lightning.model.routing.attnres import AttnResOptions, compile_impl
+from lrattn_lightning.model.routing.attnres.backends import PORTABLE_IMPLS as IMPLS
+from lrattn_lightning.model.routing.attnres.compiled import CompiledAttnRes
+from lrattn_lightning.model.routing.attnres.fast import FastAttnRes
+from lrattn_lightning.model.routing.attnres.reference import ReferenceAttnRes
+from lrattn_lightning.model.routing.router import build_router
 
 torch.set_num_threads(1)
 
@@ -42,12 +42,12 @@ def _grid() -> dict[str, AblationConfig]:
             for heads in (1, 4):
                 summary, prior = ("mean", 1.0) if heads == 4 else ("sqrt_mean", 0.0)
                 name = f"grid-{key_source}-{'block' if blocks else 'full'}-h{heads}"
-                out[name] = dataclasses.replace(
-                    _BASE, name=name, key_source=key_source, embedding_key=emb, depth_heads=heads,
+                out[name] = _BASE.replace(
+                    name=name, key_source=key_source, embedding_key=emb, depth_heads=heads,
                     rank=None if key_source == "value" else 16, blocks=blocks, block_summary=summary,
                     count_prior=prior,
                     logit_scale="inv_sqrt_head_dim" if heads == 4 and key_source != "value" else "none",
-                ).validate()
+                )
     return out
 
 
@@ -174,7 +174,7 @@ def test_the_default_backend_serves_every_registry_entry():
     for name, ablation in REGISTRY.ablations.items():
         model = build_decoder(ModelConfig(size, fit_to_size(ablation, size)))
         assert model(idx).shape == (1, 4, size.vocab_size), name
-        if ablation.query == "gated_dynamic":
+        if getattr(ablation.options, "query", None) == "gated_dynamic":
             assert type(model.router) is CompiledAttnRes
 
 
@@ -267,8 +267,11 @@ def test_float64_models_route_in_float64(name):
 # ---- torch.compile ----------------------------------------------------------------------------------
 def _signature(a: AblationConfig) -> tuple:
     """The code path an ablation takes (rank and block count change no control flow)."""
-    return (a.routing, a.key_source, a.embedding_key, a.key_norm, a.query_norm, a.is_block, a.block_summary,
-            a.count_prior != 0, a.depth_heads > 1, a.logit_scale, a.query)
+    o = a.options
+    if not isinstance(o, AttnResOptions):
+        return (a.routing,)
+    return (a.routing, o.key_source, o.embedding_key, o.key_norm, o.query_norm, o.is_block, o.block_summary,
+            o.count_prior != 0, o.depth_heads > 1, o.logit_scale, o.query)
 
 
 _BY_SIGNATURE: dict[tuple, str] = {}

@@ -12,7 +12,6 @@ custom ops whole. Without CUDA and without the interpreter, the backend is one l
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -63,13 +62,13 @@ def _odd_grid() -> dict[str, AblationConfig]:
             for heads in (1, 4):
                 summary, prior = ("mean", 1.0) if heads == 4 else ("sqrt_mean", 0.0)
                 name = f"odd-{key_source}-{tag}-h{heads}"
-                out[name] = dataclasses.replace(
-                    base, name=name, key_source=key_source, embedding_key=embedding_key, depth_heads=heads,
+                out[name] = base.replace(
+                    name=name, key_source=key_source, embedding_key=embedding_key, depth_heads=heads,
                     rank=None if key_source == "value" else 12, blocks=blocks, block_summary=summary,
                     count_prior=prior, logit_scale="inv_sqrt_head_dim" if key_source != "value" else "none",
-                ).validate()
-    out["odd-sliced-block-h4-nokeynorm"] = dataclasses.replace(
-        out["odd-sliced-block-h4"], name="odd-sliced-block-h4-nokeynorm", key_norm="none").validate()
+                )
+    out["odd-sliced-block-h4-nokeynorm"] = out["odd-sliced-block-h4"].replace(
+        name="odd-sliced-block-h4-nokeynorm", key_norm="none")
     return out
 
 
@@ -213,15 +212,15 @@ def _canonical() -> dict[str, str]:
     out = {}
     for name in ATTNRES:
         a = _config(name).ablation
-        key = repr(dataclasses.replace(a, name="", doc="", control=None, tags=()))
+        key = repr((a.routing, a.options))
         out[name] = seen.setdefault(key, name)
     return out
 
 
 def _worker(path: str) -> None:
     from lrattn_lightning.model.decoder import build_decoder
-    from lrattn_lightning.tools import golden
-    from lrattn_lightning.tools.fidelity import fidelity_rows
+    from lrattn_lightning.tools.fidelity import golden
+    from lrattn_lightning.tools.fidelity.fidelity import fidelity_rows
 
     torch.set_num_threads(1)
     canon = _canonical()

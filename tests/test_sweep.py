@@ -22,7 +22,7 @@ from mlflow.tracking import MlflowClient
 from lrattn_lightning.cli import main
 from lrattn_lightning.model.accounting import added_flops_percent, count_params
 from lrattn_lightning.model.registry import load_registry
-from lrattn_lightning.tools.sweep_file import load_sweep
+from lrattn_lightning.tools.sweep.file import load_sweep
 
 REPO = Path(__file__).resolve().parent.parent
 REGISTRY = str(REPO / "registry.yaml")
@@ -332,8 +332,8 @@ def test_a_bad_value_and_an_unknown_top_level_key_fail_before_any_run(data_dir, 
 
 def test_fit_parser_accepts_what_fit_accepts(data_dir, tmp_path):
     """No false alarms: callbacks with their own arguments and the sweep's own flags parse."""
-    from lrattn_lightning.lightning_cli import fit_parser
-    from lrattn_lightning.tools.sweep import check_fit_args
+    from lrattn_lightning.cli.sweep import fit_parser
+    from lrattn_lightning.tools.sweep.sweep import check_fit_args
 
     args = {"trainer.callbacks+": "lrattn_lightning.eval.run.EvalCallback", "trainer.callbacks.tasks": "local",
             "model.lr": 0.01, "data.seq_len": 16, "runs_dir": "elsewhere"}
@@ -381,8 +381,8 @@ def test_a_run_held_by_a_live_process_is_skipped(finished_sweep, tmp_path, monke
     folder = tmp_path / "copy"
     uri, runs = _copy_with_failed(finished_sweep, folder, "tiny-baseline-seed1")
     run_dir = folder / "runs/sweep-test/tiny-baseline-seed1"
-    holder = subprocess.Popen(  # a real process holding the lock as checkpointing.FileLock takes it
-        [sys.executable, "-c", "import sys; from lrattn_lightning.train.checkpointing import FileLock; "
+    holder = subprocess.Popen(  # a real process holding the lock as checkpoint/lock.py's FileLock takes it
+        [sys.executable, "-c", "import sys; from lrattn_lightning.train.checkpoint.lock import FileLock; "
          "lock = FileLock(sys.argv[1]).acquire(blocking=False); print('held', flush=True); sys.stdin.read(); "
          "lock.release()",
          str(run_dir / lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -447,7 +447,7 @@ def test_a_run_another_sweep_file_finished_counts_as_finished(data_dir, tmp_path
     """A screen and a study in one experiment share a run (same name, same folder): the study skips it as
     finished instead of resuming it; a FINISHED run of the name without the sweep's tags, or of another name,
     does not count. A real sqlite store, runs created as `lrattn fit` tags them."""
-    from lrattn_lightning.tools.sweep import finished_runs
+    from lrattn_lightning.tools.sweep.sweep import finished_runs
 
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path}/shared.db"

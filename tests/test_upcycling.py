@@ -98,7 +98,7 @@ def test_the_compared_methods_train_and_upcycle_from_a_baseline(baseline, tiny_d
     cfg = load_registry().model("tiny", ablation)
     assert run.data.params["routing"] == cfg.ablation.routing
     assert int(run.data.params["params"]) == count_params(cfg)
-    for option, value in (cfg.ablation.options or {}).items():
+    for option, value in cfg.ablation.options.as_dict().items():
         assert run.data.params[option] == str(value)
     assert "val/loss" in run.data.metrics and run.data.metrics["val/loss"] == run.data.metrics["val/loss"]
     capsys.readouterr()

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from lrattn_lightning.errors import InputError
+from lrattn_lightning.core.errors import InputError
 
 
 @dataclass(frozen=True)

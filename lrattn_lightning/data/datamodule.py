@@ -14,10 +14,10 @@ import lightning as L
 import numpy as np
 import torch
 
+from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.data import remote
 from lrattn_lightning.data.shards import check_shards, read_meta, validate_data_dir
 from lrattn_lightning.data.tokenizer import load_tokenizer
-from lrattn_lightning.errors import InputError
 from lrattn_lightning.model.config import SizeConfig
 
 

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from lrattn_lightning.core.errors import InputError, UsageError
+from lrattn_lightning.core.flags import Parser
 from lrattn_lightning.data import pipeline, remote
 from lrattn_lightning.data.corpora import Document
 from lrattn_lightning.data.formats import COMPRESSIONS, KINDS, ReadOptions
@@ -41,7 +43,6 @@ from lrattn_lightning.data.split import SPLITS, check_seed, fixed, key_hash, sid
 from lrattn_lightning.data.staging import Interrupted, Staging, claim, publish, say, stop_on_signals
 from lrattn_lightning.data.task_files import write_task_files
 from lrattn_lightning.data.tokenizer import load_tokenizer, parse_tokenizer_name, train_bpe
-from lrattn_lightning.errors import InputError, Parser, UsageError
 
 __all__ = ["prepare", "prepare_main", "default_out", "split_of", "key_hash"]
 TASK_TEXT_BYTES = 32 << 20  # held-out text kept in memory for the eval tasks, at most

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lrattn_lightning.errors import InputError
+from lrattn_lightning.core.errors import InputError
 
 SCHEME = "s3://"
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.data import remote
-from lrattn_lightning.errors import InputError
 from lrattn_lightning.model.config import SizeConfig
 
 FORMAT_VERSION = 1

@@ -20,10 +20,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.data.corpora import BUILTIN_SOURCES, Document, iter_documents
 from lrattn_lightning.data.formats import SUPPORTED, FileInput, ReadOptions, hidden, kind_of
 from lrattn_lightning.data.shards import sha256_files
-from lrattn_lightning.errors import InputError
 
 
 class HFInput:

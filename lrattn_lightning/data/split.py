@@ -19,8 +19,8 @@ import hashlib
 import math
 from collections.abc import Iterable, Iterator
 
+from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.data.corpora import Document
-from lrattn_lightning.errors import InputError
 
 BLOCK_DOCUMENTS = 1000
 BLOCK_BYTES = 1 << 20

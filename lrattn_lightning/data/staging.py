@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from lrattn_lightning.errors import InputError
+from lrattn_lightning.core.errors import InputError
 
 BOOK = ".prepare"  # the staging folder's bookkeeping, removed when it is published
 _HOLD = {"held": False, "pending": None}  # signals wait while a finished folder is published

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from lrattn_lightning.errors import InputError
+from lrattn_lightning.core.errors import InputError
 
 EOS_TOKEN = "<|endoftext|>"
 # Special tokens accepted as end-of-sequence in a user's tokenizer.json, in order of preference.

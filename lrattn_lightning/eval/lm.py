@@ -23,10 +23,11 @@ import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
+from lrattn_lightning.core.errors import UsageError
 from lrattn_lightning.data.tokenizer import Tokenizer
 from lrattn_lightning.model.decoder import Decoder
 from lrattn_lightning.model.generate import generate
-from lrattn_lightning.train.checkpoints import EvalError, load_checkpoint
+from lrattn_lightning.train.checkpoint.load import load_checkpoint
 
 
 class _Progress:
@@ -69,7 +70,7 @@ class LRAttnLM(TemplateLM):
             model, tokenizer = self.checkpoint.model, self.checkpoint.tokenizer
             max_length = max_length or self.checkpoint.seq_len
         if model is None or tokenizer is None:
-            raise EvalError("LRAttnLM needs checkpoint=PATH, or model= and tokenizer=")
+            raise UsageError("LRAttnLM needs checkpoint=PATH, or model= and tokenizer=")
         self.model, self.tok = model, tokenizer
         self._max_length = min(int(max_length or model.cfg.size.seq_len), model.cfg.size.seq_len)
         self._device = torch.device(device) if device is not None else next(model.parameters()).device

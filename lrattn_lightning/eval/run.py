@@ -35,9 +35,10 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lrattn_lightning.core.errors import UsageError
+from lrattn_lightning.core.flags import Parser
 from lrattn_lightning.data.datamodule import collate_windows
 from lrattn_lightning.data.shards import bits_per_byte, check_shards, count_windows, read_meta, verify_files
-from lrattn_lightning.errors import Parser
 from lrattn_lightning.eval.lm import LRAttnLM
 from lrattn_lightning.eval.tasks import (
     LOCAL_TASKS,
@@ -50,15 +51,14 @@ from lrattn_lightning.eval.tasks import (
     write_tasks,
 )
 from lrattn_lightning.model.decoder import Decoder
-from lrattn_lightning.train.checkpoints import (
-    EvalError,
+from lrattn_lightning.train.checkpoint.load import (
     LoadedCheckpoint,
     add_trust_flags,
     check_data_dir,
     load_checkpoint,
     trust_routers,
 )
-from lrattn_lightning.train.lit_module import token_losses
+from lrattn_lightning.train.losses import token_losses
 from lrattn_lightning.train.summary import ui_pointer
 
 
@@ -253,10 +253,10 @@ def check_eval_numbers(args: argparse.Namespace) -> None:
                                ("--num_nodes", args.num_nodes, 1), ("--num_fewshot", args.num_fewshot, 0),
                                ("--bootstrap_iters", args.bootstrap_iters, 0)):
         if value is not None and value < least:
-            raise EvalError(f"{flag} {value}: must be an integer >= {least}")
+            raise UsageError(f"{flag} {value}: must be an integer >= {least}")
     limit = args.limit
     if limit is not None and not (0 < limit < 1 or (limit >= 1 and float(limit).is_integer())):
-        raise EvalError(f"--limit {limit}: give a number of documents per task (>= 1) or a fraction in (0, 1); "
+        raise UsageError(f"--limit {limit}: give a number of documents per task (>= 1) or a fraction in (0, 1); "
                         "leave it out for every document")
 
 
@@ -280,12 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     if data_dir is not None and (args.val_loss or any(n in LOCAL_TASKS for n in names)):
         check_data_dir(ckpt, data_dir)
     elif args.val_loss:
-        raise EvalError(f"--val-loss needs the prepared data: checkpoint {ckpt.path} records no data_dir; pass --data-dir")
+        raise UsageError(f"--val-loss needs the prepared data: checkpoint {ckpt.path} records no data_dir; pass --data-dir")
     if args.write_tasks is not None:  # no evaluation: the task folder for lm_eval's own command line
         print(write_tasks(names, data_dir, Path(args.write_tasks), window=ckpt.seq_len, encode=ckpt.tokenizer.encode))
         return 0
     if not names and not args.val_loss:
-        raise EvalError(f"nothing to evaluate: --tasks is empty; name tasks or presets ({', '.join(PRESETS)}) "
+        raise UsageError(f"nothing to evaluate: --tasks is empty; name tasks or presets ({', '.join(PRESETS)}) "
                         "or pass --val-loss")
     if not args.no_log:
         args.tracking_uri = eval_store(args.tracking_uri, ckpt)

@@ -20,7 +20,6 @@ writes that copy for `lm_eval --model hf ... --include_path DIR`, so both score 
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
 import shutil
@@ -32,7 +31,8 @@ from typing import Any
 
 import yaml
 
-from lrattn_lightning.errors import InputError
+from lrattn_lightning.core.errors import InputError
+from lrattn_lightning.core.names import closest_names
 
 TASKS_DIR = Path(__file__).resolve().parent / "task_configs"
 # local task name -> the key of its data file in the prepared folder's meta.json["tasks"]
@@ -217,7 +217,7 @@ def build_task_manager(names: list[str], include_paths: list[str | Path]) -> tup
     if unknown:
         hints = []
         for name in unknown:
-            close = difflib.get_close_matches(name, [*manager.all_tasks, *LOCAL_TASKS, *PRESETS], n=4, cutoff=0.6)
+            close = closest_names(name, [*manager.all_tasks, *LOCAL_TASKS, *PRESETS], n=4, cutoff=0.6, fill=False)
             hints.append(f"'{name}'" + (f" (closest: {', '.join(close)})" if close else ""))
         raise TaskError(
             f"unknown task(s) {', '.join(hints)}: not an lm-eval task, group or tag, nor in --include-path. "

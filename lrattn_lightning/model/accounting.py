@@ -1,7 +1,7 @@
 """Analytic parameter counts and the paper's cost axis: added forward FLOPs per token (SPEC §4).
 
     core  = 2 L (4 d^2 + 3 d h)          2 x non-embedding matmul parameters
-    added = the routing kind's           AttnRes: the reads and key rows (routing/attnres_kind.py); the gated
+    added = the routing kind's           AttnRes: the reads and key rows (routing/attnres/kind.py); the gated
                                          residual: its gate matmuls (routing/gated.py); an external router:
                                          what it states, or None (unknown: routing/external.py)
     added % = 100 added / core

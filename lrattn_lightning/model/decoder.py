@@ -33,10 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lrattn_lightning.errors import InputError
+from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig
 from lrattn_lightning.model.routing._math import rms_norm
-from lrattn_lightning.model.routing.base import DEFAULT_IMPL, build_router
+from lrattn_lightning.model.routing.attnres import DEFAULT_IMPL
+from lrattn_lightning.model.routing.router import build_router
 
 ATTENTIONS = ("sdpa", "flex")  # how document masking's mask reaches the attention (module docstring)
 
@@ -206,7 +207,7 @@ class DecoderOutput:
 
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, impl: str = DEFAULT_IMPL, attention: str = "sdpa"):
-        """impl: the AttnRes backend, `fast`, `reference`, `compiled` or `triton` (routing/base.py): how routing
+        """impl: the AttnRes backend, `fast`, `reference`, `compiled` or `triton` (routing/attnres/backends.py): how routing
         is computed, not what; the same parameters and results. Residual and gated routing ignore it.
         attention: how document masking reaches the token attention, `sdpa` or `flex` (module docstring)."""
         super().__init__()

@@ -8,7 +8,6 @@ the prompt, then feeds one token per step; `use_cache=False` recomputes the whol
 step. Both call `Decoder.forward`, so greedy decoding gives the same tokens either way (tested for
 every registry ablation).
 
-    python -m lrattn_lightning.model.generate --size small --ablation s-lr-block-n8-r64 --threads 1   # KV speed ratio
 
 Measured (size small, random init, 16-token prompt + 240 greedy tokens = 256 positions, CPU, one
 torch thread on a shared 2-core machine, best of 3): cache vs recompute 1.9 s vs 5.2 s (2.7x) for
@@ -20,14 +19,13 @@ width and with sequence length (recomputation is O(T) per step, the cached step 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lrattn_lightning.errors import InputError, Parser
+from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.decoder import Decoder, KVCache
 
 
@@ -112,68 +110,3 @@ def generate(model: Decoder, prompt_BT: Tensor, max_new_tokens: int, **options: 
     if not new:
         return prompt_BT.new_empty(prompt_BT.shape[0], 0)
     return torch.stack(new, dim=1)
-
-
-def kv_speed_ratio(
-    size: str = "small", ablation: str = "s-lr-block-n8-r64", prompt_len: int = 16, total_len: int | None = None,
-    registry: str | None = None, repeats: int = 1, device: str = "cpu", seed: int = 0,
-) -> dict[str, float]:
-    """Time greedy generation up to `total_len` tokens (default: seq_len) with and without the cache.
-
-    Random initialisation with randomised pseudo-queries (so routing is not uniform); checks both
-    give the same tokens. Returns seconds of each and their ratio.
-    """
-    from lrattn_lightning.model.decoder import build_decoder
-    from lrattn_lightning.model.registry import load_registry
-
-    torch.manual_seed(seed)
-    cfg = load_registry(registry).model(size, ablation)
-    model = build_decoder(cfg).to(device).eval()
-    with torch.no_grad():
-        for name, p in model.router.named_parameters():
-            if name == "queries":
-                p.normal_(std=0.5)
-    total_len = total_len or cfg.size.seq_len
-    new = total_len - prompt_len
-    prompt = torch.randint(0, cfg.size.vocab_size, (1, prompt_len), device=device)
-    timings, outputs = {}, {}
-    for use_cache in (True, False):
-        generate(model, prompt, 4, use_cache=use_cache)  # warm-up
-        best = float("inf")
-        for _ in range(repeats):
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            outputs[use_cache] = generate(model, prompt, new, use_cache=use_cache)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - start)
-        timings[use_cache] = best
-    same = bool(torch.equal(outputs[True], outputs[False]))
-    return {"cached_s": timings[True], "recompute_s": timings[False], "ratio": timings[False] / timings[True],
-            "new_tokens": new, "prompt_tokens": prompt_len, "identical": same}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="python -m lrattn_lightning.model.generate",
-                                     description="KV-cache vs full-recomputation generation speed.")
-    parser.add_argument("--size", default="small")
-    parser.add_argument("--ablation", action="append", help="registry ablation (repeatable)")
-    parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--total-len", type=int, default=None, help="prompt + new tokens (default: seq_len)")
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--registry", default=None)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    for name in args.ablation or ["baseline", "s-lr-block-n8-r64"]:
-        r = kv_speed_ratio(args.size, name, args.prompt_len, args.total_len, args.registry, args.repeats, args.device)
-        print(f"{args.size:8s} {name:28s} {r['prompt_tokens']}+{r['new_tokens']} tokens: cache {r['cached_s']:.2f} s, "
-              f"recompute {r['recompute_s']:.2f} s, ratio {r['ratio']:.1f}x, identical={r['identical']}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

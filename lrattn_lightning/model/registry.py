@@ -15,17 +15,17 @@ Every error is a ValueError that names the entry and the field and says how to f
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from lrattn_lightning.errors import InputError
-from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig, config_error
+from lrattn_lightning.core.errors import InputError, config_error
+from lrattn_lightning.core.files import load_yaml_strict, read_yaml_text
+from lrattn_lightning.core.names import closest_names
+from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig
+from lrattn_lightning.model.routing.kinds import ablation_from_fields
 from lrattn_lightning.model.routing.trust import trust
 
 DEFAULT_PATH = Path("registry.yaml")
@@ -61,11 +61,6 @@ class Registry:
     @property
     def short_hash(self) -> str:
         return self.sha256[:12]
-
-
-def closest_names(name: str, known: list[str], n: int = 3) -> list[str]:
-    close = difflib.get_close_matches(name, known, n=n, cutoff=0.4)
-    return close or sorted(known, key=lambda k: -difflib.SequenceMatcher(None, name, k).ratio())[:n]
 
 
 def _lookup(table: dict[str, Any], name: str, kind: str) -> Any:
@@ -117,56 +112,6 @@ def _with_builtin(raw: dict[str, Any], path: Path, text: str) -> tuple[dict[str,
     return merged, builtin_text + "\n" + text
 
 
-def read_yaml_text(path: Path, what: str) -> str:
-    """The text of a YAML file; a folder, an unreadable or a non-UTF-8 file is a ValueError naming it."""
-    if path.is_dir():
-        raise InputError(f"{what} file {path} is a directory; pass the path of a YAML file")
-    try:
-        return path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise InputError(f"{what} file {path} is not UTF-8 text (byte {err.start}: {err.reason}); "
-                         "save it as UTF-8") from err
-    except OSError as err:
-        raise InputError(f"{what} file {path} cannot be read ({err.strerror or err})") from err
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """yaml.safe_load that refuses a key given twice in one mapping (PyYAML silently keeps the last)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges are not duplicates
-                continue
-            key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
-            try:
-                if key in seen:
-                    raise DuplicateKeyError(key, seen[key], line)
-            except TypeError:  # unhashable keys: PyYAML reports those itself
-                continue
-            seen[key] = line
-        return super().construct_mapping(node, deep)
-
-
-class DuplicateKeyError(yaml.YAMLError):
-    def __init__(self, key: Any, first: int, again: int):
-        super().__init__(f"duplicate key '{key}' on line {again} (first on line {first}); keep one of them")
-
-
-def load_yaml_strict(text: str, path: str | Path) -> Any:
-    """Parse YAML like yaml.safe_load, but duplicate keys are an error; errors are one line naming the file."""
-    try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
-    except DuplicateKeyError as err:
-        raise InputError(f"{path}: {err}") from err
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise InputError(f"{path}: not valid YAML{where}: {problem}") from err
-
-
 def parse_registry(raw: dict[str, Any], *, path: str = "<dict>", sha256: str = "") -> Registry:
     if not isinstance(raw, dict):
         raise InputError(f"{path}: the top level must be a mapping with sections {list(_SECTIONS)}")
@@ -182,26 +127,16 @@ def parse_registry(raw: dict[str, Any], *, path: str = "<dict>", sha256: str = "
                 raise config_error(f"grids.{grid_name}", "name", f"grid point '{name}' collides with an existing ablation")
             ablations_raw[name] = entry
 
-    sizes = {name: _build(SizeConfig, "sizes", name, _resolve_extends(sizes_raw, "sizes", name)) for name in sizes_raw}
-    ablations = {}
-    for name in ablations_raw:
-        fields = _resolve_extends(ablations_raw, "ablations", name)
-        for required in ("doc", "control"):
-            if required not in fields:
-                raise config_error(f"ablations.{name}", required, f"every ablation must state its '{required}' (control may be null)")
-        if "tags" in fields:
-            tags = fields["tags"] or []
-            if not isinstance(tags, list) or not all(isinstance(tag, str) for tag in tags):
-                raise config_error(f"ablations.{name}", "tags", f"must be a list of strings, got {tags!r}")
-            fields["tags"] = tuple(tags)
-        ablations[name] = _build(AblationConfig, "ablations", name, fields)
+    sizes = {name: _build(SizeConfig, f"sizes.{name}", name, _resolve_extends(sizes_raw, "sizes", name)) for name in sizes_raw}
+    ablations = {name: ablation_from_fields(name, _resolve_extends(ablations_raw, "ablations", name),
+                                            f"ablations.{name}") for name in ablations_raw}
     for name, abl in ablations.items():
         if abl.control is not None and abl.control not in ablations:
             hint = ", ".join(closest_names(abl.control, list(ablations)))
             raise config_error(f"ablations.{name}", "control", f"unknown ablation '{abl.control}'; closest: {hint}")
     for abl in ablations.values():  # the user's registry names these classes: they may be imported (trust.py)
-        if abl.router is not None:
-            trust(abl.router, f"ablations.{abl.name}.router")
+        for path in abl.kind.code_paths(abl.options):
+            trust(path, f"ablations.{abl.name}")
     return Registry(sizes=sizes, ablations=ablations, path=path, sha256=sha256)
 
 
@@ -237,33 +172,40 @@ def _resolve_extends(table: dict[str, dict], section: str, name: str, chain: tup
     return merged
 
 
-def _build(cls: type, section: str, name: str, fields: dict[str, Any]) -> Any:
-    known = {f.name for f in dataclasses.fields(cls)} - {"name", "options"}
-    if cls is AblationConfig:  # the routing kind's own options, written as fields
-        fields = _with_kind_options(f"{section}.{name}", fields)
+def _build(cls: type, where: str, name: str, fields: dict[str, Any]) -> Any:
+    """A size entry (`where` names it in errors): unknown fields list the closest, a missing one is named."""
+    known = {f.name for f in dataclasses.fields(cls)} - {"name"}
     for key in fields:
-        if key not in known and not (key == "options" and cls is AblationConfig):
-            hint = ", ".join(closest_names(key, sorted(known | set(fields.get("options") or {}))))
-            raise config_error(f"{section}.{name}", key, f"unknown field; closest: {hint}")
+        if key not in known:
+            hint = ", ".join(closest_names(key, sorted(known)))
+            raise config_error(where, key, f"unknown field; closest: {hint}")
     missing = [f.name for f in dataclasses.fields(cls) if f.name != "name" and f.name not in fields
                and f.default is dataclasses.MISSING]
     if missing:
-        raise config_error(f"{section}.{name}", missing[0], "required field is missing")
+        raise config_error(where, missing[0], "required field is missing")
     return cls(name=name, **fields).validate()
 
 
-def _with_kind_options(where: str, fields: dict[str, Any]) -> dict[str, Any]:
-    """Fields with the routing kind's options moved into `options` (every option, its default where not given)."""
-    from lrattn_lightning.model.routing.kinds import kind_of
-
-    if "options" in fields:
-        raise config_error(where, "options", "write a routing kind's options as plain fields (e.g. `dilation: 2`)")
-    kind = kind_of(fields.get("routing", "residual"), where)
-    if not kind.options:
-        return fields
-    out = {k: v for k, v in fields.items() if k not in kind.options}
-    out["options"] = {option: fields.get(option, default) for option, default in kind.options.items()}
-    return out
+def model_config_from_dict(data: Any, where: str = "model_config") -> ModelConfig:
+    """A stored ModelConfig.to_dict() (a checkpoint's, an exported config.json's), read as strictly as a registry
+    entry (also the format before typed options: every kind's fields, a nested `options`); an unknown, missing or
+    mistyped field is one line naming `where`, the part and the field."""
+    if not isinstance(data, dict) or not all(isinstance(data.get(p), dict) for p in ("size", "ablation")):
+        raise InputError(f"{where}: must hold the mappings 'size' and 'ablation', got {type(data).__name__}")
+    size, ablation = dict(data["size"]), dict(data["ablation"])
+    try:
+        name = size.pop("name", None)
+        if not isinstance(name, str):
+            raise config_error(f"{where}.size", "name", f"must be a name, got {name!r}")
+        size_cfg = _build(SizeConfig, f"{where}.size", name, size)
+        name = ablation.pop("name", None)
+        if not isinstance(name, str):
+            raise config_error(f"{where}.ablation", "name", f"must be a name, got {name!r}")
+        return ModelConfig(size_cfg, ablation_from_fields(name, ablation, f"{where}.ablation", stored=True))
+    except InputError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError) as err:  # a value of the wrong type
+        raise InputError(f"{where}: not a valid model config ({type(err).__name__}: {err})") from None
 
 
 def _expand_grid(grid_name: str, grid: dict[str, Any]) -> dict[str, dict[str, Any]]:

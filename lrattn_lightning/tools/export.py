@@ -35,7 +35,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from lrattn_lightning.errors import InputError, Parser, one_line
+from lrattn_lightning.core.errors import InputError, one_line
+from lrattn_lightning.core.flags import Parser
 
 MODEL_TYPE = "lrattn"
 MODELING_FILE = "modeling_lrattn.py"
@@ -80,13 +81,13 @@ class LRAttnForCausalLM(PreTrainedModel, GenerationMixin):
         """trust_router: "package.module:Class" (or a list) of a `routing: external` model's router class: config.json
         names it, but only the caller's word lets it be imported (from_pretrained(..., trust_router=...))."""
         super().__init__(config)
-        from lrattn_lightning.model.config import ModelConfig
+        from lrattn_lightning.model.registry import model_config_from_dict
         from lrattn_lightning.model.decoder import build_decoder
         from lrattn_lightning.model.routing.trust import trust
 
         for path in [trust_router] if isinstance(trust_router, str) else (trust_router or []):
             trust(path, "trust_router")
-        self.model = build_decoder(ModelConfig.from_dict(config.model_config, where="config.json: model_config"))
+        self.model = build_decoder(model_config_from_dict(config.model_config, where="config.json: model_config"))
         self.model.doc_separator = config.doc_separator
         self.post_init()
 
@@ -140,7 +141,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, overwrite: bool = Fals
     """
     from safetensors import SafetensorError
 
-    from lrattn_lightning.train.checkpoints import load_checkpoint
+    from lrattn_lightning.train.checkpoint.load import load_checkpoint
 
     target = check_out(out, checkpoint, overwrite=overwrite)
     ckpt = load_checkpoint(checkpoint)
@@ -378,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the folder to write (new, empty, or a previous export)")
     parser.add_argument("--overwrite", action="store_true",
                         help=f"replace a previous export (a folder holding {MARKER} and only the files it names)")
-    from lrattn_lightning.train.checkpoints import add_trust_flags, trust_routers
+    from lrattn_lightning.train.checkpoint.load import add_trust_flags, trust_routers
 
     add_trust_flags(parser)
     args = parser.parse_args(argv)

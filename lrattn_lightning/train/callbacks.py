@@ -20,7 +20,7 @@
 
 `LRAttnModule.configure_callbacks` installs the first three, so a Trainer built in Python records what
 `lrattn fit` records; `lrattn fit` adds the monitors and, without a progress bar, the progress lines
-(lightning_cli.py).
+(cli/lightning.py).
 """
 
 from __future__ import annotations
@@ -53,8 +53,7 @@ def flat_run_params(cfg: ModelConfig) -> dict[str, Any]:
     size, abl = cfg.to_dict()["size"], cfg.to_dict()["ablation"]
     params = {"size": size.pop("name"), "ablation": abl.pop("name")}
     params.update({k: v for k, v in size.items() if k != "doc"})
-    params.update({k: ("null" if v is None else v) for k, v in abl.items() if k not in ("doc", "tags", "options")})
-    params.update({k: ("null" if v is None else v) for k, v in (abl.get("options") or {}).items()})  # the kind's own
+    params.update({k: ("null" if v is None else v) for k, v in abl.items() if k not in ("doc", "tags")})  # kind + options
     params["key_dim"] = cfg.kind.key_dim(cfg)
     params["block_ends"] = ",".join(map(str, cfg.block_ends())) or "full"
     params["params"] = count_params(cfg)

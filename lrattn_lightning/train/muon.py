@@ -29,7 +29,7 @@ from typing import Literal, get_args
 
 import torch
 
-from lrattn_lightning.errors import InputError
+from lrattn_lightning.core.errors import InputError
 
 Orthogonalizer = Literal["polar_express", "newton_schulz"]
 UpdateScale = Literal["original", "match_rms_adamw"]

@@ -36,7 +36,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
-from lrattn_lightning.errors import InputError
+from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.train.muon import (
     Orthogonalizer,
     UpdateScale,

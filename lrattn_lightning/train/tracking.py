@@ -42,8 +42,8 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lrattn_lightning.errors import InputError
-from lrattn_lightning.train.checkpointing import FileLock, launched_as_rank_zero
+from lrattn_lightning.core.errors import InputError, first_line
+from lrattn_lightning.train.checkpoint.lock import FileLock, launched_as_rank_zero
 
 LOCAL_TRACKING_URI = "sqlite:///mlflow.db"
 # The user's own setting, read once: mlflow.set_tracking_uri() (called by every MLFlowLogger) writes
@@ -259,11 +259,6 @@ def _call_fault(err: BaseException) -> bool:
     return getattr(err, "error_code", None) in _CALL_FAULTS
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0][:300] if text else type(err).__name__
-
-
 @contextlib.contextmanager
 def _quiet_store() -> Iterator[None]:
     loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
@@ -368,7 +363,7 @@ class TrackingLogger(MLFlowLogger):
                 if not self._warned_fault:
                     self._warned_fault = True
                     print(f"[lrattn] warning: MLflow {self._tracking_uri} refused {name} at step {self._step} "
-                          f"({_first_line(err)}); such calls are dropped", file=sys.stderr, flush=True)
+                          f"({first_line(err)}); such calls are dropped", file=sys.stderr, flush=True)
                 return None
             self._went_offline(name, err)
             return self._hold(name, fn, args, kwargs)
@@ -378,7 +373,7 @@ class TrackingLogger(MLFlowLogger):
         self._offline, self._next_retry = True, time.monotonic() + self._retry_s
         self._gaps.append([self._step, None])
         errors = _chain(err)
-        full, cause = _disk_full(errors), _first_line(errors[-1])
+        full, cause = _disk_full(errors), first_line(errors[-1])
         every = f"checked at most once every {self._retry_s:g} s" if self._retry_s else "checked at each logging call"
         if full and not self._remote:
             where = getattr(full, "filename", None) or self._tracking_uri.removeprefix("sqlite:///")

@@ -14,7 +14,7 @@ import torch
 
 from lrattn_lightning.model.config import ModelConfig, fit_to_size
 from lrattn_lightning.model.registry import load_registry
-from lrattn_lightning.tools import golden
+from lrattn_lightning.tools.fidelity import golden
 
 torch.set_num_threads(1)
 reg = load_registry()

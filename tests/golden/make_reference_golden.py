@@ -3,9 +3,9 @@
     python tests/golden/make_reference_golden.py PATH/TO/LR-AttnRes [--out tests/golden/reference.pt]
 
 Runs outside the package and never copies the reference: it imports `model.py` from the checkout
-given on the command line, builds `OBPM` with the flags `lrattn_lightning.tools.fidelity.reference_flags`
+given on the command line, builds `OBPM` with the flags `lrattn_lightning.tools.fidelity.interface.reference_flags`
 states for each registry entry at the golden size, loads the deterministic weights of
-`lrattn_lightning.tools.golden`, and stores the reference's logits, loss and gradients (under our
+`lrattn_lightning.tools.fidelity.golden`, and stores the reference's logits, loss and gradients (under our
 parameter names) for the fixed inputs. Entries the reference cannot express are skipped.
 """
 
@@ -18,8 +18,12 @@ import sys
 import torch
 
 from lrattn_lightning.model.registry import load_registry
-from lrattn_lightning.tools import golden
-from lrattn_lightning.tools.fidelity import NotExpressible, from_reference_state_dict, reference_flags
+from lrattn_lightning.tools.fidelity import golden
+from lrattn_lightning.tools.fidelity.interface import (
+    NotExpressible,
+    from_reference_state_dict,
+    reference_flags,
+)
 
 
 def main() -> int:

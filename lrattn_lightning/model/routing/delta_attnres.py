@@ -36,9 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lrattn_lightning.model.config import ModelConfig, config_error
+from lrattn_lightning.core.errors import config_error
+from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.routing._math import compute_dtype
-from lrattn_lightning.model.routing.kinds import RoutingKind
+from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
 
 NORM_EPS = 1e-6  # the public code's RMSNorm eps (its config default)
 
@@ -53,7 +54,7 @@ class DeltaState:
 class DeltaAttnResRouter(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.d, self.std, self.null = cfg.size.d_model, cfg.size.init_std, cfg.ablation.null_source
+        self.d, self.std, self.null = cfg.size.d_model, cfg.size.init_std, cfg.options.null_source
         sites = cfg.size.n_sublayers if self.null else cfg.size.n_sublayers - 1  # reads j = first..2L-1
         self.first = 0 if self.null else 1
         self.queries = nn.Parameter(torch.empty(sites, self.d))
@@ -98,13 +99,22 @@ class DeltaAttnResRouter(nn.Module):
         return state.stream + added.to(state.stream.dtype)
 
 
+@dataclass(frozen=True)
+class DeltaAttnResOptions(KindOptions):
+    null_source: bool = False  # a zero source the softmax can pick, so the added term can vanish
+
+    def validate(self, where: str) -> None:
+        if not isinstance(self.null_source, bool):
+            raise config_error(where, "null_source", f"must be true or false, got {self.null_source!r}")
+
+
 class DeltaAttnResKind(RoutingKind):
     name = "delta_attnres"
-    options = {"null_source": False}
+    Options = DeltaAttnResOptions
     diagnostics = "depth_weights"
 
     def diagnostic_axes(self, cfg: ModelConfig) -> dict:
-        null = cfg.ablation.null_source
+        null = cfg.options.null_source
         sources = max(self._sources(cfg))
         first = 0 if null else 1
         return {"site_labels": [str(j) for j in range(first, cfg.size.n_sublayers)],
@@ -113,22 +123,18 @@ class DeltaAttnResKind(RoutingKind):
                 "source_axis": "source (null: the learned zero source; 0 = embedding, i = sublayer i's output)",
                 "value": "mean softmax weight", "embedding_column": 1 if null else 0}
 
-    def validate(self, a, where: str) -> None:
-        if not isinstance(a.null_source, bool):
-            raise config_error(where, "null_source", f"must be true or false, got {a.null_source!r}")
-
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return DeltaAttnResRouter(cfg)
 
     @staticmethod
     def _sources(cfg: ModelConfig) -> list[int]:
         """|S_j| for the read sites j = first..2L-1."""
-        null = int(cfg.ablation.null_source)
+        null = int(cfg.options.null_source)
         first = 0 if null else 1
         return [(j + 1 if j else 0) + null for j in range(first, cfg.size.n_sublayers)]
 
     def routing_params(self, cfg: ModelConfig) -> int:
-        return len(self._sources(cfg)) * cfg.size.d_model * (3 if cfg.ablation.null_source else 2)
+        return len(self._sources(cfg)) * cfg.size.d_model * (3 if cfg.options.null_source else 2)
 
     def added_flops(self, cfg: ModelConfig) -> int:
         d = cfg.size.d_model

@@ -27,13 +27,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from lrattn_lightning.model.config import ModelConfig, config_error
-from lrattn_lightning.model.routing.kinds import RoutingKind
+from lrattn_lightning.core.errors import config_error
+from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
 
 
 def averaged_layers(cfg: ModelConfig) -> list[int]:
     """The layers t (1..L) after which a DWA sits."""
-    return [t for t in range(1, cfg.size.n_layers + 1) if t % cfg.ablation.period == 0]
+    return [t for t in range(1, cfg.size.n_layers + 1) if t % cfg.options.period == 0]
 
 
 def group_of(t: int, dilation: int) -> list[int]:
@@ -51,7 +52,7 @@ class DWAState:
 class DenseFormerRouter(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.d, self.dilation = cfg.size.d_model, cfg.ablation.dilation
+        self.d, self.dilation = cfg.size.d_model, cfg.options.dilation
         self.layers = averaged_layers(cfg)
         # one weight vector per averaged layer, over G_t (named by the layer: dwa.<t>)
         self.dwa = nn.ParameterDict({str(t): nn.Parameter(torch.empty(len(group_of(t, self.dilation))))
@@ -88,9 +89,21 @@ class DenseFormerRouter(nn.Module):
         return state.stream
 
 
+@dataclass(frozen=True)
+class DenseFormerOptions(KindOptions):
+    dilation: int = 1  # k: a DWA averages every k-th earlier output (and the current one)
+    period: int = 1  # p: a DWA after every p-th layer
+
+    def validate(self, where: str) -> None:
+        for option in ("dilation", "period"):
+            value = getattr(self, option)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise config_error(where, option, f"must be a positive integer, got {value!r}")
+
+
 class DenseFormerKind(RoutingKind):
     name = "denseformer"
-    options = {"dilation": 1, "period": 1}
+    Options = DenseFormerOptions
     diagnostics = "mixing"
 
     def diagnostic_axes(self, cfg: ModelConfig) -> dict:
@@ -99,23 +112,17 @@ class DenseFormerKind(RoutingKind):
                 "source_axis": "source x_s (0 = embedding, s = layer s's output)", "value": "weight w_{t,s}",
                 "embedding_column": 0}
 
-    def validate(self, a, where: str) -> None:
-        for option in self.options:
-            value = getattr(a, option)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise config_error(where, option, f"must be a positive integer, got {value!r}")
-
     def validate_model(self, cfg: ModelConfig, where: str) -> None:
         L = cfg.size.n_layers
-        if cfg.ablation.period > L:
-            raise config_error(where, "period", f"period={cfg.ablation.period} exceeds the {L} layers: no layer "
+        if cfg.options.period > L:
+            raise config_error(where, "period", f"period={cfg.options.period} exceeds the {L} layers: no layer "
                                f"would average; choose period <= {L}")
 
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return DenseFormerRouter(cfg)
 
     def routing_params(self, cfg: ModelConfig) -> int:
-        return sum(len(group_of(t, cfg.ablation.dilation)) for t in averaged_layers(cfg))
+        return sum(len(group_of(t, cfg.options.dilation)) for t in averaged_layers(cfg))
 
     def added_flops(self, cfg: ModelConfig) -> int:
         return 2 * cfg.size.d_model * self.routing_params(cfg)

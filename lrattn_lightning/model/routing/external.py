@@ -9,7 +9,7 @@
         router_options: {width: 4}           # keyword arguments: MyRouter(cfg, width=4)
 
 The contract (README, "Writing your own router"; kept stable): the class is an `nn.Module` built as
-`Class(cfg, **router_options)` (cfg: the resolved ModelConfig) with the Router protocol of base.py,
+`Class(cfg, **router_options)` (cfg: the resolved ModelConfig) with the Router protocol of router.py,
 `start(emb, *, record=False, cache=None, segments=None) -> state`, `read(state, j)`, `write(state, i, out)`,
 `reset_parameters()` and optionally `new_cache()` (KV-cache decoding: an object kept across passes, or
 None). Optional: `added_flops_per_token() -> int` (forward FLOPs per token it adds to the core; without it
@@ -28,23 +28,24 @@ The class's parameter count is its real one: the analytic counts build it once o
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from lrattn_lightning.errors import InputError
-from lrattn_lightning.model.config import ModelConfig, config_error
-from lrattn_lightning.model.routing.kinds import NotExpressible, RoutingKind
+from lrattn_lightning.core.errors import InputError, config_error
+from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.routing.kind import KindOptions, NotExpressible, RoutingKind
 from lrattn_lightning.model.routing.trust import IMPORT_PATH, is_trusted, untrusted_error
 
 
 def router_class(cfg: ModelConfig) -> type[nn.Module]:
-    """Import the class `cfg.ablation.router` names, if the user named it (trust.py); one line when it cannot be."""
-    a = cfg.ablation
-    where = f"ablations.{a.name}"
+    """Import the class `cfg.options.router` names, if the user named it (trust.py); one line when it cannot be."""
+    a, name = cfg.options, cfg.ablation.name
+    where = f"ablations.{name}"
     if not is_trusted(str(a.router)):
-        raise untrusted_error(str(a.router), a.name)
+        raise untrusted_error(str(a.router), name)
     module_name, _, class_name = str(a.router).partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -61,16 +62,16 @@ def router_class(cfg: ModelConfig) -> type[nn.Module]:
 
 def build_external(cfg: ModelConfig) -> nn.Module:
     cls = router_class(cfg)
-    options = dict(cfg.ablation.router_options or {})
+    options = dict(cfg.options.router_options or {})
     try:
         router = cls(cfg, **options)
     except TypeError as err:
         raise config_error(f"ablations.{cfg.ablation.name}", "router_options",
-                           f"{cfg.ablation.router}(cfg, **{options!r}) failed: {err}") from None
+                           f"{cfg.options.router}(cfg, **{options!r}) failed: {err}") from None
     missing = [m for m in ("start", "read", "write", "reset_parameters") if not callable(getattr(router, m, None))]
     if missing:
         raise config_error(f"ablations.{cfg.ablation.name}", "router",
-                           f"{cfg.ablation.router} lacks {', '.join(missing)} of the Router protocol (README, "
+                           f"{cfg.options.router} lacks {', '.join(missing)} of the Router protocol (README, "
                            "'Writing your own router')")
     return router
 
@@ -86,7 +87,7 @@ def facts(cfg: ModelConfig) -> tuple[int, int | None]:
             router = build_external(cfg)
         flops = router.added_flops_per_token() if callable(getattr(router, "added_flops_per_token", None)) else None
         if flops is not None and (isinstance(flops, bool) or not isinstance(flops, int) or flops < 0):
-            raise InputError(f"{cfg.ablation.router}.added_flops_per_token() must return an integer >= 0, got {flops!r}")
+            raise InputError(f"{cfg.options.router}.added_flops_per_token() must return an integer >= 0, got {flops!r}")
         _FACTS[key] = (sum(p.numel() for p in router.parameters()), flops)
     return _FACTS[key]
 
@@ -104,28 +105,37 @@ def adamw_names(router: nn.Module) -> set[str] | None:
     return names
 
 
+@dataclass(frozen=True)
+class ExternalOptions(KindOptions):
+    router: str | None = None  # "package.module:Class", imported when the model is built (if trusted: trust.py)
+    router_options: dict[str, Any] | None = None  # keyword arguments of that class
+
+    def validate(self, where: str) -> None:
+        """router: an import path; router_options: a mapping of identifier keys (or null)."""
+        if not isinstance(self.router, str) or not IMPORT_PATH.fullmatch(self.router):
+            raise config_error(where, "router", f"routing external needs the class as 'package.module:Class', got "
+                               f"{self.router!r}")
+        options = self.router_options
+        if options is not None and (not isinstance(options, dict) or not all(isinstance(k, str) and k.isidentifier()
+                                                                             for k in options)):
+            raise config_error(where, "router_options", f"must be a mapping of keyword arguments (identifier keys) "
+                               f"or null, got {options!r}")
+
+
 class ExternalKind(RoutingKind):
     name = "external"
-    fields = ("router", "router_options")
+    Options = ExternalOptions
     owner_phrase = "only routing external names a router class"
     diagnostics = "mixing"  # whatever a recording state's `weights` hold (README: the contract); none: nothing
     user_code = True
 
     def diagnostic_axes(self, cfg: ModelConfig) -> dict:
         return {"site_labels": None, "source_labels": None, "site_axis": "row of the router's state.weights",
-                "source_axis": f"source, as {cfg.ablation.router} orders them", "value": "mean weight",
+                "source_axis": f"source, as {cfg.options.router} orders them", "value": "mean weight",
                 "embedding_column": None}
 
-    def validate(self, a, where: str) -> None:
-        """router: an import path; router_options: a mapping of identifier keys (or null)."""
-        if not isinstance(a.router, str) or not IMPORT_PATH.fullmatch(a.router):
-            raise config_error(where, "router", f"routing external needs the class as 'package.module:Class', got "
-                               f"{a.router!r}")
-        options = a.router_options
-        if options is not None and (not isinstance(options, dict) or not all(isinstance(k, str) and k.isidentifier()
-                                                                             for k in options)):
-            raise config_error(where, "router_options", f"must be a mapping of keyword arguments (identifier keys) "
-                               f"or null, got {options!r}")
+    def code_paths(self, options: ExternalOptions) -> list[str]:
+        return [options.router]
 
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return build_external(cfg)
@@ -140,7 +150,7 @@ class ExternalKind(RoutingKind):
         return adamw_names(router)
 
     def reference_flags(self, cfg: ModelConfig) -> dict:
-        raise NotExpressible(f"an external router ({cfg.ablation.router}) is not part of the reference")
+        raise NotExpressible(f"an external router ({cfg.options.router}) is not part of the reference")
 
 
 KIND = ExternalKind()

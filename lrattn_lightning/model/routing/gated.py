@@ -36,13 +36,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor, nn
 
-from lrattn_lightning.model.config import GateBias, ModelConfig, _check_literal, config_error
+from lrattn_lightning.core.errors import InputError, check_literal, config_error
+from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.routing._math import compute_dtype
-from lrattn_lightning.model.routing.kinds import NotExpressible, RoutingKind
+from lrattn_lightning.model.routing.kind import KindOptions, NotExpressible, RoutingKind
 
 GRAD_NORM_EPS = 1e-6
 
@@ -226,28 +228,25 @@ class GatedRouter(nn.Module):
         return mean_x, mean_fx
 
 
-class GatedKind(RoutingKind):
-    """The gated residual: W_q, W_k per sublayer (matrices: Muon under muon_adamw), the optional biases b_i;
-    its training-time controls are module flags (lit_module.py), its diagnostics the gates alpha_i.
+# The gated residual's learned per-sublayer gate bias b_i (SPEC §7, docs/gated-residual.md):
+#   g_i = sigmoid(<W_q cummean(x), W_k cummean(F(x))> / sqrt(d) + b_i), with b_i initialised to logit(alpha0_i)
+#   none          no bias parameter: alpha starts at sigmoid(~0) = 0.5 everywhere (the blog seed's formula)
+#   constant      every sublayer starts at alpha0 = gate_alpha
+#   last_layer    the last layer's two sublayers start at gate_alpha, the others at 0.5 (b = 0)
+#   running_mean  sublayer i starts at alpha0_i = i / (i + 1) (b_i = log i): the stream starts as the mean
+#                 of the embedding and the i outputs, i.e. the plain residual stream / (i + 1)
+GateBias = Literal["none", "constant", "last_layer", "running_mean"]
 
-        params = 2L (2 d^2 [+ 1 with a gate bias])
-        FLOPs  = 2L (4 d^2 + 5 d [+ 1 with a gate bias])   W_q, W_k, the dot, the mix
-    """
 
-    name = "gated"
-    fields = ("gate_bias", "gate_alpha")
-    training_options = ("gate_freeze_steps", "gate_release_loss", "gate_grad_normalize")
-    owner_phrase = "only the gated residual (routing: gated) has gates"
-    diagnostics = "gates"
+@dataclass(frozen=True)
+class GatedOptions(KindOptions):
+    gate_bias: GateBias = "none"
+    gate_alpha: float | None = None  # alpha0 of gate_bias constant / last_layer
 
-    def diagnostic_axes(self, cfg: ModelConfig) -> dict:
-        return {"site_labels": [str(i) for i in range(1, cfg.size.n_sublayers + 1)],
-                "source_labels": ["stream: α", "F(x): 1 - α"], "site_axis": "sublayer i (its gated write)",
-                "source_axis": "source of y = α x + (1 - α) F(x)", "value": "mean weight", "embedding_column": None}
-
-    def validate(self, a, where: str) -> None:
+    def validate(self, where: str) -> None:
         """gate_alpha exactly when the bias needs one."""
-        _check_literal(where, "gate_bias", a.gate_bias, GateBias)
+        a = self
+        check_literal(where, "gate_bias", a.gate_bias, get_args(GateBias))
         alpha = a.gate_alpha
         if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float)):
             raise config_error(where, "gate_alpha", f"must be a number in (0, 1) or null, got {alpha!r}")
@@ -259,9 +258,66 @@ class GatedKind(RoutingKind):
             raise config_error(where, "gate_alpha", f"gate_bias '{a.gate_bias}' sets no alpha0 of its own; "
                                "leave gate_alpha null (or use gate_bias constant / last_layer)")
 
+
+class GateHold:
+    """The gated residual's training-time controls (`--model.gate_freeze_steps`, `gate_release_loss`,
+    `gate_grad_normalize`; docs/gated-residual.md): every gate is held at alpha = 0.5 for the first N optimiser
+    steps and/or until a step's training cross-entropy (mean over ranks) is <= X; the release is for good and the
+    hold travels in checkpoints (the router's gate_hold buffer). gate_grad_normalize replaces the gradient reaching
+    each sublayer's gate tensor alpha by G / (||G|| + 1e-6), clipped to |.| < 1. The LightningModule calls it."""
+
+    def __init__(self, router: GatedRouter, gate_freeze_steps: int = 0, gate_release_loss: float | None = None,
+                 gate_grad_normalize: bool = False):
+        steps, loss = gate_freeze_steps, gate_release_loss
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise InputError(f"model.gate_freeze_steps: must be an integer >= 0 (steps with alpha held at 0.5), got {steps!r}")
+        if loss is not None and (isinstance(loss, bool) or not isinstance(loss, int | float) or not 0 < loss < math.inf):
+            raise InputError(f"model.gate_release_loss: must be a positive training loss in nats or null, got {loss!r}")
+        if not isinstance(gate_grad_normalize, bool):
+            raise InputError(f"model.gate_grad_normalize: must be true or false, got {gate_grad_normalize!r}")
+        self.router, self.freeze_steps, self.release_loss = router, steps, loss
+        self.active = steps > 0 or loss is not None
+        router.gate_grad_normalize = gate_grad_normalize
+        router.set_gate_hold(self.active)  # a checkpoint's stored hold replaces this on load
+
+    @property
+    def wants_loss(self) -> bool:
+        return self.active and self.release_loss is not None and self.router.gates_held
+
+    def before_step(self, step: int, last_loss: float | None) -> None:
+        """Release held gates once the step count and the loss allow it (for good: a release is not undone)."""
+        if not self.active or not self.router.gates_held or step < self.freeze_steps:
+            return
+        if self.release_loss is not None and (last_loss is None or last_loss > self.release_loss):
+            return
+        self.router.set_gate_hold(False)
+
+    def log_values(self) -> dict[str, float]:
+        return {"train/gates_held": float(self.router.gates_held)} if self.active else {}
+
+
+class GatedKind(RoutingKind):
+    """The gated residual: W_q, W_k per sublayer (matrices: Muon under muon_adamw), the optional biases b_i;
+    its training-time controls GateHold (module flags), its diagnostics the gates alpha_i.
+
+        params = 2L (2 d^2 [+ 1 with a gate bias])
+        FLOPs  = 2L (4 d^2 + 5 d [+ 1 with a gate bias])   W_q, W_k, the dot, the mix
+    """
+
+    name = "gated"
+    Options = GatedOptions
+    training_options = ("gate_freeze_steps", "gate_release_loss", "gate_grad_normalize")
+    owner_phrase = "only the gated residual (routing: gated) has gates"
+    diagnostics = "gates"
+
+    def diagnostic_axes(self, cfg: ModelConfig) -> dict:
+        return {"site_labels": [str(i) for i in range(1, cfg.size.n_sublayers + 1)],
+                "source_labels": ["stream: α", "F(x): 1 - α"], "site_axis": "sublayer i (its gated write)",
+                "source_axis": "source of y = α x + (1 - α) F(x)", "value": "mean weight", "embedding_column": None}
+
     def initial_gates(self, cfg: ModelConfig) -> list[float] | None:
         """alpha0_i of the bias for sublayers i = 1..2L (None: no bias, alpha starts at 0.5)."""
-        a, m = cfg.ablation, cfg.size.n_sublayers
+        a, m = cfg.options, cfg.size.n_sublayers
         if a.gate_bias == "none":
             return None
         if a.gate_bias == "constant":
@@ -273,13 +329,16 @@ class GatedKind(RoutingKind):
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return GatedRouter(cfg)
 
+    def training_control(self, router: nn.Module, flags: dict) -> GateHold:
+        return GateHold(router, **flags)
+
     def routing_params(self, cfg: ModelConfig) -> int:
         d, M = cfg.size.d_model, cfg.size.n_sublayers
-        return M * 2 * d * d + (M if cfg.ablation.gate_bias != "none" else 0)
+        return M * 2 * d * d + (M if cfg.options.gate_bias != "none" else 0)
 
     def added_flops(self, cfg: ModelConfig) -> int:
         d, M = cfg.size.d_model, cfg.size.n_sublayers
-        return M * (2 * 2 * d * d + 2 * d + 3 * d + (1 if cfg.ablation.gate_bias != "none" else 0))
+        return M * (2 * 2 * d * d + 2 * d + 3 * d + (1 if cfg.options.gate_bias != "none" else 0))
 
     def reference_flags(self, cfg: ModelConfig) -> dict:
         raise NotExpressible("the gated residual (SPEC §7) is not part of the reference")

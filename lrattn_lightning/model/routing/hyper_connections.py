@@ -41,9 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lrattn_lightning.model.config import ModelConfig, config_error
+from lrattn_lightning.core.errors import config_error
+from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.routing._math import compute_dtype
-from lrattn_lightning.model.routing.kinds import RoutingKind
+from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
 
 SCALE0 = 1e-2  # the public code's initial scales of the dynamic terms
 
@@ -67,7 +68,7 @@ class StreamsState:
 class HyperConnectionsRouter(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        a = cfg.ablation
+        a = cfg.options
         self.d, self.n, self.M = cfg.size.d_model, a.streams, cfg.size.n_sublayers
         self.dynamic, self.manifold, self.iters = a.dynamic, a.manifold, a.sinkhorn_iters
         n, d, M = self.n, self.d, self.M
@@ -135,13 +136,30 @@ class HyperConnectionsRouter(nn.Module):
         state.pending = None
 
 
+@dataclass(frozen=True)
+class HyperConnectionsOptions(KindOptions):
+    streams: int = 4  # n
+    dynamic: bool = True  # input-dependent coefficients (tanh(RMSNorm(H) W) s terms, s = 0 at init)
+    manifold: bool = False  # mHC: Sinkhorn-Knopp doubly stochastic mixing, sigmoid pre / 2 sigmoid post maps
+    sinkhorn_iters: int = 20
+
+    def validate(self, where: str) -> None:
+        for option in ("streams", "sinkhorn_iters"):
+            value = getattr(self, option)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise config_error(where, option, f"must be a positive integer, got {value!r}")
+        for option in ("dynamic", "manifold"):
+            if not isinstance(getattr(self, option), bool):
+                raise config_error(where, option, f"must be true or false, got {getattr(self, option)!r}")
+
+
 class HyperConnectionsKind(RoutingKind):
     name = "hyper_connections"
-    options = {"streams": 4, "dynamic": True, "manifold": False, "sinkhorn_iters": 20}
+    Options = HyperConnectionsOptions
     diagnostics = "mixing"
 
     def diagnostic_axes(self, cfg: ModelConfig) -> dict:
-        n = cfg.ablation.streams
+        n = cfg.options.streams
         return {"site_labels": [str(j) for j in range(cfg.size.n_sublayers)],
                 "source_labels": ([f"read {s}" for s in range(n)] + [f"{s}→{t}" for s in range(n) for t in range(n)]
                                   + [f"β {s}" for s in range(n)]),
@@ -149,26 +167,17 @@ class HyperConnectionsKind(RoutingKind):
                 "source_axis": "coefficient: read A[s, 0]; width s→t A[s, 1 + t]; depth β[s]",
                 "value": "mean coefficient", "embedding_column": None}
 
-    def validate(self, a, where: str) -> None:
-        for option in ("streams", "sinkhorn_iters"):
-            value = getattr(a, option)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise config_error(where, option, f"must be a positive integer, got {value!r}")
-        for option in ("dynamic", "manifold"):
-            if not isinstance(getattr(a, option), bool):
-                raise config_error(where, option, f"must be true or false, got {getattr(a, option)!r}")
-
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return HyperConnectionsRouter(cfg)
 
     def routing_params(self, cfg: ModelConfig) -> int:
-        a, d = cfg.ablation, cfg.size.d_model
+        a, d = cfg.options, cfg.size.d_model
         n = a.streams
         per = n * (n + 1) + n + ((d * (n + 1) + 2 * d + (3 if a.manifold else 2)) if a.dynamic else 0)
         return cfg.size.n_sublayers * per
 
     def added_flops(self, cfg: ModelConfig) -> int:
-        a, d = cfg.ablation, cfg.size.d_model
+        a, d = cfg.options, cfg.size.d_model
         n = a.streams
         per = 2 * d * n * (n + 1) + 2 * n * d + ((2 * n * d * (n + 2) + 4 * n * d) if a.dynamic else 0)
         return cfg.size.n_sublayers * per + n * d

@@ -1,172 +1,109 @@
-"""Routing kinds: everything one way of routing across depth is, in one object per kind.
+"""The built-in routing kinds, listed explicitly, and the one reader of an entry's fields into an AblationConfig.
 
-A registry entry's `routing: NAME` names a kind. Kind NAME lives in `lrattn_lightning/model/routing/NAME.py`,
-which defines `KIND = SomeKind()` (a `RoutingKind`); nothing else in the package names a kind. Adding a
-built-in kind is that module plus registry entries. A kind states:
+    routing: residual            residual.py           the plain residual stream
+    routing: attnres             attnres/              AttnRes, P-LR / S-LR-AttnRes (backends: attnres/backends.py)
+    routing: gated               gated.py              the gated residual of the blog seed (SPEC §7)
+    routing: external            external.py           a user's router class named by import path
+    routing: denseformer         denseformer.py        DenseFormer's depth-weighted averages
+    routing: delta_attnres       delta_attnres.py      Delta Attention Residuals
+    routing: hyper_connections   hyper_connections.py  Hyper-Connections and mHC
 
-    fields                AblationConfig fields only it reads (set on another kind: one-line error)
-    options               options it declares itself (name -> default): a registry entry writes them as
-                          fields, AblationConfig keeps them in `options` (all of them, defaults filled in)
-    training_options      the LightningModule's flags only it reads (`--model.gate_freeze_steps` ...)
-    validate(a, where)    checks of its fields that need no size; validate_model(cfg, where) the rest
-    build(cfg, impl)      its router module (the Router protocol of base.py)
-    extra_out, key_dim, block_ends, initial_gates   what the decoder and accounting read from it
-    routing_params, added_flops    the analytic parameter count and forward FLOPs per token it adds
-                                   (added_flops None: unknown)
-    adamw_names(router)   its router's parameter names that AdamW takes under muon_adamw (None: all of them)
-    diagnostics           what `state.weights` hold when a pass records, one tensor [S, B, T, m] per row of
-                          the heatmap (S sources; B, T, m may be 1): "depth_weights" (a softmax over sources per
-                          read site: entropy, top-1 ... apply), "gates" (the gated residual's [alpha, 1 - alpha]
-                          per sublayer), "mixing" (any real mixing weights: DenseFormer's alpha, the
-                          hyper-connections' coefficients, an own router's), or None (nothing recorded)
-    diagnostic_axes(cfg)  what the rows and columns of those weights are: labels and axis titles of
-                          routing/weights.json and the heatmaps (train/diagnostics.py)
-    user_code             whether it imports the user's code (an own router): a sweep imports it before its runs
-    takes_impl            whether the AttnRes backends (`--model.impl`) apply
-    depth_attention       softmax attention over depth sources: the roofline's traffic model applies
-    reference_flags(cfg)  the paper's code's flags for it (NotExpressible where it has none) and
-    reference_weights(ref, cfg)    the reference's router weights under our names
-
-Kinds are found by module name, so `kind_of` imports only the kind asked for; `known_kinds` reads the
-folder's file names and their `KIND =` line without importing them.
+A new built-in kind is its module (a `RoutingKind` with its `Options` dataclass: kind.py) added to KINDS, and
+registry entries. `ablation_from_fields` reads the flat fields of a registry entry or a stored config (a
+checkpoint's, an export's) into the kind and its typed options; a field of another kind is one line naming that
+kind, an unknown one lists the closest names.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import re
-from functools import cache
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from lrattn_lightning.errors import InputError
+from lrattn_lightning.core.errors import InputError, config_error
+from lrattn_lightning.core.names import closest_names
+from lrattn_lightning.model.config import AblationConfig, ModelConfig
+from lrattn_lightning.model.routing import (
+    delta_attnres,
+    denseformer,
+    external,
+    gated,
+    hyper_connections,
+    residual,
+)
+from lrattn_lightning.model.routing.attnres import kind as attnres
+from lrattn_lightning.model.routing.kind import RoutingKind
 
-if TYPE_CHECKING:
-    from torch import nn
-
-    from lrattn_lightning.model.config import AblationConfig, ModelConfig
-
-_FOLDER = Path(__file__).resolve().parent
-_KIND_LINE = re.compile(r"^KIND = ", re.MULTILINE)
-
-
-class NotExpressible(InputError):
-    """The entry has no equivalent in the reference's flags (said why)."""
-
-
-class RoutingKind:
-    """The defaults: a kind with no parameters, no extra output rows, no diagnostics, unknown to the reference."""
-
-    name = ""
-    fields: tuple[str, ...] = ()
-    options: dict[str, Any] = {}  # its own options (name -> default), stored in AblationConfig.options
-    training_options: tuple[str, ...] = ()
-    owner_phrase = ""  # how an error says a foreign field belongs here, e.g. "only AttnRes routing (...) reads it"
-    diagnostics: str | None = None
-    user_code = False
-    takes_impl = False
-    depth_attention = False
-
-    def validate(self, a: AblationConfig, where: str) -> None:
-        """Checks of this kind's fields that need no size (the defaults of the others are checked already)."""
-
-    def validate_model(self, cfg: ModelConfig, where: str) -> None:
-        """Checks that need the size."""
-
-    def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
-        raise NotImplementedError
-
-    def extra_out(self, cfg: ModelConfig) -> int:
-        """Extra output rows of each sublayer's output projection (beyond d)."""
-        return 0
-
-    def key_dim(self, cfg: ModelConfig) -> int:
-        """The routing key width recorded as the `key_dim` param (0: no keys)."""
-        return 0
-
-    def block_ends(self, cfg: ModelConfig) -> list[int]:
-        """Sublayer indices (1-based) after which a block ends; [] for no blocks."""
-        return []
-
-    def initial_gates(self, cfg: ModelConfig) -> list[float] | None:
-        return None
-
-    def routing_params(self, cfg: ModelConfig) -> int:
-        return 0
-
-    def added_flops(self, cfg: ModelConfig) -> int | None:
-        return 0
-
-    def adamw_names(self, router: nn.Module) -> set[str] | None:
-        """The router's own parameter names AdamW takes; the rest by the usual rule (matrices to Muon).
-        None: every parameter of the router."""
-        return set()
-
-    def diagnostic_axes(self, cfg: ModelConfig) -> dict[str, Any]:
-        """Rows and columns of the recorded weights: `site_labels` (one per row; None: 1, 2, ...),
-        `source_labels` (one per column; None: 0, 1, ...), `site_axis`, `source_axis`, `value` (what a cell is)
-        and `embedding_column` (the embedding's column, for the `embedding` statistic of a softmax read)."""
-        return {"site_labels": None, "source_labels": None, "site_axis": "read site j (feeds sublayer j + 1; 2L: the head)",
-                "source_axis": "source (0 = embedding, then the later outputs or block summaries)",
-                "value": "mean routing weight", "embedding_column": 0}
-
-    def reference_flags(self, cfg: ModelConfig) -> dict[str, Any]:
-        """The reference's routing flags for cfg ({} for its plain residual stream)."""
-        raise NotExpressible(f"routing {self.name} is not part of the reference")
-
-    def reference_weights(self, ref: dict[str, Any], cfg: ModelConfig, stack) -> tuple[str, dict[str, Any]]:
-        """(suffix of the reference's output-projection weight names, its router weights under our names)."""
-        return ".weight", {}
+KINDS: dict[str, RoutingKind] = {k.name: k for k in (
+    residual.KIND, attnres.KIND, gated.KIND, external.KIND, denseformer.KIND, delta_attnres.KIND,
+    hyper_connections.KIND)}
+ENTRY_FIELDS = ("doc", "control", "routing", "tags")  # what every entry has, whatever its kind
 
 
-def _module_name(name: str) -> str:
-    return f"lrattn_lightning.model.routing.{name}"
-
-
-@cache
 def known_kinds() -> tuple[str, ...]:
-    """The kinds of this folder: modules with a `KIND = ` line (read as text, not imported)."""
-    return tuple(sorted(p.stem for p in _FOLDER.glob("*.py")
-                        if not p.stem.startswith("_") and _KIND_LINE.search(p.read_text(encoding="utf-8"))))
+    return tuple(KINDS)
 
 
 def kind_of(name: Any, where: str = "ablation") -> RoutingKind:
     """The kind `routing: name` names; unknown names list the closest ones."""
-    if not isinstance(name, str) or name not in known_kinds():
-        from lrattn_lightning.model.registry import closest_names
-
-        hint = ", ".join(closest_names(str(name), list(known_kinds())))
+    if not isinstance(name, str) or name not in KINDS:
+        hint = ", ".join(closest_names(str(name), list(KINDS)))
         raise InputError(f"{where}: field 'routing': unknown routing kind {name!r}; closest: {hint} (all: "
-                         f"{', '.join(known_kinds())})")
-    return _load(name)
+                         f"{', '.join(KINDS)})")
+    return KINDS[name]
 
 
-@cache
-def _load(name: str) -> RoutingKind:
-    kind = importlib.import_module(_module_name(name)).KIND
-    if kind.name != name:
-        raise InputError(f"routing kind module {name}.py defines KIND named {kind.name!r}")
-    return kind
+def option_owner(field: str) -> tuple[RoutingKind, Any] | None:
+    """(the kind whose options hold `field`, that option's default), or None."""
+    for kind in KINDS.values():
+        for f in dataclasses.fields(kind.Options):
+            if f.name == field:
+                return kind, f.default
+    return None
 
 
-def field_owner(field: str) -> RoutingKind | None:
-    """The kind that owns AblationConfig field `field` (None: a field every kind has)."""
-    return next((k for k in map(_load, known_kinds()) if field in k.fields), None)
-
-
-def check_foreign_fields(a: AblationConfig, kind: RoutingKind, where: str) -> None:
-    """A field another kind owns, set on this entry, would be silently ignored: one line instead."""
-    from lrattn_lightning.model.config import config_error
-
-    for f in dataclasses.fields(a):
-        if f.name in kind.fields or getattr(a, f.name) == f.default:
+def ablation_from_fields(name: str, fields: dict[str, Any], where: str, stored: bool = False) -> AblationConfig:
+    """An entry's fields -> a validated AblationConfig: `routing` picks the kind, its options are the fields its
+    Options dataclass declares (the others' defaults where not given). `stored`: a checkpoint's or an export's
+    config, which may also hold (before typed options) every kind's fields at their defaults and a nested
+    `options` mapping; a registry entry writes its options as plain fields."""
+    fields = dict(fields)
+    kind = kind_of(fields.pop("routing", "residual"), where)
+    nested = fields.pop("options", None)
+    if nested is not None:
+        if not stored:
+            raise config_error(where, "options", "write a routing kind's options as plain fields (e.g. `dilation: 2`)")
+        if not isinstance(nested, dict):
+            raise config_error(where, "options", f"must be a mapping of the kind's options, got {nested!r}")
+        fields.update(nested)
+    for required in ("doc", "control"):
+        if required not in fields:
+            raise config_error(where, required, f"every ablation must state its '{required}' (control may be null)")
+    doc, control, tags = fields.pop("doc"), fields.pop("control"), fields.pop("tags", None) or []
+    if not isinstance(tags, list | tuple) or not all(isinstance(tag, str) for tag in tags):
+        raise config_error(where, "tags", f"must be a list of strings, got {tags!r}")
+    own = {f.name for f in dataclasses.fields(kind.Options)}
+    values = {}
+    for key, value in fields.items():
+        if key in own:
+            values[key] = value
             continue
-        owner = field_owner(f.name)
-        if owner is not None:
-            default = "null" if f.default is None else repr(f.default)
-            raise config_error(where, f.name, f"{owner.owner_phrase}; routing is '{a.routing}': remove it (over an "
-                               f"`extends`, reset it to {default})")
+        found = option_owner(key)
+        if found is None:
+            hint = ", ".join(closest_names(str(key), sorted(own | set(ENTRY_FIELDS))))
+            raise config_error(where, key, f"unknown field; closest: {hint}")
+        owner, default = found
+        if value == default:  # another kind's option at its default: an `extends` reset, or an older checkpoint
+            continue
+        shown = "null" if default is None else repr(default)
+        raise config_error(where, key, f"{owner.owner_phrase}; routing is '{kind.name}': remove it (over an "
+                           f"`extends`, reset it to {shown})")
+    return AblationConfig(name=name, doc=doc, control=control, kind=kind, options=kind.Options(**values),
+                          tags=tuple(tags)).validate()
+
+
+def training_flags() -> tuple[str, ...]:
+    """Every module flag some kind reads (`--model.gate_freeze_steps` ...)."""
+    return tuple(option for kind in KINDS.values() for option in kind.training_options)
 
 
 def check_training_options(cfg: ModelConfig, given: dict[str, bool]) -> None:
@@ -174,7 +111,7 @@ def check_training_options(cfg: ModelConfig, given: dict[str, bool]) -> None:
     kind = cfg.kind
     for option, is_set in given.items():
         if is_set and option not in kind.training_options:
-            owner = next((k for k in map(_load, known_kinds()) if option in k.training_options), None)
+            owner = next((k for k in KINDS.values() if option in k.training_options), None)
             phrase = owner.owner_phrase if owner is not None else "no routing kind reads it"
             raise InputError(f"model.{option}: {phrase}; ablation '{cfg.ablation.name}' has routing "
                              f"'{cfg.ablation.routing}'")

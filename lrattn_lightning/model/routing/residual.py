@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from lrattn_lightning.model.config import ModelConfig
-from lrattn_lightning.model.routing.kinds import RoutingKind
+from lrattn_lightning.model.routing.kind import RoutingKind
 
 
 @dataclass

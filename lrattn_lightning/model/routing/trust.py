@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from lrattn_lightning.errors import InputError
+from lrattn_lightning.core.errors import InputError
 
 IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")  # package.module:Class
 

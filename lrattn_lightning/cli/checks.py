@@ -1,0 +1,191 @@
+"""What `lrattn fit|validate|test` checks before any work, as plain functions of the parsed config: numbers Lightning
+would take apart with a traceback (or accept with a meaning nobody wants), a train split smaller than one batch, a
+checkpoint's data and schedule against this run, jsonargparse's errors as one line, FSDP's strategy.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from lrattn_lightning.core.errors import UsageError
+from lrattn_lightning.core.names import with_closest
+from lrattn_lightning.train.checkpoint.load import read_checkpoint_file
+
+
+def fsdp_strategy(trainer_cfg):
+    """`--trainer.strategy fsdp`: Lightning's ModelParallelStrategy (FSDP2, `fully_shard` in the module's
+    configure_model) over every rank, one data-parallel dimension; full-state checkpoint files (gathered on rank
+    0, atomic like every checkpoint here). Lightning's FSDPStrategy (FSDP1) refuses CPU accelerators; this one
+    runs the same code on CPU (gloo) and GPU (nccl) ranks."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    devices, nodes = trainer_cfg.devices, int(trainer_cfg.num_nodes or 1)
+    if isinstance(devices, str) and devices.isdigit():
+        devices = int(devices)
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise UsageError(f"--trainer.strategy fsdp needs --trainer.devices N (a number of devices per node), got "
+                         f"{devices!r}")
+    return ModelParallelStrategy(data_parallel_size=devices * nodes, tensor_parallel_size=1,
+                                 save_distributed_checkpoint=False)
+
+
+def check_numbers(subcommand: str, cfg) -> None:
+    """Values Lightning would take apart with a traceback, or accept with a meaning nobody wants."""
+    trainer, data = cfg.trainer, cfg.data
+    if subcommand == "fit" and (not isinstance(trainer.max_steps, int) or trainer.max_steps == 0 or trainer.max_steps < -1):
+        raise UsageError(f"--trainer.max_steps {trainer.max_steps}: give a positive number of optimizer steps "
+                         "(or -1 to let --trainer.max_epochs decide)")
+    if subcommand == "fit" and cfg.checkpoint_every < 1:
+        raise UsageError(f"--checkpoint_every {cfg.checkpoint_every}: give a positive number of steps between saves")
+    for name, value, least in (("--data.seq_len", data.seq_len, 1), ("--data.batch_size", data.batch_size, 1),
+                               ("--data.num_workers", data.num_workers, 0)):
+        if value is not None and value < least:
+            raise UsageError(f"{name} {value}: must be an integer >= {least}")
+    check_training_numbers(subcommand, cfg)
+    for name in ("limit_val_batches", "limit_test_batches"):
+        value = trainer.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value == 1:
+            print(f"[lrattn] warning: --trainer.{name} 1 means ONE batch in Lightning (an integer counts batches); "
+                  f"pass 1.0 for the whole validation split", file=sys.stderr)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_training_numbers(subcommand: str, cfg) -> None:
+    """The optimiser's, schedule's and trainer's numbers, checked before a run folder or MLflow run exists (torch,
+    Lightning and the scheduler would refuse some only at the first step, after the run was created, and take
+    others, such as a negative warmup, with a meaning nobody wants)."""
+    if subcommand != "fit":
+        return
+    m, trainer = cfg.model, cfg.trainer
+    rules = [  # (flag, value, ok, what it must be)
+        *((f"--model.{k}", m.get(k), lambda v: _number(v) and v >= 0, "a number >= 0 (0: that group stays fixed)")
+          for k in ("lr", "muon_lr")),
+        *((f"--model.{k}", m.get(k), lambda v: _number(v) and v >= 0, "a number >= 0")
+          for k in ("weight_decay", "muon_weight_decay", "z_loss")),
+        *((f"--model.{k}", m.get(k), lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+           "an integer >= 0") for k in ("warmup_steps", "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps")),
+        *((f"--model.{k}", m.get(k), lambda v: _number(v) and 0 <= v <= 1, "a fraction in [0, 1]")
+          for k in ("decay_fraction", "final_lr_fraction")),
+        ("--model.betas", m.get("betas"), lambda v: isinstance(v, list | tuple) and len(v) == 2
+         and all(_number(b) and 0 <= b < 1 for b in v), "two numbers in [0, 1), e.g. [0.9, 0.95]"),
+        ("--trainer.accumulate_grad_batches", trainer.get("accumulate_grad_batches"),
+         lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1), "an integer >= 1"),
+        ("--trainer.val_check_interval", trainer.get("val_check_interval"),
+         lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1)
+         or (isinstance(v, float) and 0 < v <= 1), "a number of steps >= 1 or a fraction of an epoch in (0, 1]"),
+        ("--trainer.gradient_clip_val", trainer.get("gradient_clip_val"), lambda v: v is None or (_number(v) and v >= 0),
+         "a number >= 0 (0 or null: no clipping)"),
+        ("--trainer.log_every_n_steps", trainer.get("log_every_n_steps"),
+         lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1), "an integer >= 1"),
+    ]
+    for flag, value, ok, what in rules:
+        if not ok(value):
+            raise UsageError(f"{flag} {value}: must be {what}")
+
+
+def devices_in_world(trainer) -> int:
+    """Processes that split the training windows (devices x nodes); 1 where the count is left to Lightning."""
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
+    if isinstance(devices, str) and devices.isdigit():
+        devices = int(devices)
+    count = len(devices) if isinstance(devices, list | tuple) else devices if isinstance(devices, int) and devices > 0 else 1
+    return count * (nodes if isinstance(nodes, int) and nodes > 0 else 1)
+
+
+def check_one_batch(cfg) -> None:
+    """A train split with fewer windows than one batch on every device trains nothing (0 steps) and would still
+    end 'finished': one line instead, before any work."""
+    from lrattn_lightning.data.shards import check_shards, count_windows
+
+    windows = count_windows(check_shards(cfg.data.data_dir, "train"), cfg.data.seq_len + 1)
+    world, batch = devices_in_world(cfg.trainer), cfg.data.batch_size
+    if windows < batch * world:
+        per = f"{batch} windows per device x {world} devices" if world > 1 else f"--data.batch_size {batch} windows"
+        raise UsageError(f"the train split of {cfg.data.data_dir} has {windows} windows of seq_len + 1 = "
+                         f"{cfg.data.seq_len + 1} tokens, and one batch needs {per}; use a smaller --data.batch_size "
+                         "or --data.seq_len, or prepare more data")
+
+
+def same_folder(a: str, b: str) -> bool:
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return Path(a).resolve() == Path(b).resolve()
+
+
+def check_checkpoint_data(subcommand: str, cfg, ckpt_path: str, stored: dict) -> None:
+    """validate/test score with the checkpoint's tokenizer (another one's ids are other text to the model); a resume
+    continues at its position in the data folder it trained on (litdata refuses another folder only after the
+    model was restored)."""
+    from lrattn_lightning.train.checkpoint.load import check_tokenizer
+
+    if subcommand in ("validate", "test") and stored.get("tokenizer"):
+        check_tokenizer(stored["tokenizer"], ckpt_path, cfg.data.data_dir, "--data.data_dir")
+    trained_on = (stored.get("data") or {}).get("data_dir")
+    if subcommand == "fit" and trained_on and not same_folder(str(cfg.data.data_dir), str(trained_on)):
+        raise UsageError(f"--data.data_dir {cfg.data.data_dir}: checkpoint {ckpt_path} trained on {trained_on}, and a "
+                         f"resume continues at its position in that folder; resume with --data.data_dir {trained_on} "
+                         "(or start a new run, e.g. --init_from the checkpoint)")
+
+
+def parse_error(message: str, parser, subcommand: str | None) -> str:
+    """jsonargparse's error as one line; an unknown flag (command line) or key (--config file) with the closest."""
+    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--") and not o.endswith((".help", "+"))]
+    help_ = f"`lrattn {subcommand or 'fit'} --help` lists them"
+    unknown = re.findall(r"(?:^|\s)(--?[^\s=]+)", message.partition("unrecognized arguments:")[2])
+    if unknown:
+        return f"unknown flag{'s' if len(unknown) > 1 else ''} " + "; ".join(with_closest(f, flags) for f in unknown) + f"; {help_}"
+    keys = re.findall(r"does not accept option '([^']+)'", message)
+    if keys:
+        keys_known = [f[2:] for f in flags]
+        return (f"unknown key{'s' if len(keys) > 1 else ''} in a --config file: " +
+                "; ".join(with_closest(k, keys_known) for k in keys) + f"; {help_}")
+    linked = re.search(r"resolved_by_the_module\(registry\) --> (model\.\w+)", message)
+    if linked:  # a link target: provenance comes from the registry and git
+        return f"--{linked.group(1)} is recorded by lrattn from the registry and git, not set by a flag; drop it"
+    # e.g. 'Parser key "config": File does not exist: ...' -> '--config: File does not exist: ...'
+    return re.sub(r'^Parser key "([^"]+)":\s*', r"--\1: ", " ".join(message.split()))
+
+
+def check_schedule(cfg, stored: dict) -> None:
+    """A resume keeps the schedule's length: another --trainer.max_steps would change the learning rate and
+    momentum of steps already shaped by the old one (a longer run restarted the warm-down). With
+    --model.allow_schedule_change the new length is taken when the two schedules agree on every step so far:
+    the run then equals one launched with the new length (extending the stable phase, decay at the new end)."""
+    from lrattn_lightning.train.optim import MomentumSchedule, first_schedule_difference
+
+    old, new, step = stored["schedule"].get("total_steps"), cfg.trainer.max_steps, stored.get("global_step") or 0
+    if old is None or new == old or new < 0:
+        return
+    m = cfg.model
+    if not m.allow_schedule_change:
+        raise UsageError(f"--trainer.max_steps {new}: the checkpoint's schedule is {old} steps; resuming with another "
+                         f"length changes the learning rate of a run in progress. Resume with --trainer.max_steps {old}, "
+                         "or pass --model.allow_schedule_change true to continue as a run launched with "
+                         f"{new} steps (possible until its schedule departs from the old one)")
+    momentum = (MomentumSchedule(peak=m.muon_momentum, low=m.muon_momentum_min, warmup_steps=m.muon_momentum_warmup_steps,
+                                 cooldown_steps=m.muon_momentum_cooldown_steps) if m.optimizer == "muon_adamw" else None)
+    differs = first_schedule_difference(old, new, step, m.warmup_steps, m.decay_fraction, m.final_lr_fraction, momentum)
+    if differs is not None:
+        raise UsageError(f"--trainer.max_steps {new} with --model.allow_schedule_change: the {old}-step schedule this "
+                         f"checkpoint (step {step}) followed departs from a {new}-step one at step {differs} (its "
+                         "warm-down or momentum cooldown had begun); resume with --trainer.max_steps "
+                         f"{old}, or change the length from an earlier checkpoint")
+    print(f"[lrattn] schedule length {old} -> {new} steps at step {step} (--model.allow_schedule_change): the run "
+          f"continues as one launched with {new} steps", file=sys.stderr)
+
+
+def read_checkpoint_head(path: str) -> dict:
+    """The plain-value head of a checkpoint: its model_config and MLflow run; one-line errors otherwise."""
+    ckpt = read_checkpoint_file(path, mmap=True)  # tensors stay on disk: only the plain values are read
+    stored = (ckpt.get("hyper_parameters") or {}).get("model_config")
+    if not isinstance(stored, dict):
+        raise UsageError(f"--ckpt_path {path}: not an lrattn_lightning checkpoint (no model_config hyper-parameter)")
+    return {"model_config": stored, "mlflow": ckpt.get("mlflow") or {}, "schedule": ckpt.get("schedule") or {},
+            "global_step": ckpt.get("global_step"), "data": ckpt.get("data") or {}, "tokenizer": ckpt.get("tokenizer")}

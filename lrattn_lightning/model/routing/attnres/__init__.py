@@ -1,0 +1,25 @@
+"""AttnRes (`routing: attnres`): the routing kind and its backends, one folder.
+
+    options.py         AttnResOptions (what an entry chooses, checked), the key width r and logit scale s
+    kind.py            KIND: its size checks, accounting, build by backend
+    backends.py        the one table of backends: name, router class, compiled substitute, what it needs
+    reference.py       the readable backend (nanoGPT-style): sources, block summaries, depth_read
+    keys.py            key sources (value, projected, sliced, value_projected[_shared]) with their parameters
+    fast.py, fast_functions.py   the buffered backend and its hand-written autograd Functions
+    compiled.py        plain tensor ops for torch.compile
+    triton/            fused Triton kernels (kernels.py: triton only), their torch custom ops, the router
+    paper.py           the paper's code's flags and weight names for an entry
+"""
+
+from lrattn_lightning.model.routing.attnres.backends import (
+           BACKENDS,
+           DEFAULT_IMPL,
+           IMPLS,
+           PORTABLE_IMPLS,
+           compile_impl,
+)
+from lrattn_lightning.model.routing.attnres.kind import KIND
+from lrattn_lightning.model.routing.attnres.options import AttnResOptions, key_dim, logit_scale
+
+__all__ = ["BACKENDS", "DEFAULT_IMPL", "IMPLS", "KIND", "PORTABLE_IMPLS", "AttnResOptions", "compile_impl", "key_dim",
+           "logit_scale"]

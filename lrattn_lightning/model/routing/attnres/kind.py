@@ -1,0 +1,109 @@
+"""The AttnRes routing kind (`routing: attnres`): its options, their checks, accounting and backends (SPEC §2-4).
+
+    read  = sum_{j=1..2L} |S_j| (2 k + 2 d)      added forward FLOPs per token; k = d for AttnRes, r for LR
+    proj  = KeySource.flops()                    forming the keys (keys.py): P-LR's key rows, value_projected's
+          + 2 L r (d + h) + 2L 2r                gated dynamic query: the query rows, the gating
+Parameters: the 2L pseudo-queries, what the key source declares (KeySource.num_params), the dynamic
+query's rows and gates. AdamW takes the pseudo-queries and query gates ([2L, r] and [2L, m]: one vector per
+site, not a matrix to orthogonalise). The paper's code's flags and weight names: paper.py.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch import nn
+
+from lrattn_lightning.core.errors import config_error
+from lrattn_lightning.model.config import ModelConfig, SizeConfig
+from lrattn_lightning.model.routing.attnres import backends, paper
+from lrattn_lightning.model.routing.attnres.keys import key_source
+from lrattn_lightning.model.routing.attnres.options import AttnResOptions, key_dim
+from lrattn_lightning.model.routing.kind import RoutingKind
+
+
+class AttnResKind(RoutingKind):
+    name = "attnres"
+    Options = AttnResOptions
+    owner_phrase = "only AttnRes routing (routing: attnres) reads it"
+    diagnostics = "depth_weights"
+    takes_impl = True
+    depth_attention = True
+
+    # ---- configuration ---------------------------------------------------------------------------
+    def validate_model(self, cfg: ModelConfig, where: str) -> None:
+        s, a = cfg.size, cfg.options
+        d, m = s.d_model, s.n_sublayers
+        if a.rank is not None and a.rank > d:
+            raise config_error(where, "rank", f"rank={a.rank} exceeds d_model={d}; choose rank <= {d}")
+        if d % a.depth_heads:
+            raise config_error(where, "depth_heads", f"d_model={d} is not divisible by depth_heads={a.depth_heads}")
+        if a.blocks is not None and a.blocks > m:
+            raise config_error(where, "blocks", f"blocks={a.blocks} exceeds the {m} sublayers (2L); choose blocks <= {m}")
+        if a.block_size is not None and a.block_size > m:
+            raise config_error(where, "block_size", f"block_size={a.block_size} exceeds the {m} sublayers (2L)")
+
+    def extra_out(self, cfg: ModelConfig) -> int:
+        """r key rows (P-LR), then r query rows (gated dynamic query)."""
+        a = cfg.options
+        return (a.rank if a.key_source == "projected" else 0) + (a.rank if a.query == "gated_dynamic" else 0)
+
+    def key_dim(self, cfg: ModelConfig) -> int:
+        return key_dim(cfg)
+
+    def clipped_to(self, options: AttnResOptions, size: SizeConfig) -> dict[str, Any]:
+        changes: dict[str, Any] = {}
+        if options.rank is not None and options.rank > size.d_model:
+            changes["rank"] = size.d_model
+        for field in ("blocks", "block_size"):
+            if getattr(options, field) is not None and getattr(options, field) > size.n_sublayers:
+                changes[field] = size.n_sublayers
+        return changes
+
+    def block_ends(self, cfg: ModelConfig) -> list[int]:
+        a, m = cfg.options, cfg.size.n_sublayers
+        if a.blocks is not None:
+            return [math.ceil(m * b / a.blocks) for b in range(1, a.blocks + 1)]
+        if a.block_size is not None:
+            return [min(e, m) for e in range(a.block_size, m + a.block_size, a.block_size)]
+        return []
+
+    # ---- the router ------------------------------------------------------------------------------
+    def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
+        """By backend (backends.py): how AttnRes is computed, never what."""
+        if impl == "fast" and cfg.options.query == "gated_dynamic":
+            impl = "compiled"  # per-token queries: no write-time logits, the premise of the buffered backend
+        return backends.router_class(impl)(cfg)
+
+    def adamw_names(self, router: nn.Module) -> set[str]:
+        return {n for n, _ in router.named_parameters() if n in ("queries", "query_gates")}
+
+    # ---- accounting ------------------------------------------------------------------------------
+    def routing_params(self, cfg: ModelConfig) -> int:
+        s, a = cfg.size, cfg.options
+        r = key_dim(cfg)
+        n = s.n_sublayers * r + key_source(cfg).num_params()  # the pseudo-queries, one per site j = 1..2L; the keys'
+        if a.query == "gated_dynamic":
+            n += s.n_layers * r * (s.d_model + s.d_mlp) + s.n_sublayers * a.depth_heads  # the query rows, the gates
+        return n
+
+    def added_flops(self, cfg: ModelConfig) -> int:
+        from lrattn_lightning.model.accounting import sources_per_site
+        s, a = cfg.size, cfg.options
+        r, d = key_dim(cfg), s.d_model
+        read = sum(sources_per_site(cfg)) * (2 * r + 2 * d)
+        proj = key_source(cfg).flops()
+        if a.query == "gated_dynamic":
+            proj += 2 * s.n_layers * r * (d + s.d_mlp) + s.n_sublayers * 2 * r  # the query rows; q_j + g_j q_dyn
+        return read + proj
+
+    # ---- the paper's code (paper.py) --------------------------------------------------------------
+    def reference_flags(self, cfg: ModelConfig) -> dict[str, Any]:
+        return paper.reference_flags(cfg)
+
+    def reference_weights(self, ref: dict[str, Any], cfg: ModelConfig, stack) -> tuple[str, dict[str, Any]]:
+        return paper.reference_weights(ref, cfg, stack)
+
+
+KIND = AttnResKind()

@@ -1,0 +1,131 @@
+"""AttnRes's options (SPEC §2-3): what a registry entry with `routing: attnres` chooses, checked, and the two
+numbers derived from them that every backend reads (the key width r and the logit scale s)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, get_args
+
+from lrattn_lightning.core.errors import check_literal, config_error, finite_number
+from lrattn_lightning.model.routing.kind import KindOptions
+
+if TYPE_CHECKING:
+    from lrattn_lightning.model.config import ModelConfig
+
+# Where a source's routing key comes from (SPEC §3):
+#   value                  the value itself (standard AttnRes, k = d)
+#   projected              P-LR: extra r output rows of each sublayer's output projection
+#   sliced                 S-LR: the last r dimensions of the value
+#   value_projected        Linear(d, r) of RMSNorm(value), one projection per sublayer
+#   value_projected_shared the same with one projection shared by all sources
+KeySource = Literal["value", "projected", "sliced", "value_projected", "value_projected_shared"]
+# Key of the embedding source o_0:
+#   value | sliced          as the key source says (required for those key sources)
+#   projected               Linear(d, r)(o_0)
+#   static                  a learned r-vector, independent of the token
+#   projected_plus_static   the sum of both
+EmbeddingKey = Literal["value", "sliced", "projected", "static", "projected_plus_static"]
+BlockSummary = Literal["sum", "mean", "sqrt_mean"]
+KeyNorm = Literal["rms", "none"]
+QueryInit = Literal["zero", "normal"]
+LogitScaleName = Literal["none", "inv_sqrt_head_dim"]
+# The pseudo-query of a read site (SPEC §3):
+#   static          a learned vector q_j per site (the paper's recipe)
+#   gated_dynamic   q_j + g_j * q_dyn: q_dyn is emitted as r extra output rows by the most recent
+#                   sublayer (the one just written before site j), g_j a zero-initialised gate per
+#                   depth head (the reference's input-dependent query; documented there as unstable)
+QueryKind = Literal["static", "gated_dynamic"]
+SUMMARY_EXPONENT = {"sum": 0.0, "mean": 1.0, "sqrt_mean": 0.5}
+_EMBEDDING_KEYS_FOR = {
+    "value": ("value",),
+    "sliced": ("sliced",),
+    "projected": ("projected", "static", "projected_plus_static"),
+    "value_projected": ("projected", "static", "projected_plus_static"),
+    "value_projected_shared": ("projected", "static", "projected_plus_static"),
+}
+
+
+
+
+@dataclass(frozen=True)
+class AttnResOptions(KindOptions):
+    """What an AttnRes entry chooses (SPEC §2-3); written as plain fields of the registry entry."""
+
+    key_source: KeySource = "value"
+    rank: int | None = None  # key width r; None means d (only for key_source=value)
+    depth_heads: int = 1  # m
+    key_norm: KeyNorm = "rms"
+    query_norm: bool = False
+    query_init: QueryInit = "zero"
+    query: QueryKind = "static"
+    logit_scale: float | LogitScaleName = "none"
+    blocks: int | None = None  # block count N; None with block_size None means full routing
+    block_size: int | None = None  # sublayers per block, the alternative to `blocks`
+    block_summary: BlockSummary = "sum"
+    count_prior: float = 0.0  # beta in b = beta * log(count)
+    embedding_key: EmbeddingKey = "value"
+
+    @property
+    def is_block(self) -> bool:
+        return self.blocks is not None or self.block_size is not None
+
+    @property
+    def summary_exponent(self) -> float:
+        return SUMMARY_EXPONENT[self.block_summary]
+
+    def validate(self, where: str) -> None:
+        a = self
+        for field, literal in (("key_source", KeySource), ("key_norm", KeyNorm), ("query_init", QueryInit),
+                               ("block_summary", BlockSummary), ("embedding_key", EmbeddingKey), ("query", QueryKind)):
+            check_literal(where, field, getattr(a, field), get_args(literal))
+        if not isinstance(a.query_norm, bool):
+            raise config_error(where, "query_norm", f"must be true or false, got {a.query_norm!r}")
+        if isinstance(a.logit_scale, str):
+            check_literal(where, "logit_scale", a.logit_scale, get_args(LogitScaleName))
+        elif not finite_number(a.logit_scale) or a.logit_scale <= 0:
+            raise config_error(where, "logit_scale", f"must be 'none', 'inv_sqrt_head_dim' or a positive number, "
+                               f"got {a.logit_scale!r}")
+        for field in ("rank", "blocks", "block_size"):
+            value = getattr(a, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise config_error(where, field, f"must be a positive integer or null, got {value!r}")
+        if isinstance(a.depth_heads, bool) or not isinstance(a.depth_heads, int) or a.depth_heads < 1:
+            raise config_error(where, "depth_heads", f"must be a positive integer, got {a.depth_heads!r}")
+        if not finite_number(a.count_prior):
+            raise config_error(where, "count_prior", f"must be a finite number, got {a.count_prior!r}")
+        if a.blocks is not None and a.block_size is not None:
+            raise config_error(where, "blocks", "give either 'blocks' (a count) or 'block_size' (sublayers per block), not both")
+        if a.key_source == "value":
+            if a.rank is not None:
+                raise config_error(where, "rank", "key_source 'value' uses the full width d as key; leave rank null")
+            if a.logit_scale != "none":
+                raise config_error(where, "logit_scale", f"standard AttnRes (key_source 'value') has no logit scale "
+                                   f"(s = 1, SPEC §2), got {a.logit_scale!r}; set logit_scale: none")
+            if a.query != "static":
+                raise config_error(where, "query", "the gated dynamic query needs low-rank keys; use key_source "
+                                   "projected, sliced or value_projected, or set query: static")
+        elif a.rank is None:
+            raise config_error(where, "rank", f"key_source '{a.key_source}' needs a rank r")
+        if a.rank is not None and a.rank % a.depth_heads:
+            raise config_error(where, "rank", f"rank={a.rank} is not divisible by depth_heads={a.depth_heads}")
+        allowed = _EMBEDDING_KEYS_FOR[a.key_source]
+        if a.embedding_key not in allowed:
+            raise config_error(where, "embedding_key", f"key_source '{a.key_source}' needs embedding_key in "
+                               f"{list(allowed)}, got '{a.embedding_key}'")
+
+
+def key_dim(cfg: ModelConfig) -> int:
+    """r: the routing key width (d for key_source=value)."""
+    rank = cfg.options.rank
+    return cfg.size.d_model if rank is None else rank
+
+
+def logit_scale(cfg: ModelConfig) -> float:
+    """s of the logits s <q_j, k_i> (SPEC §3)."""
+    s = cfg.options.logit_scale
+    if s == "none":
+        return 1.0
+    if s == "inv_sqrt_head_dim":
+        return 1.0 / math.sqrt(key_dim(cfg) // cfg.options.depth_heads)
+    return float(s)

@@ -1,0 +1,169 @@
+"""`lrattn compare --experiment NAME`: the report of a sweep, read back from MLflow (any tracking URI).
+
+Writes into --out (default reports/EXPERIMENT) and logs as artifacts of a summary run in the same
+experiment (tag lrattn.summary=true; its description shows the table in the MLflow UI):
+
+    table.md, table.csv      one row per (size, ablation): seeds, final val loss mean ± std, the
+                             difference to the ablation's control and to the baseline with Welch's
+                             t-test across seeds, added FLOPs %, parameters, tokens/s, val bits per byte,
+                             and every downstream score `eval/<task>/<metric>` the runs carry
+    loss_vs_flops.png/svg    the paper's Figure 1: mean val loss against added FLOPs %, one point per
+                             ablation (bars: std over seeds), the Pareto front marked
+    routing_heatmaps.png/svg the routing weights (sites x sources) every kind logs at its last validation
+                             (routing/weights.json: AttnRes and delta's softmax reads, DenseFormer's α, the
+                             hyper-connections' read / width / depth weights, the gates, an own router's)
+    gate_alphas.png/svg      the gated residual's mean alpha per sublayer, one line per ablation (mean over
+                             seeds, band: seed min-max), from each run's routing/gates.json
+    training_curves.png/svg  train loss and val loss against step, mean over seeds, overlaid
+    report.md                all of the above on one page, with the runs it was made from
+
+One row is one recipe: runs whose recipe fingerprints differ (train/fingerprint.py: schedule length, tokens
+per step, data, optimiser, precision, an upcycling source, ...) are never pooled or paired in a Δ or p; each
+recipe gets a letter, and the lines under the table describe recipe A and how the others differ, why a Δ is
+—, which of several runs of one (size, ablation, seed, recipe) counts (the latest FINISHED) and why. An
+upcycled run is its own row, labelled with its source. A run whose last validation is not at its last step
+(its val/loss is an earlier value: a tracking gap) is left out, and a line under the table names it.
+A run a sweep tagged with a `variant` (its own training flags) is its own row, `ablation+variant`,
+whose control is the plain ablation. The rows and their statistics: table.py (Welch's test:
+significance.py); the figures: figures.py; here: the report, the summary run, the CLI.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from lrattn_lightning.core.errors import InputError
+from lrattn_lightning.core.flags import Parser
+from lrattn_lightning.tools.compare.figures import (
+    gate_curves,
+    plot_curves,
+    plot_gate_curves,
+    plot_heatmaps,
+    plot_loss_vs_flops,
+    routing_matrices,
+)
+from lrattn_lightning.tools.compare.notes import notes
+from lrattn_lightning.tools.compare.runs import search_all
+from lrattn_lightning.tools.compare.table import (
+    SUMMARY_TAG,
+    Row,
+    RunRecord,
+    csv_table,
+    markdown_table,
+    read_runs,
+    summarise,
+)
+
+
+# ---- the report ------------------------------------------------------------------------------------
+def write_report(client: Any, experiment: str, out: Path, sweep: str | None = None, reference: str = "baseline",
+                 command: str | None = None) -> tuple[list[Row], list[Path]]:
+    records = read_runs(client, experiment, sweep)
+    stale = [r for r in records if r.stale]
+    records = [r for r in records if not r.stale]
+    if not records:
+        raise InputError(f"experiment '{experiment}' has no FINISHED training runs with val/loss"
+                         + (f" tagged sweep={sweep}" if sweep else "")
+                         + (f" at their last step ({len(stale)} whose last validation is earlier: "
+                            f"{', '.join(r.name for r in stale)})" if stale else ""))
+    rows = summarise(records, reference)
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = ", ".join(sorted({r.size for r in rows}))
+    seeds = sorted({len(row.runs) for row in rows})
+    title = f"{experiment}: size {sizes}, {'/'.join(map(str, seeds))} seed(s) per ablation"
+    table_md = markdown_table(rows, reference) + notes(rows, reference, stale)
+    files = [out / "table.md", out / "table.csv"]
+    files[0].write_text(table_md)
+    files[1].write_text(csv_table(rows, reference))
+    files += plot_loss_vs_flops(rows, out, title)
+    files += plot_curves(rows, out, title)
+    matrices = routing_matrices(client, rows)
+    if matrices:
+        files += plot_heatmaps(matrices, out, title + " — routing weights at the last validation")
+    gates = gate_curves(client, rows)
+    if gates:
+        files += plot_gate_curves(gates, out, title)
+    report = out / "report.md"
+    report.write_text(_report_text(experiment, rows, table_md, records, bool(matrices), command, reference,
+                                   bool(gates)))
+    files.append(report)
+    return rows, files
+
+
+def _report_text(experiment: str, rows: list[Row], table_md: str, records: list[RunRecord], heatmaps: bool,
+                 command: str | None, reference: str, gates: bool = False) -> str:
+    parts = [f"# {experiment}: comparison\n",
+             f"Generated by `{command}` from {len(records)} finished runs." if command else "",
+             f"\nFinal validation loss per run (nats/token), mean ± sample std over seeds. Δ is the difference of "
+             f"means to the ablation's registry control (for an `ablation+variant` row, a run with its own training "
+             f"flags: the plain ablation) and to `{reference}`, each within the row's recipe (a Δ never pairs runs "
+             "of different recipe fingerprints: the lines under the table say which recipes there are and why a Δ "
+             "is —); p is Welch's two-sided t-test across "
+             "seeds (— below two seeds a side). Added FLOPs % is the analytic forward cost of routing relative to "
+             "the non-embedding core (SPEC §4); tokens/s is the median training throughput of each run, averaged "
+             "over seeds. **Bold**: on the Pareto front of (added FLOPs %, mean val loss).\n",
+             table_md,
+             "\n![validation loss against added FLOPs](loss_vs_flops.png)\n",
+             "\n![training curves](training_curves.png)\n"]
+    if heatmaps:
+        parts.append("\n![routing weights](routing_heatmaps.png)\n")
+    if gates:
+        parts.append("\n![gated residual: alpha per sublayer](gate_alphas.png)\n")
+    parts.append("\n## Runs\n\n| run | row | recipe | seed | val loss | run id |\n|---|---|---|---:|---:|---|")
+    parts += [f"| {r.name} | {row.label} | {row.group} (`{r.recipe}`) | {r.seed} | {r.val_loss:.4f} | `{r.run_id}` |"
+              for row in rows for r in row.runs]
+    return "\n".join(p for p in parts if p is not None) + "\n"
+
+
+def log_summary_run(client: Any, experiment: str, files: list[Path], table_md: str, sweep: str | None) -> str:
+    """Log the report as artifacts of the experiment's summary run (created once, then reused)."""
+    exp = client.get_experiment_by_name(experiment)
+    query = f"tags.`{SUMMARY_TAG}` = 'true'" + (f" and tags.sweep_summary = '{sweep}'" if sweep else "")
+    found = search_all(client, exp.experiment_id, query)
+    if found:
+        run_id = max(found, key=lambda r: r.info.start_time).info.run_id
+    else:
+        tags = {SUMMARY_TAG: "true", "mlflow.runName": f"compare-{sweep or experiment}"}
+        if sweep:
+            tags["sweep_summary"] = sweep
+        run_id = client.create_run(exp.experiment_id, tags=tags).info.run_id
+    for path in files:
+        client.log_artifact(run_id, str(path), "compare")
+    client.set_tag(run_id, "mlflow.note.content", table_md)  # the run's description in the UI
+    client.set_terminated(run_id, "FINISHED")
+    return run_id
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mlflow.tracking import MlflowClient
+
+    from lrattn_lightning.train.tracking import resolve_tracking_uri
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    parser = Parser(prog="lrattn compare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--experiment", required=True, help="the MLflow experiment of the sweep")
+    parser.add_argument("--tracking_uri", "--tracking-uri", default=None,
+                        help="MLflow store (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
+    parser.add_argument("--sweep", default=None, help="only runs tagged with this sweep name")
+    parser.add_argument("--reference", default="baseline", help="the ablation every row is also compared with")
+    parser.add_argument("--out", default=None, help="output folder (default: reports/EXPERIMENT)")
+    parser.add_argument("--no-summary-run", action="store_true", help="do not log the report to MLflow")
+    args = parser.parse_args(argv)
+    uri = resolve_tracking_uri(args.tracking_uri, fallback_local=False)
+    client = MlflowClient(uri)
+    out = Path(args.out or f"reports/{args.experiment}")
+    command = "lrattn compare " + " ".join(argv if argv is not None else sys.argv[2:])
+    rows, files = write_report(client, args.experiment, out, args.sweep, args.reference, command)
+    print((out / "table.md").read_text())
+    print(f"[lrattn compare] {len(rows)} ablations; wrote {', '.join(p.name for p in files)} to {out}")
+    if not args.no_summary_run:
+        run_id = log_summary_run(client, args.experiment, files, (out / "table.md").read_text(), args.sweep)
+        print(f"[lrattn compare] logged as artifacts compare/* of run {run_id} in experiment '{args.experiment}'")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,341 @@
+"""The figures of `lrattn compare`, from its rows (table.py) and the runs' routing artifacts.
+
+    loss_vs_flops      the paper's Figure 1: mean val loss against added FLOPs %, one point per row (bars: std
+                       over seeds), the Pareto front of each recipe marked; the legend sits under the axes and
+                       every label where it covers no point, bar, ring or other label
+    routing_heatmaps   the routing weights (routing/weights.json: rows x sources) of every row whose runs log
+                       them, whatever the kind, each panel with its labels and scale, side by side
+    gate_alphas        the gated residual's mean alpha per sublayer, one line per ablation (band: seed min-max)
+    training_curves    train loss over the whole run, the same zoomed on its second half, and val loss over the
+                       whole run; mean over seeds, overlaid
+
+A row's name in a figure is its label (table.Row.label), with its recipe's letter when the
+experiment holds several. Each figure is written as .png and .svg; matplotlib is imported when one is drawn.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from lrattn_lightning.tools.compare.table import Row
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _names(rows: list[Row]) -> dict[int, str]:
+    """id(row) -> its name in figures: size/ if several sizes, the label, [recipe] if several recipes."""
+    multi_size, recipes = len({r.size for r in rows}) > 1, any(r.group != "A" for r in rows)
+    return {id(r): (f"{r.size}/" if multi_size else "") + (r.label or r.ablation) + (f" [{r.group}]" if recipes else "")
+            for r in rows}
+
+
+def _colors(rows: list[Row]) -> dict[str, Any]:
+    plt = _plt()
+    names = sorted(set(_names(rows).values()))
+    cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
+    return {name: cmap(i % cmap.N) for i, name in enumerate(names)}
+
+
+def _save(fig: Any, out: Path, stem: str) -> list[Path]:
+    paths = [out / f"{stem}.png", out / f"{stem}.svg"]
+    fig.savefig(paths[0], dpi=130, bbox_inches="tight")
+    fig.savefig(paths[1], bbox_inches="tight")
+    _plt().close(fig)
+    return paths
+
+
+def plot_loss_vs_flops(rows: list[Row], out: Path, title: str) -> list[Path]:
+    return _save(loss_vs_flops_figure(rows, title), out, "loss_vs_flops")
+
+
+def loss_vs_flops_figure(rows: list[Row], title: str) -> Any:
+    """Figure 1: mean val loss against added FLOPs %, one point per row, each recipe's Pareto front marked
+    (rows whose cost is unknown, NaN, are left out). Returns the figure, drawn."""
+    rows = [r for r in rows if r.added_flops_pct == r.added_flops_pct]
+    plt = _plt()
+    from matplotlib.ticker import FuncFormatter
+
+    names, colors = _names(rows), _colors(rows)
+    fig, ax = plt.subplots(figsize=(7.5, 5.0))
+    xs = [r.added_flops_pct for r in rows if r.added_flops_pct > 0]
+    if xs and max(xs) / min(xs) > 5:  # costs over decades (the paper's 0.06 % .. 2.4 %): log beyond the smallest
+        ax.set_xscale("symlog", linthresh=min(xs), linscale=0.6)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    top = _clip_top(rows)
+    shown = [r for r in rows if top is None or r.mean <= top]
+    for row in shown:
+        ax.errorbar(row.added_flops_pct, row.mean, yerr=row.std or 0.0, fmt="o", ms=7, capsize=3,
+                    color=colors[names[id(row)]], zorder=3)
+    fronts = sorted({(r.size, r.group) for r in rows})
+    for size, group in fronts:
+        front = sorted((r for r in shown if (r.size, r.group) == (size, group) and r.pareto),
+                       key=lambda r: r.added_flops_pct)
+        label = "Pareto front" + (f" of recipe {group}" if len({g for _, g in fronts}) > 1 else "")
+        first = (size, group) == min((s, g) for s, g in fronts if g == group)
+        ax.step([r.added_flops_pct for r in front], [r.mean for r in front], where="post", color="0.35", lw=1.2,
+                ls="--" if group == "A" else ":", zorder=2, label=label if first and len(front) > 1 else None)
+        ax.scatter([r.added_flops_pct for r in front], [r.mean for r in front], s=190, facecolors="none",
+                   edgecolors="0.2", lw=1.4, zorder=4)
+    for row in rows:
+        if row.added_flops_pct == 0 and row.control is None:
+            ax.axhline(row.mean, color="0.6", ls=":", lw=1, zorder=1, label=f"{names[id(row)]} (control)")
+    if top is not None:
+        low = min(r.mean - (r.std or 0.0) for r in shown)
+        ax.set_ylim(low - 0.08 * (top - low), top)
+        for row in rows:
+            if row.mean > top:  # off the scale: an arrow at the top edge, the value in the label
+                ax.plot(row.added_flops_pct, top, "^", ms=9, color=colors[names[id(row)]], clip_on=False, zorder=5)
+    ax.set_xlabel("added FLOPs % of the non-embedding core (forward, per token)")
+    ax.set_ylabel("validation loss (nats/token), mean ± std over seeds")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:  # under the axes, never over a point
+        ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=min(3, len(handles)),
+                  fontsize=8, frameon=False)
+    _place_labels(fig, ax, rows, top, names)
+    return fig
+
+
+def _place_labels(fig: Any, ax: Any, rows: list[Row], top: float | None, names: dict[int, str]) -> None:
+    """Name every point, each label where its drawn extent overlaps no point, error bar, Pareto ring, earlier
+    label or the legend, inside the axes where it can be."""
+    fig.canvas.draw()  # final limits and scales, so labels can be placed in pixels
+    renderer = fig.canvas.get_renderer()
+    px = fig.dpi / 72
+    ring = 8 * px  # the Pareto ring around a point
+    avoid = []
+    for r in rows:
+        x, y = ax.transData.transform((r.added_flops_pct, min(r.mean, top) if top else r.mean))
+        avoid.append((x - ring, y - ring, x + ring, y + ring))
+        if r.std and (top is None or r.mean <= top):  # the error bar
+            _, lo = ax.transData.transform((r.added_flops_pct, r.mean - r.std))
+            _, hi = ax.transData.transform((r.added_flops_pct, r.mean + r.std))
+            avoid.append((x - 4 * px, lo, x + 4 * px, hi))
+    legend = ax.get_legend()
+    if legend is not None:
+        box = legend.get_window_extent(renderer)
+        avoid.append((box.x0, box.y0, box.x1, box.y1))
+    inside = ax.get_window_extent(renderer)
+    offsets = [(9, dy) for dy in (4, -12, 14, -22, 24, -32, 34, -42, 44, -52)]
+    offsets += [(-9, dy) for dy in (4, -12, 14, -22, 24, -32)]
+    for row in sorted(rows, key=lambda r: (r.added_flops_pct, r.mean)):
+        off_scale = top is not None and row.mean > top
+        text = names[id(row)] + (f" ({row.mean:.3f}, off scale)" if off_scale else "")
+        xy = (row.added_flops_pct, min(row.mean, top) if top else row.mean)
+        label = ax.annotate(text, xy, textcoords="offset points", xytext=offsets[0], fontsize=8,
+                            annotation_clip=False, va="bottom")
+        chosen, fallback = None, None
+        for dx, dy in ([(9, -14), (9, -26), (-9, -14)] if off_scale else []) + offsets:
+            label.set_horizontalalignment("left" if dx > 0 else "right")
+            label.xyann = (dx, dy)
+            b = label.get_window_extent(renderer)
+            box = (b.x0, b.y0, b.x1, b.y1)
+            if any(_overlap(box, other) for other in avoid):
+                continue
+            fallback = fallback or (dx, dy, box)
+            if inside.x0 <= b.x0 and b.x1 <= inside.x1 and inside.y0 <= b.y0 and b.y1 <= inside.y1:
+                chosen = (dx, dy, box)
+                break
+        dx, dy, box = chosen or fallback or (9, 4, box)
+        label.set_horizontalalignment("left" if dx > 0 else "right")
+        label.xyann = (dx, dy)
+        avoid.append(box)
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def _clip_top(rows: list[Row]) -> float | None:
+    """Upper y limit that leaves far-off points off the scale, or None when every point fits well."""
+    anchors = [r for r in rows if r.added_flops_pct == 0 and r.control is None]
+    if not anchors:
+        return None
+    top_anchor = max(r.mean for r in anchors)
+    spread = max(top_anchor - min(r.mean for r in rows), *[(r.std or 0.0) for r in anchors], 1e-3)
+    limit = top_anchor + 4 * spread
+    inside = [r for r in rows if r.mean <= limit]
+    if len(inside) == len(rows):
+        return None
+    return max(r.mean + (r.std or 0.0) for r in inside) + 0.6 * spread
+
+
+def _run_artifacts(client: Any, row: Row, path: str, tmp: str) -> tuple[list[dict], int]:
+    """The JSON artifact `path` of each of the row's runs that has one, and the latest step among them."""
+    found, step = [], 0
+    for run in row.runs:
+        try:
+            local = client.download_artifacts(run.run_id, path, tmp)
+        except Exception:  # runs of another routing kind have no such artifact
+            continue
+        data = json.loads(Path(local).read_text())
+        found.append(data)
+        step = max(step, int(data.get("step", 0)))
+    return found, step
+
+
+def routing_matrices(client: Any, rows: list[Row]) -> dict[str, tuple[dict, int, int]]:
+    """row name -> (its weights table with the seed-mean matrix, step, seeds) from each run's routing/weights.json
+    (any routing kind; train/diagnostics.py). Seeds whose matrices differ in shape are not averaged: the row's
+    first run's table is drawn alone."""
+    found, names = {}, _names(rows)
+    with tempfile.TemporaryDirectory() as tmp:
+        for row in rows:
+            datas, step = _run_artifacts(client, row, "routing/weights.json", tmp)
+            mats = [d["sites_by_sources"] for d in datas]
+            if not mats or not mats[0]:
+                continue
+            if not all([len(x) for x in m] == [len(x) for x in mats[0]] for m in mats):
+                datas, mats = datas[:1], mats[:1]
+            mean = [[_mean([m[j][i] for m in mats]) for i in range(len(mats[0][j]))] for j in range(len(mats[0]))]
+            found[names[id(row)]] = ({**datas[0], "sites_by_sources": mean}, step, len(mats))
+    return found
+
+
+def _mean(values: list[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return statistics.fmean(kept) if len(kept) == len(values) else None
+
+
+def gate_curves(client: Any, rows: list[Row]) -> dict[str, tuple[list[list[float]], int]]:
+    """row name -> (alpha per sublayer of each seed, step) from the gated runs' routing/gates.json."""
+    found, names = {}, _names(rows)
+    with tempfile.TemporaryDirectory() as tmp:
+        for row in rows:
+            datas, step = _run_artifacts(client, row, "routing/gates.json", tmp)
+            curves = [d["alpha"] for d in datas]
+            if curves and all(len(c) == len(curves[0]) for c in curves):
+                found[names[id(row)]] = (curves, step)
+    return found
+
+
+def plot_gate_curves(curves: dict, out: Path, title: str) -> list[Path]:
+    from lrattn_lightning.train.diagnostics import gate_figure
+
+    means, spread, steps = {}, {}, set()
+    for label, (per_seed, step) in curves.items():
+        columns = list(zip(*per_seed, strict=True))
+        means[label] = [statistics.fmean(c) for c in columns]
+        spread[label] = ([min(c) for c in columns], [max(c) for c in columns])
+        steps.add(step)
+    step_text = "/".join(map(str, sorted(steps)))
+    fig = gate_figure(means, f"{title}\nmean alpha per sublayer at step {step_text} (band: seed min-max)", spread=spread)
+    return _save(fig, out, "gate_alphas")
+
+
+def plot_heatmaps(matrices: dict, out: Path, title: str) -> list[Path]:
+    """One panel per row (its own labels, axes and colour scale: softmax weights and gates on 0..1, signed
+    mixing coefficients on a diverging scale), drawn by the function that draws a run's own heatmap."""
+    from lrattn_lightning.train.diagnostics import heatmap_figure
+
+    plt = _plt()
+    n = len(matrices)
+    cols = min(n, 3)
+    rows_n = math.ceil(n / cols)
+    width = max(len(r) for table, _, _ in matrices.values() for r in table["sites_by_sources"])
+    panel = min(max(2.5 + 0.25 * width, 4.5), 9.0)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(panel * cols, 4.0 * rows_n), squeeze=False)
+    for ax, (name, (table, step, seeds)) in zip(axes.flat, matrices.items(), strict=False):
+        heatmap_figure(table, f"{name}\n{table.get('kind', '')} at step {step}, mean of {seeds} seed(s)", ax=ax)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return _save(fig, out, "routing_heatmaps")
+
+
+# Curves of close variants lie on top of each other: besides its colour each gets a line style and a marker
+# (staggered along the steps, and smaller for each later variant so that marks at one point nest), so a line
+# hidden under another still shows through its dashes and marks.
+LINE_STYLES = ["-", (0, (6, 2)), (0, (1.5, 1.5)), (0, (6, 1.5, 1.5, 1.5)), (0, (3, 1.5, 1.5, 1.5, 1.5, 1.5))]
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+
+
+def plot_curves(rows: list[Row], out: Path, title: str) -> list[Path]:
+    return _save(curves_figure(rows, title), out, "training_curves")
+
+
+def curves_figure(rows: list[Row], title: str) -> Any:
+    """Train loss (smoothed) over the whole run, the same zoomed on the second half of the steps (where the
+    variants differ; the first steps' large losses flatten it in the whole view), and val loss over the whole
+    run; mean over seeds, min-max band for train loss. One legend, under the panels: each row has the same
+    colour, line style and marker in all three."""
+    plt = _plt()
+    names, colors = _names(rows), _colors(rows)
+    fig, (ax_t, ax_z, ax_v) = plt.subplots(1, 3, figsize=(16.5, 4.6))
+    handles = {}  # label -> a line of it, for the shared legend
+    last = max([s for r in rows for run in r.runs for key in ("train/loss", "val/loss") for s, _ in run.curves.get(key, [])]
+               + [run.final_step or 0 for r in rows for run in r.runs] + [1])
+    zoom_from = last // 2
+    for i, row in enumerate(sorted(rows, key=lambda r: names[id(r)])):
+        style = {"color": colors[names[id(row)]], "ls": LINE_STYLES[i % len(LINE_STYLES)],
+                 "marker": MARKERS[i % len(MARKERS)], "lw": 1.5, "ms": 8 - 1.5 * (i % 4), "label": names[id(row)]}
+        for key in ("train/loss", "val/loss"):
+            steps, mean, lo, hi = _seed_mean(row, key)
+            if not steps:
+                continue
+            if key == "val/loss":
+                handles[style["label"]] = ax_v.plot(steps, mean, **style)[0]
+                continue
+            mean, lo, hi = _smooth(mean), _smooth(lo), _smooth(hi)
+            every = max(1, len(steps) // 8)  # ~8 marks a line, each variant's shifted along the steps
+            for ax in (ax_t, ax_z):
+                ax.fill_between(steps, lo, hi, color=style["color"], alpha=0.15, lw=0)
+                handles[style["label"]] = ax.plot(steps, mean, markevery=(i * every // len(rows), every), **style)[0]
+    ax_t.set_title("train loss, whole run (moving average of 5 logged steps; band: seed min-max)", fontsize=9)
+    ax_z.set_title(f"train loss, steps {zoom_from}-{last} (zoom)", fontsize=9)
+    ax_v.set_title("validation loss, whole run (mean over seeds)", fontsize=9)
+    for ax in (ax_t, ax_z, ax_v):
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats/token)")
+        ax.grid(alpha=0.3)
+    for ax in (ax_t, ax_v):  # the whole run, whatever each row's length
+        ax.set_xlim(0, last * 1.02)
+    _zoom(ax_z, rows, zoom_from, last)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))  # room for the legend under the panels
+    if handles:
+        fig.legend(handles=list(handles.values()), loc="lower center", ncol=min(len(handles), 5), fontsize=8,
+                   frameon=False, handlelength=3.5)
+    return fig
+
+
+def _seed_mean(row: Row, key: str) -> tuple[list[int], list[float], list[float], list[float]]:
+    by_step: dict[int, list[float]] = defaultdict(list)
+    for run in row.runs:
+        for step, value in run.curves.get(key, []):
+            by_step[step].append(value)
+    steps = sorted(s for s, v in by_step.items() if len(v) == len(row.runs))  # steps every seed logged
+    return (steps, [statistics.fmean(by_step[s]) for s in steps], [min(by_step[s]) for s in steps],
+            [max(by_step[s]) for s in steps])
+
+
+def _smooth(values: list[float], window: int = 5) -> list[float]:
+    return [statistics.fmean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
+
+
+def _zoom(ax: Any, rows: list[Row], start: int, end: int) -> None:
+    """The zoom panel's limits: steps start..end and the (smoothed) losses there."""
+    values = []
+    for row in rows:
+        steps, mean, lo, hi = _seed_mean(row, "train/loss")
+        smooth_lo, smooth_hi = _smooth(lo), _smooth(hi)
+        values += [v for s, a, b in zip(steps, smooth_lo, smooth_hi, strict=True) if s >= start for v in (a, b)]
+    ax.set_xlim(start, max(end, start + 1))
+    if values:
+        pad = 0.05 * (max(values) - min(values) or 1e-3)
+        ax.set_ylim(min(values) - pad, max(values) + pad)

@@ -1,0 +1,221 @@
+"""`lrattn sweep FILE`: the runs of a sweep file (file.py) into one MLflow experiment.
+
+Finished runs are skipped, and a run with a last.ckpt resumes from it (`--ckpt_path last`, into the same MLflow
+run). Locally the runs go one after another, each its own `lrattn fit` process (local.py: which runs
+are finished, claiming a run, the runs' environment, their output); for a cluster, `--emit commands` writes the
+launch commands and `--emit slurm` an sbatch array script with one `srun lrattn fit ...` per array task
+(Lightning reads the SLURM environment; nodes and tasks per node come from the recipe's trainer.num_nodes and
+trainer.devices).
+
+Every run's full argument list is parsed by `fit`'s own parser before the first run starts (also for
+--dry-run and --emit), so a typo in the sweep's `args` or its recipe is one line, not a failed fit per run;
+every external router the sweep names is imported in the runs' environment before the first local run (and
+for --dry-run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from lrattn_lightning.core.errors import one_line
+from lrattn_lightning.core.files import load_yaml_strict, read_yaml_text
+from lrattn_lightning.core.flags import Parser
+from lrattn_lightning.core.names import closest_names
+from lrattn_lightning.model.registry import load_registry
+from lrattn_lightning.tools.sweep.file import Sweep, SweepError, SweepRun, load_sweep
+from lrattn_lightning.tools.sweep.local import (  # noqa: F401  (finished_runs: part of this module's interface)
+    DONE,
+    check_routers,
+    finished_runs,
+    plan,
+    run_env,
+    run_local,
+)
+
+
+# ---- every run's fit arguments, checked before the first run starts ---------------------------------
+def check_fit_args(sweep: Sweep, tracking_uri: str | None, extra: list[str], parser: Any) -> None:
+    """Parse every run's `lrattn fit` arguments with fit's parser (`cli/sweep.py fit_parser()`, one for all
+    runs); SweepError naming the first bad run, the flag and where it comes from, with the closest valid flags
+    for an unknown one."""
+    known = set(parser.get_defaults().keys())  # dotted leaf keys: trainer.max_steps, model.lr, run_name, ...
+    groups = {".".join(k.split(".")[:i]) for k in known for i in range(1, k.count(".") + 1)}
+    recipe = load_yaml_strict(read_yaml_text(Path(sweep.recipe), "recipe"), sweep.recipe) or {}
+    recipe_keys = list(_flat_keys(recipe, known, groups)) if isinstance(recipe, dict) else []
+    for run in sweep.runs:
+        given = ([(k, f"recipe {sweep.recipe}") for k in recipe_keys]
+                 + [(k, f"the sweep's args ({sweep.path})") for k in sweep.args]
+                 + [(k, f"the args of variant '{run.variant}' ({sweep.path})") for k, _ in run.args])
+        for key, origin in given:
+            if not _accepted(key, known, groups):
+                hint = ", ".join(f"--{k}" for k in closest_names(key, sorted(known)))
+                raise SweepError(f"sweep '{sweep.name}', run {run.name}: unknown fit flag --{key} (in {origin}); "
+                                 f"closest: {hint}")
+        try:
+            parser.parse_args(sweep.fit_args(run, tracking_uri)[1:] + extra)  # [1:]: without the subcommand
+        except (argparse.ArgumentError, SystemExit) as err:
+            raise SweepError(f"sweep '{sweep.name}', run {run.name}: {one_line(err)} (recipe {sweep.recipe}, "
+                             f"args of {sweep.path})") from None
+
+
+def _accepted(key: str, known: set[str], groups: set[str]) -> bool:
+    """A fit key, a group of them (`trainer` given as a mapping), or inside one's value
+    (`trainer.callbacks.tasks`: an argument of a callback given in trainer.callbacks)."""
+    key = key.removesuffix("+")  # `trainer.callbacks+`: jsonargparse's append
+    parts = key.split(".")
+    return key in known or key in groups or any(".".join(parts[:i]) in known for i in range(1, len(parts)))
+
+
+def _flat_keys(node: dict, known: set[str], groups: set[str], prefix: str = "") -> Iterator[str]:
+    """A recipe's keys as fit flags: trainer: {max_steps: 3} is trainer.max_steps; the value of a fit key
+    (a callback list, an optimizer's init_args) is the parser's to check."""
+    for key, value in node.items():
+        dotted = prefix + str(key)
+        if isinstance(value, dict) and dotted in groups and dotted not in known:
+            yield from _flat_keys(value, known, groups, dotted + ".")
+        else:
+            yield dotted
+
+def _env_words(sweep: Sweep) -> list[str]:
+    """The sweep's env as NAME=value shell words; PYTHONPATH appended to the environment's own."""
+    return [f'{k}="${{PYTHONPATH:+$PYTHONPATH:}}"{shlex.quote(v)}' if k == "PYTHONPATH" else f"{k}={shlex.quote(v)}"
+            for k, v in sweep.env.items()]
+
+
+def emit_commands(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: str | None,
+                  extra: list[str] | None = None) -> str:
+    env = " ".join(_env_words(sweep))
+    lines = [f"# lrattn sweep {sweep.path} --emit commands: {sum(s != 'finished' for _, s in steps)} runs "
+             f"({sum(s in DONE for _, s in steps)} finished or diverged runs skipped). Run from the repository root;",
+             "# for several GPUs or nodes prefix each with srun/torchrun, or set the recipe's trainer.devices/num_nodes."]
+    for run, state in steps:
+        if state in DONE:
+            continue
+        args = sweep.fit_args(run, tracking_uri) + (extra or []) + (["--ckpt_path", "last"] if state == "resume" else [])
+        lines.append((f"env {env} " if env else "") + shlex.join(["lrattn", *args]))
+    return "\n".join(lines) + "\n"
+
+
+def emit_slurm(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: str | None,
+               extra: list[str] | None = None) -> str:
+    """An sbatch array script: one array task per unfinished run, each `srun lrattn fit ...`."""
+    todo = [run for run, state in steps if state not in DONE]
+    if not todo:
+        raise SweepError(f"sweep '{sweep.name}': every run is finished; nothing to emit")
+    nodes = int(sweep.setting("trainer.num_nodes", 1) or 1)
+    devices = sweep.setting("trainer.devices", 1)
+    if not isinstance(devices, int):
+        raise SweepError(f"{sweep.recipe}: trainer.devices must be an integer for SLURM (tasks per node), got {devices!r}")
+    accelerator = sweep.setting("trainer.accelerator", "auto")
+    strategy = str(sweep.setting("trainer.strategy", "auto") or "auto")
+    world = {"fsdp": "FSDP2 world (ModelParallelStrategy: every rank holds 1/world of the weights, gradients "
+                     "and optimiser state)", "ddp": "DDP world"}.get(strategy, f"world of strategy '{strategy}'")
+    s = sweep.slurm
+    array = f"0-{len(todo) - 1}" + (f"%{s['max_parallel']}" if s.get("max_parallel") else "")
+    log_dir = Path(sweep.setting("runs_dir", "runs")) / sweep.experiment / "slurm"
+    head = [
+        "#!/bin/bash",
+        f"# Generated by `lrattn sweep {sweep.path} --emit slurm`: {len(todo)} runs of sweep '{sweep.name}' "
+        f"({len(steps) - len(todo)} finished or diverged runs skipped).",
+        "# Submit from the repository root with `sbatch` (create the log folder first: "
+        f"mkdir -p {log_dir}).",
+        "# Each array task is one run. srun starts one task per GPU on every node and Lightning's SLURM environment",
+        f"# turns them into the {world}: {nodes} node(s) x {devices} task(s) per node = the recipe's",
+        f"# trainer.num_nodes x trainer.devices, trainer.strategy {strategy}. A resubmitted task resumes its run from "
+        "last.ckpt.",
+        "# SIGTERM (preemption, or --signal below before the time limit) makes `lrattn fit` save last.ckpt at the",
+        "# current step and exit 143; --requeue puts a preempted task back in the queue, where it resumes.",
+        f"#SBATCH --job-name={sweep.name}",
+        f"#SBATCH --array={array}",
+        f"#SBATCH --nodes={nodes}",
+        f"#SBATCH --ntasks-per-node={devices}",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=TERM@120",
+    ]
+    if accelerator in ("gpu", "cuda", "auto"):
+        head.append(f"#SBATCH --gpus-per-node={devices}")
+    for key, option in (("cpus_per_task", "cpus-per-task"), ("time", "time"), ("partition", "partition"),
+                        ("account", "account")):
+        if s.get(key) is not None:
+            head.append(f"#SBATCH --{option}={s[key]}")
+    head += [f"#SBATCH {opt}" for opt in s.get("extra", [])]
+    head += [f"#SBATCH --output={log_dir}/%x-%A_%a.out", "set -euo pipefail"]
+    head += [f"export {word}" for word in _env_words(sweep)]
+    body = ['case "$SLURM_ARRAY_TASK_ID" in']
+    for i, run in enumerate(todo):
+        ckpt = sweep.checkpoint(run)
+        body.append(f"  {i}) CKPT={shlex.quote(str(ckpt))}; "
+                    f"ARGS=({' '.join(shlex.quote(a) for a in sweep.fit_args(run, tracking_uri) + (extra or []))}) ;;")
+    body += ['  *) echo "no run for array task $SLURM_ARRAY_TASK_ID" >&2; exit 2 ;;', "esac",
+             'if [[ -f "$CKPT" ]]; then ARGS+=(--ckpt_path last); fi',
+             'srun lrattn "${ARGS[@]}"']
+    return "\n".join(head + body) + "\n"
+
+
+# ---- command line ----------------------------------------------------------------------------------
+def _bool(text: str) -> bool:
+    """`--mlflow_fallback_local true`, spelt as `lrattn fit` takes it."""
+    value = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: give true or false")
+    return value
+
+
+def main(argv: list[str] | None = None, fit_parser: Callable[[], Any] | None = None) -> int:
+    """`lrattn sweep` (`cli/sweep.py sweep_main` hands in fit's parser: the cli layer owns it)."""
+    from lrattn_lightning.train.tracking import resolve_tracking_uri
+
+    parser = Parser(prog="lrattn sweep", description=__doc__.split("\n\n")[0])
+    parser.add_argument("file", help="a sweep file, e.g. experiments/sweeps/cpu-study.yaml")
+    # one name: Parser reads --tracking-uri as --tracking_uri (declaring both listed it twice in --help)
+    parser.add_argument("--tracking_uri", default=None,
+                        help="MLflow store (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
+    parser.add_argument("--mlflow_fallback_local", type=_bool, default=False, metavar="{true,false}",
+                        help="if the MLflow server is unreachable, use the local sqlite store (also passed to each fit)")
+    parser.add_argument("--emit", choices=("commands", "slurm"), default=None,
+                        help="write launch commands / an sbatch array script instead of running locally")
+    parser.add_argument("--out", default=None, help="where --emit writes (default: RUNS_DIR/EXPERIMENT/sweep-NAME.*; '-' = stdout)")
+    parser.add_argument("--dry-run", action="store_true", help="list the runs and their state; run nothing")
+    parser.add_argument("--stop-on-failure", action="store_true", help="stop at the first failed run")
+    args = parser.parse_args(argv)
+
+    sweep, _ = load_sweep(args.file)
+    extra = ["--mlflow_fallback_local", "true"] if args.mlflow_fallback_local else []
+    if fit_parser is not None:  # every run's arguments, before any store is opened
+        check_fit_args(sweep, args.tracking_uri, extra, fit_parser())
+    uri = resolve_tracking_uri(args.tracking_uri, fallback_local=args.mlflow_fallback_local)
+    if args.dry_run:
+        check_routers(sweep, load_registry(sweep.registry), run_env(sweep))
+        steps = plan(sweep, uri)
+        print(f"sweep '{sweep.name}' ({sweep.path}): {len(steps)} runs, experiment '{sweep.experiment}', recipe {sweep.recipe}")
+        for run, state in steps:
+            print(f"  {state:9s} {run.name}")
+        return 0
+    if args.emit:
+        return _emit(sweep, plan(sweep, uri), args, extra)
+    return run_local(sweep, uri, stop_on_failure=args.stop_on_failure, extra=extra)
+
+
+def _emit(sweep: Sweep, steps: list[tuple[SweepRun, str]], args: argparse.Namespace, extra: list[str]) -> int:
+    # a local sqlite store is this machine's; launched elsewhere the runs resolve their own store
+    text = (emit_commands if args.emit == "commands" else emit_slurm)(sweep, steps, args.tracking_uri, extra)
+    suffix = "sh" if args.emit == "commands" else "sbatch"
+    out = args.out or str(Path(sweep.setting("runs_dir", "runs")) / sweep.experiment / f"sweep-{sweep.name}.{suffix}")
+    if out == "-":
+        sys.stdout.write(text)
+        return 0
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(text)
+    if args.emit == "slurm":  # sbatch does not create the folder of --output
+        (Path(sweep.setting("runs_dir", "runs")) / sweep.experiment / "slurm").mkdir(parents=True, exist_ok=True)
+    print(f"[sweep {sweep.name}] wrote {out} ({sum(s not in DONE for _, s in steps)} runs)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""How a fit stops: the stop signals it notes, the exit code they give, and what a divergence kept.
+
+    stop_signals_noted  inside it SIGTERM, SIGINT and SIGHUP are noted (NOTED_SIGNAL), not fatal: `lrattn fit`
+                        decides where it stops (after a step's save, before its final validation) and exits
+                        128 + the signal's number; LastCheckpoint (save.py) notes those that come during training
+    Stop, LAST_STOP     how the last fit of this process stopped on a signal, and the checkpoint saved then
+    NonFiniteLossError, Divergence, LAST_DIVERGENCE   a non-finite loss, and which checkpoint is the last finite one
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import stat
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PREEMPTED_EXIT_CODE = 128 + 15  # what a shell reports for a process ended by SIGTERM; non-zero for schedulers
+# What stops a fit cleanly: a scheduler's preemption or `kill`, Ctrl-C, a closed terminal. Where ranks got
+# different ones they agree on the highest number: SIGTERM (the scheduler's) over SIGINT over SIGHUP.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@dataclass(frozen=True)
+class Stop:
+    """How the last fit of this process stopped on a signal: which one, and the checkpoint saved then."""
+
+    signum: int = signal.SIGTERM
+    step: int | None = None
+    path: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # what a shell reports for a process the signal ended; non-zero for schedulers
+
+
+LAST_STOP: Stop | None = None
+# A stop signal this process received outside training (inside stop_signals_noted), 0 if none; LastCheckpoint
+# notes the ones it receives during training here too. `lrattn fit` stops before its final validation on it.
+NOTED_SIGNAL = 0
+
+
+def note_stop_signal(signum: int, _frame: Any = None) -> None:
+    global NOTED_SIGNAL
+    if signum == signal.SIGHUP:
+        _detach_hung_up_terminal()
+    NOTED_SIGNAL = max(NOTED_SIGNAL, signum)
+
+
+@contextlib.contextmanager
+def stop_signals_noted() -> Iterator[None]:
+    """Inside, a stop signal is noted, not fatal: `lrattn fit` decides where it stops (after a step's save, before
+    its final validation) and exits 128 + its number. A SIGINT or SIGHUP ignored at launch (nohup) stays ignored;
+    the handlers before are restored after."""
+    global NOTED_SIGNAL
+    NOTED_SIGNAL = 0
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    for signum, handler in before.items():
+        if signum == signal.SIGTERM or handler is not signal.SIG_IGN:
+            signal.signal(signum, note_stop_signal)
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training stopped on a NaN/inf training or validation loss (the message names the step and what was kept)."""
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """What became of the checkpoints when a fit diverged at `step`."""
+
+    step: int
+    set_apart: Path | None  # the checkpoint of `step`, whose weights produced the non-finite loss
+    last_step: int | None  # the step last.ckpt now holds (the last finite state), None: no checkpoint left
+    path: Path
+
+    def describe(self) -> str:
+        apart = f"its checkpoint is set apart as {self.set_apart.name}; " if self.set_apart else ""
+        if self.last_step is None:
+            kept = "no checkpoint of a finite state is left"
+        else:
+            kept = f"the last finite state is step {self.last_step} ({self.path})"
+        return (f"{apart}{kept}. Resuming repeats the same steps: start a new run with a lower learning rate "
+                "(or --init_from a finite checkpoint)")
+
+
+LAST_DIVERGENCE: Divergence | None = None
+
+
+def _detach_hung_up_terminal() -> None:
+    """After a hangup every write to the terminal fails (EIO): a progress bar or a log line would crash the
+    step in progress and lose the save. Point a stdout/stderr that is such a terminal at /dev/null (a hung-up
+    terminal is a character device that no longer answers as a tty); files, pipes and live terminals stay."""
+    null = os.stat(os.devnull).st_rdev
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            mode, device = os.fstat(fd).st_mode, os.fstat(fd).st_rdev
+            if stat.S_ISCHR(mode) and device != null and not os.isatty(fd):
+                sink = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(sink, fd)
+                os.close(sink)
