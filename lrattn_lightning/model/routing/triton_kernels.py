@@ -24,7 +24,10 @@ is added to the value's in registers; KEY_MODE 1, the key is loaded through its 
 and sliced keys whose head slices straddle value heads) and its gradient written to its own output.
 
 One program per (tile of BLOCK_N tokens, depth head); whole head rows in one tile (BLOCK_E >= e, BLOCK_K >= k,
-masked: any D and r). Accumulation (ACC) in float32, or float64 for float64 models.
+masked: any D and r). Accumulation (ACC) in float32, or float64 for float64 models. BLOCK_N and num_warps
+(triton_ops.geometry) keep a tile at 4 elements per thread: the register budget of docs/benchmarks.md.
+Token counts and loop bounds (N, S_t, G) are not specialised on (a value of 1 or a multiple of 16 would
+otherwise compile a kernel of its own: decoding's N = 1, the first block's S_t = 1); widths and strides are.
 
 meta layout (S_t table sources, S = S_t + 2 slots: embedding 0, table 1..S_t, partial S_t + 1):
     [0, S_t) value pointers  [S_t, 2S_t) value row strides  [2S_t, 3S_t) key pointers  [3S_t, 4S_t) key strides
@@ -116,7 +119,7 @@ def _table_source(meta, fmeta, s, S_t, EP, rows, rmask, vcols, emask, kcols, kma
     return v, lraw
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "S_t"])
 def read_fwd(ev, sev, ek, sek, pv, spv, pk, spk, meta, fmeta, q, sq, out, lse, alpha,
              N, D, R, KOFF, heads, S_t, scale,
              HAS_PARTIAL: tl.constexpr, WRITE_ALPHA: tl.constexpr, KEY_MODE: tl.constexpr, KEY_NORM: tl.constexpr,
@@ -156,7 +159,8 @@ def read_fwd(ev, sev, ek, sek, pv, spv, pk, spk, meta, fmeta, q, sq, out, lse, a
                                 kmask, qt, K, scale, KEY_MODE, KEY_NORM, ACC)
         tl.store(alpha + rows * heads + h, tl.exp(lraw + tl.load(fmeta + PR).to(ACC) - lse_n), mask=rmask)
         for s in range(S_t):
-            _, lraw = _table_source(meta, fmeta, s, S_t, EP, rows, rmask, vcols, emask, kcols, kmask, qt, K, scale,
+            # (v, not `_`: a name assigned in a loop is loop-carried, and `_` held rstd [BLOCK_N] before it)
+            v, lraw = _table_source(meta, fmeta, s, S_t, EP, rows, rmask, vcols, emask, kcols, kmask, qt, K, scale,
                                     KEY_MODE, KEY_NORM, VDT, KDT, ACC)
             a = tl.exp(lraw + tl.load(fmeta + PR + 1 + s).to(ACC) - lse_n)
             tl.store(alpha + (1 + s) * NH + rows * heads + h, a, mask=rmask)
@@ -190,7 +194,7 @@ def _bwd_source(vp, sv, kp, sk, dvp, dkp, prior, eps, rows, rmask, vcols, emask,
     return dqt + c1[:, None] * x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "S_t"])
 def read_bwd(ev, sev, ek, sek, pv, spv, pk, spk, meta, fmeta, q, sq, out, lse, gout, dev, dek, dpv, dpk, dq,
              N, D, R, KOFF, heads, S_t, scale,
              HAS_PARTIAL: tl.constexpr, QUERY_PER_TOKEN: tl.constexpr, KEY_MODE: tl.constexpr,
@@ -281,7 +285,7 @@ def _group_online(m_i, l_i, acc, logit, v):
     return m_new, l_i * corr + p, acc * corr[:, :, None] + p[:, :, None] * v[:, None, :]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "S_t", "G"])
 def group_fwd(ev, sev, ek, sek, meta, fmeta, q, out, lse, alpha, N, D, R, KOFF, heads, S_t, G, scale,
               WRITE_ALPHA: tl.constexpr, KEY_MODE: tl.constexpr, KEY_NORM: tl.constexpr, VDT: tl.constexpr,
               KDT: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -345,7 +349,7 @@ def _group_bwd_source(v, x, lraw, rstd, prior, dvp, dkp, rows, rmask, vcols, ema
     return dQt + tl.sum(c1[:, :, None] * x[:, None, :], 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "S_t", "G"])
 def group_bwd(ev, sev, ek, sek, meta, fmeta, q, out, lse, gout, glse, dev, dek, dq, N, D, R, KOFF, heads, S_t, G,
               scale, KEY_MODE: tl.constexpr, KEY_NORM: tl.constexpr, VDT: tl.constexpr, KDT: tl.constexpr,
               ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -387,7 +391,7 @@ def group_bwd(ev, sev, ek, sek, meta, fmeta, q, out, lse, gout, glse, dev, dek, 
     tl.store(dq + pid_n * G * R + gs[:, None] * R + kcols[None, :], dQt, mask=qmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def merge_fwd(pv, spv, pk, spk, fmeta, q, outc, lsec, out, w, N, D, R, KOFF, heads, scale,
               KEY_MODE: tl.constexpr, KEY_NORM: tl.constexpr, ACC: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -408,7 +412,7 @@ def merge_fwd(pv, spv, pk, spk, fmeta, q, outc, lsec, out, w, N, D, R, KOFF, hea
     tl.store(w + rows * heads + h, wp, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def merge_bwd(pv, spv, pk, spk, fmeta, q, outc, w, gout, doutc, dlsec, dpv, dpk, dq, N, D, R, KOFF, heads, scale,
               KEY_MODE: tl.constexpr, KEY_NORM: tl.constexpr, ACC: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):

@@ -23,6 +23,16 @@ from torch import Tensor
 
 from lrattn_lightning.errors import InputError
 
+# Where launches go: None, the kernels (triton_kernels.py); or a recorder that keeps each launch's arguments and
+# runs nothing (triton_specs.recorded_launches: which specialisations the model launches, for compile checks)
+_launch_target = None
+
+
+def set_launch_target(target) -> None:
+    """Send every kernel launch to `target` (its attributes stand for the kernels) instead; None: the kernels."""
+    global _launch_target
+    _launch_target = target
+
 
 def interpreting() -> bool:
     """Triton's CPU interpreter is on (TRITON_INTERPRET=1 must be set before triton is imported)."""
@@ -35,7 +45,7 @@ def availability_error(device_type: str | None = None) -> str | None:
         import triton  # noqa: F401
     except ImportError:
         return "model.impl 'triton' needs the triton package (pip install triton); or use impl 'fast'"
-    if interpreting():
+    if interpreting() or _launch_target is not None:  # (a recorder runs nothing: any device)
         return None
     if device_type is None and torch.cuda.is_available():
         return None
@@ -46,6 +56,8 @@ def availability_error(device_type: str | None = None) -> str | None:
 
 
 def _kernels():
+    if _launch_target is not None:
+        return _launch_target
     from lrattn_lightning.model.routing import triton_kernels
 
     return triton_kernels
@@ -74,14 +86,33 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-# A group's register tile: BLOCK_G * BLOCK_E elements per token at most (G sites x a head's value width);
-# larger groups are read site by site (attnres_read), as full routing always is.
-GROUP_TILE_MAX = 16384
+# Launch geometry (the register budget: <= 128 registers per thread, no spills; tests/test_triton_compile.py,
+# docs/benchmarks.md). A program holds a tile of BLOCK_N tokens x BLOCK_G sites x one head's row; rows are
+# whole (any D, r: masked), so BLOCK_N is what shrinks: PROGRAM_TILE elements (one token where a row is
+# wider) at 4 elements per thread, num_warps = tile / 128 from 4 up to 16 (8 elements per thread in the
+# 4096-element tiles of d = 4096 and of two-phase groups). Measured with Triton's compiler and ptxas: 16
+# elements per thread took up to 230 registers in the backward kernels at D = 1024; 32-warp programs made
+# ptxas keep 32 or 64 registers and spill. Every launch also passes maxnreg = REG_BUDGET (PTX .maxnreg):
+# without it ptxas 12.9 (sm_80) trades a few bytes of spill for full occupancy in some kernels.
+PROGRAM_TILE = 1024
+ELEMENTS_PER_THREAD = 4
+MAX_WARPS = 16
+REG_BUDGET = 128
+# A group's tile: BLOCK_G * width <= GROUP_TILE_MAX (16 warps at 8 elements per thread); larger groups are
+# split into sub-groups that fit (group_limit), each reading the completed sources once.
+GROUP_TILE_MAX = 4096
 
 
-def group_fits(group_size: int, d_model: int, heads: int, key_width: int) -> bool:
-    """The two-phase kernels hold the group's G sites for one token in one tile of at most GROUP_TILE_MAX."""
-    return _pow2(group_size) * max(_pow2(d_model // heads), _pow2(key_width // heads)) <= GROUP_TILE_MAX
+def group_limit(d_model: int, heads: int, key_width: int) -> int:
+    """The most sites one two-phase kernel holds (its tile: pow2(G) x a head's row <= GROUP_TILE_MAX)."""
+    return _pow2_floor(max(1, GROUP_TILE_MAX // max(_pow2(d_model // heads), _pow2(key_width // heads))))
+
+
+def geometry(n_tokens: int, row: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of a launch over n_tokens whose tile holds `row` elements per token. Few tokens cap
+    BLOCK_N at 16 or more, so decoding (one token a sequence) launches the kernels training compiled."""
+    block_n = max(1, min(64, _pow2_floor(max(1, PROGRAM_TILE // row)), max(16, _pow2(n_tokens))))
+    return block_n, min(MAX_WARPS, max(4, block_n * row // (32 * ELEMENTS_PER_THREAD)))
 
 
 class _Read:
@@ -123,10 +154,8 @@ class _Read:
         # a group's tile holds its G sites at once: [BLOCK_N, BLOCK_G, width]
         self.G = query.shape[0] if group else 1
         self.BLOCK_G = _pow2(self.G) if group else 1
-        tile = self.BLOCK_G * width
-        self.BLOCK_N = max(1, min(64, _pow2_floor(max(1, 4096 // tile)), _pow2(self.N)))
+        self.BLOCK_N, self.num_warps = geometry(self.N, self.BLOCK_G * width)
         self.grid = (triton_cdiv(self.N, self.BLOCK_N), heads)
-        self.num_warps = 4 if self.BLOCK_N * tile <= 2048 else 8
 
     def meta(self, extra: list[int] = ()) -> tuple[Tensor, Tensor]:
         """The table on the device (one host-to-device copy per launch), as int64 and as float64."""
@@ -140,7 +169,10 @@ class _Read:
         dtypes = _kernels().DTYPES
         return dict(KEY_MODE=self.key_mode, KEY_NORM=key_norm, VDT=dtypes[self.vdtype], KDT=dtypes[self.kdtype],
                     ACC=dtypes[str(self.cdtype).removeprefix("torch.")], BLOCK_N=self.BLOCK_N, BLOCK_E=self.BLOCK_E,
-                    BLOCK_K=self.BLOCK_K, num_warps=self.num_warps)
+                    BLOCK_K=self.BLOCK_K, **self.options())
+
+    def options(self) -> dict:
+        return dict(num_warps=self.num_warps, maxnreg=REG_BUDGET)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -380,7 +412,7 @@ def attnres_merge(out_c: Tensor, lse_c: Tensor, part_v: Tensor, part_k: Tensor |
     _kernels().merge_fwd[rd.grid](
         rd.ev, rd.sev, rd.ek, rd.sek, fmeta, rd.query, out_c.contiguous(), lse_c.contiguous(), out, w,
         rd.N, rd.D, rd.R, rd.key_offset, heads, scale, KEY_MODE=cx["KEY_MODE"], KEY_NORM=key_norm, ACC=cx["ACC"],
-        BLOCK_N=rd.BLOCK_N, BLOCK_E=rd.BLOCK_E, BLOCK_K=rd.BLOCK_K, num_warps=rd.num_warps)
+        BLOCK_N=rd.BLOCK_N, BLOCK_E=rd.BLOCK_E, BLOCK_K=rd.BLOCK_K, **rd.options())
     return out, w
 
 
@@ -407,7 +439,7 @@ def attnres_merge_bwd(grad: Tensor, out_c: Tensor, w: Tensor, part_v: Tensor, pa
     _kernels().merge_bwd[rd.grid](
         rd.ev, rd.sev, rd.ek, rd.sek, fmeta, rd.query, out_c.contiguous(), w, g, d_out, d_lse, dv, dk, dq,
         rd.N, rd.D, rd.R, rd.key_offset, heads, scale, KEY_MODE=cx["KEY_MODE"], KEY_NORM=key_norm, ACC=cx["ACC"],
-        BLOCK_N=rd.BLOCK_N, BLOCK_E=rd.BLOCK_E, BLOCK_K=rd.BLOCK_K, num_warps=rd.num_warps)
+        BLOCK_N=rd.BLOCK_N, BLOCK_E=rd.BLOCK_E, BLOCK_K=rd.BLOCK_K, **rd.options())
     dks = _fold_keys(rd, [dv], [dk], key_offset)
     return [d_out, d_lse, dv, *dks, dq.sum(0).to(query.dtype)]
 
