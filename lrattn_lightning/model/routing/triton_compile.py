@@ -214,8 +214,9 @@ def check(records: list[dict], archs=(80, 90, 100), jobs: int = 1) -> dict:
     if jobs > 1:
         import multiprocessing
 
-        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-            done = list(pool.map(_job, work, chunksize=4))
+        # spawn, not fork: the caller may hold CUDA and torch threads (benchmarks/gpu-check)
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            done = list(pool.map(_job, work))
     else:
         done = [_job(w) for w in work]
     for key, arch, r in done:

@@ -190,6 +190,62 @@ def compile_check(records: list[dict], pythons: dict[str, str], archs=(80, 90, 1
     return reports
 
 
+def summary(records: list[dict], report: dict) -> list[dict]:
+    """One row per (kernel, d_model, dtype) and architecture of a triton_compile.py report: how many
+    specialisations, the most registers and shared memory, spilled bytes, the fewest programs per SM."""
+    rows: dict[tuple, dict] = {}
+    for spec in report["specs"]:
+        uses = {(u[0], u[1]) for i in spec["records"] for u in records[i]["uses"]}
+        for (d, dtype) in uses:
+            for arch, r in spec["results"].items():
+                row = rows.setdefault((spec["kernel"], d, dtype, int(arch)), {
+                    "kernel": spec["kernel"], "d_model": d, "dtype": dtype, "arch": int(arch), "specs": 0, "regs": 0,
+                    "shared": 0, "spills": 0, "programs_per_sm": 99, "errors": 0, "warps": set()})
+                row["specs"] += 1
+                if r.get("error"):
+                    row["errors"] += 1
+                    continue
+                row["regs"] = max(row["regs"], r["regs"])
+                row["shared"] = max(row["shared"], r["shared"])
+                row["spills"] += r["stack"] + r["local"]
+                row["programs_per_sm"] = min(row["programs_per_sm"], r["programs_per_sm"])
+                row["warps"].add(records[spec["record"]]["options"]["num_warps"])
+    order = {k: i for i, k in enumerate(("read_fwd", "read_bwd", "group_fwd", "group_bwd", "merge_fwd", "merge_bwd"))}
+    out = sorted(rows.values(), key=lambda r: (r["d_model"], r["dtype"], order.get(r["kernel"], 9), r["arch"]))
+    return [{**r, "warps": sorted(r["warps"])} for r in out]
+
+
+def markdown(records: list[dict], reports: dict[str, dict], meta: dict | None = None) -> str:
+    """The compile table: per triton version, kernel, width and dtype, each architecture's worst case."""
+    lines = []
+    for report in reports.values():
+        archs = [a for a, v in report["archs"].items() if v["unsupported"] is None]
+        lines += [f"### triton {report['triton']}: {len(report['specs'])} specialisations, "
+                  f"{report['seconds']:.0f} s to compile", "",
+                  "Per cell: most registers per thread / most shared memory (KiB) / spilled bytes / fewest programs "
+                  "per SM.", "",
+                  "| kernel | d | dtype | specs | warps | " + " | ".join(
+                      f"sm_{a} ({report['archs'][a]['gpu']})" for a in archs) + " |",
+                  "|---|---:|---|---:|---|" + "---|" * len(archs)]
+        rows = summary(records, report)
+        keyed = {(r["kernel"], r["d_model"], r["dtype"], r["arch"]): r for r in rows}
+        for r in rows:
+            if r["arch"] != int(archs[0]):
+                continue
+            cells = []
+            for a in archs:
+                x = keyed[(r["kernel"], r["d_model"], r["dtype"], int(a))]
+                cells.append(f"{x['errors']} errors" if x["errors"] else
+                             f"{x['regs']} / {x['shared'] / 1024:.1f} / {x['spills']} / {x['programs_per_sm']}")
+            lines.append(f"| {r['kernel']} | {r['d_model']} | {r['dtype']} | {r['specs']} | "
+                         f"{','.join(map(str, r['warps']))} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if meta:
+        lines.append(f"Recorded {meta['records']} launches in {meta['record_s']:.0f} s; compiled in "
+                     f"{meta['compile_s']:.0f} s ({meta.get('machine', '')}).")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="triton_specs", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default=",".join(SIZES))
@@ -207,9 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     t1 = time.perf_counter()
     reports = compile_check(records, pythons, tuple(int(a) for a in args.archs.split(",")), args.jobs)
     t2 = time.perf_counter()
-    from lrattn_lightning.model.routing.triton_compile import markdown
+    import os
 
-    meta = {"sizes": args.sizes, "record_s": t1 - t0, "compile_s": t2 - t1, "records": len(records)}
+    meta = {"sizes": args.sizes, "record_s": t1 - t0, "compile_s": t2 - t1, "records": len(records),
+            "machine": f"{os.cpu_count()} CPUs, {args.jobs} processes per triton version"}
     Path(args.out).with_suffix(".json").write_text(json.dumps({"meta": meta, "records": records,
                                                                "reports": reports}, indent=1))
     Path(args.out).with_suffix(".md").write_text(markdown(records, reports, meta))
