@@ -42,6 +42,7 @@ from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.registry import Registry, load_registry
 from lrattn_lightning.model.routing import triton_ops
 from lrattn_lightning.model.routing._math import rms_norm
+from lrattn_lightning.model.routing.kinds import kind_of
 
 COMPILER = Path(__file__).with_name("triton_compile.py")
 SIZES = ("paper-0.5b", "d4096-7b")
@@ -129,10 +130,11 @@ def _drive(cfg: ModelConfig, tokens: int, autocast: bool, backward: bool, record
 
 
 def distinct_entries(reg: Registry) -> dict[str, list[str]]:
-    """AttnRes entry -> the entries with the same architecture (name, doc, control and tags aside)."""
+    """Entry with a `triton` backend (a kind that takes an impl: AttnRes) -> the entries with the same
+    architecture (name, doc, control and tags aside)."""
     groups: dict[str, list[str]] = {}
     for name, a in reg.ablations.items():
-        if a.routing == "attnres":
+        if kind_of(a.routing).takes_impl:
             key = repr(dataclasses.replace(a, name="", doc="", control=None, tags=()))
             groups.setdefault(key, []).append(name)
     return {names[0]: names for names in groups.values()}
