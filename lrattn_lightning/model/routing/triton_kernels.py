@@ -25,7 +25,8 @@ and sliced keys whose head slices straddle value heads) and its gradient written
 
 One program per (tile of BLOCK_N tokens, depth head); whole head rows in one tile (BLOCK_E >= e, BLOCK_K >= k,
 masked: any D and r). Accumulation (ACC) in float32, or float64 for float64 models. BLOCK_N and num_warps
-(triton_ops.geometry) keep a tile at 4 elements per thread: the register budget of docs/benchmarks.md.
+(triton_ops.geometry) keep a tile at 4 elements per thread (8 in the 4096-element tiles), and every launch
+passes maxnreg = 128: the register budget of docs/benchmarks.md, checked by tests/test_triton_compile.py.
 Token counts and loop bounds (N, S_t, G) are not specialised on (a value of 1 or a multiple of 16 would
 otherwise compile a kernel of its own: decoding's N = 1, the first block's S_t = 1); widths and strides are.
 

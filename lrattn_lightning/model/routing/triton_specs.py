@@ -4,8 +4,8 @@ the GPUs researchers use within the register budget (triton_compile.py compiles;
 `recorded_launches()` sends every kernel launch (triton_ops.py) to a recorder that keeps what Triton
 specialises a kernel on and runs nothing: kernel, argument types (a tensor's dtype and whether its address
 is 16-byte aligned; an int as a representative of its class: 1, a multiple of 16, other, and the same past
-2^31), constexprs and compile options (num_warps, maxnreg). The outputs stay uninitialised: the router's control flow, shapes, dtypes
-and strides do not depend on values, so the launches are those of a real run.
+2^31), constexprs and compile options (num_warps, maxnreg). The outputs stay uninitialised: the router's
+control flow, shapes, dtypes and strides do not depend on values, so the launches are those of a real run.
 
 `launches(sizes)` drives every AttnRes registry entry's router at a size's widths (the vocabulary, the MLP
 and the token attention are not needed: no kernel sees them; a stand-in sublayer writes each output in the
