@@ -107,8 +107,9 @@ def test_the_check_flags_what_breaks_the_budget(records):
 
 
 def test_programs_per_sm():
-    # 64 registers x 256 threads: 8 programs by registers, 8 by threads; 1 KiB reserved per program
-    assert triton_compile.programs_per_sm(64, 0, 8, 90) == 8
+    # 64 registers x 256 threads = 16 Ki registers a program: 4 by registers (8 by threads)
+    assert triton_compile.programs_per_sm(64, 0, 8, 90) == 4
+    assert triton_compile.programs_per_sm(32, 0, 8, 90) == 8  # threads bound it: 2048 / 256
     assert triton_compile.programs_per_sm(72, 0, 8, 90) == 3  # 72 x 32 = 2304 a warp: 28 warps, 3 programs
     assert triton_compile.programs_per_sm(64, 0, 32, 90) == 1  # 1024 threads: the register file holds one
     assert triton_compile.programs_per_sm(32, 100 * 1024, 4, 80) == 1  # shared memory bounds it
