@@ -132,6 +132,11 @@ class TritonAttnRes(AttnResRouter):
         if c:
             part_v, key = self.key_source.summary(state.partial)
             part_k = key if self.key_source.carried else None
+            # the kernels see the partial as the table's last source: one dtype (as `write` casts a summary)
+            if state.values and part_v.dtype != state.values[0].dtype:
+                part_v = part_v.to(state.values[0].dtype)
+            if state.keys and part_k is not None and part_k.dtype != state.keys[0].dtype:
+                part_k = part_k.to(state.keys[0].dtype)
         query = self.site_query(self.queries, j, state.dynamic_query)
         out, _, alpha = attnres_read(
             state.embedding, state.embedding_key, list(state.values), list(state.keys), part_v, part_k,
