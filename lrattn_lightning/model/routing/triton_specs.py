@@ -149,24 +149,36 @@ def launches(sizes=SIZES, entries: list[str] | None = None, tokens: int = 16, de
     groups = distinct_entries(reg)
     names = list(groups) if entries is None else entries
     seen: dict[str, dict] = {}
-    for size in sizes:
-        for entry in names:
-            cfg = reg.model(size, entry)
-            for dtype in DTYPES:
-                for what in PASSES:
-                    use = {"d_model": cfg.size.d_model, "dtype": dtype, "pass": what}
-                    with recorded_launches() as recs:
-                        torch.manual_seed(0)
-                        _drive(cfg, 1 if what == "decode" else tokens, dtype != "float32", what == "train",
-                               what == "validate", device)
-                    for r in recs:
-                        key = json.dumps(r, sort_keys=True)
-                        rec = seen.setdefault(key, {**r, "uses": [], "entries": []})
-                        if [*use.values()] not in rec["uses"]:
-                            rec["uses"].append([*use.values()])
-                        if entry not in rec["entries"]:
-                            rec["entries"].append(entry)
+    # one intra-op thread: the tensors are 16 tokens wide, and on a busy machine torch's worker threads
+    # spin-wait (measured: 240 s to record on two shared cores, 39 s with one thread)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for size in sizes:
+            _record_size(reg, size, names, tokens, device, seen)
+    finally:
+        torch.set_num_threads(threads)
     return list(seen.values())
+
+
+def _record_size(reg: Registry, size: str, names: list[str], tokens: int, device, seen: dict[str, dict]) -> None:
+    """Every AttnRes entry of `names` at `size`, each dtype and pass: its distinct launches into `seen`."""
+    for entry in names:
+        cfg = reg.model(size, entry)
+        for dtype in DTYPES:
+            for what in PASSES:
+                use = {"d_model": cfg.size.d_model, "dtype": dtype, "pass": what}
+                with recorded_launches() as recs:
+                    torch.manual_seed(0)
+                    _drive(cfg, 1 if what == "decode" else tokens, dtype != "float32", what == "train",
+                           what == "validate", device)
+                for r in recs:
+                    key = json.dumps(r, sort_keys=True)
+                    rec = seen.setdefault(key, {**r, "uses": [], "entries": []})
+                    if [*use.values()] not in rec["uses"]:
+                        rec["uses"].append([*use.values()])
+                    if entry not in rec["entries"]:
+                        rec["entries"].append(entry)
 
 
 def compile_check(records: list[dict], pythons: dict[str, str], archs=(80, 90, 100), jobs: int = 1,
