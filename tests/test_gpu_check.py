@@ -137,3 +137,16 @@ def test_bad_input_fails_with_one_line_before_any_work(tmp_path, flags, says):
     assert done.returncode == 2, done.stderr[-2000:]
     assert says in done.stderr and "Traceback" not in done.stderr
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_compile_table_of_the_gpus_architecture():
+    """The GPU run's compile table, here for sm_90 at size small and one entry: every kernel it launches (block
+    reads two-phase) compiled, one row per (kernel, width, dtype), within the register budget."""
+    pytest.importorskip("triton")
+    table = gpu_check.compile_table(REGISTRY, ["small"], torch.device("cpu"), 90, 1, entries=["s-lr-block-size4-r64"])
+    assert table["unsupported"] is None and table["failures"] == [] and table["specs"] >= 6
+    rows = {(r["kernel"], r["dtype"]) for r in table["summary"]}
+    assert {k for k, _ in rows} == {"read_fwd", "read_bwd", "group_fwd", "group_bwd", "merge_fwd", "merge_bwd"}
+    assert all(0 < r["regs"] <= 128 and r["programs_per_sm"] >= 1 for r in table["summary"])
+    md = gpu_check.compile_markdown({"triton_compile": table, "triton_jit": []})
+    assert any(line.startswith("| group_bwd | 128 | bf16-autocast |") for line in md)

@@ -8,8 +8,9 @@ package, never needs triton.
 A read's sources: the embedding (emb_v, its carried key emb_k or None), the completed block summaries
 (values, their carried keys; empty for key-in-value sources), the partial block (part_v, part_k or None).
 Keys that are None are read from the value: columns key_offset.. (sliced) or all of them (value keys).
-consts: the S = len(values) + 2 slots' priors then eps (embedding, summaries, partial; the partial's slot
-is present even without a partial). Shapes: values [B, T, D], keys [B, T, r], query [r] (static) or
+consts: the len(values) + 2 slots' priors then eps (embedding, summaries, partial; the partial's slot
+is present even without a partial). The kernels see the embedding and a table of the other sources (the
+summaries, then the partial block when there is one: one dtype). Shapes: values [B, T, D], keys [B, T, r], query [r] (static) or
 [B, T, r] (per token) -> out [B, T, D], lse [N, m] (compute dtype), alpha [S_used, N, m] when `record`
 (else empty).
 """
@@ -23,6 +24,16 @@ from torch import Tensor
 
 from lrattn_lightning.core.errors import InputError
 
+# Where launches go: None, the kernels (kernels.py); or a recorder that keeps each launch's arguments and
+# runs nothing (specs.recorded_launches: which specialisations the model launches, for compile checks)
+_launch_target = None
+
+
+def set_launch_target(target) -> None:
+    """Send every kernel launch to `target` (its attributes stand for the kernels) instead; None: the kernels."""
+    global _launch_target
+    _launch_target = target
+
 
 def interpreting() -> bool:
     """Triton's CPU interpreter is on (TRITON_INTERPRET=1 must be set before triton is imported)."""
@@ -35,7 +46,7 @@ def availability_error(device_type: str | None = None) -> str | None:
         import triton  # noqa: F401
     except ImportError:
         return "model.impl 'triton' needs the triton package (pip install triton); or use impl 'fast'"
-    if interpreting():
+    if interpreting() or _launch_target is not None:  # (a recorder runs nothing: any device)
         return None
     if device_type is None and torch.cuda.is_available():
         return None
@@ -46,6 +57,8 @@ def availability_error(device_type: str | None = None) -> str | None:
 
 
 def _kernels():
+    if _launch_target is not None:
+        return _launch_target
     from lrattn_lightning.model.routing.attnres.triton import kernels as triton_kernels
 
     return triton_kernels
@@ -74,14 +87,46 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-# A group's register tile: BLOCK_G * BLOCK_E elements per token at most (G sites x a head's value width);
-# larger groups are read site by site (attnres_read), as full routing always is.
-GROUP_TILE_MAX = 16384
+# Launch geometry (the register budget: <= 128 registers per thread, no spills; tests/test_compile_check.py,
+# docs/benchmarks.md). A forward program holds a tile of BLOCK_N tokens x BLOCK_G sites x one head's row
+# (the online softmax's accumulator); rows are whole (any D, r: masked), so BLOCK_N is what shrinks:
+# PROGRAM_TILE elements (one token where a row is wider) at 4 elements per thread, num_warps = tile / 128
+# from 4 up to 16 (8 elements per thread in the 4096-element tiles of d = 4096 and of two-phase groups).
+# The backward read walks a row in chunks of at most BWD_CHUNK columns (tile BLOCK_N x CH = PROGRAM_TILE:
+# 4 tokens x 256 at every width from e = 256 up, so d = 1024 and d = 4096 launch one kernel). Measured with
+# Triton's compiler and ptxas: 16 elements per thread took up to 230 registers in the backward kernels at
+# D = 1024; 32-warp programs made ptxas keep 32 or 64 registers and spill; whole 4096-wide rows in the
+# backward read sat at 128 registers and spilled under triton 3.6. Every launch also passes maxnreg =
+# REG_BUDGET (PTX .maxnreg): without it ptxas 12.9 (sm_80) trades a few bytes of spill for full occupancy
+# in some kernels; and num_stages = 1: no tl.dot, so software pipelining has nothing to overlap (and its
+# passes cost compile time).
+PROGRAM_TILE = 1024
+ELEMENTS_PER_THREAD = 4
+MAX_WARPS = 16
+REG_BUDGET = 128
+BWD_CHUNK = 256
+# A group's tile: BLOCK_G * width <= GROUP_TILE_MAX (16 warps at 8 elements per thread), at most
+# GROUP_SITES_MAX sites; larger groups are split into sub-groups that fit (group_limit), each reading the
+# completed sources once. Every group kernel of a width holds BLOCK_G = group_limit sites (masked): groups of
+# 2 and of 3 or 4 sites launch one kernel.
+GROUP_TILE_MAX = 4096
+GROUP_SITES_MAX = 8
 
 
-def group_fits(group_size: int, d_model: int, heads: int, key_width: int) -> bool:
-    """The two-phase kernels hold the group's G sites for one token in one tile of at most GROUP_TILE_MAX."""
-    return _pow2(group_size) * max(_pow2(d_model // heads), _pow2(key_width // heads)) <= GROUP_TILE_MAX
+def group_limit(d_model: int, heads: int, key_width: int) -> int:
+    """The most sites one two-phase kernel holds (its tile: pow2(G) x a head's row <= GROUP_TILE_MAX)."""
+    width = max(_pow2(d_model // heads), _pow2(key_width // heads))
+    return min(GROUP_SITES_MAX, _pow2_floor(max(1, GROUP_TILE_MAX // width)))
+
+
+def geometry(n_tokens: int, row: int, sites: int = 1) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of a launch over n_tokens whose tile holds `sites` x `row` elements per token. Few
+    tokens cap BLOCK_N at 16 or more, so decoding (one token a sequence) launches the kernels training
+    compiled. A source's tile [BLOCK_N, row] keeps one element per thread at least: fewer (a group tile of
+    8 sites x 256 at 16 warps) made triton 3.6 replicate it across threads and spill kilobytes."""
+    block_n = max(1, min(64, _pow2_floor(max(1, PROGRAM_TILE // (row * sites))), max(16, _pow2(n_tokens))))
+    warps = min(MAX_WARPS, max(4, block_n * row * sites // (32 * ELEMENTS_PER_THREAD)))
+    return block_n, max(1, min(warps, _pow2_floor(block_n * row // 32)))
 
 
 class _Read:
@@ -90,6 +135,12 @@ class _Read:
     def __init__(self, emb_v, emb_k, values, keys, part_v, part_k, query, consts, heads, key_offset, group=False):
         self.B_T, D = emb_v.shape[:-1], emb_v.shape[-1]
         R = query.shape[-1]
+        self.has_partial = part_v is not None
+        if self.has_partial:  # the partial block: the table's last source
+            values, keys = [*values, part_v], ([*keys, part_k] if emb_k is not None else keys)
+        else:  # no partial: its slot's prior and eps go
+            half = len(consts) // 2
+            consts = [*consts[: half - 1], *consts[half:-1]]
         self.N, self.D, self.R, self.heads, self.S_t = emb_v.numel() // D, D, R, heads, len(values)
         self.carried = emb_k is not None
         # key mode 0: the key lies in the head's value columns (value keys; sliced keys with one head)
@@ -97,16 +148,12 @@ class _Read:
         self.key_offset = 0 if self.carried else key_offset
         if self.carried:
             key_of = list(keys)
-            ek, pk = emb_k, part_k
+            ek = emb_k
         else:  # key-in-value: views of the values' key columns
             key_of = [v[..., key_offset:] for v in values]
             ek = emb_v[..., key_offset:]
-            pk = None if part_v is None else part_v[..., key_offset:]
         self.ev, self.sev = _rows(emb_v)
         self.ek, self.sek = _rows(ek)
-        self.pv, self.spv = _rows(part_v) if part_v is not None else (self.ev, self.sev)
-        self.pk, self.spk = _rows(pk) if pk is not None else (self.ek, self.sek)
-        self.has_partial = part_v is not None
         vt = [_rows(v) for v in values]
         kt = [_rows(k) for k in key_of]
         self.vdtype = _dtype_name([v.dtype for v, _ in vt])
@@ -117,30 +164,33 @@ class _Read:
         self.consts = torch.tensor(consts, dtype=torch.float64).view(torch.int64).tolist()
         self.query, self.query_per_token = query.contiguous(), query.dim() > 1 and not group
         self.cdtype = torch.promote_types(emb_v.dtype, torch.float32)
-        E, K = D // heads, R // heads
-        self.BLOCK_E, self.BLOCK_K = _pow2(E), (_pow2(K) if self.key_mode == 1 else 1)
-        width = max(self.BLOCK_E, self.BLOCK_K)
-        # a group's tile holds its G sites at once: [BLOCK_N, BLOCK_G, width]
+        self.E, self.K = D // heads, R // heads
+        self.BLOCK_E = _pow2(max(self.E, self.K))  # (a key of its own is loaded as wide as the value)
+        # a group's tile holds its G sites at once: [BLOCK_N, BLOCK_G, BLOCK_E]
         self.G = query.shape[0] if group else 1
-        self.BLOCK_G = _pow2(self.G) if group else 1
-        tile = self.BLOCK_G * width
-        self.BLOCK_N = max(1, min(64, _pow2_floor(max(1, 4096 // tile)), _pow2(self.N)))
+        self.BLOCK_G = max(_pow2(self.G), group_limit(D, heads, R)) if group else 1
+        self.BLOCK_N, self.num_warps = geometry(self.N, self.BLOCK_E, self.BLOCK_G)
         self.grid = (triton_cdiv(self.N, self.BLOCK_N), heads)
-        self.num_warps = 4 if self.BLOCK_N * tile <= 2048 else 8
+        # the backward read: chunks of CH columns, BLOCK_N x CH tiles
+        self.CH = min(BWD_CHUNK, _pow2(max(self.E, self.K)))
+        self.bwd_block_n, self.bwd_warps = geometry(self.N, self.CH)
+        self.bwd_grid = (triton_cdiv(self.N, self.bwd_block_n), heads)
 
     def meta(self, extra: list[int] = ()) -> tuple[Tensor, Tensor]:
         """The table on the device (one host-to-device copy per launch), as int64 and as float64."""
         meta = torch.tensor(self.ints + self.consts + list(extra), dtype=torch.int64).to(self.ev.device)
         return meta, meta.view(torch.float64)
 
-    def sources(self) -> tuple:
-        return (self.ev, self.sev, self.ek, self.sek, self.pv, self.spv, self.pk, self.spk)
-
-    def constexprs(self, key_norm: bool) -> dict:
+    def dtypes(self) -> dict:
         dtypes = _kernels().DTYPES
-        return dict(KEY_MODE=self.key_mode, KEY_NORM=key_norm, VDT=dtypes[self.vdtype], KDT=dtypes[self.kdtype],
-                    ACC=dtypes[str(self.cdtype).removeprefix("torch.")], BLOCK_N=self.BLOCK_N, BLOCK_E=self.BLOCK_E,
-                    BLOCK_K=self.BLOCK_K, num_warps=self.num_warps)
+        return dict(VDT=dtypes[self.vdtype], KDT=dtypes[self.kdtype], ACC=dtypes[str(self.cdtype).removeprefix("torch.")])
+
+    def constexprs(self) -> dict:
+        return dict(KEY_MODE=self.key_mode, **self.dtypes(), BLOCK_N=self.BLOCK_N, BLOCK_E=self.BLOCK_E,
+                    **self.options())
+
+    def options(self, num_warps: int | None = None) -> dict:
+        return dict(num_warps=num_warps or self.num_warps, num_stages=1, maxnreg=REG_BUDGET)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -168,9 +218,9 @@ def attnres_read(emb_v: Tensor, emb_k: Tensor | None, values: list[Tensor], keys
     alpha = torch.empty((_n_used(values, part_v), rd.N, heads) if record else (0,), dtype=rd.cdtype,
                         device=emb_v.device)
     _kernels().read_fwd[rd.grid](
-        *rd.sources(), *rd.meta(), rd.query, rd.R if rd.query_per_token else 0, out, lse, alpha if record else lse,
-        rd.N, rd.D, rd.R, rd.key_offset, heads, rd.S_t, scale,
-        HAS_PARTIAL=rd.has_partial, WRITE_ALPHA=record, **rd.constexprs(key_norm))
+        rd.ev, rd.sev, rd.ek, rd.sek, *rd.meta(), rd.query, rd.R if rd.query_per_token else 0, out, lse,
+        alpha if record else lse, rd.N, rd.D, rd.R, rd.key_offset, heads, rd.S_t, scale, key_norm, record,
+        **rd.constexprs())
     return out, lse, alpha
 
 
@@ -198,30 +248,21 @@ def attnres_read_bwd(grad: Tensor, out: Tensor, lse: Tensor, emb_v: Tensor, emb_
     """[d emb_v, d values..., d part_v?] + [d emb_k, d keys..., d part_k?] (carried keys) + [d query]."""
     rd = _Read(emb_v, emb_k, values, keys, part_v, part_k, query, consts, heads, key_offset)
     partial = [part_v] if rd.has_partial else []
-    dvs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in [emb_v, *values, *partial]]
-    if rd.carried:
-        part_key = [part_k] if rd.has_partial else []
-        dks = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in [emb_k, *keys, *part_key]]
-    elif rd.key_mode == 1:  # sliced keys straddling value heads: key gradients apart, added below
-        dks = [t.new_empty(*t.shape[:-1], rd.R) for t in dvs]
-    else:  # key mode 0: the kernel adds them to the values' (these pointers are never written)
-        dks = dvs
-    n_t = rd.S_t
-    extra = [d.data_ptr() for d in dvs[1 : 1 + n_t]] + [d.data_ptr() for d in dks[1 : 1 + n_t]]
-    tiles = triton_cdiv(rd.N, rd.BLOCK_N)
+    dvs, dks = _source_grads(rd, [emb_v, *values, *partial],
+                             [emb_k, *keys, *([part_k] if rd.has_partial else [])] if rd.carried else [])
+    # key mode 0: the key's gradient is the value's on its columns, written through views of dv there
+    dkv = [d[..., key_offset:] for d in dvs] if rd.key_mode == 0 else dks
+    extra = [d.data_ptr() for d in dvs[1:]] + [d.data_ptr() for d in dkv[1:]]
+    tiles = rd.bwd_grid[0]
     dq = torch.empty((rd.N, rd.R) if rd.query_per_token else (tiles, rd.R), dtype=rd.cdtype, device=emb_v.device)
     g, _ = _rows(grad.contiguous())
-    d_part_v, d_part_k = (dvs[-1], dks[-1]) if rd.has_partial else (dvs[0], dks[0])  # (unused without a partial)
-    _kernels().read_bwd[rd.grid](
-        *rd.sources(), *rd.meta(extra), rd.query, rd.R if rd.query_per_token else 0, out, lse, g,
-        dvs[0], dks[0], d_part_v, d_part_k, dq,
-        rd.N, rd.D, rd.R, rd.key_offset, heads, rd.S_t, scale,
-        HAS_PARTIAL=rd.has_partial, QUERY_PER_TOKEN=rd.query_per_token, **rd.constexprs(key_norm))
-    if not rd.carried:
-        if rd.key_mode == 1:
-            for dv, dk in zip(dvs, dks, strict=True):
-                dv[..., key_offset:] += dk
-        dks = []
+    in_value = rd.key_mode == 0
+    _kernels().read_bwd[rd.bwd_grid](
+        rd.ev, rd.sev, rd.ek, rd.sek, *rd.meta(extra), rd.query, rd.R if rd.query_per_token else 0, out, lse, g,
+        dvs[0], dkv[0], rd.D if in_value else rd.R, dq, rd.N, rd.D, rd.R, rd.key_offset, heads, rd.S_t, rd.E,
+        rd.E - rd.K if in_value else rd.E, rd.K, scale, key_norm, in_value, rd.query_per_token,
+        **rd.dtypes(), BLOCK_N=rd.bwd_block_n, CH=rd.CH, **rd.options(rd.bwd_warps))
+    dks = _fold_keys(rd, dvs, dks, key_offset)
     dq = dq.view(query.shape) if rd.query_per_token else dq.sum(0)
     return [*dvs, *dks, dq.to(query.dtype)]
 
@@ -274,8 +315,8 @@ def attnres_group(emb_v: Tensor, emb_k: Tensor | None, values: list[Tensor], key
     alpha = torch.empty((1 + rd.S_t, rd.N, heads, rd.G) if record else (0,), dtype=rd.cdtype, device=emb_v.device)
     _kernels().group_fwd[rd.grid](
         rd.ev, rd.sev, rd.ek, rd.sek, *rd.meta(), rd.query, out, lse, alpha if record else lse,
-        rd.N, rd.D, rd.R, rd.key_offset, heads, rd.S_t, rd.G, scale,
-        WRITE_ALPHA=record, BLOCK_G=rd.BLOCK_G, **rd.constexprs(key_norm))
+        rd.N, rd.D, rd.R, rd.key_offset, heads, rd.S_t, rd.G, scale, key_norm, record,
+        BLOCK_G=rd.BLOCK_G, **rd.constexprs())
     return out, lse, alpha
 
 
@@ -324,7 +365,7 @@ def attnres_group_bwd(grad_out: Tensor, grad_lse: Tensor, out: Tensor, lse: Tens
     _kernels().group_bwd[rd.grid](
         rd.ev, rd.sev, rd.ek, rd.sek, *rd.meta(extra), rd.query, out, lse, grad_out.contiguous(),
         grad_lse.contiguous(), dvs[0], dks[0], dq, rd.N, rd.D, rd.R, rd.key_offset, heads, rd.S_t, rd.G, scale,
-        BLOCK_G=rd.BLOCK_G, **rd.constexprs(key_norm))
+        key_norm, BLOCK_G=rd.BLOCK_G, **rd.constexprs())
     dks = _fold_keys(rd, dvs, dks, key_offset)
     return [*dvs, *dks, dq.sum(0).to(queries.dtype)]
 
@@ -376,11 +417,11 @@ def attnres_merge(out_c: Tensor, lse_c: Tensor, part_v: Tensor, part_k: Tensor |
     out = torch.empty(part_v.shape, dtype=torch.promote_types(out_c.dtype, part_v.dtype), device=part_v.device)
     w = torch.empty(rd.N, heads, dtype=lse_c.dtype, device=part_v.device)
     fmeta = torch.tensor([prior, eps], dtype=torch.float64).to(part_v.device)
-    cx = rd.constexprs(key_norm)
+    cx = rd.constexprs()
     _kernels().merge_fwd[rd.grid](
         rd.ev, rd.sev, rd.ek, rd.sek, fmeta, rd.query, out_c.contiguous(), lse_c.contiguous(), out, w,
-        rd.N, rd.D, rd.R, rd.key_offset, heads, scale, KEY_MODE=cx["KEY_MODE"], KEY_NORM=key_norm, ACC=cx["ACC"],
-        BLOCK_N=rd.BLOCK_N, BLOCK_E=rd.BLOCK_E, BLOCK_K=rd.BLOCK_K, num_warps=rd.num_warps)
+        rd.N, rd.D, rd.R, rd.key_offset, heads, scale, key_norm, KEY_MODE=cx["KEY_MODE"], ACC=cx["ACC"],
+        BLOCK_N=rd.BLOCK_N, BLOCK_E=rd.BLOCK_E, **rd.options())
     return out, w
 
 
@@ -402,12 +443,12 @@ def attnres_merge_bwd(grad: Tensor, out_c: Tensor, w: Tensor, part_v: Tensor, pa
     d_lse = torch.empty(w.shape, dtype=w.dtype, device=w.device)
     dq = torch.empty((rd.grid[0], rd.R), dtype=rd.cdtype, device=part_v.device)
     fmeta = torch.tensor([prior, eps], dtype=torch.float64).to(part_v.device)
-    cx = rd.constexprs(key_norm)
+    cx = rd.constexprs()
     g, _ = _rows(grad.contiguous())
     _kernels().merge_bwd[rd.grid](
         rd.ev, rd.sev, rd.ek, rd.sek, fmeta, rd.query, out_c.contiguous(), w, g, d_out, d_lse, dv, dk, dq,
-        rd.N, rd.D, rd.R, rd.key_offset, heads, scale, KEY_MODE=cx["KEY_MODE"], KEY_NORM=key_norm, ACC=cx["ACC"],
-        BLOCK_N=rd.BLOCK_N, BLOCK_E=rd.BLOCK_E, BLOCK_K=rd.BLOCK_K, num_warps=rd.num_warps)
+        rd.N, rd.D, rd.R, rd.key_offset, heads, scale, key_norm, KEY_MODE=cx["KEY_MODE"], ACC=cx["ACC"],
+        BLOCK_N=rd.BLOCK_N, BLOCK_E=rd.BLOCK_E, **rd.options())
     dks = _fold_keys(rd, [dv], [dk], key_offset)
     return [d_out, d_lse, dv, *dks, dq.sum(0).to(query.dtype)]
 

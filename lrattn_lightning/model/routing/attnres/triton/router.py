@@ -25,8 +25,10 @@ same completed sources. At its first site one `lrattn::attnres_group` kernel rea
 all G sites (G online softmaxes in one tile) and keeps out_g and lse_g; each site whose block has a partial
 merges it with `lrattn::attnres_merge` (w = sigmoid(l_p - lse_g), h = out_g + w (v_p - out_g)), as `fast`
 does. Full routing (every group one site), per-token queries (gated dynamic: a site's query exists only once
-the sublayer before it ran) and groups whose tile would exceed GROUP_TILE_MAX read site by site with
-`lrattn::attnres_read`. Nothing has run on a GPU yet (docs/benchmarks.md).
+the sublayer before it ran) read site by site with `lrattn::attnres_read`; a group whose tile would exceed
+GROUP_TILE_MAX (the register budget, ops.py) is split into even sub-groups that fit, each one
+`attnres_group` kernel (paper-0.5b, 8 blocks: the 6 sites of a block as 3 + 3; at d = 4096 with one depth
+head no two sites fit, so those reads are site by site). Nothing has run on a GPU yet (docs/benchmarks.md).
 
 Shape legend (SPEC letters): B batch, T tokens, N = B*T, D = d_model, r = key width, m = depth heads.
 """
@@ -48,7 +50,7 @@ from lrattn_lightning.model.routing.attnres.triton.ops import (
     attnres_read,
     availability_error,
     check_device,
-    group_fits,
+    group_limit,
 )
 
 
@@ -80,16 +82,24 @@ class TritonAttnRes(AttnResRouter):
             raise InputError(error)
         keys = self.key_source
         self.key_offset = 0 if keys.carried else self.d - self.rank  # value keys: r = d, offset 0
-        # two-phase groups: the sites between two block ends (fast's grouping), where one kernel serves several
+        # two-phase groups: the sites between two block ends (fast's grouping), where one kernel serves several;
+        # a group wider than one kernel's tile holds (group_limit) is split into even sub-groups
+        limit = group_limit(self.d, self.heads, self.rank)
         bounds = [0, *sorted(self.ends)]
         self.site_group: dict[int, tuple[int, int]] = {}  # j -> (group, index in it), two-phase sites only
         self.group_sites: dict[int, list[int]] = {}
-        for grp, lo in enumerate(bounds):
-            hi = bounds[grp + 1] if grp + 1 < len(bounds) else self.n_sublayers + 1
+        for b, lo in enumerate(bounds):
+            hi = bounds[b + 1] if b + 1 < len(bounds) else self.n_sublayers + 1
             sites = list(range(max(lo, 1), hi))
-            if len(sites) > 1 and not self.dynamic_query and group_fits(len(sites), self.d, self.heads, self.rank):
-                self.group_sites[grp] = sites
-                self.site_group.update({j: (grp, g) for g, j in enumerate(sites)})
+            if len(sites) < 2 or self.dynamic_query or limit < 2:
+                continue
+            n_sub = -(-len(sites) // limit)
+            for k in range(n_sub):
+                sub = sites[k * len(sites) // n_sub : (k + 1) * len(sites) // n_sub]
+                if len(sub) > 1:
+                    grp = len(self.group_sites)
+                    self.group_sites[grp] = sub
+                    self.site_group.update({j: (grp, g) for g, j in enumerate(sub)})
 
     def start(self, emb_BTD: Tensor, *, record: bool = False, cache: None = None,
               segments: Tensor | None = None) -> TritonState:
@@ -122,6 +132,11 @@ class TritonAttnRes(AttnResRouter):
         if c:
             part_v, key = self.key_source.summary(state.partial)
             part_k = key if self.key_source.carried else None
+            # the kernels see the partial as the table's last source: one dtype (as `write` casts a summary)
+            if state.values and part_v.dtype != state.values[0].dtype:
+                part_v = part_v.to(state.values[0].dtype)
+            if state.keys and part_k is not None and part_k.dtype != state.keys[0].dtype:
+                part_k = part_k.to(state.keys[0].dtype)
         query = self.site_query(self.queries, j, state.dynamic_query)
         out, _, alpha = attnres_read(
             state.embedding, state.embedding_key, list(state.values), list(state.keys), part_v, part_k,
