@@ -150,3 +150,11 @@ def test_compile_table_of_the_gpus_architecture():
     assert all(0 < r["regs"] <= 128 and r["programs_per_sm"] >= 1 for r in table["summary"])
     md = gpu_check.compile_markdown({"triton_compile": table, "triton_jit": []})
     assert any(line.startswith("| group_bwd | 128 | bf16-autocast |") for line in md)
+
+
+def test_impls_are_the_backend_tables_names():
+    """gpu-check reads the backend names from backends.py's source (its argument check needs no torch): the
+    same names, in the same order, as the table itself."""
+    from lrattn_lightning.model.routing.attnres.backends import IMPLS
+
+    assert gpu_check.IMPLS == IMPLS
