@@ -337,3 +337,59 @@ def test_progress_shows_documents_tokens_per_second_and_eta(corpus, tmp_path, ca
     size = Path(sources["jsonl"][0]).stat().st_size
     assert lines and lines[-1].startswith(f"[lrattn prepare] 100% of {size / 1e6:,.1f} MB read, 240 documents, "), lines
     assert "tokens/s, ETA 00:00:00" in lines[-1]
+
+
+def hub_download_cache(docs: list[str], cache: Path, repo: str, config: str) -> None:
+    """The documents in `datasets`' cache as `load_dataset(repo, config)` leaves a hub dataset there
+    (CACHE/NAMESPACE___NAME/CONFIG/0.0.0/HASH/NAME-train.arrow and dataset_info.json): written by datasets' own
+    Parquet builder, then moved to the names a hub download gives (no network here to make a real download)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    cache.mkdir(parents=True)
+    source = cache.parent / "hub-source.parquet"
+    pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), source, row_group_size=50)
+    namespace, name = repo.split("/")
+    builder = Parquet(cache_dir=str(cache), dataset_name=name, config_name=config, data_files={"train": str(source)},
+                      hash="0f1e2d3c4b5a6978")
+    builder.download_and_prepare()
+    built = Path(builder.cache_dir)  # CACHE/NAME/CONFIG-<data files hash>/0.0.0/HASH
+    target = cache / f"{namespace}___{name}" / config / "0.0.0" / built.name
+    target.parent.mkdir(parents=True)
+    built.rename(target)
+    assert (target / f"{name}-train.arrow").is_file() and (target / "dataset_info.json").is_file()
+
+
+def test_hf_name_from_the_local_datasets_cache_offline(documents, reference, tmp_path):
+    """`lrattn prepare --source hf:NAME --hf_config C` with HF_HUB_OFFLINE=1 / HF_DATASETS_OFFLINE=1 reads a
+    hub dataset downloaded before (datasets' cache under HF_HOME) to the same shards as the JSONL; a name or
+    config not in the cache is one line saying it needs the network or the cache."""
+    import subprocess
+    import sys
+
+    home = tmp_path / "hf-home"
+    hub_download_cache(documents, home / "datasets", "lrattn-test/stdlib-docs", "sample")
+    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env.pop("HF_DATASETS_CACHE", None)
+
+    def prepare_cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "lrattn_lightning.cli", "prepare", "--tokenizer", "byte",
+                               "--chunk_bytes", "64KB", *args],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    out = tmp_path / "out"
+    done = prepare_cli("--source", "hf:lrattn-test/stdlib-docs", "--hf_config", "sample", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert shard_digest(out) == shard_digest(reference)
+    assert read_meta(out)["inputs"]["train"][0] == {"hf_dataset": "lrattn-test/stdlib-docs", "config": "sample",
+                                           "split": "train"}, read_meta(out)["inputs"]
+    refused = prepare_cli("--source", "hf:lrattn-test/stdlib-doc", "--out", str(tmp_path / "never"))
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr[-3000:]
+    assert "lrattn-test/stdlib-doc" in lines[0] and "HF_DATASETS_OFFLINE=1" in lines[0] and "cache" in lines[0]
+    assert not (tmp_path / "never").exists()
+    refused = prepare_cli("--source", "hf:lrattn-test/stdlib-docs", "--hf_config", "smaple", "--out", str(tmp_path / "never"))
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1 and "config smaple" in lines[0] and "sample" in lines[0], lines
+    assert not (tmp_path / "never").exists()

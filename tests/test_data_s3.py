@@ -131,7 +131,7 @@ def test_wrong_bucket_credentials_or_prefix_is_one_line(s3_env, tmp_path, monkey
     assert not any((tmp_path / "cache" / "upload").glob("*/*"))
 
 
-def test_fit_from_s3_resumes_at_the_same_batch(s3_env, tmp_path):
+def test_fit_from_s3_resumes_at_the_same_batch(s3_env, tmp_path, capsys):
     """A run on s3:// data stopped by SIGTERM (a real process) resumes, in this process, to the losses of an
     uninterrupted run: the data position came back with the checkpoint."""
     url = "s3://lrattn-data/corpora/fit"
@@ -154,6 +154,11 @@ def test_fit_from_s3_resumes_at_the_same_batch(s3_env, tmp_path):
     ckpt = torch.load(tmp_path / "runs/stopped/tiny-baseline-seed0/checkpoints/last.ckpt", weights_only=True)
     assert ckpt["data"]["data_dir"] == url and ckpt["tokenizer"] == {"kind": "byte"}
     assert any((tmp_path / "cache" / "s3" / "lrattn-data" / "corpora" / "fit").glob("chunks/train/**/chunk-0-0.bin"))
+    capsys.readouterr()  # the checkpoint's s3:// folder is not contacted on its word alone
+    last = str(tmp_path / "runs/stopped/tiny-baseline-seed0/checkpoints/last.ckpt")
+    assert main(["eval", "--checkpoint", last, "--val-loss", "--no-log", "--accelerator", "cpu"]) == 2
+    assert one_line(capsys) == [f"lrattn: error: checkpoint {last} trained on {url}; pass --data-dir {url} to read "
+                                "it from object storage (a checkpoint's field alone does not)"]
 
 
 def test_a_failed_upload_leaves_no_folder_fit_accepts_and_is_retried(s3_env, tmp_path, monkeypatch, capsys):
@@ -200,3 +205,54 @@ def test_remote_shards_changed_since_prepare_are_named(s3_env, tmp_path, capsys)
     lines = one_line(capsys)
     assert len(lines) == 1 and "chunk-0-0.bin is corrupt: expected" in lines[0] and "found 5 bytes" in lines[0], lines
     assert not Path(tmp_path / "runs").exists()
+
+
+def test_eval_reads_an_s3_folder_as_it_reads_a_local_one(s3_env, tmp_path, capsys):
+    """`lrattn eval --data-dir s3://...` scores the local tasks (cloze, perplexity) and the exact validation loss
+    from the uploaded folder: the same figures as from the same folder on disk."""
+    url, local = "s3://lrattn-data/corpora/eval", tmp_path / "local"
+    for out in (url, local):
+        prepare("stdlib-docs", out, max_documents=60, val_fraction=0.1, cloze_items=12, perplexity_documents=6)
+    assert main(["fit", "--size", "tiny", "--ablation", "baseline", "--registry", REGISTRY, "--data.data_dir", str(local),
+                 "--data.batch_size", "2", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1",
+                 "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false",
+                 "--tracking_uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]) == 0
+    ckpt = str(tmp_path / "runs/lrattn/tiny-baseline-seed0/checkpoints/last.ckpt")
+    figures = {}
+    for where in (url, str(local)):
+        capsys.readouterr()
+        assert main(["eval", "--checkpoint", ckpt, "--data-dir", where, "--tasks", "lrattn_cloze,lrattn_ppl",
+                     "--val-loss", "--no-log", "--bootstrap-iters", "0", "--accelerator", "cpu"]) == 0
+        out = capsys.readouterr().out
+        figures[where] = [line for line in out.splitlines() if "|" in line or line.startswith("validation:")]
+    assert any(line.startswith("validation: loss") for line in figures[url]), figures[url]
+    assert any("lrattn_cloze" in line for line in figures[url]) and any("lrattn_ppl" in line for line in figures[url])
+    assert figures[url] == figures[str(local)]
+
+
+def test_a_remote_shard_rewritten_at_its_size_is_named_by_s3s_checksum(s3_env, tmp_path, capsys):
+    """prepare uploads each file with its SHA-256 (S3 verifies it on arrival and keeps it); fit compares it with
+    meta.json's by a HEAD request per shard: a same-size rewrite is one line. An object S3 keeps no SHA-256 for
+    (another tool's upload) is checked by size only, with a warning that says so."""
+    from lrattn_lightning.data.shards import validate_data_dir
+    from lrattn_lightning.model.registry import load_registry
+
+    url = "s3://lrattn-data/corpora/rewritten"
+    prepare("stdlib-docs", url, max_documents=30, val_fraction=0.1, cloze_items=0, perplexity_documents=0)
+    s3 = remote.client()
+    key = "corpora/rewritten/train/chunk-0-0.bin"
+    body = s3.get_object(Bucket="lrattn-data", Key=key)["Body"].read()
+    assert s3.head_object(Bucket="lrattn-data", Key=key, ChecksumMode="ENABLED").get("ChecksumSHA256")
+    tiny = load_registry(REGISTRY).size("tiny")
+    validate_data_dir(url, tiny)
+    assert "warning" not in capsys.readouterr().err
+    changed = body[:-1] + bytes([(body[-1] + 1) % 256])
+    s3.put_object(Bucket="lrattn-data", Key=key, Body=changed, ChecksumAlgorithm="SHA256")
+    assert main(["fit", "--size", "tiny", "--ablation", "baseline", "--registry", REGISTRY, "--data.data_dir", url]) == 2
+    lines = one_line(capsys)
+    assert len(lines) == 1 and f"{url}/train/chunk-0-0.bin: contents changed since prepare (S3's sha256" in lines[0], lines
+    assert not (tmp_path / "runs").exists()
+    s3.put_object(Bucket="lrattn-data", Key=key, Body=body, ChecksumAlgorithm="CRC32")  # the right bytes, no SHA-256
+    validate_data_dir(url, tiny)
+    err = capsys.readouterr().err
+    assert "S3 keeps no SHA-256 for 1 of the" in err and "train shards" in err and "checked by size only" in err, err

@@ -74,7 +74,7 @@ class TokenDataModule(L.LightningDataModule):
 
     def local_file(self, name: str) -> Path:
         """A file of the prepared folder on this machine (fetched into the cache from an s3:// prefix)."""
-        return remote.fetch(self.data_dir, name) if remote.is_remote(self.data_dir) else Path(self.data_dir) / name
+        return remote.local_file(self.data_dir, name)
 
     def location(self) -> str:
         """Where the data is, as a checkpoint records it: an absolute path, or the s3:// URL."""
@@ -89,25 +89,13 @@ class TokenDataModule(L.LightningDataModule):
         return meta
 
     def _dataset(self, split: str) -> Any:
-        from litdata import StreamingDataset, TokensLoader
-
         if self.seq_len is None:
             raise InputError("TokenDataModule.seq_len is unset: pass seq_len or call validate_for(size) first")
         _ = self.meta  # a missing or corrupt folder fails here, with its fix
         check_shards(self.data_dir, split)
-        where: dict[str, Any] = {"input_dir": str(Path(self.data_dir) / split)}
-        if remote.is_remote(self.data_dir):
-            remote.allow_plain_http()
-            # litdata keeps a folder per index.json (its timestamp) inside: a prefix prepared again is not mixed
-            where = {"input_dir": f"{self.data_dir.rstrip('/')}/{split}",
-                     "cache_dir": str(remote.local_dir(self.data_dir) / "chunks" / split)}
-        return StreamingDataset(
-            **where,
-            item_loader=TokensLoader(block_size=self.seq_len + 1),
-            shuffle=self.shuffle if split == "train" else False,
-            drop_last=split == "train",  # equal train batches on every rank; keep every val window
-            seed=self.seed,
-        )
+        # equal train batches on every rank; keep every val window
+        return split_dataset(self.data_dir, split, self.seq_len + 1, shuffle=self.shuffle if split == "train" else False,
+                             drop_last=split == "train", seed=self.seed)
 
     def train_dataloader(self) -> Any:
         from litdata import StreamingDataLoader
@@ -152,3 +140,17 @@ class TokenDataModule(L.LightningDataModule):
             self._train_loader.load_state_dict(state)
         else:
             self._pending_state = state
+
+
+def split_dataset(data_dir: str | Path, split: str, window: int, **kwargs: Any) -> Any:
+    """litdata's StreamingDataset of a split's windows of `window` tokens, from a folder or an s3:// prefix
+    (whose chunks litdata streams into the local cache)."""
+    from litdata import StreamingDataset, TokensLoader
+
+    where: dict[str, Any] = {"input_dir": str(Path(data_dir) / split)}
+    if remote.is_remote(data_dir):
+        remote.allow_plain_http()
+        # litdata keeps a folder per index.json (its timestamp) inside: a prefix prepared again is not mixed
+        where = {"input_dir": f"{str(data_dir).rstrip('/')}/{split}",
+                 "cache_dir": str(remote.local_dir(str(data_dir)) / "chunks" / split)}
+    return StreamingDataset(**where, item_loader=TokensLoader(block_size=window), **kwargs)

@@ -127,12 +127,44 @@ def upload(local: Path, url: str, overwrite: bool) -> None:
         old = _keys(s3, bucket, prefix)
         if f"{prefix}/meta.json" in old:
             s3.delete_object(Bucket=bucket, Key=f"{prefix}/meta.json")
+        checked = _with_sha256()
         for path in files:
-            s3.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(local).as_posix()}")
+            s3.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(local).as_posix()}", **checked)
         new = {f"{prefix}/{p.relative_to(local).as_posix()}" for p in files}
         for key in sorted(set(old) - new - {f"{prefix}/meta.json"}):
             s3.delete_object(Bucket=bucket, Key=key)
-        s3.upload_file(str(local / "meta.json"), bucket, f"{prefix}/meta.json")
+        s3.upload_file(str(local / "meta.json"), bucket, f"{prefix}/meta.json", **checked)
+    except _boto_errors() as err:
+        raise explain(err, url) from err
+
+
+def _with_sha256() -> dict[str, Any]:
+    """upload_file's arguments that make S3 keep each object's SHA-256 (verified by the server on upload): one
+    PUT per file (shards are far below S3's 5 GiB limit of one PUT), so it is the whole file's, as meta.json's."""
+    from boto3.s3.transfer import TransferConfig
+
+    return {"ExtraArgs": {"ChecksumAlgorithm": "SHA256"}, "Config": TransferConfig(multipart_threshold=5 << 30)}
+
+
+def sha256s(url: str, names: list[str]) -> dict[str, str | None]:
+    """{name: hex SHA-256 that S3 keeps for the object URL/name, or None if it keeps none (an object written by
+    another tool)}: one HEAD request each, in threads; no object is downloaded."""
+    import base64
+    from concurrent.futures import ThreadPoolExecutor
+
+    bucket, prefix = split_url(url)
+    s3 = client()
+
+    def one(name: str) -> str | None:
+        head = s3.head_object(Bucket=bucket, Key=f"{prefix}/{name}", ChecksumMode="ENABLED")
+        value = head.get("ChecksumSHA256")
+        if not value or "-" in value:  # none, or a multipart upload's checksum of checksums
+            return None
+        return base64.b64decode(value).hex()
+
+    try:
+        with ThreadPoolExecutor(max_workers=min(16, max(len(names), 1))) as pool:
+            return dict(zip(names, pool.map(one, names), strict=True))
     except _boto_errors() as err:
         raise explain(err, url) from err
 
@@ -175,6 +207,11 @@ def fetch(url: str, name: str) -> Path:
         raise explain(err, url) from err
     os.replace(tmp, dst)
     return dst
+
+
+def local_file(data_dir: str | Path, name: str) -> Path:
+    """The file NAME of a prepared folder on this machine: fetched into the cache from an s3:// prefix."""
+    return fetch(str(data_dir), name) if is_remote(data_dir) else Path(data_dir) / name
 
 
 def allow_plain_http() -> None:

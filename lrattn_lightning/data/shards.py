@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -202,10 +203,10 @@ def validate_data_dir(data_dir: str | Path, size: SizeConfig, seq_len: int | Non
         chunks = check_shards(data_dir, split, listing)
         files = meta.get("checksums", {}).get(split)
         if listing is not None:
-            _verify_remote(data_dir, split, files, listing)
+            verify_split(data_dir, split, meta, listing)
         _check_token_ids(data_dir, split, chunks, meta, size, trust_recorded=bool(files))
         if files and listing is None:
-            verify_files(Path(data_dir) / split, files)
+            verify_split(data_dir, split, meta)
         if count_windows(chunks, seq_len + 1) == 0:
             tokens = sum(c["dim"] for c in chunks)
             raise InputError(
@@ -215,9 +216,19 @@ def validate_data_dir(data_dir: str | Path, size: SizeConfig, seq_len: int | Non
     return meta
 
 
+def verify_split(data_dir: str | Path, split: str, meta: dict[str, Any], listing: dict[str, int] | None = None) -> None:
+    """Every shard file of a split as prepare recorded it (size and sha256), in a folder or an s3:// prefix."""
+    files = meta.get("checksums", {}).get(split)
+    if remote.is_remote(data_dir):
+        _verify_remote(str(data_dir), split, files, remote.sizes(str(data_dir)) if listing is None else listing)
+    elif files:
+        verify_files(Path(data_dir) / split, files)
+
+
 def _verify_remote(url: str, split: str, files: dict[str, dict[str, Any]] | None, listing: dict[str, int]) -> None:
-    """A prepared folder in object storage: every object's size as prepare recorded it, and index.json's sha256
-    (the chunks' contents are not read here: that would download the whole corpus before training)."""
+    """A prepared folder in object storage: every object's size as prepare recorded it, index.json's sha256, and
+    each chunk's sha256 as S3 keeps it (a HEAD request each: the chunks are not downloaded before training).
+    Objects S3 keeps no SHA-256 for (uploaded by another tool) are checked by size only, with a warning."""
     if not files:
         raise InputError(f"{url}/meta.json records no checksums (prepared by an older version); {REPREPARE_HINT}")
     for name, record in files.items():
@@ -229,6 +240,19 @@ def _verify_remote(url: str, split: str, files: dict[str, dict[str, Any]] | None
     if digest != files["index.json"]["sha256"]:
         raise InputError(f"{url}/{split}/index.json: contents changed since prepare (sha256 {digest[:12]}...); "
                          f"{REPREPARE_HINT}")
+    chunks = sorted(n for n in files if n != "index.json")
+    unchecked = []
+    for name, digest in remote.sha256s(url, [f"{split}/{n}" for n in chunks]).items():
+        record = files[name.split("/", 1)[1]]
+        if digest is None:
+            unchecked.append(name)
+        elif digest != record["sha256"]:
+            raise InputError(f"{url}/{name}: contents changed since prepare (S3's sha256 {digest[:12]}..., meta.json "
+                             f"records {record['sha256'][:12]}...): the object was rewritten; {REPREPARE_HINT}")
+    if unchecked:
+        print(f"[lrattn] warning: {url}: S3 keeps no SHA-256 for {len(unchecked)} of the {len(chunks)} {split} shards (e.g. "
+                      f"{unchecked[0]}: uploaded by another tool?), so they are checked by size only; upload them "
+                      "with `lrattn prepare --out s3://...` to have their contents checked", file=sys.stderr, flush=True)
 
 
 def _check_token_ids(data_dir: str | Path, split: str, chunks: list[dict[str, Any]], meta: dict[str, Any],

@@ -54,7 +54,13 @@ class HFInput:
                     ds = ds[o.hf_split]
                 self.size = sum(os.path.getsize(f["filename"]) for f in ds.cache_files)
             else:
-                ds = datasets.load_dataset(self.name, o.hf_config, split=o.hf_split, streaming=True)
+                # datasets' own notes ("Using the latest cached version...") would be a second line beside an error
+                verbosity = datasets.logging.get_verbosity()
+                datasets.logging.set_verbosity_error()
+                try:
+                    ds = datasets.load_dataset(self.name, o.hf_config, split=o.hf_split, streaming=True)
+                finally:
+                    datasets.logging.set_verbosity(verbosity)
         except InputError:
             raise
         except Exception as err:  # missing dataset, no network, no cache, a bad config or split: one line

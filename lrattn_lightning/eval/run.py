@@ -38,7 +38,8 @@ from lightning.pytorch.callbacks import Callback
 from lrattn_lightning.core.errors import UsageError
 from lrattn_lightning.core.flags import Parser
 from lrattn_lightning.data.datamodule import collate_windows
-from lrattn_lightning.data.shards import bits_per_byte, check_shards, count_windows, read_meta, verify_files
+from lrattn_lightning.data.remote import is_remote
+from lrattn_lightning.data.shards import bits_per_byte, check_shards, count_windows, read_meta, verify_split
 from lrattn_lightning.eval.lm import LRAttnLM
 from lrattn_lightning.eval.tasks import (
     LOCAL_TASKS,
@@ -108,15 +109,13 @@ def validation_loss(model: Decoder, data_dir: str | Path, *, batch_size: int = 1
     Each batch is scored as the module's validation_step scores it (`token_losses`). Rank r scores
     windows r, r + W, ...; `all_reduce` (sum) combines the float64 sums across ranks.
     """
-    from litdata import StreamingDataset, TokensLoader
+    from lrattn_lightning.data.datamodule import split_dataset
 
     seq_len = seq_len or model.cfg.size.seq_len
     meta = read_meta(data_dir)
     n_windows = count_windows(check_shards(data_dir, "val"), seq_len + 1)
-    if "val" in (meta.get("checksums") or {}):  # a chunk changed since prepare is one line, not a crash mid-run
-        verify_files(Path(data_dir) / "val", meta["checksums"]["val"])
-    dataset = StreamingDataset(str(Path(data_dir) / "val"), item_loader=TokensLoader(block_size=seq_len + 1),
-                               shuffle=False, drop_last=True)
+    verify_split(data_dir, "val", meta)  # a chunk changed since prepare is one line, not a crash mid-run
+    dataset = split_dataset(data_dir, "val", seq_len + 1, shuffle=False, drop_last=True)
     device = next(model.parameters()).device
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of token losses, tokens)
     mine = list(range(rank, n_windows, world_size))
@@ -278,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = args.data_dir or ckpt.data_dir
     names, _ = expand_tasks(args.tasks)
     if data_dir is not None and (args.val_loss or any(n in LOCAL_TASKS for n in names)):
+        if not args.data_dir and is_remote(data_dir):  # object storage is contacted on the user's word only
+            raise UsageError(f"checkpoint {ckpt.path} trained on {data_dir}; pass --data-dir {data_dir} to read it "
+                             "from object storage (a checkpoint's field alone does not)")
         check_data_dir(ckpt, data_dir)
     elif args.val_loss:
         raise UsageError(f"--val-loss needs the prepared data: checkpoint {ckpt.path} records no data_dir; pass --data-dir")

@@ -88,15 +88,19 @@ def materialise_local_tasks(names: list[str], data_dir: str | Path | None, out_d
     if data_dir is None:
         raise TaskError(f"tasks {wanted} read the prepared data folder, but none is known: the checkpoint records "
                         "no data_dir; pass --data-dir DIR (a folder written by `lrattn prepare`)")
+    from lrattn_lightning.data import remote
     from lrattn_lightning.data.shards import read_meta
 
-    root = Path(data_dir).resolve()
+    root = str(data_dir) if remote.is_remote(data_dir) else Path(data_dir).resolve()
     meta = read_meta(root)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in wanted:
         key = LOCAL_TASKS[name]
         rel = (meta.get("tasks") or {}).get(key, {}).get("file", f"tasks/{key}.jsonl")
-        path = root / rel
+        try:
+            path = remote.local_file(root, rel)  # an s3:// folder's file: fetched into the cache
+        except FileNotFoundError:
+            path = Path(f"{root}/{rel}")
         if not path.is_file() or path.stat().st_size == 0:
             raise TaskError(f"task '{name}': its data file {path} is missing or empty; prepare the folder again with "
                             f"`lrattn prepare --out {root} --overwrite` (it writes tasks/*.jsonl from the held-out split)")
