@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import warm_cli
 
 from lrattn_lightning.data import shards
 from lrattn_lightning.data.shards import read_meta, validate_data_dir
@@ -29,11 +29,9 @@ REGISTRY = str(REPO / "registry.yaml")
 
 
 def lrattn(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    return subprocess.run([sys.executable, "-m", "lrattn_lightning.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    """`lrattn ARGS` as a real process (forked from the tests' pre-imported server: tests/warm_cli.py)."""
+    return warm_cli.run([sys.executable, "-m", "lrattn_lightning.cli", *args], cwd=cwd, env=warm_cli.cli_env(),
+                        timeout=300)
 
 
 def fit(cwd: Path, steps: int = 2) -> subprocess.CompletedProcess:

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import warm_cli
 import yaml
 from conftest import mlflow_server
 from mlflow.tracking import MlflowClient
@@ -51,10 +52,7 @@ def fit_args(data: Path, *extra: str, steps: int = 4, every: int = 2, ablation: 
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", **extra}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    return env
+    return warm_cli.cli_env(**extra)
 
 
 def lrattn(*args: str) -> list[str]:
@@ -62,7 +60,8 @@ def lrattn(*args: str) -> list[str]:
 
 
 def run_cli(args: list[str], cwd: Path, timeout: int = 240, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(lrattn(*args), cwd=cwd, env=child_env(**env), capture_output=True, text=True, timeout=timeout)
+    """`lrattn ARGS` as a real process (forked from the tests' pre-imported server: tests/warm_cli.py)."""
+    return warm_cli.run(lrattn(*args), cwd=cwd, env=child_env(**env), timeout=timeout)
 
 
 def hooks(folder: Path, name: str, *callbacks: tuple[str, dict]) -> str:

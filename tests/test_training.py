@@ -6,7 +6,6 @@ Everything runs the real `lrattn` command (in-process or as a subprocess) on tin
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_cli
 from conftest import free_port, mlflow_server, prepared_corpus
 from mlflow.tracking import MlflowClient
 
@@ -45,10 +45,9 @@ def fit_args(data: Path, *extra: str, steps: int = 4, ablation: str = "s-lr-grid
 
 
 def cli_subprocess(args: list[str], cwd: Path, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    return subprocess.run([sys.executable, "-m", "lrattn_lightning.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    """`lrattn ARGS` as a real process (forked from the tests' pre-imported server: tests/warm_cli.py)."""
+    return warm_cli.run([sys.executable, "-m", "lrattn_lightning.cli", *args], cwd=cwd,
+                        env=warm_cli.cli_env(**(env or {})), timeout=timeout)
 
 
 def only_run(uri: str, experiment: str = "lrattn"):

@@ -1,0 +1,350 @@
+"""`python -m lrattn_lightning.cli ...` for the tests, without paying Python's start-up for each command.
+
+A command run by the tests is a real process: its own pid, exit status, signals, file descriptors, atexit
+handlers, and its DDP ranks are processes it starts. What is saved is the ~7 s an `lrattn` process spends
+importing torch, Lightning (which imports torchmetrics, hence transformers, scipy, matplotlib) and MLflow
+before its first line of work: a server process per pytest process imports them once, then forks for each
+command. The forked process sets the command's working folder, environment, argv and standard streams, runs
+`lrattn_lightning.cli` as `python -m` does (runpy, as `__main__`), then ends as the interpreter would: non-daemon
+threads joined, atexit handlers run, streams flushed, the exit status of SystemExit, 1 with a traceback for an
+uncaught exception, killed by SIGINT for an uncaught KeyboardInterrupt.
+
+The ranks a command's DDP/FSDP launch starts (Lightning's and Fabric's subprocess launchers, which re-run the
+command with LOCAL_RANK set) are forked from the same server: the launchers get a Popen-like handle (pid, poll,
+wait, send_signal) for a process that is not their child. Lightning's rank-zero flag, computed from the
+environment when Lightning is imported, is computed again in each forked process.
+
+A command starts cold (a plain `subprocess.run`) when its environment differs from the server's in a variable
+a library reads at import time (anything outside WARM_VARIES), when a test needs a pre-exec hook or another
+interpreter, or everywhere with LRATTN_TESTS_COLD=1. The cold path is what an installed user's `lrattn` is, and
+tests/test_packaging.py runs it from an installed wheel outside the checkout.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import io
+import json
+import locale
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODULE = "lrattn_lightning.cli"
+# variables read when a command runs (not when a library is imported): a difference keeps the command warm
+WARM_VARIES = ("TMPDIR", "PYTEST_CURRENT_TEST", "COLUMNS", "LINES",
+               # what a rank launch sets (Lightning's launcher) or a command sets for itself before it launches
+               "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED", "PL_SEED_WORKERS",
+               "MLFLOW_DISABLE_TELEMETRY", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "TQDM_DISABLE",
+               "HF_DATASETS_DISABLE_PROGRESS_BARS")
+WARM_VARIES_PREFIXES = ("AWS_", "LRATTN_CACHE_DIR", "MLFLOW_TRACKING_URI")
+PRELOAD = ("lightning.pytorch", "torchmetrics", "mlflow", "mlflow.tracking", "litdata", "lrattn_lightning.cli",
+           "lrattn_lightning.cli.lightning")
+
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment of an `lrattn` process in the tests: the checkout and tests/ (run_hooks) importable, one
+    OpenMP thread, no MLflow store inherited from the shell."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", **extra}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+def _varies(name: str) -> bool:
+    return name in WARM_VARIES or name.startswith(WARM_VARIES_PREFIXES)
+
+
+def _fixed(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if not _varies(k)}
+
+
+class _Server:
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = _fixed(env)
+        self.folder = tempfile.mkdtemp(prefix="lrattn-warm-")
+        self.path = os.path.join(self.folder, "socket")
+        self.proc = subprocess.Popen([sys.executable, __file__, self.path], env=env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.folder, "log"), "w"))
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.path + ".ready"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the warm lrattn server did not start: {Path(self.folder, 'log').read_text()}")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.folder):
+                os.unlink(os.path.join(self.folder, name))
+            os.rmdir(self.folder)
+
+
+_SERVER: _Server | None = None
+
+
+def _server(env: dict[str, str]) -> _Server | None:
+    global _SERVER
+    if os.environ.get("LRATTN_TESTS_COLD") == "1":
+        return None
+    if _SERVER is None:
+        _SERVER = _Server(env)
+        atexit.register(_SERVER.close)
+    return _SERVER if _fixed(env) == _SERVER.env else None
+
+
+def _decode(data: bytes) -> str:
+    # as subprocess.run(text=True): the locale's encoding, universal newlines
+    return io.TextIOWrapper(io.BytesIO(data), encoding=locale.getpreferredencoding(False), newline=None).read()
+
+
+def _request(path: str, module: str, argv: list[str], cwd: Path | str, env: dict[str, str],
+             fds: list[int]) -> socket.socket:
+    """Ask the server at `path` to run `python -m MODULE ARGV` with these standard streams; the connection
+    answers the pid, then the wait status."""
+    request = json.dumps({"module": module, "argv": argv, "cwd": str(Path(cwd).resolve()), "env": env}).encode()
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    socket.send_fds(conn, [len(request).to_bytes(8, "big") + request], fds)
+    return conn
+
+
+def _line(conn: socket.socket, received: bytearray) -> str:
+    """The next line the server sends (what follows it stays in `received`)."""
+    while b"\n" not in received:
+        chunk = conn.recv(64)
+        if not chunk:
+            raise RuntimeError("the warm lrattn server closed the connection")
+        received += chunk
+    line, _, rest = bytes(received).partition(b"\n")
+    received[:] = rest
+    return line.decode()
+
+
+def run(cmd: list[str], *, cwd: Path | str, env: dict[str, str], timeout: float | None = None,
+        capture_output: bool = True, text: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, cwd=, env=, capture_output=True, text=True, timeout=, input=) for
+    `[sys.executable, "-m", "lrattn_lightning.cli", ...]`, forked from the warm server when it can be."""
+    assert capture_output and text, "warm_cli.run captures text output, as the tests' helpers do"
+    server = None
+    if cmd[:3] == [sys.executable, "-m", MODULE]:
+        server = _server(env)
+    if server is None:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, input=input)
+    with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        if input is not None:
+            stdin.write(input.encode(locale.getpreferredencoding(False)))
+            stdin.seek(0)
+        with _request(server.path, MODULE, cmd[3:], cwd, env, [stdin.fileno(), out.fileno(), err.fileno()]) as conn:
+            received = bytearray()
+            pid = int(_line(conn, received))
+            conn.settimeout(timeout)
+            try:
+                status = _line(conn, received)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                conn.settimeout(None)
+                _line(conn, received)
+                out.seek(0)
+                err.seek(0)
+                raise subprocess.TimeoutExpired(cmd, timeout, _decode(out.read()), _decode(err.read())) from None
+        code = os.waitstatus_to_exitcode(int(status))
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, code, _decode(out.read()), _decode(err.read()))
+
+
+# ---- the server (run as a script by _Server) -----------------------------------------------------------------
+
+
+_SERVING: dict = {}  # in the server and the processes forked from it: its socket and its fixed environment
+
+
+def _serve(path: str) -> None:
+    import importlib
+
+    _SERVING.update(path=path, env=_fixed(dict(os.environ)))
+
+    if sys.platform.startswith("linux"):  # the server ends with the pytest process that started it
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    for name in PRELOAD:
+        importlib.import_module(name)
+    import threading
+
+    assert threading.active_count() == 1, threading.enumerate()  # forking is safe only without threads
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the per-command waiters are reaped by the system
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(path)
+        listener.listen(64)
+        Path(path + ".ready").touch()
+        while True:
+            conn, _ = listener.accept()
+            if os.fork() == 0:  # the waiter: starts the command, reports its pid and its wait status
+                listener.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                _wait_for_command(conn)
+            conn.close()
+
+
+def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    size = int.from_bytes(data[:8], "big")
+    body = data[8:]
+    while len(body) < size:
+        body += conn.recv(size - len(body))
+    return json.loads(body), fds
+
+
+def _wait_for_command(conn: socket.socket) -> None:
+    try:
+        request, fds = _recv_request(conn)
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            _command(request, fds)
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(f"{pid}\n".encode())
+        _, status = os.waitpid(pid, 0)
+        conn.sendall(f"{status}\n".encode())
+    finally:
+        os._exit(0)
+
+
+def _command(request: dict, fds: list[int]) -> None:
+    """In the forked process: become `python -m lrattn_lightning.cli ARGV` in CWD with ENV, then exit."""
+    import runpy
+    import threading
+    import traceback
+
+    code = 1
+    try:
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        tempfile.tempdir = None  # TMPDIR of this command, not the server's
+        sys.path[0] = request["cwd"]  # as `python -m` puts the working folder first
+        sys.argv = ["-m", *request["argv"]]
+        _as_imported_here()
+        try:
+            runpy._run_module_as_main(request["module"], alter_argv=True)
+            code = 0
+        except SystemExit as stop:
+            if stop.code is None:
+                code = 0
+            elif isinstance(stop.code, int):
+                code = stop.code
+            else:
+                print(stop.code, file=sys.stderr)
+                code = 1
+        except KeyboardInterrupt:
+            traceback.print_exc()
+            code = -signal.SIGINT
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        threading._shutdown()  # as the interpreter does at exit: non-daemon threads first, then atexit
+        import atexit as _atexit
+
+        _atexit._run_exitfuncs()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        if code == -signal.SIGINT:  # an uncaught KeyboardInterrupt ends Python killed by SIGINT
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        os._exit(code & 0xFF)
+
+
+def _as_imported_here() -> None:
+    """What Lightning computes from the environment at import, computed for this command's environment; and its
+    rank launchers start warm ranks."""
+    from lightning.fabric.strategies.launchers import subprocess_script as fabric_launcher
+    from lightning.fabric.utilities import rank_zero
+    from lightning.pytorch.strategies.launchers import subprocess_script as trainer_launcher
+
+    rank_zero.rank_zero_only.rank = rank_zero._get_rank() or 0
+    for launcher in (fabric_launcher, trainer_launcher):
+        launcher.subprocess = _Launches()
+
+
+class _Launches:
+    """Stands for the `subprocess` module in Lightning's rank launchers: Popen forks a rank from the server."""
+
+    def __getattr__(self, name: str):
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def Popen(command, env=None, cwd=None, **kwargs):  # noqa: N802 (subprocess.Popen's name)
+        command = list(command)
+        env = dict(os.environ if env is None else env)
+        if kwargs or command[:2] != [sys.executable, "-m"] or not command[2].startswith(MODULE) or \
+                _fixed(env) != _SERVING["env"]:
+            if os.environ.get("LRATTN_TESTS_WARM_DEBUG"):
+                fixed = _fixed(env)
+                print("warm_cli: cold rank:", command[:3], sorted(k for k in fixed.keys() | _SERVING["env"].keys()
+                                                                  if fixed.get(k) != _SERVING["env"].get(k)), file=sys.stderr)
+            return subprocess.Popen(command, env=env, cwd=cwd, **kwargs)
+        return _Rank(command, env, cwd or os.getcwd())
+
+
+class _Rank:
+    """A Popen-like handle on a rank forked from the server (not a child of this process)."""
+
+    def __init__(self, command: list[str], env: dict[str, str], cwd: str) -> None:
+        self.args, self.returncode, self._received = command, None, bytearray()
+        self._conn = _request(_SERVING["path"], command[2], command[3:], cwd, env, [0, 1, 2])
+        self.pid = int(_line(self._conn, self._received))
+
+    def _status(self, timeout: float | None) -> int | None:
+        if self.returncode is None:
+            self._conn.settimeout(timeout)
+            try:
+                self.returncode = os.waitstatus_to_exitcode(int(_line(self._conn, self._received)))
+                self._conn.close()
+            except (TimeoutError, BlockingIOError):  # (a zero timeout makes the socket non-blocking)
+                return None
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._status(0.0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._status(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return code
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])
