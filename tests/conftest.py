@@ -40,6 +40,22 @@ DEEPER = SizeConfig(
 )
 
 
+# The modules that take longest (measured on 2 cores, durations summed), started first (the one-process
+# triton interpreter run first of all): with `--dist loadfile`
+# each module runs whole on one worker, and a long one started last would run alone at the end.
+LONGEST_FIRST = ("test_routing_triton.py", "test_first_hour.py", "test_resilience.py", "test_tracking_faults.py",
+                 "test_sweep.py", "test_comparable.py", "test_fsdp.py", "test_signals.py", "test_run_endings.py",
+                 "test_training.py", "test_data_interrupted.py", "test_packaging.py", "test_export.py",
+                 "test_triton_compile.py", "test_no_stray_writes.py", "test_data_s3.py", "test_external_router.py",
+                 "test_gpu_check.py", "test_eval.py", "test_bench.py", "test_optim.py", "test_routing_fast.py",
+                 "test_names_and_errors.py", "test_checkpoint_trust.py", "test_doc_masking.py")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 def prepared_corpus(tmp_path_factory, documents: int, cloze_items: int = 0, perplexity_documents: int = 0) -> Path:
     """`documents` of the bundled stdlib docs, byte-tokenised into a new folder (10 % held out)."""
     from lrattn_lightning.data.prepare import prepare
@@ -69,6 +85,19 @@ def tiny(registry: Registry) -> SizeConfig:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_sweep_runs() -> Iterator[None]:
+    """A sweep run in this process starts its fits as processes forked from the pre-imported server
+    (tests/warm_cli.py), as `lrattn` commands the tests run do."""
+    import warm_cli
+
+    from lrattn_lightning.tools.sweep import local
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(local, "subprocess", warm_cli.Launches())
+        yield
 
 
 def tiny_config(registry: Registry, name: str, size: str | SizeConfig = "tiny") -> ModelConfig:
@@ -174,6 +203,11 @@ def raw_registry() -> dict:
     )
 
 
+# the tracking server without MLflow 3's background job runners (huey consumers for GenAI jobs: four more
+# processes, each importing MLflow, that tracking never uses) and with one web worker: what the tests need of it
+SERVER_ENV = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -187,8 +221,9 @@ def mlflow_server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str]]:
     port = free_port()
     server = subprocess.Popen(
         [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}", "--artifacts-destination", str(tmp_path / "art")],
-        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+         "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}", "--artifacts-destination",
+         str(tmp_path / "art")],
+        cwd=tmp_path, env=SERVER_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     uri = f"http://127.0.0.1:{port}"
     try:

@@ -73,7 +73,7 @@ def one_worker_server(folder: Path):
 
 def start_server(command: list[str], cwd: str, uri: str, pidfile: Path) -> None:
     server = subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+                              start_new_session=True, env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     pidfile.write_text(str(server.pid))
     deadline = time.time() + 300
     while not _alive(uri):

@@ -10,13 +10,15 @@ threads joined, atexit handlers run, streams flushed, the exit status of SystemE
 uncaught exception, killed by SIGINT for an uncaught KeyboardInterrupt.
 
 The ranks a command's DDP/FSDP launch starts (Lightning's and Fabric's subprocess launchers, which re-run the
-command with LOCAL_RANK set) are forked from the same server: the launchers get a Popen-like handle (pid, poll,
-wait, send_signal) for a process that is not their child. Lightning's rank-zero flag, computed from the
+command with LOCAL_RANK set) and the fits a sweep starts (tools/sweep/local.py, also when the sweep runs in the
+test process: conftest.py) are forked from a server too: the launcher gets a Popen-like handle (pid, stdout,
+poll, wait, send_signal) for a process that is not its child. Lightning's rank-zero flag, computed from the
 environment when Lightning is imported, is computed again in each forked process.
 
-A command starts cold (a plain `subprocess.run`) when its environment differs from the server's in a variable
-a library reads at import time (anything outside WARM_VARIES), when a test needs a pre-exec hook or another
-interpreter, or everywhere with LRATTN_TESTS_COLD=1. The cold path is what an installed user's `lrattn` is, and
+A server is started for each environment the commands come with, compared on the variables a library may
+read at import time (all but WARM_VARIES), at most MAX_SERVERS per test process. A command starts cold (a plain
+`subprocess.run`) beyond those, when a test needs a pre-exec hook, a new session or another interpreter (such
+tests call subprocess themselves), or everywhere with LRATTN_TESTS_COLD=1. The cold path is what an installed user's `lrattn` is, and
 tests/test_packaging.py runs it from an installed wheel outside the checkout.
 """
 
@@ -91,17 +93,21 @@ class _Server:
             os.rmdir(self.folder)
 
 
-_SERVER: _Server | None = None
+_SERVERS: dict[str, _Server] = {}
+MAX_SERVERS = 3  # per test process: `cli_env()` and the few other environments the tests launch commands in
 
 
 def _server(env: dict[str, str]) -> _Server | None:
-    global _SERVER
+    """A server of this test process whose import-time environment is `env`'s (started on first use)."""
     if os.environ.get("LRATTN_TESTS_COLD") == "1":
         return None
-    if _SERVER is None:
-        _SERVER = _Server(env)
-        atexit.register(_SERVER.close)
-    return _SERVER if _fixed(env) == _SERVER.env else None
+    key = json.dumps(_fixed(env), sort_keys=True)
+    if key not in _SERVERS:
+        if len(_SERVERS) >= MAX_SERVERS:
+            return None
+        _SERVERS[key] = _Server(env)
+        atexit.register(_SERVERS[key].close)
+    return _SERVERS[key]
 
 
 def _decode(data: bytes) -> str:
@@ -284,35 +290,57 @@ def _as_imported_here() -> None:
 
     rank_zero.rank_zero_only.rank = rank_zero._get_rank() or 0
     for launcher in (fabric_launcher, trainer_launcher):
-        launcher.subprocess = _Launches()
+        launcher.subprocess = Launches()
+    import lrattn_lightning.tools.sweep.local as sweep_launcher
+
+    sweep_launcher.subprocess = Launches()
 
 
-class _Launches:
-    """Stands for the `subprocess` module in Lightning's rank launchers: Popen forks a rank from the server."""
+class Launches:
+    """Stands for the `subprocess` module in a launcher of `lrattn` processes (Lightning's rank launchers, the
+    sweep's runs): its Popen forks `python -m lrattn_lightning.cli...` from the server when the environment
+    allows, with the standard streams it is given (inherited, a pipe, stderr into stdout)."""
 
     def __getattr__(self, name: str):
         return getattr(subprocess, name)
 
     @staticmethod
-    def Popen(command, env=None, cwd=None, **kwargs):  # noqa: N802 (subprocess.Popen's name)
+    def Popen(command, env=None, cwd=None, stdout=None, stderr=None, text=False, errors=None, **kwargs):  # noqa: N802
         command = list(command)
         env = dict(os.environ if env is None else env)
-        if kwargs or command[:2] != [sys.executable, "-m"] or not command[2].startswith(MODULE) or \
-                _fixed(env) != _SERVING["env"]:
+        path = None
+        if not kwargs and command[:2] == [sys.executable, "-m"] and command[2].startswith(MODULE) and \
+                stdout in (None, subprocess.PIPE) and stderr in (None, subprocess.STDOUT):
+            if _SERVING:  # in a command forked from the server
+                path = _SERVING["path"] if _fixed(env) == _SERVING["env"] else None
+            else:  # in the test process
+                server = _server(env)
+                path = server.path if server is not None else None
+        if path is None:
             if os.environ.get("LRATTN_TESTS_WARM_DEBUG"):
-                fixed = _fixed(env)
-                print("warm_cli: cold rank:", command[:3], sorted(k for k in fixed.keys() | _SERVING["env"].keys()
-                                                                  if fixed.get(k) != _SERVING["env"].get(k)), file=sys.stderr)
-            return subprocess.Popen(command, env=env, cwd=cwd, **kwargs)
-        return _Rank(command, env, cwd or os.getcwd())
+                print("warm_cli: cold:", command[:4], file=sys.stderr)
+            return subprocess.Popen(command, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text,
+                                    errors=errors, **kwargs)
+        return _Forked(path, command, env, cwd or os.getcwd(), stdout == subprocess.PIPE,
+                       stderr == subprocess.STDOUT, text, errors)
 
 
-class _Rank:
-    """A Popen-like handle on a rank forked from the server (not a child of this process)."""
+class _Forked:
+    """A Popen-like handle (pid, stdout, poll, wait, send_signal) on a command forked from the server: not a
+    child of this process."""
 
-    def __init__(self, command: list[str], env: dict[str, str], cwd: str) -> None:
-        self.args, self.returncode, self._received = command, None, bytearray()
-        self._conn = _request(_SERVING["path"], command[2], command[3:], cwd, env, [0, 1, 2])
+    def __init__(self, path: str, command: list[str], env: dict[str, str], cwd: str, pipe: bool, merge: bool,
+                 text: bool, errors: str | None) -> None:
+        self.args, self.returncode, self._received, self.stdout = command, None, bytearray(), None
+        out = 1
+        if pipe:
+            read, out = os.pipe()
+            self.stdout = open(read, "r" if text else "rb", errors=errors if text else None)  # noqa: SIM115
+        try:
+            self._conn = _request(path, command[2], command[3:], cwd, env, [0, out, out if merge else 2])
+        finally:
+            if pipe:
+                os.close(out)
         self.pid = int(_line(self._conn, self._received))
 
     def _status(self, timeout: float | None) -> int | None:

@@ -1,0 +1,38 @@
+"""The tests' pre-imported `lrattn` (tests/warm_cli.py) gives what a fresh `python -m lrattn_lightning.cli` gives:
+the same exit status, stdout and stderr, and a timeout that ends the process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import warm_cli
+
+LRATTN = [sys.executable, "-m", "lrattn_lightning.cli"]
+
+
+def both(args: list[str], cwd) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    env = warm_cli.cli_env()
+    warm = warm_cli.run([*LRATTN, *args], cwd=cwd, env=env, timeout=300)
+    cold = subprocess.run([*LRATTN, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return warm, cold
+
+
+@pytest.mark.parametrize("args", [["list", "--size", "tiny"], ["nope"], ["fit", "--size", "tiny", "--ablation",
+                                                                        "attnres-ful"], []])
+def test_a_forked_command_answers_as_a_fresh_process(args, tmp_path):
+    warm, cold = both(args, tmp_path)
+    assert (warm.returncode, warm.stdout, warm.stderr) == (cold.returncode, cold.stdout, cold.stderr)
+    assert warm.returncode in (0, 2) and (warm.stdout or warm.stderr)
+
+
+def test_the_server_is_used_and_a_timeout_ends_the_command(tmp_path):
+    env = warm_cli.cli_env()
+    assert warm_cli._server(env) is not None  # the forked path, not the cold one
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):  # the whole bundled corpus takes seconds
+        warm_cli.run([*LRATTN, "prepare", "--source", "stdlib-docs", "--out", str(tmp_path / "d"), "--num_workers",
+                      "1"], cwd=tmp_path, env=env, timeout=0.5)
+    assert time.monotonic() - start < 60
