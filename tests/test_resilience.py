@@ -187,13 +187,26 @@ def test_sigterm_in_the_middle_of_an_accumulation_finishes_the_step_and_resumes_
             assert y == pytest.approx(x, rel=1e-5, abs=1e-6), (key, step, a, b)
 
 
+DDP = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
+
+
+@pytest.fixture(scope="module")
+def ddp_uninterrupted(data, tmp_path_factory) -> list[tuple[int, float]]:
+    """The losses of the uninterrupted 2-rank run both stops are compared with (run once)."""
+    folder = tmp_path_factory.mktemp("ddp-full")
+    full = run_cli(fit_args(data, *DDP, "--experiment", "full", steps=6, every=4), folder, timeout=400)
+    assert full.returncode == 0, full.stderr[-3000:]
+    client, run = the_run(folder, "full")
+    return loss_history(client, run.info.run_id)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("rank", [1, None])
-def test_ddp_ranks_stop_together_on_a_sigterm_to_one_or_all_of_them(data, tmp_path, rank):
+def test_ddp_ranks_stop_together_on_a_sigterm_to_one_or_all_of_them(data, tmp_path, rank, ddp_uninterrupted):
     """2 gloo ranks; SIGTERM to rank 1 only, or to every rank (a process-group kill). The ranks agree on it
     at the end of the step in progress, save it and exit 143 (Lightning's handler broadcast from inside the
     signal handler and could hang the ranks). The checkpoint resumes to the uninterrupted run's losses."""
-    ddp = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
+    ddp = DDP
     stopped = run_cli(fit_args(data, *ddp, "--experiment", "stopped", "--config",
                                hooks(tmp_path, "term.yaml", ("SigtermAtStep", {"step": 3, "rank": rank})),
                                steps=6, every=4), tmp_path, timeout=400)
@@ -203,11 +216,8 @@ def test_ddp_ranks_stop_together_on_a_sigterm_to_one_or_all_of_them(data, tmp_pa
     resumed = run_cli(fit_args(data, *ddp, "--experiment", "stopped", "--ckpt_path", "last", steps=6, every=4),
                       tmp_path, timeout=400)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    full = run_cli(fit_args(data, *ddp, "--experiment", "full", steps=6, every=4), tmp_path, timeout=400)
-    assert full.returncode == 0, full.stderr[-3000:]
     client, r1 = the_run(tmp_path, "stopped")
-    _, r2 = the_run(tmp_path, "full")
-    assert_same_losses(loss_history(client, r1.info.run_id), loss_history(client, r2.info.run_id))
+    assert_same_losses(loss_history(client, r1.info.run_id), ddp_uninterrupted)
 
 
 def test_sweep_passes_a_sigterm_on_and_sees_the_run_did_not_finish(data, tmp_path, monkeypatch, capsys):
