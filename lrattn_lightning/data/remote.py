@@ -209,9 +209,17 @@ def fetch(url: str, name: str) -> Path:
     return dst
 
 
-def local_file(data_dir: str | Path, name: str) -> Path:
-    """The file NAME of a prepared folder on this machine: fetched into the cache from an s3:// prefix."""
-    return fetch(str(data_dir), name) if is_remote(data_dir) else Path(data_dir) / name
+def local_file(data_dir: str | Path, name: str, missing_ok: bool = False) -> Path:
+    """The file NAME of a prepared folder on this machine: fetched into the cache from an s3:// prefix. With
+    `missing_ok`, an object that is not there gives DATA_DIR/NAME (not a file: the caller's check names it)."""
+    if not is_remote(data_dir):
+        return Path(data_dir) / name
+    try:
+        return fetch(str(data_dir), name)
+    except FileNotFoundError:
+        if not missing_ok:
+            raise
+        return Path(f"{data_dir}/{name}")
 
 
 def allow_plain_http() -> None:

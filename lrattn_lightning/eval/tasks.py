@@ -97,10 +97,7 @@ def materialise_local_tasks(names: list[str], data_dir: str | Path | None, out_d
     for name in wanted:
         key = LOCAL_TASKS[name]
         rel = (meta.get("tasks") or {}).get(key, {}).get("file", f"tasks/{key}.jsonl")
-        try:
-            path = remote.local_file(root, rel)  # an s3:// folder's file: fetched into the cache
-        except FileNotFoundError:
-            path = Path(f"{root}/{rel}")
+        path = remote.local_file(root, rel, missing_ok=True)  # an s3:// folder's file: fetched into the cache
         if not path.is_file() or path.stat().st_size == 0:
             raise TaskError(f"task '{name}': its data file {path} is missing or empty; prepare the folder again with "
                             f"`lrattn prepare --out {root} --overwrite` (it writes tasks/*.jsonl from the held-out split)")

@@ -174,10 +174,7 @@ def check_tokenizer(spec: dict[str, Any], path: Path | str, data_dir: str | Path
     if not differs and "content" in mine and theirs.get("file"):
         from lrattn_lightning.data.remote import local_file
 
-        try:
-            file = local_file(data_dir, theirs["file"])  # an s3:// folder's: fetched into the cache
-        except FileNotFoundError:
-            file = Path(f"{data_dir}/{theirs['file']}")
+        file = local_file(data_dir, theirs["file"], missing_ok=True)  # an s3:// folder's: fetched into the cache
         differs = not file.is_file() or file.read_text(encoding="utf-8") != mine["content"]
     if differs:
         show = {k: v for k, v in mine.items() if k != "content"}
