@@ -94,7 +94,7 @@ class _Server:
 
 
 _SERVERS: dict[str, _Server] = {}
-MAX_SERVERS = 3  # per test process: `cli_env()` and the few other environments the tests launch commands in
+MAX_SERVERS = 3  # per test process: `cli_env()`'s (always given one) and the first others the tests launch commands in
 
 
 def _server(env: dict[str, str]) -> _Server | None:
@@ -103,7 +103,9 @@ def _server(env: dict[str, str]) -> _Server | None:
         return None
     key = json.dumps(_fixed(env), sort_keys=True)
     if key not in _SERVERS:
-        if len(_SERVERS) >= MAX_SERVERS:
+        canonical = json.dumps(_fixed(cli_env()), sort_keys=True)
+        others = sum(k != canonical for k in _SERVERS)
+        if key != canonical and others >= MAX_SERVERS - 1:  # a slot is kept for the environment most commands use
             return None
         _SERVERS[key] = _Server(env)
         atexit.register(_SERVERS[key].close)
