@@ -25,7 +25,9 @@ under both.
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,11 +100,22 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(size.d_model, size.d_model + extra_out, bias=False)  # d -> d + r for P-LR
 
     def forward(self, x_BTD: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None, layer: int = 0,
-                same_doc: Any = None) -> Tensor:
+                same_doc: Any = None, *, kv_inputs: tuple[Tensor, Tensor] | None = None,
+                values: Callable[[Tensor], Tensor] | None = None) -> Tensor:
         """same_doc: [B, 1, T, T_all] bool, which positions share a document (document masking), a FlexAttention
-        BlockMask of the same (`attention: flex`), or None."""
+        BlockMask of the same (`attention: flex`), or None. A router's extensions (routing/router.py):
+        kv_inputs, the (normed) inputs of the keys and values when they differ from the queries' x_BTD (the
+        same `qkv` weight, its key and value rows applied to them); values, what the new tokens' values
+        [B, T, H, hd] become before the cache stores them and the attention uses them."""
         B, T, D = x_BTD.shape
-        q, k, v = self.qkv(x_BTD).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)  # (B, T, H, hd)
+        if kv_inputs is None:
+            q, k, v = self.qkv(x_BTD).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)  # (B, T, H, hd)
+        else:
+            w_q, w_k, w_v = self.qkv.weight.chunk(3, dim=0)
+            q, k, v = (F.linear(x, w).view(B, T, self.n_heads, self.head_dim)
+                       for x, w in zip((x_BTD, *kv_inputs), (w_q, w_k, w_v), strict=True))
+        if values is not None:
+            v = values(v)
         q, k = apply_rope(rms_norm(q), cos, sin), apply_rope(rms_norm(k), cos, sin)  # QK-norm then RoPE
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
         if cache is not None:
@@ -253,10 +266,22 @@ class Decoder(nn.Module):
                 cache.routing = new_cache()  # (optional for an external router: None, it needs no cache)
             routing_cache = cache.routing
         state = self.router.start(x, record=return_routing, cache=routing_cache, segments=segments)
+        read_attention = getattr(self.router, "read_attention", None)  # the protocol's optional extensions
+        mix_values = getattr(self.router, "mix_values", None)
         for layer_index, layer in enumerate(self.layers):
             j = 2 * layer_index
-            h = self.router.read(state, j)
-            self.router.write(state, j + 1, layer.attn(rms_norm(h), cos, sin, cache, layer_index, same_doc))
+            kv_inputs, values = None, None
+            if read_attention is None:
+                x = rms_norm(self.router.read(state, j))
+            else:
+                h_q, h_k, h_v = read_attention(state, j)
+                x = rms_norm(h_q)
+                if h_k is not h_q or h_v is not h_q:  # (one stream for all three: the fused projection)
+                    kv_inputs = (rms_norm(h_k), rms_norm(h_v))
+            if mix_values is not None:
+                values = functools.partial(mix_values, state, layer_index)
+            self.router.write(state, j + 1, layer.attn(x, cos, sin, cache, layer_index, same_doc,
+                                                       kv_inputs=kv_inputs, values=values))
             h = self.router.read(state, j + 1)
             self.router.write(state, j + 2, layer.mlp(rms_norm(h)))
         h = self.router.read(state, size.n_sublayers)  # the final read

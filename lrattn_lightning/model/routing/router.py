@@ -3,7 +3,15 @@
 A forward pass is `state = router.start(o_0)`, then for each sublayer i = 1..2L `h = router.read(state, i-1)`,
 the sublayer computes o_i from RMSNorm(h), `router.write(state, i, o_i)`; finally `router.read(state, 2L)`.
 Each router has its own state type (what one pass has written) and, for KV-cache decoding, may keep its own
-cache object across passes (`new_cache`; the decoder's KVCache holds it without looking inside). Which kinds
+cache object across passes (`new_cache`; the decoder's KVCache holds it without looking inside).
+
+Two optional extensions (a router that has neither method is driven exactly as above; an own router may use them):
+    read_attention(state, j) -> (h_q, h_k, h_v)   the attention sublayer j + 1 takes separate inputs for its
+        queries, keys and values (each through the decoder's parameter-free pre-norm, then the same `qkv`
+        weight's rows); used instead of `read` at the attention's read sites j = 0, 2, ..., 2L - 2 (MUDDFormer)
+    mix_values(state, layer, v_BTHd) -> v         the attention of `layer` (0-based) hands the router its new
+        tokens' values [B, T, H, hd] and uses (and caches) what it returns: routing state beyond the residual
+        stream (value residual learning keeps layer 0's values in `state`) Which kinds
 exist: kinds.py; how AttnRes is computed (`impl`): attnres/backends.py. Other kinds have one implementation
 each and ignore `impl`.
 """
@@ -37,6 +45,8 @@ class Router(Protocol):
 
     def read(self, state: Any, j: int) -> Tensor:
         """The hidden state at read site j (0..2L) -> [B, T, D]."""
+
+    # optional (module docstring): read_attention(state, j) -> (h_q, h_k, h_v); mix_values(state, layer, v) -> v
 
 
 def build_router(cfg: ModelConfig, impl: str = DEFAULT_IMPL) -> nn.Module:
