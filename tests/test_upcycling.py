@@ -100,7 +100,7 @@ def test_the_compared_methods_train_and_upcycle_from_a_baseline(baseline, tiny_d
     assert run.data.params["routing"] == cfg.ablation.routing
     assert int(run.data.params["params"]) == count_params(cfg)
     for option, value in cfg.ablation.options.as_dict().items():
-        assert run.data.params[option] == str(value)
+        assert run.data.params[option] == ("null" if value is None else str(value))  # (as flat_run_params logs it)
     assert "val/loss" in run.data.metrics and run.data.metrics["val/loss"] == run.data.metrics["val/loss"]
     capsys.readouterr()
     last = next(tmp_path.rglob("last.ckpt"))
