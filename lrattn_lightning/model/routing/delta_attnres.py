@@ -1,54 +1,89 @@
-"""Delta Attention Residuals (Luo, Cai, Hu 2026, SPEC §9; `routing: delta_attnres`).
+"""Delta Attention Residuals (Luo, Cai, Hu 2026, SPEC §9-10; `routing: delta_attnres`).
 
-The plain residual stream is kept, and a softmax read over the *deltas* (the embedding o_0 and each
-sublayer's output o_i) is added to what each sublayer sees:
+The plain residual stream is kept, and a softmax read over *deltas* is added to what each sublayer sees:
 
     s_j      = o_0 + o_1 + ... + o_j                                  the residual stream after sublayer j
-    k_i      = RMSNorm(o_i; eps) * g_j                                a learned norm weight per read site
-    h_j      = s_j + sum_{i in S_j} softmax_i(<q_j, k_i>) o_i         S_j = {o_0 .. o_j} (+ the null source)
+    k_i      = RMSNorm(v_i; eps) * g_j                                a learned norm weight per read site
+    h_j      = s_j + sum_{i in S_j} softmax_i(<q_j, k_i>) v_i         (+ the null source)
 
-read before sublayer j + 1 (j = 0..2L-1); the head reads the plain stream s_2L. This is the public code's
-`delta` mode (wdlctc/delta-attention-residuals-code, `delta_attn_res`, gate type `bias`: the read is used
-as it is): the embedding is source 0 once the first sublayer has written, so the first sublayer reads
-o_0 itself; the norm is an RMSNorm with a learned weight (initialised to 1, eps 1e-6 as its default
-config) per read site; the query is a learned d-vector per site, initialised N(0, init_std) as the public
+read before sublayer j + 1 (j = 0..2L-1); the head reads the plain stream s_2L. This is the public code
+(wdlctc/delta-attention-residuals-code, `delta_attn_res`, gate type `bias`: the read is used as it is), in
+two modes (`delta_mode`):
+
+`delta` (the default): the sources v_i are the embedding o_0 and every sublayer output o_i so far. The
+embedding is source 0 once the first sublayer has written, so the first sublayer reads o_0 itself.
+
+`delta_block`: the sources are block summaries b_k. Blocks 1..K are P = `delta_block_layers` layers each
+(layers (k-1)P .. kP-1; a shorter last block is allowed, as in the public code); the default null is the
+public code's rule P = max(1, ceil(L / N)) with N = 4 blocks, the count every published run of it passes (its
+config class says 8). At layer kP (k = 0..K-1), with H_k the plain stream entering it and D_k = H_k - H_{k-1}
+the sum of block k's outputs, b_k joins the sources:
+
+    b_0 = H_0 = o_0                                       the embedding
+    b_k = H_k - b_{k-1}       (recursive, the default)    = D_k + D_{k-2} + ... (+ o_0 for even k)
+    b_k = H_k - H_{k-1} = D_k (`delta_block_sources: true_delta`)
+
+`recursive` is what the public code computes (`partial_block - blocks[-1]` at a block's first layer; the
+per-block accumulation in its model forward is commented out), not the block delta its comments name
+("block-aggregated deltas"); `true_delta` is that block delta. b_k joins after layer kP's attention: that
+layer's MLP read sees it, its attention read does not. The last block's outputs never become a source (the
+head reads the plain stream).
+
+In both modes the norm is an RMSNorm with a learned weight (initialised to 1, eps 1e-6 as the public config
+default) per read site; the query is a learned d-vector per site, initialised N(0, init_std) as the public
 code's Linear init leaves it (not zero); no logit scale. `null_source: true` prepends a learned zero-initialised
 d-vector to every read's sources (the public code's identity option: a softmax that picks it adds nothing;
 it also gives site 0 a read). Without it site 0 has no sources and no parameters (the public code holds
-an unused query there). Its block mode (`delta_block`) is not built here.
+an unused query there); every later read has at least one source in both modes.
 
     params = sites x (2 d [+ d with the null source])     sites = 2L - 1 (2L with the null source)
     FLOPs/token = sum_j |S_j| (2 d + 2 d + d) + d         logits, weighted sum, the norm weight; the add
+                  + (K - 1) d                             delta_block: one subtraction per block start after
+                                                          the first (K = ceil(L / P) blocks)
+    |S_j| = j + 1 (delta)   |S_j| = ceil(l / P) for an attention read, floor(l / P) + 1 for an MLP read of layer
+            l (delta_block)   (+ 1 with the null source)
 
 Depth routing is per token: KV-cache decoding needs no cache of its own. Every parameter is one d-vector per
 site, so AdamW takes them all under muon_adamw. Diagnostics ("depth_weights"): a recording pass keeps each
 read's softmax over its sources, [S_j, B, T, 1] (the null source first), as AttnRes does; the read is added to
 the plain stream, so these weights say how the added term is made, not how much of the stream it is.
 
-Shape legend: S sources, B batch, T tokens, D = d_model, J read sites.
+Shape legend: S sources, B batch, T tokens, D = d_model, J read sites, P layers per block, K blocks.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lrattn_lightning.core.errors import config_error
-from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.core.errors import check_literal, config_error
+from lrattn_lightning.model.config import ModelConfig, SizeConfig
 from lrattn_lightning.model.routing._math import compute_dtype
 from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
 
 NORM_EPS = 1e-6  # the public code's RMSNorm eps (its config default)
+PUBLIC_BLOCKS = 4  # the public code's block count in every published delta_block run (--num_blocks 4)
+DeltaMode = Literal["delta", "delta_block"]
+BlockSources = Literal["recursive", "true_delta"]  # (not "true": YAML reads that as a boolean)
+
+
+def block_layers(cfg: ModelConfig) -> int:
+    """P, the layers per block of delta_block: the option, or the public code's max(1, ceil(L / 4))."""
+    P = cfg.options.delta_block_layers
+    return P if P is not None else max(1, math.ceil(cfg.size.n_layers / PUBLIC_BLOCKS))
 
 
 @dataclass
 class DeltaState:
     stream: Tensor  # s_j, the plain residual stream [B, T, D]
-    deltas: list[Tensor] = field(default_factory=list)  # o_0, o_1, ... once a sublayer has written
+    deltas: list[Tensor] = field(default_factory=list)  # the sources: o_0, o_1, ... (delta); b_0, b_1, ... (block)
     weights: list[Tensor] | None = None  # recording: per read site, the softmax over its sources [S, B, T, 1]
+    block_start: Tensor | None = None  # delta_block, true_delta: H_{k-1}, the stream entering the last block
 
 
 class DeltaAttnResRouter(nn.Module):
@@ -57,6 +92,8 @@ class DeltaAttnResRouter(nn.Module):
         self.d, self.std, self.null = cfg.size.d_model, cfg.size.init_std, cfg.options.null_source
         sites = cfg.size.n_sublayers if self.null else cfg.size.n_sublayers - 1  # reads j = first..2L-1
         self.first = 0 if self.null else 1
+        self.block = block_layers(cfg) if cfg.options.delta_mode == "delta_block" else None
+        self.recursive = cfg.options.delta_block_sources == "recursive"
         self.queries = nn.Parameter(torch.empty(sites, self.d))
         self.key_norm_weight = nn.Parameter(torch.empty(sites, self.d))
         if self.null:
@@ -76,9 +113,16 @@ class DeltaAttnResRouter(nn.Module):
 
     def write(self, state: DeltaState, i: int, out_BTE: Tensor) -> None:
         out = out_BTE[..., : self.d]
-        if not state.deltas:
-            state.deltas.append(state.stream)  # the embedding joins the sources with the first output
-        state.deltas.append(out)
+        if self.block is None:
+            if not state.deltas:
+                state.deltas.append(state.stream)  # the embedding joins the sources with the first output
+            state.deltas.append(out)
+        elif i % 2 and (i // 2) % self.block == 0:  # the attention of a block's first layer wrote: H_k joins
+            H = state.stream  # (after that attention's read, before its MLP's)
+            if state.deltas:
+                H = H - (state.deltas[-1] if self.recursive else state.block_start)
+            state.deltas.append(H)
+            state.block_start = state.stream
         state.stream = state.stream + out
 
     def read(self, state: DeltaState, j: int) -> Tensor:
@@ -102,10 +146,23 @@ class DeltaAttnResRouter(nn.Module):
 @dataclass(frozen=True)
 class DeltaAttnResOptions(KindOptions):
     null_source: bool = False  # a zero source the softmax can pick, so the added term can vanish
+    delta_mode: DeltaMode = "delta"  # sources: every sublayer output, or block summaries
+    delta_block_layers: int | None = None  # P, layers per block (None: the public code's ceil(L / 4))
+    delta_block_sources: BlockSources = "recursive"  # b_k = H_k - b_{k-1} (the public code) or H_k - H_{k-1}
 
     def validate(self, where: str) -> None:
         if not isinstance(self.null_source, bool):
             raise config_error(where, "null_source", f"must be true or false, got {self.null_source!r}")
+        check_literal(where, "delta_mode", self.delta_mode, get_args(DeltaMode))
+        P = self.delta_block_layers
+        if P is not None and (isinstance(P, bool) or not isinstance(P, int) or P < 1):
+            raise config_error(where, "delta_block_layers", f"must be a positive integer or null, got {P!r}")
+        check_literal(where, "delta_block_sources", self.delta_block_sources, get_args(BlockSources))
+        if self.delta_mode == "delta":
+            for name, default in (("delta_block_layers", None), ("delta_block_sources", "recursive")):
+                if getattr(self, name) != default:
+                    raise config_error(where, name, "only delta_mode: delta_block reads it; set delta_mode: "
+                                                    "delta_block or drop the field")
 
 
 class DeltaAttnResKind(RoutingKind):
@@ -113,15 +170,41 @@ class DeltaAttnResKind(RoutingKind):
     Options = DeltaAttnResOptions
     diagnostics = "depth_weights"
 
+    def validate_model(self, cfg: ModelConfig, where: str) -> None:
+        P, L = cfg.options.delta_block_layers, cfg.size.n_layers
+        if P is not None and P >= L:
+            raise config_error(where, "delta_block_layers", f"{P} layers per block leave no block after the first in "
+                                                            f"{L} layers; choose 1..{L - 1} (or null)")
+
+    def clipped_to(self, options: DeltaAttnResOptions, size: SizeConfig) -> dict[str, Any]:
+        P = options.delta_block_layers
+        return {"delta_block_layers": max(1, size.n_layers - 1)} if P is not None and P >= size.n_layers else {}
+
     def diagnostic_axes(self, cfg: ModelConfig) -> dict:
         null = cfg.options.null_source
-        sources = max(self._sources(cfg))
         first = 0 if null else 1
+        if cfg.options.delta_mode == "delta":
+            labels = [str(i) for i in range(max(self._sources(cfg)) - int(null))]
+            axis = "0 = embedding, i = sublayer i's output"
+        else:
+            labels, axis = self._block_labels(cfg), "x0 = embedding, Bk = the outputs of block k's layers (L = layers)"
         return {"site_labels": [str(j) for j in range(first, cfg.size.n_sublayers)],
-                "source_labels": (["null"] if null else []) + [str(i) for i in range(sources - int(null))],
+                "source_labels": (["null"] if null else []) + labels,
                 "site_axis": "read site j (its read is added to the stream sublayer j + 1 sees)",
-                "source_axis": "source (null: the learned zero source; 0 = embedding, i = sublayer i's output)",
+                "source_axis": f"source (null: the learned zero source; {axis})",
                 "value": "mean softmax weight", "embedding_column": 1 if null else 0}
+
+    @staticmethod
+    def _block_labels(cfg: ModelConfig) -> list[str]:
+        """b_0 .. b_{K-1} by what they hold: x0, then B_k (layers), + B_{k-2} + ... for the recursive sources."""
+        P, L = block_layers(cfg), cfg.size.n_layers
+        names = ["x0"] + [f"B{k}" for k in range(1, math.ceil(L / P))]
+        labels = ["x0"]
+        for k in range(1, len(names)):
+            held = names[k::-2] if cfg.options.delta_block_sources == "recursive" else names[k:k + 1]
+            layers = f"L{k - 1}" if P == 1 else f"L{(k - 1) * P}-{k * P - 1}"
+            labels.append(f"{held[0]} ({layers})" + "".join(f" + {n}" for n in held[1:]))
+        return labels
 
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return DeltaAttnResRouter(cfg)
@@ -131,14 +214,18 @@ class DeltaAttnResKind(RoutingKind):
         """|S_j| for the read sites j = first..2L-1."""
         null = int(cfg.options.null_source)
         first = 0 if null else 1
-        return [(j + 1 if j else 0) + null for j in range(first, cfg.size.n_sublayers)]
+        if cfg.options.delta_mode == "delta":
+            return [(j + 1 if j else 0) + null for j in range(first, cfg.size.n_sublayers)]
+        P = block_layers(cfg)  # read j is layer j // 2's attention (even j) or MLP (odd j)
+        return [(j // 2 // P + 1 if j % 2 else math.ceil(j // 2 / P)) + null for j in range(first, cfg.size.n_sublayers)]
 
     def routing_params(self, cfg: ModelConfig) -> int:
         return len(self._sources(cfg)) * cfg.size.d_model * (3 if cfg.options.null_source else 2)
 
     def added_flops(self, cfg: ModelConfig) -> int:
         d = cfg.size.d_model
-        return sum(n * 5 * d + d for n in self._sources(cfg))
+        starts = 0 if cfg.options.delta_mode == "delta" else math.ceil(cfg.size.n_layers / block_layers(cfg)) - 1
+        return sum(n * 5 * d + d for n in self._sources(cfg)) + starts * d
 
     def adamw_names(self, router: nn.Module) -> None:
         return None  # one d-vector per site, each: AdamW
