@@ -1,4 +1,5 @@
-"""Hyper-Connections and mHC (Zhu et al. 2025; manifold-constrained HC; SPEC §9; `routing: hyper_connections`).
+"""Hyper-Connections, mHC and Frac-Connections (Zhu et al. 2025; manifold-constrained HC; Zhu et al., arXiv
+2503.14125; SPEC §9-10; `routing: hyper_connections`).
 
 The residual stream becomes n streams H [n, d] per token, each starting as the embedding. Sublayer i reads a
 mix of the streams, and every stream takes back a weighted copy of what it wrote:
@@ -22,17 +23,36 @@ equal copies of it (the head's RMSNorm sees n times the baseline's stream). mHC 
 baseline (sigmoid(1) and sigmoid(0) in the read; exp(I) normalised in the width connection): as published.
 The mixing computes in float32 (float64 for float64 models).
 
-    params/sublayer = n (n + 1) + n [+ dynamic: d (n + 1) + d + d + 2 (mHC: 3)]
-    FLOPs/token     = 2L (2 d n (n + 1) + 2 n d [+ dynamic: 2 n d (n + 2) + 4 n d]) + n d (the final sum)
+Frac-Connections (`fractions: m`, default 1 = the above unchanged): each stream's d channels are m fractions of
+width e = d/m, so the streams hold N = n m slots H_a [e] (slot a = s m + k: fraction k of stream s). Per sublayer
+A = [Y | A_r] is [N, m + N] and beta [N]:
+    x    = concat_k sum_a Y[a, k] H_a              the read: m fractions of the input
+    H'_b = sum_a A_r[a, b] H_a + beta_b y_k(b)     y = F(x) split alike; slot b = (s, k) takes fraction k of y
+    Y    = one at (slot k of stream (i - 1) mod n, k), A_r = I, beta = 1, and the dynamic terms per slot as HC's
+           (N(H_a) over e channels; g, W_A [e, m + N], w_beta [e] shared by the slots; scales s_A, s_beta)
+With n = 1 this is FracConnection of wdlctc/hyper-connection-factory (`hyper.py`, SPEC §10's code), whose defaults
+the registry's `frac-connections-m2` takes: m = 2, dynamic, N = LayerNorm with gain and bias (eps 1e-5;
+`hc_norm: layer`; `rms`, the default, keeps HC's RMSNorm * g), scalar scales 0.01, Y = A_r = I: the baseline
+exactly at init. The factory has no streams x fractions; lucidrains' `num_fracs` has, and that generalisation is
+offered here (n streams x m fractions, each stream read as HC's stream (i - 1) mod n, every slot its own row),
+but its layout is not followed: there beta is an [m, m] matrix per stream (all ones: every fraction of the
+stream takes the sum of the output's fractions) and its Y at init reads fraction 0 into every input fraction,
+so its Frac does not start as the baseline. mHC has no fractions in either code: manifold with fractions > 1
+is refused.
+
+    params/sublayer = N (m + N) + N [+ dynamic: e (m + N) + e + e (LayerNorm: 2 e) + 2 (mHC: 3)]
+    FLOPs/token     = 2L (2 n d (m + N) + 2 n d [+ dynamic: 2 n d (m + N + 1) + c n d]) + n d (the final sum)
+                      c = 4 (RMSNorm * g) or 7 (LayerNorm: mean and centring, bias); m = 1: N = n, e = d, HC's
+                      n (n + 1) + n [+ d (n + 1) + 2 d + 2] and 2 d n (n + 1) + 2 n d [+ 2 n d (n + 2) + 4 n d]
 
 Depth routing is per token: KV-cache decoding needs no cache of its own. AdamW takes every parameter of the
 router (small coefficient tables, not matrices of the core). Diagnostics ("mixing"): a recording pass keeps
-each read site's coefficients as one heatmap row of 2n + n^2 columns: the read A[:, 0] (n), the width
-connection A[s, 1 + t] from stream s into stream t (n^2), and beta (n).
+each read site's coefficients as one heatmap row of N m + N^2 + N columns: the read (HC: A[:, 0], n; Frac:
+Y[a, k], slot a into the input's fraction k), the width connection A_r[a, b] from slot a into slot b (N^2),
+and beta (N).
 
-Shape legend: B batch, T tokens, n streams, D = d_model.
+Shape legend: B batch, T tokens, n streams, m fractions, N = n m slots, e = D / m, D = d_model.
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,6 +67,7 @@ from lrattn_lightning.model.routing._math import compute_dtype
 from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
 
 SCALE0 = 1e-2  # the public code's initial scales of the dynamic terms
+NORMS = ("rms", "layer")
 
 
 def sinkhorn(log_alpha: Tensor, iters: int) -> Tensor:
@@ -61,35 +82,43 @@ def sinkhorn(log_alpha: Tensor, iters: int) -> Tensor:
 @dataclass
 class StreamsState:
     streams: Tensor  # H [B, T, n, D]
-    pending: tuple[Tensor, Tensor] | None = None  # (H', beta) of the sublayer that just read
-    weights: list[Tensor] | None = None  # recording: per read site, [read | width | beta] as [2n + n^2, B, T, 1]
+    pending: tuple[Tensor, Tensor] | None = None  # (H' [B, T, N, e], beta [B, T, N]) of the sublayer that just read
+    weights: list[Tensor] | None = None  # recording: per read site, [read | width | beta] as [C, B, T, 1]
 
 
 class HyperConnectionsRouter(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         a = cfg.options
-        self.d, self.n, self.M = cfg.size.d_model, a.streams, cfg.size.n_sublayers
+        self.d, self.n, self.m, self.M = cfg.size.d_model, a.streams, a.fractions, cfg.size.n_sublayers
+        self.e, self.N = self.d // self.m, self.n * self.m  # fraction width, slots (stream s, fraction k)
         self.dynamic, self.manifold, self.iters = a.dynamic, a.manifold, a.sinkhorn_iters
-        n, d, M = self.n, self.d, self.M
-        self.static_alpha = nn.Parameter(torch.empty(M, n, n + 1))
-        self.static_beta = nn.Parameter(torch.empty(M, n))
+        self.layer_norm = a.hc_norm == "layer"
+        m, N, e, M = self.m, self.N, self.e, self.M
+        self.static_alpha = nn.Parameter(torch.empty(M, N, m + N))
+        self.static_beta = nn.Parameter(torch.empty(M, N))
         if self.dynamic:
-            self.norm_gain = nn.Parameter(torch.empty(M, d))
-            self.dynamic_alpha = nn.Parameter(torch.empty(M, d, n + 1))
-            self.dynamic_beta = nn.Parameter(torch.empty(M, d))
+            self.norm_gain = nn.Parameter(torch.empty(M, e))
+            if self.layer_norm:
+                self.norm_bias = nn.Parameter(torch.empty(M, e))
+            self.dynamic_alpha = nn.Parameter(torch.empty(M, e, m + N))
+            self.dynamic_beta = nn.Parameter(torch.empty(M, e))
             self.scales = nn.Parameter(torch.empty(M, 3 if self.manifold else 2))  # (alpha | pre, res), beta
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        m = self.m
         with torch.no_grad():
             self.static_alpha.zero_()
             for i in range(self.M):
-                self.static_alpha[i, i % self.n, 0] = 1.0  # the read: stream (i - 1) mod n of sublayer i
-                self.static_alpha[i, :, 1:] = torch.eye(self.n)
+                for k in range(m):  # the read Y: fraction k of stream (i - 1) mod n of sublayer i, into fraction k
+                    self.static_alpha[i, (i % self.n) * m + k, k] = 1.0
+                self.static_alpha[i, :, m:] = torch.eye(self.N)
             self.static_beta.fill_(1.0)
             if self.dynamic:
                 self.norm_gain.fill_(1.0)
+                if self.layer_norm:
+                    self.norm_bias.zero_()
                 self.dynamic_alpha.zero_()
                 self.dynamic_beta.zero_()
                 self.scales.fill_(SCALE0)
@@ -99,58 +128,80 @@ class HyperConnectionsRouter(nn.Module):
         return StreamsState(emb_BTD.unsqueeze(-2).expand(*emb_BTD.shape[:-1], self.n, self.d),
                             weights=[] if record else None)
 
+    def _norm(self, H: Tensor, i: int) -> Tensor:
+        """N(H) per slot over its e channels: RMSNorm * g, or LayerNorm (g, b; eps 1e-5) with `hc_norm: layer`."""
+        gain = self.norm_gain[i].to(H.dtype)
+        if self.layer_norm:
+            return F.layer_norm(H, (self.e,), gain, self.norm_bias[i].to(H.dtype), eps=1e-5)
+        return F.rms_norm(H, (self.e,)) * gain
+
     def _coefficients(self, H: Tensor, i: int) -> tuple[Tensor, Tensor]:
-        """(A [B, T, n, 1 + n], beta [B, T, n]) of sublayer i + 1 for streams H (compute dtype)."""
-        A, beta = self.static_alpha[i].to(H.dtype), self.static_beta[i].to(H.dtype)
+        """(A [B, T, N, m + N], beta [B, T, N]) of sublayer i + 1 for slots H [B, T, N, e] (compute dtype)."""
+        A, beta, m = self.static_alpha[i].to(H.dtype), self.static_beta[i].to(H.dtype), self.m
         if not self.dynamic:
             if self.manifold:
                 A = torch.cat((A[..., :1].sigmoid(), sinkhorn(A[..., 1:], self.iters)), dim=-1)
             return A.expand(*H.shape[:-2], *A.shape), beta.expand(H.shape[:-1])
-        normed = F.rms_norm(H, (self.d,)) * self.norm_gain[i].to(H.dtype)
+        normed = self._norm(H, i)
         wa, wb = normed @ self.dynamic_alpha[i].to(H.dtype), normed @ self.dynamic_beta[i].to(H.dtype)
         s = self.scales[i].to(H.dtype)
         if not self.manifold:
             return A + wa.tanh() * s[0], beta + wb.tanh() * s[1]
-        pre = (A[..., :1] + wa[..., :1] * s[0]).sigmoid()
-        res = sinkhorn(A[..., 1:] + wa[..., 1:] * s[1], self.iters)
+        pre = (A[..., :m] + wa[..., :m] * s[0]).sigmoid()  # mHC: m = 1 (validated)
+        res = sinkhorn(A[..., m:] + wa[..., m:] * s[1], self.iters)
         return torch.cat((pre, res), dim=-1), beta + 2 * wb.sigmoid() * s[2]
 
     def read(self, state: StreamsState, j: int) -> Tensor:
-        dtype = state.streams.dtype
+        dtype, m = state.streams.dtype, self.m
         if j == self.M:  # the head reads the sum of the streams
             return state.streams.sum(dim=-2)
         with torch.autocast(state.streams.device.type, enabled=False):
             H = state.streams.to(compute_dtype(dtype))
+            if m > 1:  # [B, T, n, D] -> slots [B, T, n m, e], slot s m + k = fraction k of stream s
+                H = H.unflatten(-1, (m, self.e)).flatten(-3, -2)
             A, beta = self._coefficients(H, j)
-            mixed = A.transpose(-1, -2) @ H  # [B, T, 1 + n, D]
-        state.pending = (mixed[..., 1:, :], beta)
-        if state.weights is not None:  # [B, T, n + n^2 + n] -> [2n + n^2, B, T, 1]
-            row = torch.cat((A[..., 0], A[..., 1:].flatten(-2), beta), dim=-1).detach().float()
+            mixed = A.transpose(-1, -2) @ H  # [B, T, m + N, e]: the read's m fractions, then the N new slots
+        state.pending = (mixed[..., m:, :], beta)
+        if state.weights is not None:  # [B, T, N m + N^2 + N] -> [N m + N^2 + N, B, T, 1]
+            row = torch.cat((A[..., :m].flatten(-2), A[..., m:].flatten(-2), beta), dim=-1).detach().float()
             state.weights.append(row.movedim(-1, 0).unsqueeze(-1))
-        return mixed[..., 0, :].to(dtype)
+        return mixed[..., :m, :].flatten(-2).to(dtype)  # concat over k of sum_i Y[i, k] H_i
 
     def write(self, state: StreamsState, i: int, out_BTE: Tensor) -> None:
         H, beta = state.pending
-        out = out_BTE[..., : self.d]
-        state.streams = (H + beta.unsqueeze(-1) * out.to(H.dtype).unsqueeze(-2)).to(out.dtype)
+        out = out_BTE[..., : self.d].to(H.dtype)
+        if self.m == 1:
+            H = H + beta.unsqueeze(-1) * out.unsqueeze(-2)
+        else:  # slot (s, k) takes back beta[s, k] times fraction k of the output
+            H = H.unflatten(-2, (self.n, self.m)) + beta.unflatten(-1, (self.n, self.m)).unsqueeze(-1) \
+                * out.unflatten(-1, (self.m, self.e)).unsqueeze(-3)
+            H = H.flatten(-2)
+        state.streams = H.to(out_BTE.dtype)
         state.pending = None
 
 
 @dataclass(frozen=True)
 class HyperConnectionsOptions(KindOptions):
     streams: int = 4  # n
-    dynamic: bool = True  # input-dependent coefficients (tanh(RMSNorm(H) W) s terms, s = 0 at init)
+    dynamic: bool = True  # input-dependent coefficients (tanh(N(H) W) s terms, W = 0 at init)
     manifold: bool = False  # mHC: Sinkhorn-Knopp doubly stochastic mixing, sigmoid pre / 2 sigmoid post maps
     sinkhorn_iters: int = 20
+    fractions: int = 1  # m: Frac-Connections' fractions of d per stream (1: Hyper-Connections)
+    hc_norm: str = "rms"  # N of the dynamic terms: rms (RMSNorm * g) | layer (LayerNorm: g, b)
 
     def validate(self, where: str) -> None:
-        for option in ("streams", "sinkhorn_iters"):
+        for option in ("streams", "sinkhorn_iters", "fractions"):
             value = getattr(self, option)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise config_error(where, option, f"must be a positive integer, got {value!r}")
         for option in ("dynamic", "manifold"):
             if not isinstance(getattr(self, option), bool):
                 raise config_error(where, option, f"must be true or false, got {getattr(self, option)!r}")
+        if self.hc_norm not in NORMS:
+            raise config_error(where, "hc_norm", f"must be one of {', '.join(NORMS)}, got {self.hc_norm!r}")
+        if self.manifold and self.fractions > 1:
+            raise config_error(where, "fractions", f"mHC (manifold: true) has no fractions (neither public code "
+                               f"defines it), got fractions={self.fractions}; set fractions: 1 or manifold: false")
 
 
 class HyperConnectionsKind(RoutingKind):
@@ -159,27 +210,41 @@ class HyperConnectionsKind(RoutingKind):
     diagnostics = "mixing"
 
     def diagnostic_axes(self, cfg: ModelConfig) -> dict:
-        n = cfg.options.streams
+        n, m = cfg.options.streams, cfg.options.fractions
+        slots = [str(s) if m == 1 else (f"{s}.{k}" if n > 1 else str(k)) for s in range(n) for k in range(m)]
+        reads = [f"read {a}" for a in slots] if m == 1 else [f"read {a}→{k}" for a in slots for k in range(m)]
+        source_axis = ("coefficient: read A[s, 0]; width s→t A[s, 1 + t]; depth β[s]" if m == 1 else
+                       "coefficient: read i→k Y[i, k] (into the input's fraction k); width i→k A_r[i, k]; depth β[k]"
+                       + ("; slots stream.fraction" if n > 1 else "; i, k fractions"))
         return {"site_labels": [str(j) for j in range(cfg.size.n_sublayers)],
-                "source_labels": ([f"read {s}" for s in range(n)] + [f"{s}→{t}" for s in range(n) for t in range(n)]
-                                  + [f"β {s}" for s in range(n)]),
-                "site_axis": "read site j (feeds sublayer j + 1)",
-                "source_axis": "coefficient: read A[s, 0]; width s→t A[s, 1 + t]; depth β[s]",
+                "source_labels": reads + [f"{a}→{b}" for a in slots for b in slots] + [f"β {a}" for a in slots],
+                "site_axis": "read site j (feeds sublayer j + 1)", "source_axis": source_axis,
                 "value": "mean coefficient", "embedding_column": None}
+
+    def validate_model(self, cfg: ModelConfig, where: str) -> None:
+        d, m = cfg.size.d_model, cfg.options.fractions
+        if d % m:
+            raise config_error(where, "fractions", f"d_model={d} is not divisible by fractions={m}; choose a "
+                               f"divisor of {d}")
+
+    def clipped_to(self, options: HyperConnectionsOptions, size) -> dict:
+        m = options.fractions
+        return {} if size.d_model % m == 0 else {"fractions": max(k for k in range(1, m) if size.d_model % k == 0)}
 
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return HyperConnectionsRouter(cfg)
 
     def routing_params(self, cfg: ModelConfig) -> int:
         a, d = cfg.options, cfg.size.d_model
-        n = a.streams
-        per = n * (n + 1) + n + ((d * (n + 1) + 2 * d + (3 if a.manifold else 2)) if a.dynamic else 0)
-        return cfg.size.n_sublayers * per
+        m, N, e = a.fractions, a.streams * a.fractions, d // a.fractions
+        dynamic = e * (2 if a.hc_norm == "layer" else 1) + e * (m + N) + e + (3 if a.manifold else 2)
+        return cfg.size.n_sublayers * (N * (m + N) + N + (dynamic if a.dynamic else 0))
 
     def added_flops(self, cfg: ModelConfig) -> int:
         a, d = cfg.options, cfg.size.d_model
-        n = a.streams
-        per = 2 * d * n * (n + 1) + 2 * n * d + ((2 * n * d * (n + 2) + 4 * n * d) if a.dynamic else 0)
+        n, m, N = a.streams, a.fractions, a.streams * a.fractions  # N slots of e = d / m channels: N e = n d
+        norm = 7 if a.hc_norm == "layer" else 4  # per channel: RMSNorm * g 4; LayerNorm adds mean, centring, bias
+        per = 2 * n * d * (m + N) + 2 * n * d + ((2 * n * d * (m + N + 1) + norm * n * d) if a.dynamic else 0)
         return cfg.size.n_sublayers * per + n * d
 
     def adamw_names(self, router: nn.Module) -> None:
