@@ -81,7 +81,7 @@ def test_a_missing_source_is_one_line(tiny_data, tmp_path, monkeypatch, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("ablation", ["denseformer", "delta-attnres-null", "mhc-n4"])
+@pytest.mark.parametrize("ablation", ["denseformer", "delta-attnres-null", "mhc-n4", "laurel"])
 def test_the_compared_methods_train_and_upcycle_from_a_baseline(baseline, tiny_data, tmp_path, monkeypatch,  # noqa: F811
                                                                capsys, ablation):
     """Each compared method fits through the CLI from a baseline's weights; MLflow records its kind, options and

@@ -7,6 +7,7 @@
     routing: denseformer         denseformer.py        DenseFormer's depth-weighted averages
     routing: delta_attnres       delta_attnres.py      Delta Attention Residuals
     routing: hyper_connections   hyper_connections.py  Hyper-Connections and mHC
+    routing: laurel              laurel.py             LAuReL's learned residual per sublayer (RW, LR, both)
 
 A new built-in kind is its module (a `RoutingKind` with its `Options` dataclass: kind.py) added to KINDS, and
 registry entries. `ablation_from_fields` reads the flat fields of a registry entry or a stored config (a
@@ -28,6 +29,7 @@ from lrattn_lightning.model.routing import (
     external,
     gated,
     hyper_connections,
+    laurel,
     residual,
 )
 from lrattn_lightning.model.routing.attnres import kind as attnres
@@ -35,7 +37,7 @@ from lrattn_lightning.model.routing.kind import RoutingKind
 
 KINDS: dict[str, RoutingKind] = {k.name: k for k in (
     residual.KIND, attnres.KIND, gated.KIND, external.KIND, denseformer.KIND, delta_attnres.KIND,
-    hyper_connections.KIND)}
+    hyper_connections.KIND, laurel.KIND)}
 ENTRY_FIELDS = ("doc", "control", "routing", "tags")  # what every entry has, whatever its kind
 
 
