@@ -112,12 +112,12 @@ def variant(ablation: AblationConfig, **changes) -> AblationConfig:
 
 
 def randomize_routing(model: torch.nn.Module, std: float = 0.5) -> None:
-    """Give the zero-initialised pseudo-queries (and static keys, Hyper-Connections' dynamic coefficient tables)
+    """Give the zero-initialised pseudo-queries (and static keys, Hyper-Connections' dynamic coefficient tables, LAuReL's B)
     random values so routing is not uniform and no routing parameter sits where its gradient vanishes."""
     router = model.router
     with torch.no_grad():
         for name, p in router.named_parameters():
-            if name in ("queries", "query_gates", "dynamic_alpha", "dynamic_beta") or name.startswith("embedding_key_static"):
+            if name in ("queries", "query_gates", "dynamic_alpha", "dynamic_beta", "up") or name.startswith("embedding_key_static"):
                 p.normal_(std=std)
 
 

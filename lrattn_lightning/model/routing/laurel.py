@@ -14,15 +14,15 @@ reads x, the raw stream before the sublayer (not its pre-norm), so x A B augment
 the plain stream (no final mixing). Initialisation as there: w = 0 (a = b = 1 exactly), B = 0 and A "column
 orthogonal", A[j, j mod r] = 1/sqrt(r d), else 0; so every entry starts as the baseline exactly (B = 0 alone
 does that; A's start only shapes B's first gradients). Gemma 3n's `Gemma3nTextLaurelBlock` is another LR form,
-not built here: it reads the pre-normed input, RMSNorms x A B (with a gain) and adds it beside the attention
-residual only, scaled by 1/sqrt(2). The small math runs in float32 (float64 for float64 models) with autocast
+not built here: around attention only, with n = the pre-normed input, it adds n + RMSNorm(n A B) (a gain) to the
+attention's residual sum and scales the whole by 1/sqrt(2). The small math runs in float32 (float64 for float64 models) with autocast
 off; the factory runs x A B in the autocast dtype and (a, b) in the parameters' float32 cast to the stream's.
 
     params/sublayer  rw 2          lr 2 d r          rw_lr 2 + 2 d r
     FLOPs/token      the module computes per sublayer x A (2 d r), (x A) B (2 d r), x + x A B (d), a f + b s (3 d);
                      the baseline's own add x + f (d, outside the core count) is not added, so per sublayer
                      rw 2 d          lr 4 d r + d       rw_lr 4 d r + 3 d          (times 2L)
-                     (SPEC's ~4 d r + 5 d counts a f + b s as two multiply-adds and the baseline's add too)
+                     (SPEC's ~4 d r + 5 d counts a f + b s as two multiply-adds, 4 d, and keeps the baseline's add)
 
 Depth routing is per token: KV-cache decoding needs no cache of its own. AdamW takes every parameter under
 muon_adamw, A and B too: the factory trains them so (its recipe has no Muon; the connection's parameters get
@@ -130,7 +130,7 @@ class LaurelOptions(KindOptions):
             raise config_error(where, "laurel_rank", f"must be a positive integer, got {r!r}")
         if self.laurel_mode == "rw" and r != DEFAULT_RANK:
             raise config_error(where, "laurel_rank", f"laurel_mode rw has no low-rank term; remove laurel_rank={r} "
-                               "(or choose laurel_mode lr or rw_lr)")
+                               f"(over an `extends`, reset it to {DEFAULT_RANK}) or choose laurel_mode lr or rw_lr")
 
 
 class LaurelKind(RoutingKind):
