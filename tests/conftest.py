@@ -113,12 +113,12 @@ def variant(ablation: AblationConfig, **changes) -> AblationConfig:
 
 def randomize_routing(model: torch.nn.Module, std: float = 0.5) -> None:
     """Give the zero-initialised pseudo-queries (and static keys, the dynamic coefficient tables of
-    Hyper-Connections and MUDDFormer) random values so routing is not uniform and no routing parameter sits where
-    its gradient vanishes."""
+    Hyper-Connections and MUDDFormer, LAuReL's B) random values so routing is not uniform and no routing parameter
+    sits where its gradient vanishes."""
     router = model.router
     with torch.no_grad():
         for name, p in router.named_parameters():
-            if (name in ("queries", "query_gates", "dynamic_alpha", "dynamic_beta")
+            if (name in ("queries", "query_gates", "dynamic_alpha", "dynamic_beta", "up")
                     or name.startswith(("embedding_key_static", "w2."))):  # (w2.i: MUDDFormer's zero-started W2)
                 p.normal_(std=std)
 

@@ -9,6 +9,7 @@
     routing: hyper_connections   hyper_connections.py  Hyper-Connections and mHC
     routing: muddformer          muddformer.py         MUDDFormer's multiway dynamic dense connections
     routing: value_residual      value_residual.py     value residual learning (ResFormer)
+    routing: laurel              laurel.py             LAuReL's learned residual per sublayer (RW, LR, both)
 
 A new built-in kind is its module (a `RoutingKind` with its `Options` dataclass: kind.py) added to KINDS, and
 registry entries. `ablation_from_fields` reads the flat fields of a registry entry or a stored config (a
@@ -30,6 +31,7 @@ from lrattn_lightning.model.routing import (
     external,
     gated,
     hyper_connections,
+    laurel,
     muddformer,
     residual,
     value_residual,
@@ -39,7 +41,7 @@ from lrattn_lightning.model.routing.kind import RoutingKind
 
 KINDS: dict[str, RoutingKind] = {k.name: k for k in (
     residual.KIND, attnres.KIND, gated.KIND, external.KIND, denseformer.KIND, delta_attnres.KIND,
-    hyper_connections.KIND, muddformer.KIND, value_residual.KIND)}
+    hyper_connections.KIND, muddformer.KIND, value_residual.KIND, laurel.KIND)}
 ENTRY_FIELDS = ("doc", "control", "routing", "tags")  # what every entry has, whatever its kind
 
 

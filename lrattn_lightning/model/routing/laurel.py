@@ -1,0 +1,181 @@
+"""LAuReL, the learned augmented residual layer (Menghani et al., arXiv 2411.07501; SPEC §10; `routing: laurel`).
+
+Every sublayer i = 1..2L (attention and MLP alike) writes back through its own learned residual. With x the
+stream entering the sublayer and f = o_i what it computes from RMSNorm(x):
+
+    rw      x' = a f + b x
+    lr      x' = f + x + x A B                      A [d, r], B [r, d]: a rank-r term of the stream itself
+    rw_lr   x' = a f + b (x + x A B)                (`laurel_mode`, default rw_lr; r: `laurel_rank`, default 16)
+
+    (a, b) = 2 softmax(w), w [2] per sublayer       the same in rw and rw_lr; lr has no w (a = b = 1)
+
+This is wdlctc/hyper-connection-factory's `LAuReL` connection (its defaults: rw_lr, r = 16): the low-rank term
+reads x, the raw stream before the sublayer (not its pre-norm), so x A B augments the skip path; the head reads
+the plain stream (no final mixing). Initialisation as there: w = 0 (a = b = 1 exactly), B = 0 and A "column
+orthogonal", A[j, j mod r] = 1/sqrt(r d), else 0; so every entry starts as the baseline exactly (B = 0 alone
+does that; A's start only shapes B's first gradients). Gemma 3n's `Gemma3nTextLaurelBlock` is another LR form,
+not built here: around attention only, with n = the pre-normed input, it adds n + RMSNorm(n A B) (a gain) to the
+attention's residual sum and scales the whole by 1/sqrt(2). The small math runs in float32 (float64 for float64 models) with autocast
+off; the factory runs x A B in the autocast dtype and (a, b) in the parameters' float32 cast to the stream's.
+
+    params/sublayer  rw 2          lr 2 d r          rw_lr 2 + 2 d r
+    FLOPs/token      the module computes per sublayer x A (2 d r), (x A) B (2 d r), x + x A B (d), a f + b s (3 d);
+                     the baseline's own add x + f (d, outside the core count) is not added, so per sublayer
+                     rw 2 d          lr 4 d r + d       rw_lr 4 d r + 3 d          (times 2L)
+                     (SPEC's ~4 d r + 5 d counts a f + b s as two multiply-adds, 4 d, and keeps the baseline's add)
+
+Depth routing is per token: KV-cache decoding needs no cache of its own. AdamW takes every parameter under
+muon_adamw, A and B too: the factory trains them so (its recipe has no Muon; the connection's parameters get
+AdamW without weight decay, as our AdamW group's default), and its published comparison is what an entry
+reproduces; they are small per-sublayer tables stored stacked [M, d, r] / [M, r, d], not the core's matrices.
+Diagnostics ("mixing"): a recording pass keeps one heatmap row per sublayer: (a, b) where the mode has them,
+then, where it has the low-rank term, |x A B| / |x|, the augment's size relative to the stream (L2 norms over
+d, per token; 0 at the start).
+
+Shape legend: B batch, T tokens, D = d_model, r = laurel_rank, M = 2L sublayers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+import torch
+from torch import Tensor, nn
+
+from lrattn_lightning.core.errors import check_literal, config_error
+from lrattn_lightning.model.config import ModelConfig, SizeConfig
+from lrattn_lightning.model.routing._math import compute_dtype
+from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
+
+LaurelMode = Literal["rw", "lr", "rw_lr"]
+DEFAULT_RANK = 16  # the factory's default
+
+
+@dataclass
+class LaurelState:
+    stream: Tensor  # x [B, T, D], the plain stream the next sublayer reads
+    weights: list[Tensor] | None = field(default=None)  # recording: per sublayer [(a, b) | |xAB|/|x|] as [S, B, T, 1]
+
+
+class LaurelRouter(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        a = cfg.options
+        self.d, self.M, self.r = cfg.size.d_model, cfg.size.n_sublayers, a.laurel_rank
+        self.rw, self.lr = a.laurel_mode in ("rw", "rw_lr"), a.laurel_mode in ("lr", "rw_lr")
+        if self.rw:
+            self.mix_logits = nn.Parameter(torch.empty(self.M, 2))  # w: (a, b) = 2 softmax(w)
+        if self.lr:
+            self.down = nn.Parameter(torch.empty(self.M, self.d, self.r))  # A
+            self.up = nn.Parameter(torch.empty(self.M, self.r, self.d))  # B
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            if self.rw:
+                self.mix_logits.zero_()
+            if self.lr:
+                self.down.zero_()
+                rows = torch.arange(self.d)
+                self.down[:, rows, rows % self.r] = 1.0 / math.sqrt(self.r * self.d)
+                self.up.zero_()
+
+    def new_cache(self) -> None:
+        return None
+
+    def start(self, emb_BTD: Tensor, *, record: bool = False, cache: None = None,
+              segments: Tensor | None = None) -> LaurelState:
+        return LaurelState(emb_BTD, [] if record else None)
+
+    def read(self, state: LaurelState, j: int) -> Tensor:
+        return state.stream
+
+    def write(self, state: LaurelState, i: int, out_BTE: Tensor) -> None:
+        x, f = state.stream, out_BTE[..., : self.d]
+        dtype = torch.promote_types(x.dtype, f.dtype)  # what the plain residual x + f would be
+        row = []
+        with torch.autocast(x.device.type, enabled=False):
+            ct = compute_dtype(dtype)
+            xc, fc = x.to(ct), f.to(ct)
+            skip = xc
+            if self.lr:
+                augment = (xc @ self.down[i - 1].to(ct)) @ self.up[i - 1].to(ct)  # x A B [B, T, D]
+                skip = xc + augment
+            if self.rw:
+                ab = 2 * self.mix_logits[i - 1].to(ct).softmax(0)
+                new = ab[0] * fc + ab[1] * skip
+                row.append(ab.detach().float().view(2, 1, 1, 1))
+            else:
+                new = fc + skip
+            if self.lr and state.weights is not None:
+                size = augment.detach().norm(dim=-1) / xc.detach().norm(dim=-1).clamp_min(torch.finfo(ct).tiny)
+                row.append(size.float().unsqueeze(0).unsqueeze(-1))  # [1, B, T, 1]
+        state.stream = new.to(dtype)
+        if state.weights is not None:
+            shape = torch.broadcast_shapes(*(w.shape[1:] for w in row))
+            state.weights.append(torch.cat([w.expand(w.shape[0], *shape) for w in row]))
+
+
+@dataclass(frozen=True)
+class LaurelOptions(KindOptions):
+    laurel_mode: LaurelMode = "rw_lr"  # rw: learned (a, b); lr: + x A B; rw_lr: both (the factory's default)
+    laurel_rank: int = DEFAULT_RANK  # r of the low-rank term (lr, rw_lr)
+
+    def validate(self, where: str) -> None:
+        check_literal(where, "laurel_mode", self.laurel_mode, get_args(LaurelMode))
+        r = self.laurel_rank
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise config_error(where, "laurel_rank", f"must be a positive integer, got {r!r}")
+        if self.laurel_mode == "rw" and r != DEFAULT_RANK:
+            raise config_error(where, "laurel_rank", f"laurel_mode rw has no low-rank term; remove laurel_rank={r} "
+                               f"(over an `extends`, reset it to {DEFAULT_RANK}) or choose laurel_mode lr or rw_lr")
+
+
+class LaurelKind(RoutingKind):
+    name = "laurel"
+    Options = LaurelOptions
+    diagnostics = "mixing"
+
+    @staticmethod
+    def _modes(cfg: ModelConfig) -> tuple[bool, bool]:
+        mode = cfg.options.laurel_mode
+        return mode in ("rw", "rw_lr"), mode in ("lr", "rw_lr")
+
+    def diagnostic_axes(self, cfg: ModelConfig) -> dict[str, Any]:
+        rw, lr = self._modes(cfg)
+        sources = (["a (f)", "b (skip)"] if rw else []) + (["|xAB|/|x|"] if lr else [])
+        return {"site_labels": [f"{i} {'attn' if i % 2 else 'mlp'}" for i in range(1, cfg.size.n_sublayers + 1)],
+                "source_labels": sources, "site_axis": "sublayer i (its write x' = a f + b (x + x A B))",
+                "source_axis": "a: weight of the sublayer's output f; b: of the skip path; |xAB|/|x|: the low-rank "
+                               "term's size relative to the stream",
+                "value": "mean over tokens", "embedding_column": None}
+
+    def validate_model(self, cfg: ModelConfig, where: str) -> None:
+        r, d = cfg.options.laurel_rank, cfg.size.d_model
+        if self._modes(cfg)[1] and r > d:
+            raise config_error(where, "laurel_rank", f"laurel_rank={r} exceeds d_model={d}; choose laurel_rank <= {d}")
+
+    def clipped_to(self, options: LaurelOptions, size: SizeConfig) -> dict[str, Any]:
+        if options.laurel_mode != "rw" and options.laurel_rank > size.d_model:
+            return {"laurel_rank": size.d_model}
+        return {}
+
+    def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
+        return LaurelRouter(cfg)
+
+    def routing_params(self, cfg: ModelConfig) -> int:
+        rw, lr = self._modes(cfg)
+        return cfg.size.n_sublayers * (2 * rw + 2 * cfg.size.d_model * cfg.options.laurel_rank * lr)
+
+    def added_flops(self, cfg: ModelConfig) -> int:
+        rw, lr = self._modes(cfg)
+        d, r = cfg.size.d_model, cfg.options.laurel_rank
+        return cfg.size.n_sublayers * ((4 * d * r + d) * lr + 2 * d * rw)
+
+    def adamw_names(self, router: nn.Module) -> None:
+        return None  # every parameter, A and B too (the module docstring says why)
+
+
+KIND = LaurelKind()
