@@ -10,7 +10,7 @@ from conftest import DEEPER, assert_causal_and_decodes_with_the_kv_cache, captur
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, count_params, routing_params
-from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.config import ModelConfig, SizeConfig
 from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.model.registry import parse_registry
 from lrattn_lightning.model.routing.hyper_connections import sinkhorn
@@ -20,9 +20,9 @@ SIZE = DEEPER
 BASELINE = parse_registry({"sizes": {}, "ablations": {"b": {"doc": "b", "control": None}}}).ablation("b")
 
 
-def config(**options) -> ModelConfig:
+def config(size=SIZE, **options) -> ModelConfig:
     raw = {"sizes": {}, "ablations": {"hc": {"doc": "d", "control": None, "routing": "hyper_connections", **options}}}
-    return ModelConfig(SIZE, parse_registry(raw).ablation("hc"))
+    return ModelConfig(size, parse_registry(raw).ablation("hc"))
 
 
 def with_baseline_core(cfg):
@@ -139,11 +139,14 @@ def test_causal_and_decodes_with_the_kv_cache(manifold):
 @pytest.mark.parametrize("manifold", [False, True])
 def test_float64_gradients_of_the_router(manifold):
     torch.manual_seed(3)
-    model = build_decoder(config(streams=2, manifold=manifold, sinkhorn_iters=5)).double().eval()
+    # d = 8, 2 layers: every router parameter checked (about 200 numbers; a gradcheck costs two passes per number)
+    small = SizeConfig(name="grad", doc="tests: gradcheck", n_layers=2, d_model=8, n_heads=2, d_mlp=16,
+                       vocab_size=31, seq_len=8)
+    model = build_decoder(config(small, streams=2, manifold=manifold, sinkhorn_iters=5)).double().eval()
     with torch.no_grad():
         for p in model.router.parameters():
             p.add_(torch.randn_like(p) * 0.3)
-    idx = tokens(SIZE.vocab_size, batch=1, length=4)
+    idx = tokens(small.vocab_size, batch=1, length=4)
     names = [n for n, _ in model.router.named_parameters()]
 
     def loss(*params):
