@@ -38,6 +38,10 @@ DEEPER = SizeConfig(
     name="tiny-l3", doc="tests: three layers", n_layers=3, d_model=32, n_heads=4, d_mlp=48,
     vocab_size=97, seq_len=16,
 )
+# gradchecks: a float64 gradcheck costs two forward passes per checked number, so the routers' parameters are
+# checked whole on a narrow model
+GRAD = SizeConfig(name="grad", doc="tests: gradcheck", n_layers=3, d_model=8, n_heads=2, d_mlp=16, vocab_size=31,
+                  seq_len=8)
 
 
 # The modules that take longest (measured on 2 cores, durations summed), started first (the one-process

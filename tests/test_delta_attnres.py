@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEEPER, assert_causal_and_decodes_with_the_kv_cache, capture, ref_rms_norm, tokens
+from conftest import DEEPER, GRAD, assert_causal_and_decodes_with_the_kv_cache, capture, ref_rms_norm, tokens
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, count_params, routing_params
@@ -17,10 +17,10 @@ from lrattn_lightning.train.optim import split_parameters
 SIZE = DEEPER  # three layers, d = 32
 
 
-def config(null_source=False) -> ModelConfig:
+def config(null_source=False, size=SIZE) -> ModelConfig:
     raw = {"sizes": {}, "ablations": {"delta": {"doc": "d", "control": None, "routing": "delta_attnres",
                                                 "null_source": null_source}}}
-    return ModelConfig(SIZE, parse_registry(raw).ablation("delta"))
+    return ModelConfig(size, parse_registry(raw).ablation("delta"))
 
 
 def randomized(cfg, seed=0):
@@ -97,8 +97,8 @@ def test_causal_and_decodes_with_the_kv_cache():
 
 
 def test_float64_gradients_of_the_router():
-    model = randomized(config(True))
-    idx = tokens(SIZE.vocab_size, batch=1, length=5)
+    model = randomized(config(True, size=GRAD))
+    idx = tokens(GRAD.vocab_size, batch=1, length=5)
     names = [n for n, _ in model.router.named_parameters()]
 
     def loss(*params):

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from conftest import (
     DEEPER,
+    GRAD,
     assert_causal_and_decodes_with_the_kv_cache,
     capture,
     ref_rms_norm,
@@ -138,8 +139,8 @@ def test_causal_and_decodes_with_the_kv_cache(sources):
 
 
 def test_float64_gradients_of_the_router():
-    model = randomized(config(DEEPER, null=True, delta_block_layers=1))
-    idx = tokens(DEEPER.vocab_size, batch=1, length=5)
+    model = randomized(config(GRAD, null=True, delta_block_layers=1))
+    idx = tokens(GRAD.vocab_size, batch=1, length=5)
     names = [n for n, _ in model.router.named_parameters()]
 
     def loss(*params):
