@@ -26,7 +26,8 @@ transformers = pytest.importorskip("transformers")
 REGISTRY = load_registry()
 ENTRIES = ["baseline", "attnres-block-n8", "s-lr-block-n8-r64", "p-lr-block-n8-r32", "vp-lr-block-n8-r32",
            "vp-shared-lr-block-n8-r32", "p-lr-block-n8-r32-dynquery", "p-lr-block-n8-r32-projstatic-embkey",
-           "gated-residual", "muddformer-ppn", "value-residual-learned"]
+           "gated-residual", "muddformer-ppn", "value-residual-learned", "laurel", "frac-connections-m2",
+           "delta-attnres-block"]
 
 
 def make_checkpoint(path: Path, name: str, *, seq_len: int = 64, doc_separator: int | None = None) -> torch.nn.Module:
