@@ -8,6 +8,7 @@ autograd Functions are in fast_functions.py.
    [N, r] @ [r, J] matmul per source. With key norm, <RMSNorm(x), q> = rstd <x, q>: the normalised
    key is never materialised, and its backward needs only the stored logits (`_key_grads` in
    fast_functions.py). The key gradients of all sites that read a source are folded in one matmul.
+   With depth_head_norm full one rstd spans every head's slice, and the norm's backward sums over heads.
 
 2. Two-phase block routing (AttnRes report). The read sites between two block ends form a *group*:
    they all see the same completed sources C (embedding + finished block summaries). Phase 1 runs once

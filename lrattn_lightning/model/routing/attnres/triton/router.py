@@ -10,7 +10,10 @@ materialised (<RMSNorm(x), q> = rstd <x, q>), the softmax is online in float32 w
 the hand-written backward, and the partial block is merged in the same pass. The keys come from the
 router's key source (keys.py) exactly as for the other backends; the raw key is handed to the kernel,
 which normalises it with the source's eps (a sliced key of a mean / sqrt-mean summary read from the
-summary's value takes eps / c^(2a): _math.py).
+summary's value takes eps / c^(2a): _math.py). A key norm over the whole key with several depth heads
+(depth_head_norm full, MHAR) is not the kernels' per-head norm: those keys are normalised here in the compute
+dtype, as `reference` does, and reach the kernels as carried keys with their norm off (no kernel changes; the
+key gain is folded into the query, and rms block summaries are ordinary values, as in every backend).
 
 Under autocast the sources keep their dtypes (the float32 embedding, bfloat16 sublayer outputs and
 summaries: the summaries share one dtype, cast once when stored); loads are converted to float32 and h is
