@@ -116,10 +116,10 @@ class AttnResOptions(KindOptions):
             raise config_error(where, "block_summary", "'rms' normalises the outputs of completed blocks: give blocks "
                                "or block_size, or use block_summary sum for full routing")
         if a.key_norm == "none":
-            for field, value in (("depth_head_norm", "full"), ("key_gain", True)):
+            for field, value, default in (("depth_head_norm", "full", "per_head"), ("key_gain", True, "false")):
                 if getattr(a, field) == value:
-                    raise config_error(where, field, f"{field}: {str(value).lower()} shapes the key norm, and "
-                                       "key_norm is none; set key_norm: rms")
+                    raise config_error(where, field, f"{str(value).lower()} shapes the key norm, but key_norm is none; "
+                                       f"set key_norm: rms or {field}: {default}")
         if a.key_source == "value":
             if a.rank is not None:
                 raise config_error(where, "rank", "key_source 'value' uses the full width d as key; leave rank null")
