@@ -82,7 +82,8 @@ def test_a_missing_source_is_one_line(tiny_data, tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("ablation", ["denseformer", "delta-attnres-null", "delta-attnres-block", "mhc-n4",
-                                      "frac-connections-m2", "muddformer-ppn", "value-residual-learned", "laurel"])
+                                      "frac-connections-m2", "muddformer-ppn", "value-residual-learned", "laurel",
+                                      "attnres-block-size4-rms", "mhar-h4"])
 def test_the_compared_methods_train_and_upcycle_from_a_baseline(baseline, tiny_data, tmp_path, monkeypatch,  # noqa: F811
                                                                capsys, ablation):
     """Each compared method fits through the CLI from a baseline's weights; MLflow records its kind, options and

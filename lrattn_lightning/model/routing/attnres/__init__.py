@@ -5,6 +5,7 @@
     backends.py        the one table of backends: name, router class, compiled substitute, what it needs
     reference.py       the readable backend (nanoGPT-style): sources, block summaries, depth_read
     keys.py            key sources (value, projected, sliced, value_projected[_shared]) with their parameters
+    summary.py         RMS Block AttnRes's summaries (block_summary rms): the normalised outputs' sum
     fast.py, fast_functions.py   the buffered backend and its hand-written autograd Functions
     compiled.py        plain tensor ops for torch.compile
     triton/            fused Triton kernels (kernels.py: triton only), their torch custom ops, the router

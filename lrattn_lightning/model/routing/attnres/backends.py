@@ -12,6 +12,10 @@ decoding with `reference` for every entry):
                                                                     (TRITON_INTERPRET=1): fused kernels as torch
                                                                     custom ops, kept whole by torch.compile
 
+Every backend serves every option, block_summary rms and MHAR's depth_head_norm full / key_gain included
+(the triton kernels normalise keys per depth head: a whole-key norm is applied before them, its keys handed
+over as carried keys with the kernels' norm off; triton/router.py).
+
 `fast` is not traceable by torch.compile (its compiled substitute is `compiled`) and does not fold per-token
 queries into write-time logits: for `query: gated_dynamic` the kind takes `compiled`, run eagerly. KV-cache
 decoding runs the named backend too (on CPU `reference` / `compiled` decode faster than `fast`: ~0.10 s against

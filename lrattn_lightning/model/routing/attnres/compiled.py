@@ -26,11 +26,10 @@ from lrattn_lightning.model.routing._math import (
     PartialBlock,
     compute_dtype,
     count_prior,
-    head_rms_norm,
     logits,
-    rstd,
     site_matmul,
 )
+from lrattn_lightning.model.routing.attnres.keys import key_rstd
 from lrattn_lightning.model.routing.attnres.reference import AttnResRouter
 
 
@@ -39,7 +38,7 @@ class CompiledState:
     """One forward pass of the compiled backend."""
 
     embedding: Tensor  # site 0 reads it unchanged
-    queries: Tensor  # [J, r], query-normed if configured (static queries)
+    queries: Tensor  # [J, r], query-normed and gained if configured (static queries)
     shape: tuple[int, int, int]  # B, T, D
     values: list[Tensor] = field(default_factory=list)  # completed sources [B, T, D]
     logits: list[Tensor] = field(default_factory=list)  # static queries: per source [N, m, J]
@@ -54,11 +53,9 @@ class CompiledAttnRes(AttnResRouter):
 
     def start(self, emb_BTD: Tensor, *, record: bool = False, cache: None = None,
               segments: Tensor | None = None) -> CompiledState:
-        queries = self.queries
-        if self.query_norm and not self.dynamic_query:
-            queries = head_rms_norm(queries.to(compute_dtype(queries.dtype)), self.heads)
+        queries = self.queries if self.dynamic_query else self.static_queries()
         # (the PartialBlock is made here, not by a default factory, which Dynamo cannot trace)
-        state = CompiledState(emb_BTD, queries, tuple(emb_BTD.shape), partial=PartialBlock(),
+        state = CompiledState(emb_BTD, queries, tuple(emb_BTD.shape), partial=self.new_partial(),
                               weights=[] if record else None)
         self._store(state, emb_BTD, self.key_source.embedding(emb_BTD), 1)
         return state
@@ -67,7 +64,7 @@ class CompiledAttnRes(AttnResRouter):
         value_BTD, key_BTr, state.dynamic_query = self.split_output(out_BTE)
         state.partial.add(value_BTD, key_BTr, i)
         if i in self.ends:  # the block is complete: summarise it once
-            value, key = self.key_source.summary(state.partial)
+            value, key = self.completed(state.partial)
             self._store(state, value, key, state.partial.count)
             state.partial.clear()
 
@@ -116,7 +113,7 @@ class CompiledAttnRes(AttnResRouter):
             key_BTr, eps_factor = keys.from_value(value_BTD), keys.eps_factor(count)
         N = key_BTr.shape[0] * key_BTr.shape[1]
         x_Nmk = key_BTr.reshape(N, self.heads, -1).to(compute_dtype(key_BTr.dtype))
-        return x_Nmk, (rstd(x_Nmk, eps_factor) if self.key_norm else None)
+        return x_Nmk, (key_rstd(x_Nmk, eps_factor, self.full_norm) if self.key_norm else None)
 
     def _store(self, state: CompiledState, value: Tensor, key: Tensor, count: int) -> None:
         state.values.append(value)

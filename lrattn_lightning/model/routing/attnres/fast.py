@@ -8,6 +8,7 @@ autograd Functions are in fast_functions.py.
    [N, r] @ [r, J] matmul per source. With key norm, <RMSNorm(x), q> = rstd <x, q>: the normalised
    key is never materialised, and its backward needs only the stored logits (`_key_grads` in
    fast_functions.py). The key gradients of all sites that read a source are folded in one matmul.
+   With depth_head_norm full one rstd spans every head's slice, and the norm's backward sums over heads.
 
 2. Two-phase block routing (AttnRes report). The read sites between two block ends form a *group*:
    they all see the same completed sources C (embedding + finished block summaries). Phase 1 runs once
@@ -60,7 +61,7 @@ from torch import Tensor
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.config import ModelConfig
-from lrattn_lightning.model.routing._math import PartialBlock, compute_dtype, count_prior, head_rms_norm
+from lrattn_lightning.model.routing._math import PartialBlock, count_prior
 from lrattn_lightning.model.routing.attnres.fast_functions import (
     GroupRead,
     PartialRead,
@@ -76,7 +77,7 @@ class FastState:
     """One forward pass of the fast backend: its buffers and the current group's phase-1 results."""
 
     embedding: Tensor  # site 0 reads it unchanged
-    queries: Tensor  # [J, r], query-normed if configured (computed once per pass)
+    queries: Tensor  # [J, r], query-normed and gained if configured (computed once per pass)
     buffers: SourceBuffers
     shape: tuple[int, int, int]  # B, T, D
     partial: PartialBlock = field(default_factory=PartialBlock)
@@ -109,6 +110,7 @@ class FastAttnRes(AttnResRouter):
         counts = [1] + [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         self.plan = Plan(
             heads=self.heads, rank=self.rank, scale=self.scale, key_norm=self.key_norm, keys=self.key_source,
+            full_norm=self.full_norm,
             first_column=[max(b, 1) - 1 for b in bounds], counts=counts,
             prior=[count_prior(self.count_prior, c) for c in counts], count_prior=self.count_prior,
         )
@@ -120,14 +122,13 @@ class FastAttnRes(AttnResRouter):
             raise InputError("routing backend 'fast' cannot run under torch.compile (autograd Functions over "
                              "buffers); build the decoder with impl 'compiled'")
         B, T, D = emb_BTD.shape
-        queries = self.queries
-        if self.query_norm:
-            queries = head_rms_norm(queries.to(compute_dtype(queries.dtype)), self.heads)
+        queries = self.static_queries()
         key_BTr = self.key_source.embedding(emb_BTD) if self.key_source.carried else None
         key_dtype = emb_BTD.dtype if key_BTr is None else key_BTr.dtype
         buffers = SourceBuffers(self.plan, len(self.group_sites), self.n_sublayers, B * T, D, emb_BTD.dtype,
                                 key_dtype, emb_BTD.device)
-        state = FastState(emb_BTD, queries, buffers, (B, T, D), weights=[] if record else None)
+        state = FastState(emb_BTD, queries, buffers, (B, T, D), partial=self.new_partial(),
+                          weights=[] if record else None)
         state.tokens.append(StoreSource.apply(emb_BTD, key_BTr, queries, buffers))
         return state
 
@@ -135,7 +136,7 @@ class FastAttnRes(AttnResRouter):
         value_BTD, key_BTr, _ = self.split_output(out_BTE)
         state.partial.add(value_BTD, key_BTr, i)
         if i in self.ends:  # the block is complete: summarise it once
-            value, key = self.key_source.summary(state.partial)
+            value, key = self.completed(state.partial)
             key = key if self.key_source.carried else None
             state.tokens.append(StoreSource.apply(value, key, state.queries, state.buffers))
             state.partial.clear()

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lrattn_lightning.model.routing._math import compute_dtype, count_prior, logits, rstd, site_matmul
-from lrattn_lightning.model.routing.attnres.keys import KeySource
+from lrattn_lightning.model.routing._math import compute_dtype, count_prior, logits, site_matmul
+from lrattn_lightning.model.routing.attnres.keys import KeySource, key_rstd
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Plan:
     counts: list[int]  # per source: the outputs it summarises
     prior: list[float]  # per source: beta * log(count) (all 0 without a count prior)
     count_prior: float = 0.0  # beta
+    full_norm: bool = False  # the key norm spans the whole key (depth_head_norm full), not each head's slice
 
 
 class SourceBuffers:
@@ -89,12 +90,14 @@ class SourceBuffers:
 
 
 def _key_grads(grad_logits_NmJ: Tensor, logits_NmJ: Tensor, x_Nmk: Tensor, rstd_Nm1: Tensor | None,
-               q_Jmk: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+               q_Jmk: Tensor, scale: float, full: bool = False) -> tuple[Tensor, Tensor]:
     """Gradients of logit_j = scale rstd <x, q_j> + b (b constant) w.r.t. x [N, m, k] and q [J, m, k].
 
-    With y = rstd x the normalised key: d logit_j / dx = scale rstd (q_j - y <y, q_j> / r), and
-    sum_j g_j scale rstd <y, q_j> ... = (rstd^2 / r) sum_j g_j (logit_j - b) x: the norm's backward
-    needs the logits, not another pass over x. Pass logits without b.
+    With y = rstd x the normalised key: d logit_j / dx = scale rstd (q_j - y <y, q_j> / k), and
+    sum_j g_j scale rstd <y, q_j> ... = (rstd^2 / k) sum_j g_j (logit_j - b) x: the norm's backward
+    needs the logits, not another pass over x. Pass logits without b. With the norm over the whole key
+    (`full`: one rstd for all m heads) every head's logits reach every head's x: the sum runs over heads
+    too and k becomes r = m k.
     """
     coef = grad_logits_NmJ * scale
     if rstd_Nm1 is not None:
@@ -112,7 +115,10 @@ def _key_grads(grad_logits_NmJ: Tensor, logits_NmJ: Tensor, x_Nmk: Tensor, rstd_
         grad_x = torch.bmm(c_mNJ, q_Jmk.transpose(0, 1)).transpose(0, 1)
         grad_q = torch.bmm(c_mNJ.transpose(1, 2), x_Nmk.transpose(0, 1)).transpose(0, 1)
     if rstd_Nm1 is not None:
-        along_x = (grad_logits_NmJ * logits_NmJ).sum(-1, keepdim=True) * rstd_Nm1.square() / k  # [N, m, 1]
+        if full:
+            along_x = (grad_logits_NmJ * logits_NmJ).sum((-2, -1), keepdim=True) * rstd_Nm1.square() / (m * k)
+        else:
+            along_x = (grad_logits_NmJ * logits_NmJ).sum(-1, keepdim=True) * rstd_Nm1.square() / k  # [N, m, 1]
         grad_x = grad_x.addcmul_(x_Nmk, along_x, value=-1.0)
     return grad_x, grad_q
 
@@ -139,7 +145,7 @@ class StoreSource(torch.autograd.Function):
         dots_NmJ = site_matmul(x_Nmk, queries_Jr[c0:].to(cdtype).unflatten(-1, (plan.heads, -1)))
         rstd_Nm1 = None
         if plan.key_norm:  # <RMSNorm(x), q> = rstd <x, q>: the normalised key is never materialised
-            rstd_Nm1 = rstd(x_Nmk, plan.keys.eps_factor(plan.counts[s]))
+            rstd_Nm1 = key_rstd(x_Nmk, plan.keys.eps_factor(plan.counts[s]), plan.full_norm)
             buffers.rstd_SNm1[s].copy_(rstd_Nm1)
         logits_NmJ = logits(dots_NmJ, rstd=rstd_Nm1, scale=plan.scale, prior=plan.prior[s])
         buffers.logits_SNmJ[s, :, :, c0:].copy_(logits_NmJ)
@@ -163,7 +169,7 @@ class StoreSource(torch.autograd.Function):
         q_Jmk = queries_Jr[c0:].to(buffers.cdtype).unflatten(-1, (plan.heads, -1))
         x_Nmk = buffers.raw_key(s).to(buffers.cdtype).unflatten(-1, (plan.heads, -1))
         rstd_Nm1 = buffers.rstd_SNm1[s] if plan.key_norm else None
-        grad_x, grad_q = _key_grads(gl_NmJ, logits_NmJ, x_Nmk, rstd_Nm1, q_Jmk, plan.scale)
+        grad_x, grad_q = _key_grads(gl_NmJ, logits_NmJ, x_Nmk, rstd_Nm1, q_Jmk, plan.scale, plan.full_norm)
         grad_x = grad_x.flatten(-2)
         grad_queries = queries_Jr.new_zeros(queries_Jr.shape, dtype=buffers.cdtype)
         grad_queries[c0:] = grad_q.reshape(grad_q.shape[0], -1)
@@ -296,7 +302,7 @@ class PartialRead(torch.autograd.Function):
         raw = key_BTr if key_BTr is not None else plan.keys.from_value(v_BTD)
         x_Nmk = raw.reshape(N, m, r // m).to(cdtype)
         dots_Nm1 = site_matmul(x_Nmk, queries_Jr[j - 1 : j].to(cdtype).view(1, m, -1))
-        rstd_Nm1 = rstd(x_Nmk, plan.keys.eps_factor(count)) if plan.key_norm else None
+        rstd_Nm1 = key_rstd(x_Nmk, plan.keys.eps_factor(count), plan.full_norm) if plan.key_norm else None
         logit_Nm1 = logits(dots_Nm1, rstd=rstd_Nm1, scale=plan.scale)  # without the prior (for backward)
         logit_Nm = logits(logit_Nm1.view(N, m), prior=count_prior(plan.count_prior, count))
         w_Nm = torch.sigmoid(logit_Nm - lse_Nm)
@@ -336,7 +342,8 @@ class PartialRead(torch.autograd.Function):
         raw = key_BTr if key_BTr is not None else plan.keys.from_value(v_BTD)
         x_Nmk = raw.reshape(N, m, r // m).to(buffers.cdtype)
         q_1mk = queries_Jr[j - 1 : j].to(buffers.cdtype).view(1, m, -1)
-        grad_x, grad_q = _key_grads(grad_logit.unsqueeze(-1), logit_Nm1, x_Nmk, rstd_Nm1, q_1mk, plan.scale)
+        grad_x, grad_q = _key_grads(grad_logit.unsqueeze(-1), logit_Nm1, x_Nmk, rstd_Nm1, q_1mk, plan.scale,
+                                    plan.full_norm)
         grad_x = grad_x.reshape(N, r)
         grad_key = None
         if key_BTr is not None:

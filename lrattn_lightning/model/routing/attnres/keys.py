@@ -10,7 +10,10 @@ The key of a source summarising c outputs o_i (a single output: c = 1), as the p
     value_projected_shared the same with one W shared by every source
 The embedding's key (`embedding_key`): value / sliced as above (for those key sources), or for the others
 projected (P-LR: RMSNorm(W_0 o_0); value_projected: W_0 RMSNorm(o_0)), static (a learned r-vector s) or
-projected_plus_static (the sum). A key here is *raw*: the read's key norm (key_norm: rms) comes after.
+projected_plus_static (the sum). A key here is *raw*: the read's key norm (key_norm: rms) comes after,
+per depth head or over the whole key (`depth_head_norm`; `key_rstd`), with MHAR's learned gain (`key_gain`:
+gamma_j per read site, [2L, r], init 1; <q_j, gamma_j * RMSNorm(k)> = <gamma_j * q_j, RMSNorm(k)>, so the
+backends fold it into the query) counted here as a key parameter.
 
 Each class declares its parameters and counts them (params, forward FLOPs per token: model/accounting.py
 asks these). The parameters are registered on the router under flat names (`embedding_key_proj`,
@@ -30,6 +33,7 @@ from lrattn_lightning.model.routing._math import (
     PartialBlock,
     head_rms_norm,
     rms_norm,
+    rstd,
     summarise,
     summary_eps_factor,
 )
@@ -46,6 +50,8 @@ class KeySource:
         self.d, self.r, self.heads = s.d_model, key_dim(cfg), a.depth_heads
         self.n_layers, self.n_sublayers, self.d_mlp = s.n_layers, s.n_sublayers, s.d_mlp
         self.key_norm = a.key_norm == "rms"
+        self.norm_groups = a.norm_groups  # the key norm's slices: m (per head) or 1 (full)
+        self.key_gain = a.key_gain
         self.exponent = a.summary_exponent
         self.embedding_key = a.embedding_key
         self.owner: nn.Module | None = None
@@ -53,9 +59,11 @@ class KeySource:
     def register(self, owner: nn.Module) -> None:
         """Create the parameters on `owner` (the router) under their checkpoint names."""
         self.owner = owner
+        if self.key_gain:
+            owner.key_gain = nn.Parameter(torch.ones(self.n_sublayers, self.r))  # gamma_j, site j in row j - 1
 
     def num_params(self) -> int:
-        return 0
+        return self.n_sublayers * self.r if self.key_gain else 0
 
     def flops(self) -> int:
         """Forward FLOPs per token that forming the keys adds."""
@@ -118,7 +126,7 @@ class _CarriedKeys(KeySource):
             owner.embedding_key_static = nn.Parameter(torch.zeros(self.r))
 
     def num_params(self) -> int:
-        return self.r if self.embedding_static else 0
+        return super().num_params() + (self.r if self.embedding_static else 0)
 
     def _projected_embedding(self, emb_BTD: Tensor) -> Tensor:
         raise NotImplementedError
@@ -151,8 +159,8 @@ class ProjectedKeys(_CarriedKeys):
         return 2 * self._matrix_params()
 
     def emit(self, key_BTr: Tensor) -> Tensor:
-        """An emitted key, RMS-normalised per depth head (with key norm)."""
-        return head_rms_norm(key_BTr, self.heads) if self.key_norm else key_BTr
+        """An emitted key, RMS-normalised per depth head or whole (with key norm)."""
+        return head_rms_norm(key_BTr, self.norm_groups) if self.key_norm else key_BTr
 
     def emitted(self, out_BTE: Tensor) -> Tensor:
         # a copy of the r key rows: the norm's backward then holds [B, T, r], not a view that would keep the
@@ -206,6 +214,14 @@ class SharedValueProjectedKeys(ValueProjectedKeys):
     """value_projected with one projection shared by all sources."""
 
     shared = True
+
+
+def key_rstd(x_Nmk: Tensor, eps_factor: float, full: bool) -> Tensor:
+    """The key norm's rstd [N, m, 1]: per depth head, or over the whole key (full), the same for every head."""
+    if not full:
+        return rstd(x_Nmk, eps_factor)
+    N, m, k = x_Nmk.shape
+    return rstd(x_Nmk.reshape(N, 1, m * k), eps_factor).expand(N, m, 1)
 
 
 KEY_SOURCES: dict[str, type[KeySource]] = {

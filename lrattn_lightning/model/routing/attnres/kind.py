@@ -3,9 +3,13 @@
     read  = sum_{j=1..2L} |S_j| (2 k + 2 d)      added forward FLOPs per token; k = d for AttnRes, r for LR
     proj  = KeySource.flops()                    forming the keys (keys.py): P-LR's key rows, value_projected's
           + 2 L r (d + h) + 2L 2r                gated dynamic query: the query rows, the gating
-Parameters: the 2L pseudo-queries, what the key source declares (KeySource.num_params), the dynamic
-query's rows and gates. AdamW takes the pseudo-queries and query gates ([2L, r] and [2L, m]: one vector per
-site, not a matrix to orthogonalise). The paper's code's flags and weight names: paper.py.
+Elementwise work per source is outside SPEC §4's count, as the key norm is: block_summary rms adds about
+2L 4 d of it (RMS(o_i): squares 2d, scaling d; the normalised running sum d), 0.03 % of paper-0.5b's core.
+Parameters: the 2L pseudo-queries, what the key source declares (KeySource.num_params: with key_gain MHAR's
+gains, 2L r), the dynamic query's rows and gates. depth_head_norm full costs what the per-head norm does,
+and key_gain none per token (gamma_j q_j is formed once per step). AdamW takes the pseudo-queries, query
+gates and key gains ([2L, r], [2L, m], [2L, r]: one vector per site, not a matrix to orthogonalise). The
+paper's code's flags and weight names: paper.py (it has neither rms summaries nor MHAR's norm or gain).
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ class AttnResKind(RoutingKind):
         return backends.router_class(impl)(cfg)
 
     def adamw_names(self, router: nn.Module) -> set[str]:
-        return {n for n, _ in router.named_parameters() if n in ("queries", "query_gates")}
+        return {n for n, _ in router.named_parameters() if n in ("queries", "query_gates", "key_gain")}
 
     # ---- accounting ------------------------------------------------------------------------------
     def routing_params(self, cfg: ModelConfig) -> int:

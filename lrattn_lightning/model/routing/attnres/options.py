@@ -26,8 +26,15 @@ KeySource = Literal["value", "projected", "sliced", "value_projected", "value_pr
 #   static                  a learned r-vector, independent of the token
 #   projected_plus_static   the sum of both
 EmbeddingKey = Literal["value", "sliced", "projected", "static", "projected_plus_static"]
-BlockSummary = Literal["sum", "mean", "sqrt_mean"]
+# A completed block's summary value over its c outputs o_i:
+#   sum | mean | sqrt_mean   (sum_i o_i) / c^a, a = 0, 1, 1/2
+#   rms                      sum_i RMS(o_i) (RMS Block AttnRes, summary.py); the partial block stays the raw sum
+BlockSummary = Literal["sum", "mean", "sqrt_mean", "rms"]
 KeyNorm = Literal["rms", "none"]
+# What one RMSNorm of a key spans with depth heads m > 1 (m = 1: the same):
+#   per_head  each head's r/m slice on its own (the paper's code)
+#   full      the whole r-wide key once per source (MHAR, hyper-connection-factory's depth_attention.py)
+DepthHeadNorm = Literal["per_head", "full"]
 QueryInit = Literal["zero", "normal"]
 LogitScaleName = Literal["none", "inv_sqrt_head_dim"]
 # The pseudo-query of a read site (SPEC §3):
@@ -36,7 +43,7 @@ LogitScaleName = Literal["none", "inv_sqrt_head_dim"]
 #                   sublayer (the one just written before site j), g_j a zero-initialised gate per
 #                   depth head (the reference's input-dependent query; documented there as unstable)
 QueryKind = Literal["static", "gated_dynamic"]
-SUMMARY_EXPONENT = {"sum": 0.0, "mean": 1.0, "sqrt_mean": 0.5}
+SUMMARY_EXPONENT = {"sum": 0.0, "mean": 1.0, "sqrt_mean": 0.5, "rms": 0.0}  # rms: of the raw partial block
 _EMBEDDING_KEYS_FOR = {
     "value": ("value",),
     "sliced": ("sliced",),
@@ -55,7 +62,9 @@ class AttnResOptions(KindOptions):
     key_source: KeySource = "value"
     rank: int | None = None  # key width r; None means d (only for key_source=value)
     depth_heads: int = 1  # m
+    depth_head_norm: DepthHeadNorm = "per_head"
     key_norm: KeyNorm = "rms"
+    key_gain: bool = False  # a learned gain gamma_j (init 1) on site j's normalised keys: <q_j, gamma_j * k>
     query_norm: bool = False
     query_init: QueryInit = "zero"
     query: QueryKind = "static"
@@ -74,13 +83,20 @@ class AttnResOptions(KindOptions):
     def summary_exponent(self) -> float:
         return SUMMARY_EXPONENT[self.block_summary]
 
+    @property
+    def norm_groups(self) -> int:
+        """The slices of a key that the key norm normalises separately."""
+        return self.depth_heads if self.depth_head_norm == "per_head" else 1
+
     def validate(self, where: str) -> None:
         a = self
         for field, literal in (("key_source", KeySource), ("key_norm", KeyNorm), ("query_init", QueryInit),
-                               ("block_summary", BlockSummary), ("embedding_key", EmbeddingKey), ("query", QueryKind)):
+                               ("block_summary", BlockSummary), ("embedding_key", EmbeddingKey), ("query", QueryKind),
+                               ("depth_head_norm", DepthHeadNorm)):
             check_literal(where, field, getattr(a, field), get_args(literal))
-        if not isinstance(a.query_norm, bool):
-            raise config_error(where, "query_norm", f"must be true or false, got {a.query_norm!r}")
+        for field in ("query_norm", "key_gain"):
+            if not isinstance(getattr(a, field), bool):
+                raise config_error(where, field, f"must be true or false, got {getattr(a, field)!r}")
         if isinstance(a.logit_scale, str):
             check_literal(where, "logit_scale", a.logit_scale, get_args(LogitScaleName))
         elif not finite_number(a.logit_scale) or a.logit_scale <= 0:
@@ -96,6 +112,14 @@ class AttnResOptions(KindOptions):
             raise config_error(where, "count_prior", f"must be a finite number, got {a.count_prior!r}")
         if a.blocks is not None and a.block_size is not None:
             raise config_error(where, "blocks", "give either 'blocks' (a count) or 'block_size' (sublayers per block), not both")
+        if a.block_summary == "rms" and not a.is_block:
+            raise config_error(where, "block_summary", "'rms' normalises the outputs of completed blocks: give blocks "
+                               "or block_size, or use block_summary sum for full routing")
+        if a.key_norm == "none":
+            for field, value, default in (("depth_head_norm", "full", "per_head"), ("key_gain", True, "false")):
+                if getattr(a, field) == value:
+                    raise config_error(where, field, f"{str(value).lower()} shapes the key norm, but key_norm is none; "
+                                       f"set key_norm: rms or {field}: {default}")
         if a.key_source == "value":
             if a.rank is not None:
                 raise config_error(where, "rank", "key_source 'value' uses the full width d as key; leave rank null")

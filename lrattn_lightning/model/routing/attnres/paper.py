@@ -18,6 +18,10 @@ EMBEDDING_KEY_FLAGS = {"static": "lrid_static_embedding_key", "projected_plus_st
 
 def reference_flags(cfg: ModelConfig) -> dict[str, Any]:
     a = cfg.options
+    if a.block_summary == "rms":
+        raise NotExpressible("block_summary 'rms' (RMS Block AttnRes) is not in the reference")
+    if a.key_gain or (a.depth_head_norm == "full" and a.depth_heads > 1):
+        raise NotExpressible("MHAR's key norm over the whole key and its key gain are not in the reference")
     flags: dict[str, Any] = {"use_attnres": True, "attnres_key_norm": a.key_norm == "rms",
                              "attn_res_query_norm": a.query_norm, "attn_res_query_init": a.query_init}
     flags.update(_block_flags(cfg))

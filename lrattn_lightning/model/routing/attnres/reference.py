@@ -10,12 +10,15 @@ norm and the head). Site j >= 1 owns a pseudo-query q_j and reads
     h_j      = sum_s alpha_{j,s} v_s                values are always the full d-dim sources
 
 Full routing: S_j = {o_0 .. o_j}. Block routing: S_j = {o_0, completed block summaries, the partial block
-if non-empty}; a summary over c outputs has value (sum o_i) / c^a. Keys: keys.py. The formulas
-themselves (rstd, logits, summaries): _math.py. Every RMSNorm is parameter-free with torch's default eps.
+if non-empty}; a summary over c outputs has value (sum o_i) / c^a, or sum_i RMS(o_i) once the block is complete
+(block_summary rms: summary.py). Keys: keys.py. The formulas themselves (rstd, logits, summaries): _math.py.
+Every RMSNorm is parameter-free with torch's default eps. With depth_head_norm full the key norm spans the
+whole key once per source (MHAR) instead of each head's slice; with key_gain site j's normalised keys are
+scaled by a learned gamma_j (init 1), folded into the query: <q_j, gamma_j * k> = <gamma_j * q_j, k>.
 
 The query of site j: q_j (query: static), or q_j + g_j * q_dyn (query: gated_dynamic), q_dyn what the
 most recent sublayer (written just before site j) emits in r extra output rows, g_j a zero-initialised
-gate per depth head; RMS-normalised per depth head with query_norm.
+gate per depth head; RMS-normalised per depth head with query_norm; then times gamma_j with key_gain.
 
 `AttnResRouter` holds what every backend shares (parameters, init, queries, block ends); the backends
 (`reference` here, `fast` in fast.py, `compiled` in compiled.py) subclass it with their
@@ -44,6 +47,7 @@ from lrattn_lightning.model.routing._math import (
 )
 from lrattn_lightning.model.routing.attnres.keys import key_source
 from lrattn_lightning.model.routing.attnres.options import key_dim, logit_scale
+from lrattn_lightning.model.routing.attnres.summary import RmsPartialBlock
 
 
 class AttnResRouter(nn.Module):
@@ -57,6 +61,10 @@ class AttnResRouter(nn.Module):
         self.heads = a.depth_heads
         self.scale = logit_scale(cfg)
         self.key_norm = a.key_norm == "rms"
+        self.norm_groups = a.norm_groups  # the key norm's slices: m (per head) or 1 (the whole key)
+        self.full_norm = self.norm_groups != self.heads  # (m = 1: the two are one)
+        self.has_key_gain = a.key_gain  # the parameter `key_gain` (keys.py)
+        self.rms_summary = a.block_summary == "rms"
         self.query_norm = a.query_norm
         self.query_init = a.query_init
         self.dynamic_query = a.query == "gated_dynamic"
@@ -69,7 +77,8 @@ class AttnResRouter(nn.Module):
         self.key_source.register(self)
 
     def reset_parameters(self) -> None:
-        """SPEC init: queries zero (or N(0, std)), query gates zero, every key-source parameter N(0, std)."""
+        """SPEC init: queries zero (or N(0, std)), query gates zero, key gains one, every other key-source
+        parameter N(0, std)."""
         if self.query_init == "zero":
             nn.init.zeros_(self.queries)
         else:
@@ -77,12 +86,22 @@ class AttnResRouter(nn.Module):
         for name, p in self.named_parameters():
             if name == "query_gates":
                 nn.init.zeros_(p)
+            elif name == "key_gain":
+                nn.init.ones_(p)
             elif name != "queries":
                 nn.init.normal_(p, std=self.std)
 
     def new_cache(self) -> None:
         """Routing is per token: KV-cache decoding needs no routing state."""
         return None
+
+    def new_partial(self) -> PartialBlock:
+        """An empty running block (rms summaries also sum the normalised outputs)."""
+        return RmsPartialBlock() if self.rms_summary else PartialBlock()
+
+    def completed(self, block: PartialBlock) -> tuple[Tensor, Tensor]:
+        """(summary value, raw key) of a block that has just completed (a partial block's: key_source.summary)."""
+        return self.key_source.summary(block.completed() if self.rms_summary else block)
 
     def split_output(self, out_BTE: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """A sublayer's output rows -> value [.., D], emitted key [.., r] (P-LR, normalised) or None, and the
@@ -99,7 +118,18 @@ class AttnResRouter(nn.Module):
             query = (query.view(m, -1) + gate_m1 * dynamic_BTr.unflatten(-1, (m, -1))).flatten(-2)
         if self.query_norm:
             query = head_rms_norm(query.to(compute_dtype(query.dtype)), self.heads)
+        if self.has_key_gain:
+            query = query * self.key_gain[j - 1]
         return query
+
+    def static_queries(self) -> Tensor:
+        """Every site's static query [J, r] (site j in row j - 1) as `site_query` forms it."""
+        queries = self.queries
+        if self.query_norm:
+            queries = head_rms_norm(queries.to(compute_dtype(queries.dtype)), self.heads)
+        if self.has_key_gain:
+            queries = queries * self.key_gain
+        return queries
 
 
 def depth_read(
@@ -157,7 +187,7 @@ class ReferenceAttnRes(AttnResRouter):
 
     def start(self, emb_BTD: Tensor, *, record: bool = False, cache: None = None,
               segments: Tensor | None = None) -> ReferenceState:
-        state = ReferenceState(partial=PartialBlock(), weights=[] if record else None)  # (traceable)
+        state = ReferenceState(partial=self.new_partial(), weights=[] if record else None)  # (traceable)
         state.values.append(emb_BTD)
         state.keys.append(self._norm_key(self.key_source.embedding(emb_BTD)))
         state.counts.append(1)
@@ -168,7 +198,7 @@ class ReferenceAttnRes(AttnResRouter):
         value_BTD, key_BTr, state.dynamic_query = self.split_output(out_BTE)
         state.partial.add(value_BTD, key_BTr, i)
         if i in self.ends:  # the block is complete
-            value, key = self.key_source.summary(state.partial)
+            value, key = self.completed(state.partial)
             state.values.append(value)
             state.keys.append(self._norm_key(key))
             state.counts.append(state.partial.count)
@@ -198,6 +228,6 @@ class ReferenceAttnRes(AttnResRouter):
         return out
 
     def _norm_key(self, key_BTr: Tensor) -> Tensor:
-        """The read's key norm, per depth head, in the routing's compute dtype."""
+        """The read's key norm, per depth head (or over the whole key), in the routing's compute dtype."""
         key_BTr = key_BTr.to(compute_dtype(key_BTr.dtype))
-        return head_rms_norm(key_BTr, self.heads) if self.key_norm else key_BTr
+        return head_rms_norm(key_BTr, self.norm_groups) if self.key_norm else key_BTr

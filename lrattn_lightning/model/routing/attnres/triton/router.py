@@ -10,7 +10,10 @@ materialised (<RMSNorm(x), q> = rstd <x, q>), the softmax is online in float32 w
 the hand-written backward, and the partial block is merged in the same pass. The keys come from the
 router's key source (keys.py) exactly as for the other backends; the raw key is handed to the kernel,
 which normalises it with the source's eps (a sliced key of a mean / sqrt-mean summary read from the
-summary's value takes eps / c^(2a): _math.py).
+summary's value takes eps / c^(2a): _math.py). A key norm over the whole key with several depth heads
+(depth_head_norm full, MHAR) is not the kernels' per-head norm: those keys are normalised here in the compute
+dtype, as `reference` does, and reach the kernels as carried keys with their norm off (no kernel changes; the
+key gain is folded into the query, and rms block summaries are ordinary values, as in every backend).
 
 Under autocast the sources keep their dtypes (the float32 embedding, bfloat16 sublayer outputs and
 summaries: the summaries share one dtype, cast once when stored); loads are converted to float32 and h is
@@ -42,7 +45,7 @@ from torch import Tensor
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.config import ModelConfig
-from lrattn_lightning.model.routing._math import PartialBlock, compute_dtype, count_prior
+from lrattn_lightning.model.routing._math import PartialBlock, compute_dtype, count_prior, rms_norm
 from lrattn_lightning.model.routing.attnres.reference import AttnResRouter
 from lrattn_lightning.model.routing.attnres.triton.ops import (
     attnres_group,
@@ -81,7 +84,13 @@ class TritonAttnRes(AttnResRouter):
         if error is not None:
             raise InputError(error)
         keys = self.key_source
-        self.key_offset = 0 if keys.carried else self.d - self.rank  # value keys: r = d, offset 0
+        # a key norm over the whole key with several heads (depth_head_norm full) is not the kernels' per-head
+        # norm: those keys are normalised here (as `reference` does) and reach the kernels as carried keys,
+        # with the kernels' own key norm off
+        self.norm_here = self.key_norm and self.full_norm
+        self.carried = keys.carried or self.norm_here
+        self.kernel_key_norm = self.key_norm and not self.norm_here
+        self.key_offset = 0 if self.carried else self.d - self.rank  # value keys: r = d, offset 0
         # two-phase groups: the sites between two block ends (fast's grouping), where one kernel serves several;
         # a group wider than one kernel's tile holds (group_limit) is split into even sub-groups
         limit = group_limit(self.d, self.heads, self.rank)
@@ -105,18 +114,19 @@ class TritonAttnRes(AttnResRouter):
               segments: Tensor | None = None) -> TritonState:
         if not torch.compiler.is_compiling():
             check_device(emb_BTD.device)
-        key = self.key_source.embedding(emb_BTD) if self.key_source.carried else None
-        return TritonState(emb_BTD, key, partial=PartialBlock(), weights=[] if record else None)
+        key = self._carried(self.key_source.embedding(emb_BTD))
+        return TritonState(emb_BTD, key, partial=self.new_partial(), weights=[] if record else None)
 
     def write(self, state: TritonState, i: int, out_BTE: Tensor) -> None:
         value_BTD, key_BTr, state.dynamic_query = self.split_output(out_BTE)
         state.partial.add(value_BTD, key_BTr, i)
         if i in self.ends:  # the block is complete: summarise it once
-            value, key = self.key_source.summary(state.partial)
+            value, key = self.completed(state.partial)
             if state.values:  # the table holds one dtype (a no-op unless dtypes are mixed)
                 value = value.to(state.values[0].dtype)
             state.values.append(value)
-            if self.key_source.carried:
+            if self.carried:
+                key = self._carried(key)
                 state.keys.append(key.to(state.keys[0].dtype) if state.keys else key)
             state.counts.append(state.partial.count)
             state.partial.clear()
@@ -131,7 +141,7 @@ class TritonAttnRes(AttnResRouter):
         c = state.partial.count
         if c:
             part_v, key = self.key_source.summary(state.partial)
-            part_k = key if self.key_source.carried else None
+            part_k = self._carried(key)
             # the kernels see the partial as the table's last source: one dtype (as `write` casts a summary)
             if state.values and part_v.dtype != state.values[0].dtype:
                 part_v = part_v.to(state.values[0].dtype)
@@ -141,7 +151,7 @@ class TritonAttnRes(AttnResRouter):
         out, _, alpha = attnres_read(
             state.embedding, state.embedding_key, list(state.values), list(state.keys), part_v, part_k,
             query.contiguous(), self._consts(state, c, state.embedding.dtype), float(self.scale), self.heads,
-            self.key_norm, self.key_offset, state.weights is not None)
+            self.kernel_key_norm, self.key_offset, state.weights is not None)
         if state.weights is not None:
             B, T, _ = state.embedding.shape
             state.weights.append(alpha.detach().view(-1, B, T, self.heads).float())
@@ -157,8 +167,8 @@ class TritonAttnRes(AttnResRouter):
             queries = torch.stack([self.site_query(self.queries, site) for site in self.group_sites[grp]])
             state.group_out, state.group_lse, state.group_alpha = attnres_group(
                 emb, state.embedding_key, list(state.values), list(state.keys), queries.contiguous(),
-                self._consts(state, 0, emb.dtype), float(self.scale), self.heads, self.key_norm, self.key_offset,
-                record)
+                self._consts(state, 0, emb.dtype), float(self.scale), self.heads, self.kernel_key_norm,
+                self.key_offset, record)
             state.group = grp
         out_ND, c = state.group_out[g], state.partial.count
         alpha = state.group_alpha[..., g].detach() if record else None
@@ -167,14 +177,23 @@ class TritonAttnRes(AttnResRouter):
                 state.weights.append(alpha.view(-1, B, T, self.heads).float())
             return out_ND.view(B, T, D)
         part_v, key = self.key_source.summary(state.partial)
-        part_k = key if self.key_source.carried else None
-        h, w = attnres_merge(out_ND, state.group_lse[g], part_v, part_k, self.site_query(self.queries, j).contiguous(),
-                             count_prior(self.count_prior, c), self._eps(c, emb.dtype), float(self.scale), self.heads,
-                             self.key_norm, self.key_offset)
+        h, w = attnres_merge(out_ND, state.group_lse[g], part_v, self._carried(key),
+                             self.site_query(self.queries, j).contiguous(), count_prior(self.count_prior, c),
+                             self._eps(c, emb.dtype), float(self.scale), self.heads, self.kernel_key_norm,
+                             self.key_offset)
         if record:
             w = w.detach()
             state.weights.append(torch.cat((alpha * (1 - w), w[None])).view(-1, B, T, self.heads).float())
         return h
+
+    def _carried(self, key_BTr: Tensor) -> Tensor | None:
+        """A raw key as the kernels take it: None when they read it from the value, normalised here over the
+        whole key (in the compute dtype, as `reference`) when their per-head norm is not the one asked for."""
+        if not self.carried:
+            return None
+        if self.norm_here:
+            return rms_norm(key_BTr.to(compute_dtype(key_BTr.dtype)))
+        return key_BTr
 
     def _consts(self, state: TritonState, partial_count: int, dtype: torch.dtype) -> list[float]:
         """Priors then eps of the slots embedding, summaries, partial (the kernel's meta layout)."""
