@@ -74,6 +74,15 @@ class Silent(MixRouter):
 class MuonTable(MixRouter):
     def adamw_parameter_names(self):
         return []
+
+
+class EmbeddingKV(MixRouter):
+    """The protocol's optional extensions: the attention's keys and values read the embedding, its values halved."""
+    def read_attention(self, state, j):
+        return self.read(state, j), state.outputs[0], state.outputs[0]
+
+    def mix_values(self, state, layer, v):
+        return 0.5 * v
 '''
 
 
@@ -121,6 +130,30 @@ def test_the_router_is_built_from_its_import_path_with_its_options(package):
         torch.testing.assert_close(model(idx), base(idx), rtol=1e-6, atol=1e-6)
         model.router.w.mul_(torch.linspace(0.5, 1.5, 25).view(5, 5))  # a learned table changes the logits
         assert (model(idx) - base(idx)).abs().max() > 1e-3
+
+
+def test_an_own_router_may_use_the_protocols_extensions(package):
+    """read_attention and mix_values (router.py) reach an external router's attention as they reach MUDDFormer's."""
+    from conftest import ref_rms_norm
+
+    from lrattn_lightning.model.decoder import rope_angles
+
+    reg = parse_registry(registry_dict(kv=entry(f"{PACKAGE}.routers:EmbeddingKV"), mix=entry()))
+    model, plain = build_decoder(reg.model("tiny", "kv")).double(), build_decoder(reg.model("tiny", "mix")).double()
+    plain.load_state_dict(model.state_dict())
+    idx = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    cos, sin = rope_angles(torch.arange(16), 16, model.cfg.size.rope_theta)
+    with torch.no_grad():
+        emb, w = model.embed(idx), model.router.w
+        outputs = [emb]
+        for layer in model.layers:
+            read = lambda: sum(w[len(outputs) - 1, i] * o for i, o in enumerate(outputs))  # noqa: E731
+            outputs.append(layer.attn(ref_rms_norm(read()), cos, sin, kv_inputs=(ref_rms_norm(emb),) * 2,
+                                      values=lambda v: 0.5 * v))
+            outputs.append(layer.mlp(ref_rms_norm(read())))
+        written = model.head(ref_rms_norm(sum(w[len(outputs) - 1, i] * o for i, o in enumerate(outputs))))
+        torch.testing.assert_close(model(idx), written, rtol=1e-10, atol=1e-10)
+        assert (model(idx) - plain(idx)).abs().max() > 1e-3  # the extensions are used, not ignored
 
 
 def test_the_router_decides_what_adamw_takes(package):

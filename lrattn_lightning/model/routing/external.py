@@ -15,7 +15,7 @@ The contract (README, "Writing your own router"; kept stable): the class is an `
 None). Optional: `added_flops_per_token() -> int` (forward FLOPs per token it adds to the core; without it
 the added FLOPs are recorded as unknown) and `adamw_parameter_names() -> iterable of its own parameter
 names` (those go to AdamW, the rest by the usual rule: matrices to Muon; without it every parameter of the
-router goes to AdamW). `write`'s `out` is [B, T, D], exactly d wide. A recording state (`start(record=True)`)
+router goes to AdamW), and the protocol's two extensions `read_attention` / `mix_values` (router.py). `write`'s `out` is [B, T, D], exactly d wide. A recording state (`start(record=True)`)
 may carry `weights`: a list of one tensor [S, B, T] or [S, B, T, m] per heatmap row (the weights of its S
 sources), logged as routing/weights.json and drawn by compare (train/diagnostics.py).
 
