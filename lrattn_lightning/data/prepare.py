@@ -40,7 +40,15 @@ from lrattn_lightning.data.pipeline import (
 from lrattn_lightning.data.shards import FORMAT_VERSION, sha256_files, shard_files
 from lrattn_lightning.data.sources import Corpus, limited
 from lrattn_lightning.data.split import SPLITS, check_seed, fixed, key_hash, sided, split_of
-from lrattn_lightning.data.staging import Interrupted, Staging, claim, publish, say, stop_on_signals
+from lrattn_lightning.data.staging import (
+    Interrupted,
+    Staging,
+    claim,
+    publish,
+    raise_lost,
+    say,
+    stop_on_signals,
+)
 from lrattn_lightning.data.task_files import write_task_files
 from lrattn_lightning.data.tokenizer import load_tokenizer, parse_tokenizer_name, train_bpe
 
@@ -114,6 +122,7 @@ def prepare(
     try:
         meta = _build(staging, corpora, recipe, kind, arg, val_fraction, num_workers, chunk_bytes, progress,
                       max_documents, max_bytes, seed, cloze_items, perplexity_documents)
+        raise_lost()  # a signal whose Interrupted a finaliser swallowed: the folder is not published
         if url:
             try:
                 remote.upload(staging.path, url, overwrite)

@@ -33,7 +33,8 @@ from typing import Any
 from lrattn_lightning.core.errors import InputError
 
 BOOK = ".prepare"  # the staging folder's bookkeeping, removed when it is published
-_HOLD = {"held": False, "pending": None}  # signals wait while a finished folder is published
+# signals wait while a finished folder is published; `raised`: the last signal the handler raised Interrupted for
+_HOLD = {"held": False, "pending": None, "raised": None}
 
 
 class Interrupted(BaseException):  # noqa: N818  (a BaseException, like KeyboardInterrupt: no `except Exception` eats it)
@@ -197,6 +198,13 @@ def holding_signals() -> Iterator[None]:
             _HOLD["pending"] = None
 
 
+def raise_lost() -> None:
+    """Interrupted again for a signal whose exception was swallowed (the handler ran inside a finaliser, such as
+    litdata's TokensLoader.__del__, where Python prints and drops exceptions): what it stopped is not done."""
+    if _HOLD["raised"] is not None:
+        raise Interrupted(_HOLD["raised"])
+
+
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
     """SIGTERM, SIGINT and SIGHUP raise Interrupted in the main thread (the command line installs this)."""
@@ -205,6 +213,7 @@ def stop_on_signals() -> Iterator[None]:
         if _HOLD["held"]:
             _HOLD["pending"] = signum
             return
+        _HOLD["raised"] = signum  # (raised inside a __del__, the exception is printed and dropped: raise_lost() sees it)
         raise Interrupted(signum)
 
     wanted = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
@@ -212,6 +221,7 @@ def stop_on_signals() -> Iterator[None]:
     for s in wanted:
         if saved[s] is not signal.SIG_IGN:  # a signal ignored at launch (nohup) stays ignored
             signal.signal(s, handler)
+    _HOLD["raised"] = None
     try:
         yield
     finally:
