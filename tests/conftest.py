@@ -178,6 +178,28 @@ def assert_causal_and_decodes_with_the_kv_cache(model: torch.nn.Module, length: 
     assert torch.equal(generate(model, prompt, 10, use_cache=True), generate(model, prompt, 10, use_cache=False))
 
 
+def assert_router_gradcheck(model: torch.nn.Module, idx: torch.Tensor) -> None:
+    """float64 gradcheck of every router parameter through the whole decoder (a loss that weighs all logits)."""
+    names = [n for n, _ in model.router.named_parameters()]
+
+    def loss(*params):
+        state = {f"router.{n}": p for n, p in zip(names, params, strict=True)}
+        logits = torch.func.functional_call(model, state, (idx,))
+        return logits.square().mean() + logits[..., :3].sum()
+
+    inputs = tuple(p.detach().clone().requires_grad_() for p in model.router.parameters())
+    assert torch.autograd.gradcheck(loss, inputs, eps=1e-6, atol=1e-6)
+
+
+def assert_bf16_autocast_close(model: torch.nn.Module, idx: torch.Tensor) -> None:
+    """Under CPU bf16 autocast the logits stay within 10 % of the float32 ones' largest magnitude."""
+    with torch.no_grad():
+        exact = model(idx)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(idx).float()
+    assert (low - exact).abs().max() < 0.1 * exact.abs().max()
+
+
 def ref_rms_norm(x: torch.Tensor, eps: float | None = None) -> torch.Tensor:
     """Parameter-free RMSNorm over the last dimension, written out; eps defaults to finfo(x.dtype).eps."""
     eps = torch.finfo(x.dtype).eps if eps is None else eps

@@ -21,6 +21,7 @@ import torch
 from conftest import (
     DEEPER,
     assert_causal_and_decodes_with_the_kv_cache,
+    assert_router_gradcheck,
     capture,
     ref_head_rms_norm,
     ref_rms_norm,
@@ -205,15 +206,7 @@ def test_the_fast_backward_of_the_full_key_norm_passes_gradcheck():
     router's parameters (queries, key gains) through completed and partial block reads."""
     model = model_for("mhar-sliced-block", impl="fast")
     idx = tokens(SIZE.vocab_size, 1, 4)
-    names = [n for n, _ in model.router.named_parameters()]
-
-    def loss(*params):
-        state = {f"router.{n}": p for n, p in zip(names, params, strict=True)}
-        logits = torch.func.functional_call(model, state, (idx,))
-        return logits.square().mean() + logits[..., :3].sum()
-
-    inputs = tuple(p.detach().clone().requires_grad_() for p in model.router.parameters())
-    assert torch.autograd.gradcheck(loss, inputs, eps=1e-6, atol=1e-6)
+    assert_router_gradcheck(model, idx)
 
 
 def test_bf16_autocast_is_close_to_float32():

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEEPER, GRAD, assert_causal_and_decodes_with_the_kv_cache, capture, ref_rms_norm, tokens
+from conftest import (
+    DEEPER,
+    GRAD,
+    assert_bf16_autocast_close,
+    assert_causal_and_decodes_with_the_kv_cache,
+    assert_router_gradcheck,
+    capture,
+    ref_rms_norm,
+    tokens,
+)
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, count_params, routing_params
@@ -99,25 +108,13 @@ def test_causal_and_decodes_with_the_kv_cache():
 def test_float64_gradients_of_the_router():
     model = randomized(config(True, size=GRAD))
     idx = tokens(GRAD.vocab_size, batch=1, length=5)
-    names = [n for n, _ in model.router.named_parameters()]
-
-    def loss(*params):
-        state = {f"router.{n}": p for n, p in zip(names, params, strict=True)}
-        logits = torch.func.functional_call(model, state, (idx,))
-        return logits.square().mean() + logits[..., :3].sum()
-
-    inputs = tuple(p.detach().clone().requires_grad_() for p in model.router.parameters())
-    assert torch.autograd.gradcheck(loss, inputs, eps=1e-6, atol=1e-6)
+    assert_router_gradcheck(model, idx)
 
 
 def test_bf16_autocast_reads_in_float32():
     model = randomized(config()).float()
     idx = tokens(SIZE.vocab_size, batch=2, length=10)
-    with torch.no_grad():
-        exact = model(idx)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            low = model(idx).float()
-    assert (low - exact).abs().max() < 0.1 * exact.abs().max()
+    assert_bf16_autocast_close(model, idx)
 
 
 def test_adamw_takes_every_router_parameter():

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from conftest import (
     DEEPER,
     GRAD,
+    assert_bf16_autocast_close,
     assert_causal_and_decodes_with_the_kv_cache,
+    assert_router_gradcheck,
     capture,
     ref_rms_norm,
     tiny_config,
@@ -141,25 +143,13 @@ def test_causal_and_decodes_with_the_kv_cache(sources):
 def test_float64_gradients_of_the_router():
     model = randomized(config(GRAD, null=True, delta_block_layers=1))
     idx = tokens(GRAD.vocab_size, batch=1, length=5)
-    names = [n for n, _ in model.router.named_parameters()]
-
-    def loss(*params):
-        state = {f"router.{n}": p for n, p in zip(names, params, strict=True)}
-        logits = torch.func.functional_call(model, state, (idx,))
-        return logits.square().mean() + logits[..., :3].sum()
-
-    inputs = tuple(p.detach().clone().requires_grad_() for p in model.router.parameters())
-    assert torch.autograd.gradcheck(loss, inputs, eps=1e-6, atol=1e-6)
+    assert_router_gradcheck(model, idx)
 
 
 def test_bf16_autocast_reads_in_float32():
     model = randomized(config(delta_block_layers=2)).float()
     idx = tokens(FIVE.vocab_size, batch=2, length=10)
-    with torch.no_grad():
-        exact = model(idx)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            low = model(idx).float()
-    assert (low - exact).abs().max() < 0.1 * exact.abs().max()
+    assert_bf16_autocast_close(model, idx)
 
 
 @pytest.mark.parametrize("sources, labels", [

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEEPER, GRAD, assert_causal_and_decodes_with_the_kv_cache, capture, ref_rms_norm, tokens
+from conftest import (
+    DEEPER,
+    GRAD,
+    assert_bf16_autocast_close,
+    assert_causal_and_decodes_with_the_kv_cache,
+    assert_router_gradcheck,
+    capture,
+    ref_rms_norm,
+    tokens,
+)
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, count_params, routing_params
@@ -153,24 +162,13 @@ def test_causal_and_decodes_with_the_kv_cache(options):
 def test_float64_gradients_of_the_router():
     model = randomized(config(GRAD, **FRAC), seed=3)
     idx = tokens(GRAD.vocab_size, batch=1, length=4)
-    names = [n for n, _ in model.router.named_parameters()]
-
-    def loss(*params):
-        logits = torch.func.functional_call(model, {f"router.{n}": p for n, p in zip(names, params, strict=True)}, (idx,))
-        return logits.square().mean() + logits[..., :3].sum()
-
-    inputs = tuple(p.detach().clone().requires_grad_() for p in model.router.parameters())
-    assert torch.autograd.gradcheck(loss, inputs, eps=1e-6, atol=1e-6)
+    assert_router_gradcheck(model, idx)
 
 
 def test_bf16_autocast_is_close_to_float32():
     model = randomized(config(**FRAC), seed=4).float()
     idx = tokens(SIZE.vocab_size, batch=2, length=10)
-    with torch.no_grad():
-        exact = model(idx)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            low = model(idx).float()
-    assert (low - exact).abs().max() < 0.1 * exact.abs().max()
+    assert_bf16_autocast_close(model, idx)
 
 
 def test_adamw_takes_every_router_parameter():

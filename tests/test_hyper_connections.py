@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEEPER, assert_causal_and_decodes_with_the_kv_cache, capture, ref_rms_norm, tokens
+from conftest import (
+    DEEPER,
+    assert_causal_and_decodes_with_the_kv_cache,
+    assert_router_gradcheck,
+    capture,
+    ref_rms_norm,
+    tokens,
+)
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, count_params, routing_params
@@ -147,14 +154,7 @@ def test_float64_gradients_of_the_router(manifold):
         for p in model.router.parameters():
             p.add_(torch.randn_like(p) * 0.3)
     idx = tokens(small.vocab_size, batch=1, length=4)
-    names = [n for n, _ in model.router.named_parameters()]
-
-    def loss(*params):
-        logits = torch.func.functional_call(model, {f"router.{n}": p for n, p in zip(names, params, strict=True)}, (idx,))
-        return logits.square().mean() + logits[..., :3].sum()
-
-    inputs = tuple(p.detach().clone().requires_grad_() for p in model.router.parameters())
-    assert torch.autograd.gradcheck(loss, inputs, eps=1e-6, atol=1e-6)
+    assert_router_gradcheck(model, idx)
 
 
 def test_adamw_takes_every_router_parameter():

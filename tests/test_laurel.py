@@ -7,7 +7,14 @@ import math
 
 import pytest
 import torch
-from conftest import DEEPER, assert_causal_and_decodes_with_the_kv_cache, capture, ref_rms_norm, tokens
+from conftest import (
+    DEEPER,
+    assert_causal_and_decodes_with_the_kv_cache,
+    assert_router_gradcheck,
+    capture,
+    ref_rms_norm,
+    tokens,
+)
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, count_params, routing_params
@@ -123,14 +130,7 @@ def test_float64_gradients_of_the_router():
                        vocab_size=31, seq_len=8)  # 4 x (2 + 2 d r) = 136 parameters, each checked
     model = randomized(ModelConfig(small, ablation(laurel_rank=2))).double()
     idx = tokens(small.vocab_size, batch=1, length=4)
-    names = [n for n, _ in model.router.named_parameters()]
-
-    def loss(*params):
-        logits = torch.func.functional_call(model, {f"router.{n}": p for n, p in zip(names, params, strict=True)}, (idx,))
-        return logits.square().mean() + logits[..., :3].sum()
-
-    inputs = tuple(p.detach().clone().requires_grad_() for p in model.router.parameters())
-    assert torch.autograd.gradcheck(loss, inputs, eps=1e-6, atol=1e-6)
+    assert_router_gradcheck(model, idx)
 
 
 def test_bf16_autocast_is_close_to_float32():

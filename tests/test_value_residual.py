@@ -7,7 +7,13 @@ import math
 
 import pytest
 import torch
-from conftest import DEEPER, assert_causal_and_decodes_with_the_kv_cache, ref_rms_norm, tokens
+from conftest import (
+    DEEPER,
+    assert_bf16_autocast_close,
+    assert_causal_and_decodes_with_the_kv_cache,
+    ref_rms_norm,
+    tokens,
+)
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, count_params, routing_params
@@ -108,11 +114,7 @@ def test_float64_gradients_of_the_lambdas():
 def test_bf16_autocast_is_close_to_float32():
     model = model_of(config(value_lambda_learned=True)).float()
     idx = tokens(SIZE.vocab_size, batch=2, length=10)
-    with torch.no_grad():
-        exact = model(idx)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            low = model(idx).float()
-    assert (low - exact).abs().max() < 0.1 * exact.abs().max()
+    assert_bf16_autocast_close(model, idx)
 
 
 def test_recorded_weights_are_the_lambdas():
