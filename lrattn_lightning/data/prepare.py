@@ -43,9 +43,9 @@ from lrattn_lightning.data.split import SPLITS, check_seed, fixed, key_hash, sid
 from lrattn_lightning.data.staging import (
     Interrupted,
     Staging,
+    check_stop,
     claim,
     publish,
-    raise_lost,
     say,
     stop_on_signals,
 )
@@ -122,7 +122,7 @@ def prepare(
     try:
         meta = _build(staging, corpora, recipe, kind, arg, val_fraction, num_workers, chunk_bytes, progress,
                       max_documents, max_bytes, seed, cloze_items, perplexity_documents)
-        raise_lost()  # a signal whose Interrupted a finaliser swallowed: the folder is not published
+        check_stop()  # a signal that came after the last document: the folder is not published
         if url:
             try:
                 remote.upload(staging.path, url, overwrite)
@@ -149,13 +149,18 @@ def _build(staging: Staging, corpora: dict[str, Corpus | None], recipe: dict[str
     """Everything inside the claimed staging folder; returns meta.json (written)."""
     root, train, val = staging.path, corpora["train"], corpora["val"]
 
-    def stream() -> Iterator[tuple[Document, str]]:
+    def sides() -> Iterator[tuple[Document, str]]:
         docs = limited(train.documents(), max_documents, max_bytes)
         if val is None:
             yield from sided(docs, val_fraction, recipe["split_seed"])
         else:
             yield from fixed(docs, "train")
             yield from fixed(val.documents(), "val")
+
+    def stream() -> Iterator[tuple[Document, str]]:
+        for item in sides():
+            check_stop()  # a signal stops the work between documents (tokenizer training, batches)
+            yield item
 
     done = finished_parts(root) if staging.resumed else []
     if staging.resumed:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lrattn_lightning.core.errors import InputError
+from lrattn_lightning.data.staging import check_stop
 
 SCHEME = "s3://"
 
@@ -129,6 +130,7 @@ def upload(local: Path, url: str, overwrite: bool) -> None:
             s3.delete_object(Bucket=bucket, Key=f"{prefix}/meta.json")
         checked = _with_sha256()
         for path in files:
+            check_stop()  # a signal stops the upload between files; the same command uploads again
             s3.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(local).as_posix()}", **checked)
         new = {f"{prefix}/{p.relative_to(local).as_posix()}" for p in files}
         for key in sorted(set(old) - new - {f"{prefix}/meta.json"}):

@@ -26,6 +26,7 @@ import numpy as np
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.data import remote
+from lrattn_lightning.data.staging import check_stop
 from lrattn_lightning.model.config import SizeConfig
 
 FORMAT_VERSION = 1
@@ -173,6 +174,7 @@ def _sha256(path: Path) -> str:
         digest, buffer = hashlib.sha256(), bytearray(1 << 20)
         with path.open("rb", buffering=0) as f:
             while n := f.readinto(buffer):
+                check_stop()  # prepare's signals stop a long hash (in this thread; the caller's map re-raises)
                 digest.update(memoryview(buffer)[:n])
         _VERIFIED[key] = digest.hexdigest()
     return _VERIFIED[key]

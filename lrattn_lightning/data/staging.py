@@ -8,8 +8,13 @@ The prepare that runs holds an exclusive flock on the staging folder, so a secon
 refused in one line while it runs. A staging folder that nobody holds was left by a killed prepare: it is
 resumed when started with the same arguments on the same inputs, else emptied, with one line either way.
 Leftovers of older prepares of the same output (`.NAME.tmp-*`, `.NAME.old-*`) that nobody holds are removed,
-with one line; one that a live process holds is not touched. A signal (SIGTERM, SIGINT, SIGHUP) stops a
-prepare with `Interrupted`, except while the finished folder is being published, which it lets complete.
+with one line; one that a live process holds is not touched.
+
+A signal (SIGTERM, SIGINT, SIGHUP) stops a prepare with `Interrupted` at the next safe point: the handler only
+records it, and the pipeline calls check_stop() between documents, batches, hashed megabytes and uploaded files
+(an exception raised from a handler lands anywhere: inside a pool's pipe write, a lock, a finaliser that drops
+it). A second signal while the first waits raises at once. While the finished folder is being published,
+signals wait and are then dropped: what they would stop is done.
 """
 
 from __future__ import annotations
@@ -33,8 +38,8 @@ from typing import Any
 from lrattn_lightning.core.errors import InputError
 
 BOOK = ".prepare"  # the staging folder's bookkeeping, removed when it is published
-# signals wait while a finished folder is published; `raised`: the last signal the handler raised Interrupted for
-_HOLD = {"held": False, "pending": None, "raised": None}
+# held: a finished folder is being published; pending: a signal received and not yet acted on
+_SIGNALS: dict[str, Any] = {"held": False, "pending": None}
 
 
 class Interrupted(BaseException):  # noqa: N818  (a BaseException, like KeyboardInterrupt: no `except Exception` eats it)
@@ -188,42 +193,43 @@ def _current_umask() -> int:
 @contextlib.contextmanager
 def holding_signals() -> Iterator[None]:
     """Signals that arrive inside wait until its end, and are then dropped: what they would stop is done."""
-    _HOLD["held"] = True
+    _SIGNALS["held"] = True
     try:
         yield
     finally:
-        _HOLD["held"] = False
-        if _HOLD["pending"] is not None:
-            say(f"{signal.Signals(_HOLD['pending']).name} came while the finished folder was published; it is complete")
-            _HOLD["pending"] = None
+        _SIGNALS["held"] = False
+        if _SIGNALS["pending"] is not None:
+            say(f"{signal.Signals(_SIGNALS['pending']).name} came while the finished folder was published; it is complete")
+            _SIGNALS["pending"] = None
 
 
-def raise_lost() -> None:
-    """Interrupted again for a signal whose exception was swallowed (the handler ran inside a finaliser, such as
-    litdata's TokensLoader.__del__, where Python prints and drops exceptions): what it stopped is not done."""
-    if _HOLD["raised"] is not None:
-        raise Interrupted(_HOLD["raised"])
+def check_stop() -> None:
+    """Interrupted when a signal came since stop_on_signals began (a safe point: call it between units of work,
+    in any thread); nothing otherwise, and nothing outside stop_on_signals or while a folder is published."""
+    if _SIGNALS["pending"] is not None and not _SIGNALS["held"]:
+        raise Interrupted(_SIGNALS["pending"])
 
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
-    """SIGTERM, SIGINT and SIGHUP raise Interrupted in the main thread (the command line installs this)."""
+    """SIGTERM, SIGINT and SIGHUP stop the work at its next check_stop(); a second one while the first waits
+    raises Interrupted at once (the command line installs this)."""
 
     def handler(signum: int, frame: Any) -> None:
-        if _HOLD["held"]:
-            _HOLD["pending"] = signum
-            return
-        _HOLD["raised"] = signum  # (raised inside a __del__, the exception is printed and dropped: raise_lost() sees it)
-        raise Interrupted(signum)
+        first = _SIGNALS["pending"] is None
+        _SIGNALS["pending"] = signum
+        if not first and not _SIGNALS["held"]:  # asked twice: the user wants it now, wherever it lands
+            raise Interrupted(signum)
 
     wanted = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
     saved = {s: signal.getsignal(s) for s in wanted}
+    _SIGNALS.update(held=False, pending=None)
     for s in wanted:
         if saved[s] is not signal.SIG_IGN:  # a signal ignored at launch (nohup) stays ignored
             signal.signal(s, handler)
-    _HOLD["raised"] = None
     try:
         yield
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
+        _SIGNALS["pending"] = None
