@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_cli
 from mlflow.tracking import MlflowClient
 from test_resilience import REGISTRY, child_env, fit_args
 
@@ -83,8 +84,9 @@ def test_no_command_imports_a_router_class_a_checkpoint_names(trained, evil, tmp
         "zen": ["generate", "--checkpoint", str(zen), "--prompt", "x"],
     }
     env = child_env(PYTHONPATH=f"{package}")
-    procs = {name: subprocess.Popen([sys.executable, "-m", "lrattn_lightning.cli", *argv], cwd=work, env=env,
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = {name: warm_cli.Launches.Popen([sys.executable, "-m", "lrattn_lightning.cli", *argv], cwd=work, env=env,
+                                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                           text=True)
              for name, argv in commands.items()}
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=300)
@@ -100,9 +102,8 @@ def test_no_command_imports_a_router_class_a_checkpoint_names(trained, evil, tmp
     assert not (work / "hf").exists() and not (work / "mlflow.db").exists() and not (work / "runs").exists()
 
     # the user's word makes it importable: --trust_router names the same class (then it fails as what it is)
-    done = subprocess.run([sys.executable, "-m", "lrattn_lightning.cli", "generate", "--checkpoint", str(ckpt),
-                           "--prompt", "x", "--trust_router", f"{EVIL}:Evil"], cwd=work, env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = warm_cli.run([sys.executable, "-m", "lrattn_lightning.cli", "generate", "--checkpoint", str(ckpt),
+                         "--prompt", "x", "--trust_router", f"{EVIL}:Evil"], cwd=work, env=env, timeout=300)
     assert done.returncode == 2 and marker.exists()
     assert "'Evil' in module 'evil_router_for_lrattn_tests' is a type, not an nn.Module class" in done.stderr
 

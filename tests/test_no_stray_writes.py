@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import warm_cli
 from test_resilience import REPO, lrattn
 
 GIVEN = {"data", "runs", "mlflow.db", "mlartifacts", "hf", "report", "sweep.yaml"}
@@ -46,8 +47,9 @@ def sandbox(tmp_path):
     env.update(HOME=str(home), TMPDIR=str(tmp), OMP_NUM_THREADS="1", PYTHONPATH="")
 
     def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-        proc = subprocess.run(lrattn(*args), cwd=work, env=env, input=stdin, capture_output=True, text=True,
-                              timeout=300)
+        # forked from a warm server started in this environment (its HOME and TMPDIR): what the libraries write
+        # when imported is written there too, once (tests/warm_cli.py)
+        proc = warm_cli.run(lrattn(*args), cwd=work, env=env, input=stdin, timeout=300)
         assert proc.returncode == 0, (args, proc.stderr[-2000:])
         return proc
 

@@ -229,8 +229,8 @@ def test_sweep_passes_a_sigterm_on_and_sees_the_run_did_not_finish(data, tmp_pat
     sweep = {"name": "term", "doc": "one run, stopped by SIGTERM", "recipe": "recipe.yaml", "registry": REGISTRY,
              "sizes": ["tiny"], "ablations": ["baseline"], "seeds": [0]}
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep))
-    proc = subprocess.Popen(lrattn("sweep", "sweep.yaml"), cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = warm_cli.Launches.Popen(lrattn("sweep", "sweep.yaml"), cwd=tmp_path, env=child_env(),
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ckpt = ckpt_dir(tmp_path, "term") / "last.ckpt"
     deadline = time.time() + 120
     while not ckpt.exists():  # the periodic save at step 4: the fit is under way
@@ -335,8 +335,9 @@ def test_mlflow_server_killed_mid_run_ends_in_bounded_time_with_one_warning(data
 
 # ---- item 7: concurrency --------------------------------------------------------------------------
 def test_two_fits_starting_together_on_a_new_sqlite_store_both_succeed(data, tmp_path):
-    procs = [subprocess.Popen(lrattn(*fit_args(data, "--run_name", name, steps=2)), cwd=tmp_path, env=child_env(),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for name in ("a", "b")]
+    procs = [warm_cli.Launches.Popen(lrattn(*fit_args(data, "--run_name", name, steps=2)), cwd=tmp_path,
+                                     env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for name in ("a", "b")]
     errs = [p.communicate(timeout=240)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errs]
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")

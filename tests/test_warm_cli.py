@@ -3,6 +3,8 @@ the same exit status, stdout and stderr, and a timeout that ends the process."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import time
@@ -54,3 +56,24 @@ def test_the_common_environment_gets_a_server_when_others_took_the_rest(monkeypa
     assert served == [True] * (warm_cli.MAX_SERVERS - 1) + [False]
     assert isinstance(warm_cli._server(warm_cli.cli_env()), Cheap)
     assert len(warm_cli._SERVERS) == warm_cli.MAX_SERVERS
+
+
+@pytest.mark.parametrize("streams", [(subprocess.PIPE, subprocess.PIPE), (subprocess.DEVNULL, subprocess.PIPE),
+                                     (subprocess.PIPE, subprocess.STDOUT), (subprocess.PIPE, subprocess.DEVNULL)])
+def test_a_forked_handle_communicates_as_popen_does(streams, tmp_path):
+    """Launches.Popen's handle with each stream a pipe, /dev/null or stderr into stdout: what communicate()
+    returns is what a real Popen's does, and the handle is a process of its own (not this one's child)."""
+    stdout, stderr = streams
+    args = [*LRATTN, "prepare", "--source", "stdlib-docs", "--max_documents", "8", "--out", "d"]  # both streams
+    env = warm_cli.cli_env()
+    handles = []
+    for name in ("warm", "cold"):
+        (tmp_path / name).mkdir()
+        start = warm_cli.Launches.Popen if name == "warm" else subprocess.Popen
+        handles.append(start(args, cwd=tmp_path / name, env=env, stdout=stdout, stderr=stderr, text=True))
+    warm, cold = handles
+    assert isinstance(warm, warm_cli._Forked) and warm.pid not in (os.getpid(), cold.pid)
+    assert warm.communicate(timeout=120) == cold.communicate(timeout=120)
+    assert warm.returncode == cold.returncode == 0
+    splits = [json.loads((tmp_path / name / "d/meta.json").read_text())["splits"] for name in ("warm", "cold")]
+    assert splits[0] == splits[1] and splits[0]["train"]["tokens"] > 0

@@ -35,8 +35,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 MODULE = "lrattn_lightning.cli"
 # variables read when a command runs (not when a library is imported): a difference keeps the command warm
@@ -307,12 +309,14 @@ class Launches:
         return getattr(subprocess, name)
 
     @staticmethod
-    def Popen(command, env=None, cwd=None, stdout=None, stderr=None, text=False, errors=None, **kwargs):  # noqa: N802
+    def Popen(command, env=None, cwd=None, stdin=None, stdout=None, stderr=None, text=False, errors=None,  # noqa: N802
+              **kwargs):
         command = list(command)
         env = dict(os.environ if env is None else env)
         path = None
         if not kwargs and command[:2] == [sys.executable, "-m"] and command[2].startswith(MODULE) and \
-                stdout in (None, subprocess.PIPE) and stderr in (None, subprocess.STDOUT):
+                stdin in (None, subprocess.DEVNULL) and stdout in (None, subprocess.PIPE, subprocess.DEVNULL) and \
+                stderr in (None, subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL):
             if _SERVING:  # in a command forked from the server
                 path = _SERVING["path"] if _fixed(env) == _SERVING["env"] else None
             else:  # in the test process
@@ -321,29 +325,65 @@ class Launches:
         if path is None:
             if os.environ.get("LRATTN_TESTS_WARM_DEBUG"):
                 print("warm_cli: cold:", command[:4], file=sys.stderr)
-            return subprocess.Popen(command, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text,
+            return subprocess.Popen(command, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
                                     errors=errors, **kwargs)
-        return _Forked(path, command, env, cwd or os.getcwd(), stdout == subprocess.PIPE,
-                       stderr == subprocess.STDOUT, text, errors)
+        return _Forked(path, command, env, cwd or os.getcwd(), stdin, stdout, stderr, text, errors)
 
 
 class _Forked:
-    """A Popen-like handle (pid, stdout, poll, wait, send_signal) on a command forked from the server: not a
-    child of this process."""
+    """A Popen-like handle (pid, stdout, stderr, poll, wait, communicate, send_signal) on a command forked from
+    the server: not a child of this process. stdin: None or DEVNULL; stdout: None, PIPE or DEVNULL; stderr:
+    those or STDOUT."""
 
-    def __init__(self, path: str, command: list[str], env: dict[str, str], cwd: str, pipe: bool, merge: bool,
-                 text: bool, errors: str | None) -> None:
-        self.args, self.returncode, self._received, self.stdout = command, None, bytearray(), None
-        out = 1
-        if pipe:
-            read, out = os.pipe()
-            self.stdout = open(read, "r" if text else "rb", errors=errors if text else None)  # noqa: SIM115
+    def __init__(self, path: str, command: list[str], env: dict[str, str], cwd: str, stdin: int | None,
+                 stdout: int | None, stderr: int | None, text: bool, errors: str | None) -> None:
+        self.args, self.returncode, self._received = command, None, bytearray()
+        self.stdout = self.stderr = None
+        fds, ours = [0, 1, 2], []  # the command's standard streams; the ends this process closes once sent
+
+        def stream(which: int | None, into: int) -> Any:
+            if which == subprocess.PIPE:
+                read, fds[into] = os.pipe()
+                ours.append(fds[into])
+                return open(read, "r" if text else "rb", errors=errors if text else None)  # noqa: SIM115
+            if which == subprocess.DEVNULL:
+                fds[into] = os.open(os.devnull, os.O_WRONLY)
+                ours.append(fds[into])
+            return None
+
+        if stdin == subprocess.DEVNULL:
+            fds[0] = os.open(os.devnull, os.O_RDONLY)
+            ours.append(fds[0])
+        self.stdout = stream(stdout, 1)
+        if stderr == subprocess.STDOUT:
+            fds[2] = fds[1]
+        else:
+            self.stderr = stream(stderr, 2)
         try:
-            self._conn = _request(path, command[2], command[3:], cwd, env, [0, out, out if merge else 2])
+            self._conn = _request(path, command[2], command[3:], cwd, env, fds)
         finally:
-            if pipe:
-                os.close(out)
+            for fd in ours:
+                os.close(fd)
         self.pid = int(_line(self._conn, self._received))
+
+    def communicate(self, input: None = None, timeout: float | None = None) -> tuple[Any, Any]:  # noqa: A002
+        """(stdout, stderr) read to their ends (None where not a pipe), then the exit status, as Popen's."""
+        assert input is None, "a forked command's stdin is this process's or /dev/null"
+        found: dict[int, Any] = {}
+        readers = [threading.Thread(target=lambda i=i, f=f: found.__setitem__(i, f.read()), daemon=True)
+                   for i, f in enumerate((self.stdout, self.stderr)) if f is not None]
+        for reader in readers:
+            reader.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in readers:
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        for f in (self.stdout, self.stderr):
+            if f is not None:
+                f.close()
+        return found.get(0), found.get(1)
 
     def _status(self, timeout: float | None) -> int | None:
         if self.returncode is None:
