@@ -44,15 +44,16 @@ GRAD = SizeConfig(name="grad", doc="tests: gradcheck", n_layers=3, d_model=8, n_
                   seq_len=8)
 
 
-# The modules that take longest (measured on 2 cores, durations summed), started first (the one-process
-# triton interpreter run first of all): with `--dist loadfile`
-# each module runs whole on one worker, and a long one started last would run alone at the end.
-LONGEST_FIRST = ("test_routing_triton.py", "test_first_hour.py", "test_resilience.py", "test_tracking_faults.py",
-                 "test_sweep.py", "test_comparable.py", "test_fsdp.py", "test_signals.py", "test_run_endings.py",
-                 "test_training.py", "test_data_interrupted.py", "test_packaging.py", "test_export.py",
-                 "test_triton_compile.py", "test_no_stray_writes.py", "test_data_s3.py", "test_external_router.py",
-                 "test_gpu_check.py", "test_eval.py", "test_bench.py", "test_optim.py", "test_routing_fast.py",
-                 "test_names_and_errors.py", "test_checkpoint_trust.py", "test_doc_masking.py")
+# The modules that take longest (durations summed over a whole run on 2 cores, stop 38), started first (the
+# one-process triton interpreter run first of all): with `--dist loadfile` each module runs whole on one
+# worker, and a long one started last would run alone at the end.
+LONGEST_FIRST = (
+    "test_routing_triton.py", "test_resilience.py", "test_fsdp.py", "test_sweep.py", "test_signals.py",
+    "test_comparable.py", "test_tracking_faults.py", "test_training.py", "test_triton_compile.py",
+    "test_data_interrupted.py", "test_data_s3.py", "test_first_hour.py", "test_no_stray_writes.py", "test_export.py",
+    "test_gpu_check.py", "test_run_endings.py", "test_upcycling.py", "test_eval.py", "test_packaging.py",
+    "test_external_router.py", "test_routing_fast.py", "test_optim.py", "test_doc_masking.py", "test_warm_cli.py",
+    "test_bench.py", "test_names_and_errors.py")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -40,22 +41,49 @@ def test_the_server_is_used_and_a_timeout_ends_the_command(tmp_path):
     assert time.monotonic() - start < 60
 
 
-def test_the_common_environment_gets_a_server_when_others_took_the_rest(monkeypatch):
-    # CI at stop 36: three other environments came first in one test process and cli_env()'s commands ran cold
-    class Cheap:
-        def __init__(self, env):
-            self.env = env
+def test_the_common_environment_keeps_its_server_and_others_take_turns(monkeypatch):
+    """CI at stop 36: three other environments came first in one test process and cli_env()'s commands ran cold.
+    Later, a test whose environment came after MAX_SERVERS others ran all its commands cold. Now cli_env()'s
+    server is never closed, and a new environment closes the least recently used idle other one."""
+    closed = []
 
-        def close(self):
-            pass
+    class Cheap:
+        def __init__(self, env, command=("sleep", "30")):  # a process without children: idle
+            self.env, self.proc = env, subprocess.Popen(command, start_new_session=True)
+
+        def close(self):  # (also at exit: warm_cli registers it)
+            if self.proc.poll() is None:
+                closed.append(self.env.get("LRATTN_TEST_ENV", "canonical"))
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
 
     monkeypatch.setattr(warm_cli, "_Server", Cheap)
     monkeypatch.setattr(warm_cli, "_SERVERS", {})
-    others = [warm_cli.cli_env(LRATTN_TEST_ENV=str(i)) for i in range(warm_cli.MAX_SERVERS)]
-    served = [warm_cli._server(env) is not None for env in others]
-    assert served == [True] * (warm_cli.MAX_SERVERS - 1) + [False]
-    assert isinstance(warm_cli._server(warm_cli.cli_env()), Cheap)
-    assert len(warm_cli._SERVERS) == warm_cli.MAX_SERVERS
+    monkeypatch.setattr(warm_cli, "_USED", {})
+    try:
+        others = [warm_cli.cli_env(LRATTN_TEST_ENV=str(i)) for i in range(warm_cli.MAX_SERVERS + 1)]
+        first = [warm_cli._server(env) for env in others[:warm_cli.MAX_SERVERS - 1]]
+        assert all(isinstance(server, Cheap) for server in first) and closed == []
+        common = warm_cli._server(warm_cli.cli_env())
+        assert isinstance(common, Cheap) and len(warm_cli._SERVERS) == warm_cli.MAX_SERVERS
+        warm_cli._server(others[0])  # used again: now others[1] is the least recently used
+        assert isinstance(warm_cli._server(others[-1]), Cheap)
+        assert closed == ["1"] and len(warm_cli._SERVERS) == warm_cli.MAX_SERVERS
+        assert warm_cli._server(warm_cli.cli_env()) is common
+        for key, server in warm_cli._SERVERS.items():  # each other server runs a command: none is closed
+            if server is not common:
+                server.close()
+                warm_cli._SERVERS[key] = Cheap(server.env, ["sh", "-c", "sleep 30 & wait"])
+        deadline = time.monotonic() + 10
+        while not all(warm_cli._busy(server) for server in warm_cli._SERVERS.values() if server is not common) \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not warm_cli._busy(common)
+        closed.clear()
+        assert warm_cli._server(warm_cli.cli_env(LRATTN_TEST_ENV="busy")) is None and closed == []
+    finally:
+        for server in warm_cli._SERVERS.values():
+            server.close()
 
 
 @pytest.mark.parametrize("streams", [(subprocess.PIPE, subprocess.PIPE), (subprocess.DEVNULL, subprocess.PIPE),

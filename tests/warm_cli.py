@@ -96,21 +96,37 @@ class _Server:
 
 
 _SERVERS: dict[str, _Server] = {}
-MAX_SERVERS = 3  # per test process: `cli_env()`'s (always given one) and the first others the tests launch commands in
+_USED: dict[str, float] = {}  # server key -> when a command last asked for it
+MAX_SERVERS = 3  # per test process: `cli_env()`'s (never closed) and the most recently used others
+
+
+def _busy(server: _Server) -> bool:
+    """Whether a command forked from the server still runs (its live children)."""
+    pid = server.proc.pid
+    try:
+        return bool(Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+    except OSError:
+        return False
 
 
 def _server(env: dict[str, str]) -> _Server | None:
-    """A server of this test process whose import-time environment is `env`'s (started on first use)."""
+    """A server of this test process whose import-time environment is `env`'s (started on first use). At
+    MAX_SERVERS, the least recently used idle server but cli_env()'s is closed for it; None (cold) when all
+    are busy."""
     if os.environ.get("LRATTN_TESTS_COLD") == "1":
         return None
     key = json.dumps(_fixed(env), sort_keys=True)
     if key not in _SERVERS:
         canonical = json.dumps(_fixed(cli_env()), sort_keys=True)
-        others = sum(k != canonical for k in _SERVERS)
-        if key != canonical and others >= MAX_SERVERS - 1:  # a slot is kept for the environment most commands use
-            return None
+        others = [k for k in _SERVERS if k != canonical]
+        if key != canonical and len(others) >= MAX_SERVERS - 1:  # a slot is kept for the environment most use
+            idle = [k for k in others if not _busy(_SERVERS[k])]
+            if not idle:
+                return None
+            _SERVERS.pop(min(idle, key=_USED.__getitem__)).close()
         _SERVERS[key] = _Server(env)
         atexit.register(_SERVERS[key].close)
+    _USED[key] = time.monotonic()
     return _SERVERS[key]
 
 
