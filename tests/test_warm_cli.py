@@ -86,22 +86,33 @@ def test_the_common_environment_keeps_its_server_and_others_take_turns(monkeypat
             server.close()
 
 
+PREPARE = ["prepare", "--source", "stdlib-docs", "--max_documents", "8", "--out", "d"]  # writes on both streams
+
+
+@pytest.fixture(scope="module")
+def popen_answers(tmp_path_factory) -> dict:
+    """What a real Popen of PREPARE returns from communicate(): streams apart, and stderr into stdout."""
+    answers = {}
+    for merge in (False, True):
+        cwd = tmp_path_factory.mktemp("cold")
+        proc = subprocess.Popen([*LRATTN, *PREPARE], cwd=cwd, env=warm_cli.cli_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT if merge else subprocess.PIPE, text=True)
+        answers[merge] = (proc.communicate(timeout=120), proc.returncode, cwd / "d/meta.json", proc.pid)
+    return answers
+
+
 @pytest.mark.parametrize("streams", [(subprocess.PIPE, subprocess.PIPE), (subprocess.DEVNULL, subprocess.PIPE),
                                      (subprocess.PIPE, subprocess.STDOUT), (subprocess.PIPE, subprocess.DEVNULL)])
-def test_a_forked_handle_communicates_as_popen_does(streams, tmp_path):
-    """Launches.Popen's handle with each stream a pipe, /dev/null or stderr into stdout: what communicate()
-    returns is what a real Popen's does, and the handle is a process of its own (not this one's child)."""
+def test_a_forked_handle_communicates_as_popen_does(streams, popen_answers, tmp_path):
+    """Launches.Popen's handle with each stream a pipe, /dev/null or stderr into stdout: communicate() returns
+    what a real Popen's does (None for a stream not piped), and the handle is a process of its own."""
     stdout, stderr = streams
-    args = [*LRATTN, "prepare", "--source", "stdlib-docs", "--max_documents", "8", "--out", "d"]  # both streams
-    env = warm_cli.cli_env()
-    handles = []
-    for name in ("warm", "cold"):
-        (tmp_path / name).mkdir()
-        start = warm_cli.Launches.Popen if name == "warm" else subprocess.Popen
-        handles.append(start(args, cwd=tmp_path / name, env=env, stdout=stdout, stderr=stderr, text=True))
-    warm, cold = handles
-    assert isinstance(warm, warm_cli._Forked) and warm.pid not in (os.getpid(), cold.pid)
-    assert warm.communicate(timeout=120) == cold.communicate(timeout=120)
-    assert warm.returncode == cold.returncode == 0
-    splits = [json.loads((tmp_path / name / "d/meta.json").read_text())["splits"] for name in ("warm", "cold")]
+    (out, err), code, meta, pid = popen_answers[stderr == subprocess.STDOUT]
+    want = (out if stdout == subprocess.PIPE else None, err if stderr == subprocess.PIPE else None)
+    warm = warm_cli.Launches.Popen([*LRATTN, *PREPARE], cwd=tmp_path, env=warm_cli.cli_env(), stdout=stdout,
+                                   stderr=stderr, text=True)
+    assert isinstance(warm, warm_cli._Forked) and warm.pid not in (os.getpid(), pid)
+    assert warm.communicate(timeout=120) == want and all(part for part in want if part is not None)
+    assert warm.returncode == code == 0
+    splits = [json.loads(path.read_text())["splits"] for path in (tmp_path / "d/meta.json", meta)]
     assert splits[0] == splits[1] and splits[0]["train"]["tokens"] > 0
