@@ -292,3 +292,30 @@ def test_a_signal_waits_for_a_safe_point_and_a_second_one_does_not():
             check_stop()
         check_stop()  # dropped: what it would have stopped is done
         assert staging._SIGNALS["pending"] is None
+
+
+def test_a_workers_answer_is_a_message_the_pipe_writes_whole(corpus, tmp_path):
+    """ProcessPoolExecutor's reading thread waits forever on half a message, and a worker killed while writing a
+    long answer leaves half of one (prepare hung after SIGTERM, twice in about 70 looped runs). The ids go
+    through a file; the pipe's message, the file's name, is shorter than PIPE_BUF, so Linux writes it whole."""
+    import pickle
+    import select
+    from concurrent.futures.process import _ResultItem
+
+    from lrattn_lightning.data.tokenizer import encode_texts, load_tokenizer
+
+    texts = [json.loads(line)["text"] for line in (corpus / "corpus.jsonl").read_text().splitlines()]
+    batch = []
+    while sum(map(len, batch)) < pipeline.BATCH_BYTES and len(batch) < pipeline.BATCH_DOCUMENTS:
+        batch.append(texts[len(batch)])
+    kwargs = {"spec_json": json.dumps(load_tokenizer(f"hf:{corpus / 'tok.json'}").spec()), "base_dir": str(corpus),
+              "dtype": "uint16"}
+    whole = encode_texts(batch, **kwargs)
+    assert len(pickle.dumps(_ResultItem(10**9, result=whole))) > 16 * select.PIPE_BUF  # what it used to send
+    deep = tmp_path / ("a-long-folder-name-" * 8) / ".prepare" / "batches"
+    deep.mkdir(parents=True)
+    path = pipeline.encode_to_file(batch, str(deep / "123456789.npy"), **kwargs)
+    assert len(pickle.dumps(_ResultItem(10**9, result=path))) < select.PIPE_BUF
+    answer = pipeline.load_answer(path)
+    assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(answer, whole, strict=True))
+    assert list(deep.iterdir()) == []

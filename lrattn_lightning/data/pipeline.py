@@ -10,6 +10,11 @@ A part is PART_BYTES characters of documents. Batches go to `num_workers` proces
 each) and come back in order, so the shards are the same for any number of workers. At most two batches per
 worker are in flight: with the chunk being filled for each split, that is what is held in memory, however
 large the corpus. `num_workers` 1 tokenises in this process (no copies between processes).
+
+A worker's token ids come back in a file (STAGING/.prepare/batches/), and through the pool's pipe only its
+name: a message shorter than PIPE_BUF is written whole or not at all, so a worker killed mid-answer (the OOM
+killer, a signal to the process group, the parent ending the pool) cannot leave half a message, on which
+ProcessPoolExecutor's reading thread would wait forever (it did, under a SIGTERM: twice in about 70 runs of the signal test in a loop).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -53,6 +59,7 @@ class Encoder:
     def __init__(self, spec: dict[str, Any], base_dir: Path, dtype: Any, num_workers: int) -> None:
         self.kwargs = {"spec_json": json.dumps(spec), "base_dir": str(base_dir), "dtype": np.dtype(dtype).name}
         self.num_workers, self.pool, self.pids = num_workers, None, []
+        self.batches = base_dir / BOOK / "batches"  # the workers' answers (see the module's docstring)
 
     def __enter__(self) -> Encoder:
         # one tokenizer thread per process: the workers are the parallelism (and rayon must not run across a fork)
@@ -62,6 +69,8 @@ class Encoder:
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
 
+            shutil.rmtree(self.batches, ignore_errors=True)  # an interrupted prepare's
+            self.batches.mkdir(parents=True)
             context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
             started = context.SimpleQueue()
             # a pool that notices a worker killed under it (multiprocessing.Pool would wait for its task forever)
@@ -79,6 +88,7 @@ class Encoder:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGTERM)
             self.pool.shutdown(wait=True)
+            shutil.rmtree(self.batches, ignore_errors=True)
         if self._parallelism is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:
@@ -94,17 +104,34 @@ class Encoder:
 
         pending: deque = deque()
         try:
-            for tag, texts in batches:
-                pending.append((tag, self.pool.submit(encode_texts, texts, **self.kwargs)))
+            for number, (tag, texts) in enumerate(batches):
+                answer = str(self.batches / f"{number}.npy")
+                pending.append((tag, self.pool.submit(encode_to_file, texts, answer, **self.kwargs)))
                 if len(pending) >= 2 * self.num_workers:
                     tag, result = pending.popleft()
-                    yield tag, result.result()
+                    yield tag, load_answer(result.result())
             while pending:
                 tag, result = pending.popleft()
-                yield tag, result.result()
+                yield tag, load_answer(result.result())
         except BrokenProcessPool as err:
             raise WorkerDied("a tokenizer process died (killed by the system: out of memory? see `dmesg`); the "
                              "finished parts are kept: run the same command to continue from them") from err
+
+
+def encode_to_file(texts: list[str], path: str, **kwargs: str) -> str:
+    """A worker's batch: encode_texts' three arrays written to `path`; returns `path` (all the pipe carries)."""
+    with open(path, "wb") as f:
+        for array in encode_texts(texts, **kwargs):
+            np.save(f, array, allow_pickle=False)
+    return path
+
+
+def load_answer(path: str) -> tuple[Any, Any, Any]:
+    """The arrays encode_to_file wrote; the file is removed."""
+    with open(path, "rb") as f:
+        ids, lengths, n_bytes = (np.load(f, allow_pickle=False) for _ in range(3))
+    os.unlink(path)
+    return ids, lengths, n_bytes
 
 
 def _init_worker(parent: int, kwargs: dict[str, str], started: Any) -> None:
