@@ -40,9 +40,9 @@ def env() -> dict[str, str]:
             "OMP_NUM_THREADS": "1"}
 
 
-def start(args: list[str], cwd: Path) -> subprocess.Popen:
+def start(args: list[str], cwd: Path, session: bool = False) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", RUN, str(PART_BYTES), *args], cwd=cwd, env=env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=session)
 
 
 @pytest.fixture(scope="module")
@@ -97,18 +97,21 @@ def processes_naming(marker: str) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "a worker SIGKILLed"])
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGTERM to its process group", "a worker SIGKILLed"])
 def test_an_interrupted_prepare_continues_to_the_same_shards(how, corpus, uninterrupted, tmp_path):
-    """SIGKILL (nothing runs after it), SIGTERM (exit 143, one line), a worker killed under it (the OOM killer's
-    way: one line, exit 1; multiprocessing.Pool would have waited for the lost batch forever)."""
+    """SIGKILL (nothing runs after it), SIGTERM (exit 143, one line), SIGTERM to the process group as SLURM sends
+    it (the workers die of it too: still exit 143 and the SIGTERM line), a worker killed under it (the OOM
+    killer's way: one line, exit 1; multiprocessing.Pool would have waited for the lost batch forever)."""
     out = f"out-{how.split()[-1]}-{len(how)}"
     args = [*ARGS, "--out", out]
     (tmp_path / "corpus.jsonl").symlink_to(corpus / "corpus.jsonl")
     (tmp_path / "tok.json").symlink_to(corpus / "tok.json")
-    proc = start(args, tmp_path)
+    proc = start(args, tmp_path, session=how.endswith("group"))
     staging = tmp_path / f".{out}.tmp-prepare"
     wait_for_part(staging, 2, proc)
-    if how == "a worker SIGKILLed":
+    if how.endswith("group"):
+        os.killpg(proc.pid, signal.SIGTERM)
+    elif how == "a worker SIGKILLed":
         workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
         assert len(workers) == 2
         os.kill(int(workers[0]), signal.SIGKILL)
@@ -116,7 +119,7 @@ def test_an_interrupted_prepare_continues_to_the_same_shards(how, corpus, uninte
         proc.send_signal(getattr(signal, how))
     _, err = proc.communicate(timeout=60)
     lines = [line for line in err.splitlines() if line.strip()]
-    if how == "SIGTERM":
+    if how.startswith("SIGTERM"):
         assert proc.returncode == 143, err
         assert lines[-1] == ("[lrattn prepare] stopped by SIGTERM: the finished parts are kept; run the same command "
                              "to continue from them") and "Traceback" not in err, err

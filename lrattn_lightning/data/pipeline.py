@@ -14,7 +14,8 @@ large the corpus. `num_workers` 1 tokenises in this process (no copies between p
 A worker's token ids come back in a file (STAGING/.prepare/batches/), and through the pool's pipe only its
 name: a message shorter than PIPE_BUF is written whole or not at all, so a worker killed mid-answer (the OOM
 killer, a signal to the process group, the parent ending the pool) cannot leave half a message, on which
-ProcessPoolExecutor's reading thread would wait forever (it did, under a SIGTERM: twice in about 70 runs of the signal test in a loop).
+ProcessPoolExecutor's reading thread would wait forever (it did after a SIGTERM: twice in about 70 runs of
+the signal test in a loop).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import numpy as np
 
 from lrattn_lightning.data.corpora import Document
 from lrattn_lightning.data.split import SPLITS
-from lrattn_lightning.data.staging import BOOK
+from lrattn_lightning.data.staging import BOOK, check_stop
 from lrattn_lightning.data.tokenizer import encode_texts
 
 PART_BYTES = 256 << 20  # characters of documents in a part: what a resumed prepare may have to redo
@@ -114,6 +115,7 @@ class Encoder:
                 tag, result = pending.popleft()
                 yield tag, load_answer(result.result())
         except BrokenProcessPool as err:
+            check_stop()  # the workers died of this process's signal too (sent to the group, e.g. by SLURM)
             raise WorkerDied("a tokenizer process died (killed by the system: out of memory? see `dmesg`); the "
                              "finished parts are kept: run the same command to continue from them") from err
 
