@@ -299,7 +299,7 @@ def test_a_signal_waits_for_a_safe_point_and_a_second_one_does_not():
 
 def test_a_workers_answer_is_a_message_the_pipe_writes_whole(corpus, tmp_path):
     """ProcessPoolExecutor's reading thread waits forever on half a message, and a worker killed while writing a
-    long answer leaves half of one (prepare hung after SIGTERM, twice in about 70 looped runs). The ids go
+    long answer leaves half of one (prepare hung after SIGTERM: once in a suite, once in 43 looped runs). The ids go
     through a file; the pipe's message, the file's name, is shorter than PIPE_BUF, so Linux writes it whole."""
     import pickle
     import select
