@@ -59,7 +59,6 @@ def test_the_common_environment_keeps_its_server_and_others_take_turns(monkeypat
 
     monkeypatch.setattr(warm_cli, "_Server", Cheap)
     monkeypatch.setattr(warm_cli, "_SERVERS", {})
-    monkeypatch.setattr(warm_cli, "_USED", {})
     try:
         others = [warm_cli.cli_env(LRATTN_TEST_ENV=str(i)) for i in range(warm_cli.MAX_SERVERS + 1)]
         first = [warm_cli._server(env) for env in others[:warm_cli.MAX_SERVERS - 1]]

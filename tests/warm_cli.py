@@ -95,8 +95,7 @@ class _Server:
             os.rmdir(self.folder)
 
 
-_SERVERS: dict[str, _Server] = {}
-_USED: dict[str, float] = {}  # server key -> when a command last asked for it
+_SERVERS: dict[str, _Server] = {}  # in order of last use, the least recently used first
 MAX_SERVERS = 3  # per test process: `cli_env()`'s (never closed) and the most recently used others
 
 
@@ -123,10 +122,10 @@ def _server(env: dict[str, str]) -> _Server | None:
             idle = [k for k in others if not _busy(_SERVERS[k])]
             if not idle:
                 return None
-            _SERVERS.pop(min(idle, key=_USED.__getitem__)).close()
+            _SERVERS.pop(idle[0]).close()
         _SERVERS[key] = _Server(env)
         atexit.register(_SERVERS[key].close)
-    _USED[key] = time.monotonic()
+    _SERVERS[key] = _SERVERS.pop(key)  # now the most recently used
     return _SERVERS[key]
 
 
@@ -358,18 +357,16 @@ class _Forked:
         fds, ours = [0, 1, 2], []  # the command's standard streams; the ends this process closes once sent
 
         def stream(which: int | None, into: int) -> Any:
-            if which == subprocess.PIPE:
+            if which == subprocess.PIPE:  # (stdout or stderr: Launches sends a piped stdin cold)
                 read, fds[into] = os.pipe()
                 ours.append(fds[into])
                 return open(read, "r" if text else "rb", errors=errors if text else None)  # noqa: SIM115
             if which == subprocess.DEVNULL:
-                fds[into] = os.open(os.devnull, os.O_WRONLY)
+                fds[into] = os.open(os.devnull, os.O_RDONLY if into == 0 else os.O_WRONLY)
                 ours.append(fds[into])
             return None
 
-        if stdin == subprocess.DEVNULL:
-            fds[0] = os.open(os.devnull, os.O_RDONLY)
-            ours.append(fds[0])
+        stream(stdin, 0)
         self.stdout = stream(stdout, 1)
         if stderr == subprocess.STDOUT:
             fds[2] = fds[1]
