@@ -317,7 +317,7 @@ def test_a_workers_answer_is_a_message_the_pipe_writes_whole(corpus, tmp_path):
     assert len(pickle.dumps(_ResultItem(10**9, result=whole))) > 16 * select.PIPE_BUF  # what it used to send
     deep = tmp_path / ("a-long-folder-name-" * 8) / ".prepare" / "batches"
     deep.mkdir(parents=True)
-    path = pipeline.encode_to_file(batch, str(deep / "123456789.npy"), **kwargs)
+    path = pipeline.encode_to_file(batch, [True] * len(batch), str(deep / "123456789.npy"), **kwargs)
     assert len(pickle.dumps(_ResultItem(10**9, result=path))) < select.PIPE_BUF
     answer = pipeline.load_answer(path)
     assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(answer, whole, strict=True))

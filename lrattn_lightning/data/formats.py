@@ -2,7 +2,8 @@
 
     kind_of(path) -> (kind, compression)   by the file name
     FileInput.check()                      before anything is written: the content is what the name says
-    FileInput.documents()                  Documents, streamed (memory bounded by a record, a row batch or a block)
+    FileInput.documents(spool)             Documents, streamed in blocks of at most 1 MiB whatever a document's
+                                           or a file's size (a longer document waits in `spool`: data/documents.py)
 
 Formats, by the file name: `.parquet` (the column `--text_field`, row group by row group, with pyarrow),
 `.jsonl`/`.ndjson` (one JSON object a line, its field `--text_field`), `.txt` (one document a file, or pieces
@@ -11,9 +12,17 @@ Face dataset by name (`hf:NAME`, through `datasets`, from its cache or the hub) 
 
 Data is never guessed: a file whose magic bytes say Parquet, gzip, zstd, bz2, xz, zip or Arrow under a name
 that says otherwise, text holding NUL bytes or mostly undecodable bytes, a line that is not a JSON object, a
-missing or non-string field: one InputError naming the file, the line or row, and the fix. Undecodable bytes
-that are rare in real text become U+FFFD with one warning saying how many, which fraction and where.
+missing or non-string field: one InputError naming the file, the line or row, and the fix. One text policy for
+every format (TextStats): undecodable bytes that are rare in real text become U+FFFD with one warning saying how
+many, which fraction and where; more, and the file is refused in one line naming it and the first place.
 Documents are read as they are (no cleaning); only documents that are empty or all whitespace are skipped.
+
+Memory does not grow with a document or a file: text files are read in BLOCK_BYTES blocks, a JSONL line longer
+than LONG_LINE is parsed as it streams (data/jsonlines.py), and Parquet and Arrow are read in batches of about
+ARROW_BATCH_BYTES of text, a value longer than LONG_CHARS decoded in blocks from Arrow's buffer. Parquet keeps a
+value whole on disk, so pyarrow holds the largest value of a batch once (its bytes; never a copy as text).
+`consumed` counts the decompressed bytes read; `expected()` estimates their total from the compression ratio
+seen so far (the progress bar's ETA, and the free-space check before anything is written).
 """
 
 from __future__ import annotations
@@ -21,24 +30,35 @@ from __future__ import annotations
 import bz2
 import gzip
 import io
-import json
 import lzma
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lrattn_lightning.core.errors import InputError
-from lrattn_lightning.data.corpora import Document
+from lrattn_lightning.data.documents import (
+    HEAD_BYTES,
+    LONG_CHARS,
+    Document,
+    Spool,
+    TextBuilder,
+    TextStats,
+    Utf8Decoder,
+)
+from lrattn_lightning.data.jsonlines import LONG_LINE, line_text, long_line_text
+from lrattn_lightning.data.staging import check_stop
 
 KINDS = {".txt": "text", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd", ".bz2": "bz2", ".xz": "xz"}
 _SUFFIX_OF = {"gzip": ".gz", "zstd": ".zst", "bz2": ".bz2", "xz": ".xz"}
-HEAD_BYTES = 1 << 16  # what `check` reads of each file (decompressed) before anything is written
-BLOCK_BYTES = 1 << 20  # read size of text files split by a separator
+BLOCK_BYTES = 1 << 20  # read size of text files
+RATIO_BYTES = 1 << 20  # decompressed bytes `check` makes to estimate a compressed file's ratio
+RATIO_PIECE = 1 << 12  # compressed bytes fed at a time for it
+RUNNING_RATIO_BYTES = 4 << 20  # compressed bytes read after which their own ratio replaces the sampled one
+CHECK_LINE_BYTES = 1 << 19  # of a first JSONL line longer than the head, what `check` parses before any work
+ARROW_BATCH_BYTES = 32 << 20  # text of a Parquet or Arrow batch (its row count follows the column's average size)
 BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark some editors put first: not part of the text
-BAD_FRACTION = 0.01  # undecodable byte sequences per byte above which a file is not UTF-8 text, but refused
 SUPPORTED = ".parquet, .jsonl/.ndjson or .txt (the last two also as .gz, .zst, .bz2, .xz)"
 
 
@@ -82,51 +102,6 @@ def _rename_hint(path: Path, found: str, kind: str) -> str:
     return f"it is a {found} file, not {kind}: unpack it, or leave it out of --source"
 
 
-class TextStats:
-    """Undecodable UTF-8 sequences of one file: how many, in how many bytes, and where the first was."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.bad, self.bytes, self.first = path, 0, 0, ""
-
-    def decode(self, raw: bytes, where: str) -> str:
-        """`raw` as UTF-8; an undecodable sequence becomes U+FFFD and is counted (its place kept if first)."""
-        self.bytes += len(raw)
-        if b"\x00" in raw:
-            raise InputError(f"{self.path}: binary content (a NUL byte {where}), not text: leave the file out of "
-                             "--source, or convert it to UTF-8 text")
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            if not self.bad:
-                self.first = f"{where}, byte {err.start} of it" if where else f"byte {err.start}"
-        parts, start = [], 0
-        while True:
-            try:
-                parts.append(raw[start:].decode("utf-8"))
-                break
-            except UnicodeDecodeError as err:
-                parts.append(raw[start : start + err.start].decode("utf-8"))
-                parts.append("\ufffd")
-                self.bad += 1
-                start += err.end
-        self.check()
-        return "".join(parts)
-
-    def check(self, final: bool = False) -> None:
-        if self.bad > max(16, BAD_FRACTION * self.bytes) and (final or self.bytes >= HEAD_BYTES // 4):
-            raise InputError(f"{self.path}: not UTF-8 text: {self.bad:,} undecodable byte sequences in the first "
-                             f"{self.bytes:,} bytes (first at {self.first}); convert it to UTF-8 (e.g. iconv -f "
-                             "latin1 -t utf-8), or leave it out of --source")
-
-    def finish(self) -> None:
-        self.check(final=True)
-        if self.bad:
-            print(f"[lrattn prepare] warning: {self.path}: {self.bad:,} undecodable byte sequence(s) in "
-                  f"{self.bytes:,} bytes ({self.bad / self.bytes:.4%}), first at {self.first}, were replaced by "
-                  "U+FFFD; convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8) if that is not intended",
-                  file=sys.stderr, flush=True)
-
-
 def _decompress_errors() -> tuple[type[BaseException], ...]:
     import zstandard
 
@@ -135,15 +110,27 @@ def _decompress_errors() -> tuple[type[BaseException], ...]:
 
 class FileInput:
     """One file of a corpus: its kind (text, jsonl, parquet) and compression come from its name, and
-    `check` makes sure the content agrees. `consumed` (bytes of the file read) drives the progress bar."""
+    `check` makes sure the content agrees. `consumed` (decompressed bytes read) and `expected()` drive the
+    progress bar and the free-space check."""
 
     def __init__(self, path: Path, kind: str, compression: str | None, options: ReadOptions) -> None:
         self.path, self.kind, self.compression, self.options = path, kind, compression, options
         self.size = path.stat().st_size
         self.consumed = 0
+        self.ratio = 1.0  # decompressed bytes per byte of the file, as far as they have been seen
+        self._raw: Any = None  # the open file while it is read (its position refines the ratio)
 
     def describe(self) -> str:
         return f"{self.kind}{'.' + self.compression if self.compression else ''}"
+
+    def expected(self) -> int:
+        """The decompressed size: exact for plain files, estimated from the ratio seen so far for the others."""
+        if not self.compression:
+            return self.size
+        raw = self._raw
+        if raw is not None and not raw.closed and raw.tell() >= RUNNING_RATIO_BYTES:  # past a decompressor's read-ahead
+            self.ratio = self.consumed / raw.tell()
+        return max(self.consumed, int(self.size * self.ratio))
 
     # ---- reading ------------------------------------------------------------------------------------
     def _open(self) -> tuple[Any, Any]:
@@ -167,7 +154,9 @@ class FileInput:
                           "corrupt: copy it again")
 
     def check(self) -> None:
-        """InputError unless the content is what the name says: magic bytes, text, and the first record."""
+        """InputError unless the content is what the name says: magic bytes, text, and the first record. Reads at
+        most HEAD_BYTES + CHECK_LINE_BYTES of the content (and decompresses RATIO_BYTES of it apart, for the
+        ratio), whatever the file's size."""
         with open(self.path, "rb") as f:
             head = f.read(16)
             f.seek(max(self.size - 4, 0))
@@ -190,11 +179,14 @@ class FileInput:
         try:
             with raw, stream:
                 content = stream.read(HEAD_BYTES)
-                while self.kind == "jsonl" and b"\n" not in content and (more := stream.read(HEAD_BYTES)):
-                    content += more  # a first record longer than the head
-                whole = not stream.read(1)
+                whole = not stream.peek(1)
+                long_first = self.kind == "jsonl" and b"\n" not in content and not whole
+                if long_first:
+                    self._check_long_first_line(content.removeprefix(BOM), stream)
         except _decompress_errors() as err:
             raise self._broken(err) from err
+        if self.compression:
+            self.ratio = self._sample_ratio()
         content = content.removeprefix(BOM)
         inner = magic_of(content[:16])
         if inner is not None and self.compression:
@@ -203,11 +195,45 @@ class FileInput:
         stats = TextStats(self.path)
         stats.decode(content[:HEAD_BYTES], "in the first bytes")
         stats.check(final=True)
-        if self.kind == "jsonl":  # every whole line of the head
+        if self.kind == "jsonl" and not long_first:  # every whole line of the head
             lines = content.split(b"\n")
             for lineno, line in enumerate(lines if whole else lines[:-1], 1):
                 if line.strip():
-                    _json_text(line.decode("utf-8", errors="replace"), self.path, lineno, self.options.text_field)
+                    line_text(line.decode("utf-8", errors="replace"), f"{self.path}:{lineno}", self.options.text_field)
+
+    def _sample_ratio(self) -> float:
+        """Decompressed bytes per byte of the file over its first RATIO_BYTES of output: the file fed to a
+        decompressor in small pieces, so the input it took is known within a piece (a stream reads ahead)."""
+        import zlib
+
+        import zstandard
+
+        make = {"gzip": lambda: zlib.decompressobj(31), "bz2": bz2.BZ2Decompressor, "xz": lzma.LZMADecompressor,
+                "zstd": lambda: zstandard.ZstdDecompressor().decompressobj()}[self.compression]
+        decompressor, taken, made = make(), 0, 0
+        with open(self.path, "rb") as f:
+            while made < RATIO_BYTES and not getattr(decompressor, "eof", False) and (piece := f.read(RATIO_PIECE)):
+                taken += len(piece)
+                made += len(decompressor.decompress(piece))
+        return made / taken if taken and made else 1.0
+
+    def _check_long_first_line(self, content: bytes, stream: Any) -> None:
+        """A first line longer than the head: its first CHECK_LINE_BYTES parsed as they stream (a refusal there is
+        one line now; the rest is checked while it is read)."""
+        left = [CHECK_LINE_BYTES - len(content)]
+
+        def more() -> bytes:
+            if left[0] <= 0:
+                raise _Enough
+            block = stream.readline(min(left[0], BLOCK_BYTES))
+            left[0] -= len(block)
+            return block
+
+        try:
+            long_line_text(content, more, self.path, 1, self.options.text_field, TextStats(self.path),
+                           lambda: TextBuilder(None))
+        except _Enough:
+            pass
 
     def _check_parquet(self) -> None:
         import pyarrow as pa
@@ -225,87 +251,176 @@ class FileInput:
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
             raise InputError(f"{self.path}: column '{field}' holds {kind}, not text; pass --text_field NAME of a "
                              "string column")
+        self.ratio = _parquet_text_bytes(pq.ParquetFile(self.path), field) / max(self.size, 1)
 
-    def documents(self) -> Iterator[Document]:
+    def documents(self, spool: Spool | None = None) -> Iterator[Document]:
         if self.kind == "parquet":
-            yield from self._parquet_documents()
+            yield from self._parquet_documents(spool)
             return
         raw, stream = self._open()
-        stats = TextStats(self.path)
+        self._raw, stats = raw, TextStats(self.path)
         try:
             with raw, stream:
                 if self.kind == "jsonl":
-                    for lineno, line in enumerate(stream, 1):
-                        self.consumed = raw.tell()
-                        line = line.removeprefix(BOM) if lineno == 1 else line
-                        if line.strip():
-                            text = _json_text(stats.decode(line, f"on line {lineno}"), self.path, lineno,
-                                              self.options.text_field)
-                            yield Document(text, None, f"{self.path.name}:{lineno}")
+                    yield from self._jsonl(stream, stats, spool)
                 elif self.options.separator is None:
-                    text = stats.decode(stream.read().removeprefix(BOM), "")
-                    self.consumed = raw.tell()
-                    yield Document(text, None, self.path.name)
+                    yield from self._whole(stream, stats, spool)
                 else:
-                    yield from self._separated(raw, stream, stats)
+                    yield from self._separated(stream, stats, spool)
         except _decompress_errors() as err:
             raise self._broken(err) from err
         stats.finish()
-        self.consumed = self.size
+        self.ratio = self.consumed / max(self.size, 1)
 
-    def _separated(self, raw: Any, stream: Any, stats: TextStats) -> Iterator[Document]:
-        # split the bytes: a UTF-8 separator never matches inside another character
-        sep, buf, piece = self.options.separator.encode("utf-8"), b"", 0
+    def _read(self, stream: Any, first: bool) -> bytes:
+        """The next block (a signal stops the work here: a block takes milliseconds)."""
+        check_stop()
+        block = stream.read(BLOCK_BYTES)
+        self.consumed += len(block)
+        return block.removeprefix(BOM) if first else block
+
+    def _jsonl(self, stream: Any, stats: TextStats, spool: Spool | None) -> Iterator[Document]:
+        field, lineno = self.options.text_field, 0
+        while line := stream.readline(LONG_LINE):
+            lineno += 1
+            self.consumed += len(line)
+            line = line.removeprefix(BOM) if lineno == 1 else line
+            where = f"{self.path}:{lineno}"
+            if line.endswith(b"\n") or len(line) < LONG_LINE:  # a whole line (the last may have no newline)
+                if line.strip():
+                    text = line_text(stats.decode(line, f"on line {lineno}"), where, field)
+                    if b"\\ud" in line or b"\\uD" in line:
+                        text = stats.surrogates(text, f"on line {lineno}")
+                    yield Document(text, None, f"{self.path.name}:{lineno}")
+                continue
+            built = self._long_line(stream, line, lineno, stats, spool)
+            if built is not None:
+                yield built.document(None, f"{self.path.name}:{lineno}")
+
+    def _long_line(self, stream: Any, first: bytes, lineno: int, stats: TextStats,
+                   spool: Spool | None) -> TextBuilder | None:
+        """A line longer than LONG_LINE, parsed as it streams (data/jsonlines.py), read LONG_LINE at a time."""
+        ended = False
+
+        def more() -> bytes:
+            nonlocal ended
+            if ended:
+                return b""
+            check_stop()
+            block = stream.readline(LONG_LINE)
+            self.consumed += len(block)
+            ended = not block or block.endswith(b"\n")
+            return block
+
+        return long_line_text(first, more, self.path, lineno, self.options.text_field, stats, lambda: TextBuilder(spool))
+
+    def _whole(self, stream: Any, stats: TextStats, spool: Spool | None) -> Iterator[Document]:
+        """One document: the whole file."""
+        decoder, text = Utf8Decoder(stats), TextBuilder(spool)
+        first = True
+        while block := self._read(stream, first):
+            text.add(decoder.feed(block, "", offset=self.consumed - len(block)))
+            first = False
+        text.add(decoder.feed(b"", "", final=True, offset=self.consumed))
+        yield text.document(None, self.path.name)
+
+    def _separated(self, stream: Any, stats: TextStats, spool: Spool | None) -> Iterator[Document]:
+        """The pieces between separators: the bytes are split (a UTF-8 separator never matches inside another
+        character); a block's last len(separator) - 1 bytes wait for the next, where a separator may go on."""
+        sep = self.options.separator.encode("utf-8")
+        piece, buf, first = 0, b"", True
+        decoder, text = Utf8Decoder(stats), TextBuilder(spool)
         while True:
-            block = stream.read(BLOCK_BYTES)
-            block = block.removeprefix(BOM) if piece == 0 and not buf else block
-            self.consumed = raw.tell()
-            pieces = (buf + block).split(sep)
-            buf = pieces.pop() if block else b""  # the last piece may go on in the next block
-            for chunk in pieces:
-                yield Document(stats.decode(chunk, f"in document {piece}"), None, f"{self.path.name}#{piece}")
-                piece += 1
+            block = self._read(stream, first)
+            first, buf, start = False, buf + block, 0
+            while (found := buf.find(sep, start)) >= 0:
+                text.add(decoder.feed(buf[start:found], f"in document {piece}", final=True))
+                yield text.document(None, f"{self.path.name}#{piece}")
+                decoder, text, piece, start = Utf8Decoder(stats), TextBuilder(spool), piece + 1, found + len(sep)
             if not block:
+                text.add(decoder.feed(buf[start:], f"in document {piece}", final=True))
+                yield text.document(None, f"{self.path.name}#{piece}")
                 return
+            cut = max(start, len(buf) - len(sep) + 1)
+            text.add(decoder.feed(buf[start:cut], f"in document {piece}"))
+            buf = buf[cut:]
 
-    def _parquet_documents(self) -> Iterator[Document]:
+    def _parquet_documents(self, spool: Spool | None) -> Iterator[Document]:
         import pyarrow.parquet as pq
 
-        pf = pq.ParquetFile(self.path)
-        rows, total = 0, max(pf.metadata.num_rows, 1)
-        for batch in pf.iter_batches(batch_size=1024, columns=[self.options.text_field]):
-            column = batch.column(0)
-            if column.null_count:
-                first = next(i for i, v in enumerate(column.is_null().to_pylist()) if v)
-                raise InputError(f"{self.path}: row {rows + first} has no text (null in column "
-                                 f"'{self.options.text_field}'); drop such rows, or pass --text_field NAME")
-            for i, text in enumerate(column.to_pylist()):
-                yield Document(text, None, f"{self.path.name}#{rows + i}")
-            rows += len(column)
-            self.consumed = self.size * rows // total
-        self.consumed = self.size
+        field, stats = self.options.text_field, TextStats(self.path)
+        pf = pq.ParquetFile(self.path, buffer_size=BLOCK_BYTES)  # pages as they are needed, not a whole row group
+        leaf = _leaf(pf, field)
+        rows = 0
+        for group in range(pf.metadata.num_row_groups):
+            meta = pf.metadata.row_group(group)
+            size = meta.column(leaf).total_uncompressed_size
+            batch = max(1, min(1024, meta.num_rows * ARROW_BATCH_BYTES // max(size, 1)))
+            for part in pf.iter_batches(batch_size=batch, row_groups=[group], columns=[field], use_threads=False):
+                check_stop()
+                yield from arrow_documents(part.column(0), rows, stats, spool, self.path, field)
+                rows += part.num_rows
+                self.consumed = int(self.size * self.ratio * rows / max(pf.metadata.num_rows, 1))
+        stats.finish()
+        self.consumed = int(self.size * self.ratio)
 
     def inputs(self) -> list[Path]:
         return [self.path]
 
 
-def _json_text(line: str, path: Path, lineno: int, field: str) -> str:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise InputError(f"{path}:{lineno}: not JSON ({err.msg} at column {err.colno}); each line of a JSONL file "
-                         f"is one JSON object with a string field '{field}'") from err
-    if not isinstance(row, dict):
-        raise InputError(f"{path}:{lineno}: a JSON {type(row).__name__}, not an object; each line of a JSONL file "
-                         f"is one JSON object with a string field '{field}'")
-    if field not in row:
-        shown = ", ".join(list(row)[:12]) or "none"
-        raise InputError(f"{path}:{lineno}: no field '{field}' (fields: {shown}); pass --text_field NAME")
-    text = row[field]
-    if not isinstance(text, str):
-        raise InputError(f"{path}:{lineno}: field '{field}' holds a JSON {type(text).__name__}, not a string; pass "
-                         "--text_field NAME of a text field")
-    return text
+class _Enough(Exception):
+    """`check` has parsed enough of a long first line."""
+
+
+def _leaf(pf: Any, field: str) -> int:
+    """The Parquet column (leaf) of a top-level field."""
+    schema = pf.metadata.schema
+    return next(i for i in range(pf.metadata.num_columns) if schema.column(i).path == field)
+
+
+def _parquet_text_bytes(pf: Any, field: str) -> int:
+    """The uncompressed size of a Parquet file's text column (about its text's bytes)."""
+    leaf = _leaf(pf, field)
+    return sum(pf.metadata.row_group(g).column(leaf).total_uncompressed_size for g in range(pf.metadata.num_row_groups))
+
+
+def arrow_documents(column: Any, first_row: int, stats: TextStats, spool: Spool | None, path: Path | str,
+                    field: str) -> Iterator[Document]:
+    """The documents of an Arrow string column (a Parquet or Arrow batch), rows numbered from `first_row`, through
+    the text policy of `stats`: a valid column becomes Python strings at once; undecodable bytes are decoded row by
+    row; a value longer than LONG_CHARS bytes is decoded in blocks straight from Arrow's buffer."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    name = Path(path).name
+    if column.null_count:
+        first = next(i for i, v in enumerate(column.is_null().to_pylist()) if v)
+        raise InputError(f"{path}: row {first_row + first} has no text (null in column '{field}'); drop such rows, or "
+                         "pass --text_field NAME")
+    lengths = pc.binary_length(column).to_numpy(zero_copy_only=False)
+    stats.bytes += int(lengths.sum())
+    if not len(lengths) or lengths.max() <= LONG_CHARS:
+        try:
+            texts = column.to_pylist()
+        except UnicodeDecodeError:
+            texts = None
+        if texts is not None:
+            for i, text in enumerate(texts):
+                yield Document(text, None, f"{name}#{first_row + i}")
+            return
+    stats.bytes -= int(lengths.sum())  # counted again as each value is decoded
+    raw = column.cast(pa.large_binary())
+    for i, length in enumerate(lengths.tolist()):
+        where, origin = f"in row {first_row + i}", f"{name}#{first_row + i}"
+        if length <= LONG_CHARS:
+            yield Document(stats.decode(raw[i].as_py(), where), None, origin)
+            continue
+        view, decoder, text = memoryview(raw[i].as_buffer()), Utf8Decoder(stats), TextBuilder(spool)
+        for start in range(0, length, BLOCK_BYTES):
+            check_stop()
+            text.add(decoder.feed(bytes(view[start : start + BLOCK_BYTES]), where))
+        text.add(decoder.feed(b"", where, final=True))
+        yield text.document(None, origin)
 
 
 def hidden(path: Path, root: Path) -> bool:

@@ -6,10 +6,13 @@ written in parts that an interrupted prepare keeps.
     STAGING/.prepare/parts/P.json  part P is complete: its documents, counts and chunk records (written last,
                                    atomically; the writer's own P.index.json is folded into it)
 
-A part is PART_BYTES characters of documents. Batches go to `num_workers` processes (one tokenizer thread
-each) and come back in order, so the shards are the same for any number of workers. At most two batches per
-worker are in flight: with the chunk being filled for each split, that is what is held in memory, however
-large the corpus. `num_workers` 1 tokenises in this process (no copies between processes).
+A part is PART_BYTES characters of documents, and ends with a document. Batches (BATCH_BYTES characters or
+BATCH_DOCUMENTS texts, whichever comes first; the last batch of the input closes its part, whatever filled
+it) go to `num_workers` processes (one tokenizer thread each) and come back in order, so the shards are the
+same for any number of workers. A document longer than LONG_CHARS comes as pieces of at most PIECE_CHARS
+(data/pieces.py), EOS after the last only. At most two batches per worker are in flight: with the chunk being
+filled for each split, that is what is held in memory, however large the corpus or a document.
+`num_workers` 1 tokenises in this process (no copies between processes).
 
 A worker's token ids come back in a file (STAGING/.prepare/batches/), and through the pool's pipe only its
 name: a message shorter than PIPE_BUF is written whole or not at all, so a worker killed mid-answer (the OOM
@@ -21,6 +24,7 @@ once in 43 runs of the signal test in a loop).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -35,14 +39,16 @@ from typing import Any
 
 import numpy as np
 
-from lrattn_lightning.data.corpora import Document
+from lrattn_lightning.data.documents import Document
+from lrattn_lightning.data.pieces import Cutter
+from lrattn_lightning.data.shards import sha256_files
 from lrattn_lightning.data.split import SPLITS
 from lrattn_lightning.data.staging import BOOK, check_stop
 from lrattn_lightning.data.tokenizer import encode_texts
 
 PART_BYTES = 256 << 20  # characters of documents in a part: what a resumed prepare may have to redo
 BATCH_BYTES = 1 << 20  # characters a worker gets at once
-BATCH_DOCUMENTS = 256
+BATCH_DOCUMENTS = 256  # texts (documents, or pieces of a long one) a worker gets at once
 ITEM_TOKENS = 1 << 15  # consecutive documents of one split go to litdata as one item of about this many tokens
 
 
@@ -95,19 +101,19 @@ class Encoder:
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = self._parallelism
 
-    def map(self, batches: Iterable[tuple[Any, list[str]]]) -> Iterator[tuple[Any, tuple[Any, Any, Any]]]:
-        """(tag, (ids, lengths, bytes)) for each (tag, texts), in order."""
+    def map(self, batches: Iterable[tuple[Any, list[str], list[bool]]]) -> Iterator[tuple[Any, tuple[Any, Any, Any]]]:
+        """(tag, (ids, lengths, bytes)) for each (tag, texts, ends), in order (data/tokenizer.py's encode_texts)."""
         if self.pool is None:
-            for tag, texts in batches:
-                yield tag, encode_texts(texts, **self.kwargs)
+            for tag, texts, ends in batches:
+                yield tag, encode_texts(texts, ends, **self.kwargs)
             return
         from concurrent.futures.process import BrokenProcessPool
 
         pending: deque = deque()
         try:
-            for number, (tag, texts) in enumerate(batches):
+            for number, (tag, texts, ends) in enumerate(batches):
                 answer = str(self.batches / f"{number}.npy")
-                pending.append((tag, self.pool.submit(encode_to_file, texts, answer, **self.kwargs)))
+                pending.append((tag, self.pool.submit(encode_to_file, texts, ends, answer, **self.kwargs)))
                 if len(pending) >= 2 * self.num_workers:
                     tag, result = pending.popleft()
                     yield tag, load_answer(result.result())
@@ -120,10 +126,10 @@ class Encoder:
                              "finished parts are kept: run the same command to continue from them") from err
 
 
-def encode_to_file(texts: list[str], path: str, **kwargs: str) -> str:
+def encode_to_file(texts: list[str], ends: list[bool], path: str, **kwargs: str) -> str:
     """A worker's batch: encode_texts' three arrays written to `path`; returns `path` (all the pipe carries)."""
     with open(path, "wb") as f:
-        for array in encode_texts(texts, **kwargs):
+        for array in encode_texts(texts, ends, **kwargs):
             np.save(f, array, allow_pickle=False)
     return path
 
@@ -227,7 +233,9 @@ def finished_parts(staging: Path) -> list[dict[str, Any]]:
 
 
 def merge_index(split_dir: Path, split: str, records: list[dict[str, Any]]) -> None:
-    """index.json of a split: the chunks of every part in order, as litdata's own merge of its workers' files."""
+    """index.json of a split: the chunks of every part in order, as litdata's own merge of its workers' files.
+    Its `updated_at` (litdata's cache key for a remote copy; a timestamp when litdata writes it) is a hash of the
+    chunks' records and contents, so the same documents give the same index.json, and the same checksums."""
     chunks, config = [], None
     for record in records:
         index = record["index"].get(split)
@@ -235,80 +243,110 @@ def merge_index(split_dir: Path, split: str, records: list[dict[str, Any]]) -> N
             chunks += index["chunks"]
             config = config or index["config"]
     split_dir.mkdir(parents=True, exist_ok=True)
+    digests = sha256_files([split_dir / c["filename"] for c in chunks])
+    content = hashlib.sha256(json.dumps([chunks, config, digests], sort_keys=True).encode()).hexdigest()[:16]
     tmp = split_dir / ".index.json.tmp"  # written as litdata writes it (sorted keys, no indent)
-    tmp.write_text(json.dumps({"chunks": chunks, "config": config, "updated_at": str(time.time())}, sort_keys=True))
+    tmp.write_text(json.dumps({"chunks": chunks, "config": config, "updated_at": content}, sort_keys=True))
     os.replace(tmp, split_dir / "index.json")
 
 
 def write_parts(stream: Iterable[tuple[Document, str]], staging: Path, encoder: Encoder, chunk_bytes: int | str,
                 done: list[dict[str, Any]], on_document: Callable[[Document, str], None],
-                on_batch: Callable[[int, int], None]) -> list[dict[str, Any]]:
+                on_batch: Callable[[int, int], None], cutter: Cutter) -> list[dict[str, Any]]:
     """Tokenise and write every document of `stream` after those of the `done` parts (read again, not
-    tokenised); `on_document` sees every document (the eval tasks keep held-out ones), `on_batch(documents,
-    tokens)` each written batch. Returns the records of all parts."""
+    tokenised); a long document in the pieces `cutter` cuts. `on_document` sees every document (the eval tasks
+    keep held-out ones), `on_batch(documents, tokens)` each written batch. Returns the records of all parts."""
     skip = sum(p["documents"] for p in done)
     records = list(done)
 
-    def batches() -> Iterator[tuple[tuple[int, list[str], bool], list[str]]]:
-        part, texts, sides, size, part_size = len(done), [], [], 0, 0
+    def segments() -> Iterator[tuple[str, str, bool]]:
+        """(side, text, whether it ends its document) of every document to write: a long one in pieces."""
         for index, (doc, side) in enumerate(stream):
             on_document(doc, side)
-            if index < skip:
-                continue
-            texts.append(doc.text)
+            if index >= skip:
+                yield from ((side, piece, last) for piece, last in _with_last(cutter.pieces(doc)))
+            doc.release()
+
+    def batches() -> Iterator[tuple[tuple[int, list[str], list[bool], bool], list[str], list[bool]]]:
+        part, texts, sides, ends, size, part_size = len(done), [], [], [], 0, 0
+        for side, text, end in segments():
+            texts.append(text)
             sides.append(side)
-            size, part_size = size + len(doc.text), part_size + len(doc.text)
-            if part_size >= PART_BYTES or size >= BATCH_BYTES or len(texts) >= BATCH_DOCUMENTS:
-                yield (part, sides, part_size >= PART_BYTES), texts
-                texts, sides, size = [], [], 0
-                if part_size >= PART_BYTES:
+            ends.append(end)
+            size, part_size = size + len(text), part_size + len(text)
+            full = end and part_size >= PART_BYTES  # a part ends with a document
+            if full or size >= BATCH_BYTES or len(texts) >= BATCH_DOCUMENTS:
+                yield (part, sides, ends, full), texts, ends
+                texts, sides, ends, size = [], [], [], 0
+                if full:
                     part, part_size = part + 1, 0
         if texts:
-            yield (part, sides, True), texts
+            yield (part, sides, ends, True), texts, ends
+
+    def closing() -> Iterator[tuple[tuple[int, list[str], list[bool], bool], list[str], list[bool]]]:
+        """The batches, the last one closing its part whatever filled it (the input ends there)."""
+        for (tag, texts, ends), last in _with_last(batches()):
+            yield ((*tag[:3], True) if last else tag), texts, ends
 
     writer: PartWriter | None = None
     with warnings.catch_warnings():  # a document longer than a chunk makes that chunk longer: as intended
         warnings.filterwarnings("ignore", message="An item was larger than the target chunk size")
-        for (part, sides, last), (ids, lengths, n_bytes) in encoder.map(batches()):
+        for (part, sides, ends, last), (ids, lengths, n_bytes) in encoder.map(closing()):
             writer = writer if writer is not None and writer.part == part else PartWriter(staging, part, chunk_bytes)
-            for side, start, end, docs, size in _items(sides, lengths, n_bytes):
+            for side, start, end, docs, size in _items(sides, ends, lengths, n_bytes):
                 writer.add(side, ids[start:end], docs, size)
-            on_batch(len(sides), int(ids.size))
+            on_batch(sum(ends), int(ids.size))
             if last:
                 records.append(writer.close())
                 writer = None
     return records
 
 
-def _items(sides: list[str], lengths: Any, n_bytes: Any) -> Iterator[tuple[str, int, int, int, int]]:
-    """(side, start, end, documents, bytes) of the litdata items of a batch: runs of consecutive documents of one
+def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    """(item, whether it is the last one)."""
+    it = iter(items)
+    previous = next(it, _NOTHING)
+    while previous is not _NOTHING:
+        item = next(it, _NOTHING)
+        yield previous, item is _NOTHING
+        previous = item
+
+
+_NOTHING = object()
+
+
+def _items(sides: list[str], ends: list[bool], lengths: Any, n_bytes: Any) -> Iterator[tuple[str, int, int, int, int]]:
+    """(side, start, end, documents, bytes) of the litdata items of a batch: runs of consecutive texts of one
     side, cut after ITEM_TOKENS (a chunk is cut between items only; one item per document cost litdata's
-    per-item bookkeeping on every document)."""
+    per-item bookkeeping on every document). `documents` counts the texts that end one."""
     start = end = docs = size = 0
     side = sides[0] if sides else None
-    for s, length, b in zip(sides, lengths.tolist(), n_bytes.tolist(), strict=True):
-        if docs and (s != side or end - start >= ITEM_TOKENS):
+    for s, last, length, b in zip(sides, ends, lengths.tolist(), n_bytes.tolist(), strict=True):
+        if end > start and (s != side or end - start >= ITEM_TOKENS):
             yield side, start, end, docs, size
             start, docs, size = end, 0, 0
-        side, end, docs, size = s, end + length, docs + 1, size + b
-    if docs:
+        side, end, docs, size = s, end + length, docs + last, size + b
+    if end > start:
         yield side, start, end, docs, size
 
 
 class Progress:
-    """How far `prepare` is: documents, tokens/s and the ETA (by input bytes read, when their total is known).
-    A tqdm bar on a terminal; elsewhere (a batch job's log) one line every LOG_SECONDS."""
+    """How far `prepare` is: documents, tokens/s and the ETA, by decompressed input bytes read against their
+    expected total (re-estimated as compressed files reveal their ratio), when there is one. A tqdm bar on a
+    terminal; elsewhere (a batch job's log) one line every LOG_SECONDS."""
 
     LOG_SECONDS = 30.0
 
-    def __init__(self, total: int | None, position: Callable[[], int], enabled: bool | None = None) -> None:
-        self.total, self.position = total, position
+    def __init__(self, expected: Callable[[], int | None], position: Callable[[], int], enabled: bool | None = None) -> None:
+        self.expected, self.position = expected, position
+        self.total = expected()
         self.documents = self.tokens = 0
         self.start = self.logged = time.monotonic()
         self.bar = None
         if enabled if enabled is not None else sys.stderr.isatty():
             from tqdm import tqdm
 
+            total = self.total
             self.bar = tqdm(total=total, unit="B" if total else "doc", unit_scale=True, unit_divisor=1024 if total else 1000,
                             desc="[lrattn prepare]", file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
 
@@ -317,7 +355,11 @@ class Progress:
 
     def update(self, documents: int, tokens: int) -> None:
         self.documents, self.tokens = self.documents + documents, self.tokens + tokens
+        if self.total:
+            self.total = max(self.expected() or 0, self.position(), 1)
         if self.bar is not None:
+            if self.total:
+                self.bar.total = self.total
             self.bar.update((min(self.position(), self.total) if self.total else self.documents) - self.bar.n)
             self.bar.set_postfix_str(f"{self.documents:,} docs, {self.rate():,.0f} tok/s", refresh=False)
         elif time.monotonic() - self.logged >= self.LOG_SECONDS:

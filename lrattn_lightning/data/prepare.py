@@ -4,14 +4,19 @@
     document--> shards in resumable parts (data/pipeline.py) --> eval tasks, meta.json --> the staging folder
     renamed to --out (data/staging.py), or uploaded to s3:// (data/remote.py)
 
-and `lrattn prepare`, its command line. Every input is checked before anything is written; a failure removes
-what was written; a signal or a kill keeps the finished parts for the same command to continue. Training reads
+and `lrattn prepare`, its command line. Every input is checked before anything is written, and so is the free
+space for the shards (an estimate from the input's decompressed size, in one line); a failure removes what was
+written (a full disk too: one line); a signal or a kill keeps the finished parts for the same command to continue.
+Memory does not grow with the corpus, a file or a document: see data/documents.py (documents longer than
+LONG_CHARS wait on disk in the staging folder's .prepare/spool) and data/pieces.py (they are tokenised in pieces).
+`--max_document_bytes N` skips documents longer than N bytes of UTF-8, counted in meta.json and said in one line. Training reads
 fixed windows of seq_len + 1 tokens (inputs x[:-1], targets x[1:]) that never cross a chunk boundary
 (litdata's TokensLoader). Nothing here runs at import time.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -27,8 +32,9 @@ import numpy as np
 from lrattn_lightning.core.errors import InputError, UsageError
 from lrattn_lightning.core.flags import Parser
 from lrattn_lightning.data import pipeline, remote
-from lrattn_lightning.data.corpora import Document
+from lrattn_lightning.data.documents import Document, Spool
 from lrattn_lightning.data.formats import COMPRESSIONS, KINDS, ReadOptions
+from lrattn_lightning.data.pieces import Cutter
 from lrattn_lightning.data.pipeline import (
     Encoder,
     Progress,
@@ -41,6 +47,7 @@ from lrattn_lightning.data.shards import FORMAT_VERSION, sha256_files, shard_fil
 from lrattn_lightning.data.sources import Corpus, limited
 from lrattn_lightning.data.split import SPLITS, check_seed, fixed, key_hash, sided, split_of
 from lrattn_lightning.data.staging import (
+    BOOK,
     Interrupted,
     Staging,
     check_stop,
@@ -54,6 +61,12 @@ from lrattn_lightning.data.tokenizer import load_tokenizer, parse_tokenizer_name
 
 __all__ = ["prepare", "prepare_main", "default_out", "split_of", "key_hash"]
 TASK_TEXT_BYTES = 32 << 20  # held-out text kept in memory for the eval tasks, at most
+BYTES_PER_TOKEN = {"byte": 1.0}  # text bytes a token, for the free-space estimate (others: DEFAULT_BYTES_PER_TOKEN)
+DEFAULT_BYTES_PER_TOKEN = 2.0  # below what byte-level BPE reaches on prose from a few thousand merges on
+
+
+class NoSpace(InputError):
+    """The disk is too small for the shards: said before writing when the estimate shows it, else when it fills."""
 
 
 def prepare(
@@ -77,12 +90,14 @@ def prepare(
     hf_split: str = "train",
     split_seed: int = 0,
     progress: bool | None = None,
+    max_document_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Tokenise `source` into litdata shards under `out_dir` (a folder, or s3://BUCKET/PREFIX); returns meta.json.
 
     `val_fraction` (default 0.05) of the documents are held out, or all of `val_source`. An existing `out_dir` is
-    an error unless `overwrite=True`. `max_documents` / `max_bytes` take a prefix of the source. `num_workers`
-    tokenizer processes; `chunk_bytes` is litdata's chunk size; `seed` draws the eval tasks, `split_seed` the split.
+    an error unless `overwrite=True`. `max_documents` / `max_bytes` take a prefix of the source;
+    `max_document_bytes` skips longer documents. `num_workers` tokenizer processes; `chunk_bytes` is litdata's
+    chunk size; `seed` draws the eval tasks, `split_seed` the split.
     """
     if val_source is not None and val_fraction is not None:
         raise InputError("--val_fraction and --val_source exclude each other: --val_source is the whole validation set")
@@ -91,6 +106,8 @@ def prepare(
         raise InputError(f"--val_fraction must be in (0, 1), got {val_fraction}")
     if not isinstance(num_workers, int) or num_workers < 1:
         raise InputError(f"--num_workers {num_workers}: at least 1 (one tokenizer process each)")
+    if max_document_bytes is not None and (not isinstance(max_document_bytes, int) or max_document_bytes < 1):
+        raise InputError(f"--max_document_bytes {max_document_bytes}: a positive number of bytes, e.g. 100000000")
     check_seed(split_seed)
     kind, arg = parse_tokenizer_name(tokenizer)
     if kind in ("hf", "tiktoken") and not Path(arg).is_file():
@@ -112,16 +129,17 @@ def prepare(
             corpus.check()  # magic bytes, text, the first record: before anything is written
     recipe = {"source": corpora["train"].specs, "val_source": corpora["val"] and corpora["val"].specs,
               "tokenizer": tokenizer, "val_fraction": val_fraction, "split_seed": split_seed, "options": options.__dict__,
-              "limits": [max_documents, max_bytes], "chunk_bytes": chunk_bytes, "seed": seed,
+              "limits": [max_documents, max_bytes, max_document_bytes], "chunk_bytes": chunk_bytes, "seed": seed,
               "tasks": [cloze_items, perplexity_documents], "format_version": FORMAT_VERSION,
               "part_bytes": pipeline.PART_BYTES,
               # a tokenizer file changed under an interrupted prepare would tokenise its parts two ways
               "tokenizer_file": sha256_files([Path(arg)])[0] if kind in ("hf", "tiktoken") else None,
               "inputs": {s: c.fingerprint() for s, c in corpora.items() if c is not None}}
-    staging = claim(out, recipe)
+    staging = _no_space(lambda: claim(out, recipe), out)
     try:
-        meta = _build(staging, corpora, recipe, kind, arg, val_fraction, num_workers, chunk_bytes, progress,
-                      max_documents, max_bytes, seed, cloze_items, perplexity_documents)
+        meta = _no_space(lambda: _build(staging, corpora, recipe, kind, arg, val_fraction, num_workers, chunk_bytes,
+                                        progress, (max_documents, max_bytes, max_document_bytes), seed, cloze_items,
+                                        perplexity_documents), staging.path)
         check_stop()  # a signal that came after the last document: the folder is not published
         if url:
             try:
@@ -142,20 +160,73 @@ def prepare(
     return meta
 
 
+def _no_space(work: Any, where: Path) -> Any:
+    """`work()`; a full disk (ENOSPC, here or in a tokenizer process) as one line. The caller removes the staging
+    folder, which frees what was written."""
+    try:
+        return work()
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        folder = where if where.exists() else where.parent
+        while not folder.exists():
+            folder = folder.parent
+        free = shutil.disk_usage(folder).free
+        raise NoSpace(f"no space left on the device of {where} (writing {err.filename or 'the shards'}; "
+                      f"{_gb(free)} free now): the unfinished folder is removed; free space on it, or choose another "
+                      "--out") from err
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
+
+
+def _check_space(root: Path, corpora: list[Corpus], tokenizer: str, dtype: Any) -> None:
+    """Refuse, before the shards are written, when the disk cannot hold them: the text's decompressed size (read
+    from the files, compressed ones estimated from their first megabyte), a token per BYTES_PER_TOKEN bytes of
+    it, `dtype` bytes a token id, less what a resumed prepare has written already."""
+    expected = [c.expected() for c in corpora]
+    if None in expected:
+        return  # a built-in corpus or a streamed dataset: no size to go by
+    text = sum(expected)
+    per_token = BYTES_PER_TOKEN.get(tokenizer, DEFAULT_BYTES_PER_TOKEN)
+    need = int(text / per_token * np.dtype(dtype).itemsize * 1.01) + (1 << 20)
+    written = sum(p.stat().st_size for split in SPLITS for p in (root / split).glob("chunk-*"))
+    free = shutil.disk_usage(root).free
+    if need - written > free:
+        raise NoSpace(f"the shards need about {_gb(need - written)} ({_gb(text)} of text, a token per {per_token:g} "
+                      f"byte(s) of it, {np.dtype(dtype).itemsize} bytes an id) and {root.parent} has {_gb(free)} free; "
+                      "free space, choose another --out, or take a prefix with --max_documents")
+
+
+def _capped(docs: Iterator[Document], limit: int | None, skipped: list[int]) -> Iterator[Document]:
+    """Documents of at most `limit` bytes of UTF-8; the longer ones are skipped (counted in `skipped`)."""
+    for doc in docs:
+        if limit is not None and (doc.spool is not None or len(doc.text) * 4 > limit) and doc.nbytes > limit:
+            skipped[0] += 1
+            doc.release()
+            continue
+        yield doc
+
+
 def _build(staging: Staging, corpora: dict[str, Corpus | None], recipe: dict[str, Any], kind: str, arg: str | None,
            val_fraction: float, num_workers: int, chunk_bytes: int | str, progress: bool | None,
-           max_documents: int | None, max_bytes: int | None, seed: int, cloze_items: int,
+           limits: tuple[int | None, int | None, int | None], seed: int, cloze_items: int,
            perplexity_documents: int) -> dict[str, Any]:
     """Everything inside the claimed staging folder; returns meta.json (written)."""
     root, train, val = staging.path, corpora["train"], corpora["val"]
+    max_documents, max_bytes, max_document_bytes = limits
+    shutil.rmtree(root / BOOK / "spool", ignore_errors=True)  # an interrupted prepare's
+    spool, too_long = Spool(root / BOOK / "spool"), [0]
 
     def sides() -> Iterator[tuple[Document, str]]:
-        docs = limited(train.documents(), max_documents, max_bytes)
+        too_long[0] = 0
+        docs = limited(_capped(train.documents(spool), max_document_bytes, too_long), max_documents, max_bytes)
         if val is None:
             yield from sided(docs, val_fraction, recipe["split_seed"])
         else:
             yield from fixed(docs, "train")
-            yield from fixed(val.documents(), "val")
+            yield from fixed(_capped(val.documents(spool), max_document_bytes, too_long), "val")
 
     def stream() -> Iterator[tuple[Document, str]]:
         for item in sides():
@@ -166,23 +237,35 @@ def _build(staging: Staging, corpora: dict[str, Corpus | None], recipe: dict[str
     if staging.resumed:
         say(f"continuing the interrupted prepare in {root}: {len(done)} part(s), "
             f"{sum(p['documents'] for p in done):,} documents done")
-    tok = _tokenizer(kind, arg, root, lambda: (d.text for d, side in stream() if side == "train"))
+    def train_texts() -> Iterator[str]:
+        """BPE training: the train split's text, a long document in pieces."""
+        for doc, side in stream():
+            if side == "train":
+                yield from Cutter(None).pieces(doc)
+            doc.release()
+
+    tok = _tokenizer(kind, arg, root, train_texts)
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
-    kept: list[Document] = []  # the first held-out documents, for the eval tasks
+    _check_space(root, [c for c in (train, val) if c is not None], kind, dtype)
+    kept: list[Document] = []  # the first held-out documents, for the eval tasks (none of the spooled ones)
     wanted, kept_bytes = max(cloze_items, perplexity_documents, 1), [0]
 
     def keep(doc: Document, side: str) -> None:
-        if side == "val" and len(kept) < wanted and kept_bytes[0] < TASK_TEXT_BYTES:
+        if side == "val" and doc.spool is None and len(kept) < wanted and kept_bytes[0] < TASK_TEXT_BYTES:
             kept.append(doc)
             kept_bytes[0] += len(doc.text)
 
     say(f"reading {' '.join(train.specs)}{' (validation: ' + ' '.join(val.specs) + ')' if val else ''}")
     with Encoder(tok.spec(), root, dtype, num_workers) as encoder:
-        totals = [c.total for c in (train, val) if c is not None]
-        bar = Progress(None if None in totals else sum(totals),
-                       lambda: train.consumed + (val.consumed if val else 0), progress)
+        inputs = [c for c in (train, val) if c is not None]
+
+        def expected() -> int | None:
+            totals = [c.expected() for c in inputs]
+            return None if None in totals else sum(totals)
+
+        bar = Progress(expected, lambda: sum(c.consumed for c in inputs), progress)
         try:
-            records = write_parts(stream(), root, encoder, chunk_bytes, done, keep, bar.update)
+            records = write_parts(stream(), root, encoder, chunk_bytes, done, keep, bar.update, Cutter.of(tok))
         finally:
             bar.close()
     counts = _counts(records, train, val)
@@ -195,6 +278,8 @@ def _build(staging: Staging, corpora: dict[str, Corpus | None], recipe: dict[str
     empty = train.empty + (val.empty if val else 0)
     if empty:
         say(f"skipped {empty:,} empty document(s) (nothing but whitespace)")
+    if too_long[0]:
+        say(f"skipped {too_long[0]:,} document(s) longer than --max_document_bytes {max_document_bytes:,}")
     meta = {
         "format_version": FORMAT_VERSION,
         "source": " ".join(train.specs),
@@ -207,13 +292,14 @@ def _build(staging: Staging, corpora: dict[str, Corpus | None], recipe: dict[str
         # built-in corpora by their keys, a user's documents one by one by content; both salted by the seed
         "split": {"by": "val_source" if val else "key" if train.builtin else "document", "seed": recipe["split_seed"]},
         "read": None if train.builtin else recipe["options"],
-        "limits": {"max_documents": max_documents, "max_bytes": max_bytes},
+        "limits": {"max_documents": max_documents, "max_bytes": max_bytes, "max_document_bytes": max_document_bytes},
         "splits": counts,
-        # each shard file's size and sha256, checked before every run (`validate_data_dir`); apart from
-        # "splits" because index.json holds a timestamp: the same tokens give the same "splits"
+        # each shard file's size and sha256, checked before every run (`validate_data_dir`): of the content only
+        # (index.json's `updated_at` is a hash of its chunks), so the same documents give the same checksums
         "checksums": {split: shard_files(root / split) for split in SPLITS},
         "inputs": {split: c.records() for split, c in corpora.items() if c is not None},
         "empty_documents_skipped": empty,
+        "long_documents_skipped": too_long[0],
         "tasks": write_task_files(kept, root / "tasks", seed, cloze_items, perplexity_documents),
         # stdlib-docs is the running interpreter's documentation: it changes with the Python version.
         "created_with": {"python": platform.python_version(), "litdata": _litdata_version()},
@@ -323,6 +409,9 @@ def prepare_main(argv: list[str]) -> int:
     parser.add_argument("--val_fraction", type=float, default=None, help="held-out fraction of documents (0.05)")
     parser.add_argument("--split_seed", type=int, default=0, help="salts the split's hash (0: the historic split)")
     parser.add_argument("--max_documents", type=int, default=None, help="use only the first N documents")
+    parser.add_argument("--max_document_bytes", type=int, default=None,
+                        help="skip documents longer than N bytes of UTF-8 (counted in meta.json; default: keep every "
+                             "document, a long one tokenised in pieces)")
     parser.add_argument("--num_workers", type=int, default=1, help="tokenizer processes (one core each)")
     parser.add_argument("--chunk_bytes", default="8MB", help="litdata's chunk size (e.g. 64MB for object storage)")
     parser.add_argument("--overwrite", action="store_true")
@@ -337,7 +426,8 @@ def prepare_main(argv: list[str]) -> int:
                     chunk_bytes=args.chunk_bytes,
                     val_source=args.val_source, text_field=args.text_field,
                     document_separator=_separator(args.document_separator), hf_config=args.hf_config,
-                    hf_split=args.hf_split, split_seed=args.split_seed)
+                    hf_split=args.hf_split, split_seed=args.split_seed,
+                    max_document_bytes=args.max_document_bytes)
     except WorkerDied as err:
         print(f"lrattn: error: {err}", file=sys.stderr, flush=True)
         return 1

@@ -2,8 +2,8 @@
 and Hugging Face datasets.
 
     Corpus(specs, options).check()       every input is what its name says, before anything is written
-    Corpus.documents()                   Documents in order (built-in: cleaned; a user's: as they are, empty ones
-                                         skipped and counted)
+    Corpus.documents(spool)              Documents in order (built-in: cleaned; a user's: as they are, empty ones
+                                         skipped and counted; a long one spooled: data/documents.py)
     Corpus.fingerprint() / .records()    what a resumed prepare compares; what meta.json records (size, sha256)
 
 Specs, in order: a built-in corpus name (alone), a file, a folder (its files of known kinds, recursively,
@@ -21,14 +21,25 @@ from pathlib import Path
 from typing import Any
 
 from lrattn_lightning.core.errors import InputError
-from lrattn_lightning.data.corpora import BUILTIN_SOURCES, Document, iter_documents
-from lrattn_lightning.data.formats import SUPPORTED, FileInput, ReadOptions, hidden, kind_of
+from lrattn_lightning.data.corpora import BUILTIN_SOURCES, iter_documents
+from lrattn_lightning.data.documents import LONG_CHARS, Document, Spool, TextBuilder, TextStats
+from lrattn_lightning.data.formats import (
+    ARROW_BATCH_BYTES,
+    SUPPORTED,
+    FileInput,
+    ReadOptions,
+    arrow_documents,
+    hidden,
+    kind_of,
+)
 from lrattn_lightning.data.shards import sha256_files
+from lrattn_lightning.data.staging import check_stop
 
 
 class HFInput:
     """A Hugging Face dataset: `hf:NAME` (streamed by `datasets.load_dataset`, from its cache or the hub; a local
-    folder of data files too) or a folder written by `save_to_disk` (memory-mapped Arrow)."""
+    folder of data files too; rows as `datasets` gives them) or a folder written by `save_to_disk` (memory-mapped
+    Arrow, read in batches of about ARROW_BATCH_BYTES of text through the text policy of Parquet files)."""
 
     def __init__(self, name: str, options: ReadOptions, saved: bool) -> None:
         self.name, self.options, self.saved = name, options, saved
@@ -37,6 +48,9 @@ class HFInput:
 
     def describe(self) -> str:
         return "saved Hugging Face dataset" if self.saved else "Hugging Face dataset"
+
+    def expected(self) -> int:
+        return self.size
 
     def _load(self) -> Any:
         if self._dataset is not None:
@@ -79,29 +93,40 @@ class HFInput:
     def check(self) -> None:
         ds = self._load()
         if not self.saved:
-            for _ in self._rows(ds.take(1)):
+            for _ in self._rows(ds.take(1), None):
                 break
 
-    def _rows(self, rows: Any, start: int = 0) -> Iterator[Document]:
+    def _rows(self, rows: Any, spool: Spool | None = None) -> Iterator[Document]:
         field = self.options.text_field
-        for i, row in enumerate(rows, start):
+        for i, row in enumerate(rows):
             text = row.get(field)
             if not isinstance(text, str):
                 raise InputError(f"Hugging Face dataset '{self.name}': row {i} has {type(text).__name__} in "
                                  f"'{field}', not text; pass --text_field NAME of a text column")
-            yield Document(text, None, f"{self.name}#{i}")
+            if len(text) > LONG_CHARS:
+                built = TextBuilder(spool)
+                built.add(text)
+                yield built.document(None, f"{self.name}#{i}")
+            else:
+                yield Document(text, None, f"{self.name}#{i}")
 
-    def documents(self) -> Iterator[Document]:
+    def documents(self, spool: Spool | None = None) -> Iterator[Document]:
         ds = self._load()
         if not self.saved:
-            yield from self._rows(ds)
+            yield from self._rows(ds, spool)
             return
-        total, done = max(len(ds), 1), 0
-        for batch in ds.select_columns([self.options.text_field]).iter(batch_size=1000):
-            texts = batch[self.options.text_field]
-            yield from self._rows(({self.options.text_field: t} for t in texts), done)
-            done += len(texts)
+        field, stats = self.options.text_field, TextStats(self.name)
+        table = ds.select_columns([field])
+        total = max(len(table), 1)
+        batch = max(1, min(1024, total * ARROW_BATCH_BYTES // max(self.size, 1)))
+        done = 0
+        for part in table.with_format("arrow").iter(batch_size=batch):
+            check_stop()
+            for column in part.column(field).chunks:
+                yield from arrow_documents(column, done, stats, spool, self.name, field)
+                done += len(column)
             self.consumed = self.size * done // total
+        stats.finish()
 
     def inputs(self) -> list[Path]:
         """Files to record in meta.json: a saved dataset's Arrow files, a local folder's files, none for the hub."""
@@ -182,27 +207,28 @@ class Corpus:
         for item in self.items:
             item.check()
 
-    @property
-    def total(self) -> int | None:
-        """Bytes of input to read (the progress bar's 100 %), None when unknown (a built-in or streamed dataset)."""
+    def expected(self) -> int | None:
+        """Bytes of input to read, decompressed (the progress bar's 100 %, estimated from the compression ratio
+        seen so far), None when unknown (a built-in or streamed dataset)."""
         if self.builtin or any(isinstance(i, HFInput) and not i.saved for i in self.items):
             return None
-        return sum(i.size for i in self.items)
+        return sum(i.expected() for i in self.items)
 
     @property
     def consumed(self) -> int:
         return sum(i.consumed for i in self.items)
 
-    def documents(self) -> Iterator[Document]:
+    def documents(self, spool: Spool | None = None) -> Iterator[Document]:
         if self.builtin:
             yield from iter_documents(self.builtin)
             return
         for item in self.items:
-            for doc in item.documents():
-                if doc.text.strip():
-                    yield doc
-                else:
+            for doc in item.documents(spool):
+                if doc.is_blank():
                     self.empty += 1
+                    doc.release()
+                else:
+                    yield doc
 
     def fingerprint(self) -> list[Any]:
         """What decides the documents: each input's path, size and modification time (a resume needs them equal)."""
@@ -237,6 +263,6 @@ def limited(docs: Iterator[Document], max_documents: int | None, max_bytes: int 
     count = total = 0
     for doc in docs:
         yield doc
-        count, total = count + 1, total + len(doc.text.encode("utf-8"))
+        count, total = count + 1, total + doc.nbytes
         if (max_documents is not None and count >= max_documents) or (max_bytes is not None and total >= max_bytes):
             return

@@ -20,7 +20,7 @@ import math
 from collections.abc import Iterable, Iterator
 
 from lrattn_lightning.core.errors import InputError
-from lrattn_lightning.data.corpora import Document
+from lrattn_lightning.data.documents import Document
 
 BLOCK_DOCUMENTS = 1000
 BLOCK_BYTES = 1 << 20
@@ -31,6 +31,16 @@ def key_hash(key: str, seed: int = 0) -> float:
     """A stable uniform number in [0, 1) for a key (a document's key, or its text)."""
     digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8, salt=seed.to_bytes(16, "little")).digest()
     return int.from_bytes(digest, "big") / 2**64
+
+
+def text_hash(doc: Document, seed: int = 0) -> float:
+    """key_hash of a document's text, a spooled one's read in blocks (the same number as for the text whole)."""
+    if doc.spool is None:
+        return key_hash(doc.text, seed)
+    digest = hashlib.blake2b(digest_size=8, salt=seed.to_bytes(16, "little"))
+    for block in doc.blocks():
+        digest.update(block.encode("utf-8"))
+    return int.from_bytes(digest.digest(), "big") / 2**64
 
 
 def split_of(key: str, val_fraction: float, seed: int = 0) -> str:
@@ -54,14 +64,14 @@ def sided(docs: Iterable[Document], val_fraction: float, seed: int) -> Iterator[
         yield from _by_key([first, *it], val_fraction, seed)
         return
     block: list[Document] = [first]
-    size, done, held = len(first.text), 0, 0
+    size, done, held = first.length, 0, 0
     for doc in it:
         if len(block) >= BLOCK_DOCUMENTS or size >= BLOCK_BYTES:
             sides = _block_sides(block, done, held, val_fraction, seed, final=False)
             yield from zip(block, sides, strict=True)
             done, held, block, size = done + len(block), held + sides.count("val"), [], 0
         block.append(doc)
-        size += len(doc.text)
+        size += doc.length
     yield from zip(block, _block_sides(block, done, held, val_fraction, seed, final=True), strict=True)
 
 
@@ -70,7 +80,7 @@ def _block_sides(block: list[Document], done: int, held: int, val_fraction: floa
     if final and held + want == 0 and done + len(block) >= 2:
         want = 1  # a tiny corpus still gets a validation document
     want = max(0, min(want, len(block)))
-    order = sorted(range(len(block)), key=lambda i: (key_hash(block[i].text, seed), i))
+    order = sorted(range(len(block)), key=lambda i: (text_hash(block[i], seed), i))
     held_out = set(order[:want])
     return ["val" if i in held_out else "train" for i in range(len(block))]
 

@@ -16,7 +16,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from lrattn_lightning.data.corpora import Document
+from lrattn_lightning.data.documents import Document
 
 CLOZE_CONTEXT_WORDS = 48
 CLOZE_CONTINUATION_WORDS = 12

@@ -194,25 +194,31 @@ def _cached_tokenizer(spec_json: str, base_dir: str) -> Tokenizer:
     return load_tokenizer(json.loads(spec_json), base_dir=base_dir)
 
 
-def encode_texts(texts: Sequence[str], *, spec_json: str, base_dir: str, dtype: str) -> tuple[Any, Any, Any]:
-    """`prepare`'s worker: documents -> (their token ids, each followed by EOS, as one array; the number of ids of
-    each document, EOS included; the UTF-8 bytes of each document)."""
+def encode_texts(texts: Sequence[str], ends: Sequence[bool] | None = None, *, spec_json: str, base_dir: str,
+                 dtype: str) -> tuple[Any, Any, Any]:
+    """`prepare`'s worker: texts -> (their token ids as one array, EOS after each text that ends a document (all,
+    when `ends` is None; a long document comes as several texts); the number of ids of each text, EOS included;
+    the UTF-8 bytes of each text)."""
     import numpy as np
 
     tok = _cached_tokenizer(spec_json, base_dir)
+    ends = [True] * len(texts) if ends is None else ends
     pieces = tok.encode_batch(texts)
-    lengths = np.fromiter((len(p) + 1 for p in pieces), dtype=np.int64, count=len(pieces))
+    eos = np.fromiter(ends, dtype=bool, count=len(texts))
+    lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces)) + eos
     if pieces and isinstance(pieces[0], np.ndarray):  # the byte tokenizer: array copies
         ids = np.empty(int(lengths.sum()), dtype=dtype)
-        ends = np.cumsum(lengths)
-        for piece, end in zip(pieces, ends.tolist(), strict=True):
-            ids[end - len(piece) - 1 : end - 1] = piece
-        ids[ends - 1] = tok.eos_id
+        starts = np.cumsum(lengths) - lengths
+        for piece, start in zip(pieces, starts.tolist(), strict=True):
+            ids[start : start + len(piece)] = piece
+        ids[(starts + lengths - 1)[eos]] = tok.eos_id
+        return ids, lengths, lengths - eos  # a byte is a token
     else:  # lists of ints: one flat list, converted once
         flat: list[int] = []
-        for piece in pieces:
+        for piece, end in zip(pieces, ends, strict=True):
             flat += piece
-            flat.append(tok.eos_id)
+            if end:
+                flat.append(tok.eos_id)
         ids = np.array(flat, dtype=dtype)
     n_bytes = np.fromiter((len(t.encode("utf-8")) for t in texts), dtype=np.int64, count=len(texts))
     return ids, lengths, n_bytes
