@@ -9,6 +9,7 @@ graph, where an alias shares its anchor's node, and measured there before any Py
                    anchor's whole subtree (what a consumer walking the result
                    would visit beyond the document's own nodes)
     recursion      an alias inside its own anchor (`&a [*a]`)                     refused
+    integers       digits (Python reads at most sys.get_int_max_str_digits())     refused past that, with its line
 
 A "billion laughs" document (nine anchors, each a list of ten aliases of the one before: 10^9 nodes from
 under 1 kB) is refused in milliseconds; PyYAML would build it at once as shared lists, and the first code to
@@ -19,6 +20,7 @@ recursion limit.
 
 from __future__ import annotations
 
+import sys
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -119,9 +121,13 @@ def measure(root: yaml.Node) -> None:
     depth: dict[int, int] = {}  # id(node) -> lists/mappings nested in its expanded subtree, itself included
     open_: set[int] = set()  # the nodes on the walk's current path
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    digits = sys.get_int_max_str_digits()  # 0: no limit
     while stack:
         node, finished = stack.pop()
         key, kids = id(node), _children(node)
+        if digits and node.tag == "tag:yaml.org,2002:int" and len(node.value) > digits:
+            raise YamlLimitError(f"the integer on line {node.start_mark.line + 1} has {len(node.value):,} digits; "
+                                 f"Python reads at most {digits:,}: write a smaller number")
         if finished:
             open_.discard(key)
             size[key] = 1 + sum(size[id(k)] for k in kids)
