@@ -91,18 +91,31 @@ def model_flops_per_token(size: SizeConfig | ModelConfig, ablation: AblationConf
 
 
 def check_budget(cfg: SizeConfig | ModelConfig, where: str) -> None:
-    """Refuse, before anything is allocated, a size (or model) past MAX_LAYERS layers or MAX_PARAMS parameters:
-    embeddings, head and core by the analytic count, plus a ModelConfig's routing (not an external router's:
+    """Refuse, before anything is allocated, a size (or model) past MAX_PARAMS parameters or MAX_LAYERS layers:
+    embeddings, head and core by the analytic count, then a ModelConfig's routing (not an external router's:
     only its module, the user's code, knows it). One line naming `where`, the fields and the fix."""
     s = cfg.size if isinstance(cfg, ModelConfig) else cfg
+    count = 2 * s.vocab_size * s.d_model + core_params(s)
+    if count > MAX_PARAMS:
+        raise _over_budget(where, s, count, 0)
     if s.n_layers > MAX_LAYERS:
         raise InputError(f"{where}: n_layers {s.n_layers:,} exceeds the budget of {MAX_LAYERS:,} layers "
                          "(lrattn_lightning/model/accounting.py); use fewer layers")
-    count = 2 * s.vocab_size * s.d_model + core_params(s)
     routing = routing_params(cfg) if isinstance(cfg, ModelConfig) and not cfg.kind.user_code else 0
     if count + routing > MAX_PARAMS:
-        by_routing = f", routing {routing:.3g}" if routing else ""
-        raise InputError(f"{where}: {count + routing:.3g} parameters (n_layers {s.n_layers:,}, d_model {s.d_model:,}, "
-                         f"d_mlp {s.d_mlp:,}, vocab_size {s.vocab_size:,}{by_routing}; {4 * (count + routing) / 1e9:.3g} "
-                         f"GB of fp32 weights) exceed the budget of {MAX_PARAMS:.0e} (lrattn_lightning/model/"
-                         "accounting.py); use a smaller d_model, d_mlp, n_layers or vocab_size")
+        raise _over_budget(where, s, count + routing, routing)
+
+
+def _over_budget(where: str, s: SizeConfig, count: int, routing: int) -> InputError:
+    by_routing = f", routing {_rough(routing)}" if routing else ""
+    return InputError(f"{where}: {_rough(count)} parameters (n_layers {_rough(s.n_layers)}, d_model {_rough(s.d_model)}, "
+                      f"d_mlp {_rough(s.d_mlp)}, vocab_size {_rough(s.vocab_size)}{by_routing}; {_rough(4 * count // 10**9)} "
+                      f"GB of fp32 weights) exceed the budget of {MAX_PARAMS:.0e} (lrattn_lightning/model/accounting.py); "
+                      "use a smaller d_model, d_mlp, n_layers or vocab_size")
+
+
+def _rough(n: int) -> str:
+    """An integer of any size for a message: 12,345, 1.23e+18, or ~1e4000 past what a float holds."""
+    if n < 10**12:
+        return f"{n:,}"
+    return f"{n:.3g}" if n < 10**300 else f"~1e{int(n.bit_length() * 0.30103)}"
