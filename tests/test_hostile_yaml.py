@@ -157,6 +157,10 @@ HOSTILE_FILES = {
     "sweep file: laughs": ("sweep.yaml", f"doc: d\nrecipe: recipe.yaml\nsizes: [tiny]\nablations: [baseline]\n"
                                          f"seeds: {laughs_list()}\n", ["sweep", "sweep.yaml", "--dry-run"],
                            ["sweep.yaml:", "billion laughs"]),
+    "sweep file: a 10,000-deep value in a run's args": (
+        "sweep.yaml", f"doc: d\nrecipe: recipe.yaml\nsizes: [tiny]\nablations: [baseline]\nseeds: [0]\n"
+                      f"args: {{trainer.callbacks: '{deep_flow()}'}}\n", ["sweep", "sweep.yaml", "--dry-run"],
+        ["run tiny-baseline-seed0", "trainer.callbacks", "nested deeper than 100 levels"]),
 }
 
 
