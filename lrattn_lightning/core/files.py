@@ -131,7 +131,8 @@ def measure(root: yaml.Node) -> None:
         if finished:
             open_.discard(key)
             size[key] = 1 + sum(size[id(k)] for k in kids)
-            depth[key] = (1 + max((depth[id(k)] for k in kids), default=0)) if isinstance(node, yaml.CollectionNode) else 0
+            nested = 1 + max((depth[id(k)] for k in kids), default=0)
+            depth[key] = nested if isinstance(node, yaml.CollectionNode) else 0
             if depth[key] > MAX_YAML_DEPTH:
                 raise YamlLimitError(f"aliases nest the node on line {node.start_mark.line + 1} deeper than "
                                      f"{MAX_YAML_DEPTH} levels; flatten it or use fewer nested aliases")

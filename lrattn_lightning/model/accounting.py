@@ -107,11 +107,11 @@ def check_budget(cfg: SizeConfig | ModelConfig, where: str) -> None:
 
 
 def _over_budget(where: str, s: SizeConfig, count: int, routing: int) -> InputError:
-    by_routing = f", routing {_rough(routing)}" if routing else ""
-    return InputError(f"{where}: {_rough(count)} parameters (n_layers {_rough(s.n_layers)}, d_model {_rough(s.d_model)}, "
-                      f"d_mlp {_rough(s.d_mlp)}, vocab_size {_rough(s.vocab_size)}{by_routing}; {_rough(4 * count // 10**9)} "
-                      f"GB of fp32 weights) exceed the budget of {MAX_PARAMS:.0e} (lrattn_lightning/model/accounting.py); "
-                      "use a smaller d_model, d_mlp, n_layers or vocab_size")
+    dims = (f"n_layers {_rough(s.n_layers)}, d_model {_rough(s.d_model)}, d_mlp {_rough(s.d_mlp)}, vocab_size "
+            f"{_rough(s.vocab_size)}" + (f", routing {_rough(routing)}" if routing else ""))
+    return InputError(f"{where}: {_rough(count)} parameters ({dims}; {_rough(4 * count // 10**9)} GB of fp32 weights) "
+                      f"exceed the budget of {MAX_PARAMS:.0e} (lrattn_lightning/model/accounting.py); use a smaller "
+                      "d_model, d_mlp, n_layers or vocab_size")
 
 
 def _rough(n: int) -> str:
