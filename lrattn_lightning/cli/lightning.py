@@ -21,6 +21,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import yaml
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ProgressBar
@@ -389,10 +390,31 @@ def quiet_lightning() -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
+def bound_yaml_values() -> None:
+    """jsonargparse's YAML loader (every --config file and YAML value on the command line) checks each text
+    against core/files.py's limits first: a billion-laughs or 10,000-deep --config is one line naming the file,
+    not minutes of jsonargparse walking what PyYAML built. The values are still jsonargparse's own."""
+    from jsonargparse import get_loader, set_loader
+
+    from lrattn_lightning.core.files import check_yaml_limits
+
+    original = get_loader("yaml")
+    if getattr(original, "bounded", False):  # a second CLI in this process
+        return
+
+    def load(text: str, path: str = "") -> Any:
+        check_yaml_limits(text, path or f"the command-line value {text[:40]!r}")
+        return original(text)
+
+    load.bounded = True  # type: ignore[attr-defined]
+    set_loader("yaml", load, (yaml.YAMLError,))
+
+
 def run_lightning(argv: list[str]) -> LRAttnCLI:
     # From the console script the arguments are sys.argv itself, which DDP re-executes in each child.
     args = None if argv == sys.argv[1:] else argv
     quiet_lightning()
+    bound_yaml_values()
     # `lrattn demo` and shipped recipe paths hand LightningCLI rewritten arguments on purpose
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
     return LRAttnCLI(

@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 
 from lrattn_lightning.core.errors import InputError
+from lrattn_lightning.core.files import load_yaml_strict, read_yaml_text
 from lrattn_lightning.core.names import closest_names
 
 TASKS_DIR = Path(__file__).resolve().parent / "task_configs"
@@ -101,7 +102,8 @@ def materialise_local_tasks(names: list[str], data_dir: str | Path | None, out_d
         if not path.is_file() or path.stat().st_size == 0:
             raise TaskError(f"task '{name}': its data file {path} is missing or empty; prepare the folder again with "
                             f"`lrattn prepare --out {root} --overwrite` (it writes tasks/*.jsonl from the held-out split)")
-        config = yaml.safe_load((TASKS_DIR / f"{name}.yaml").read_text())
+        source = TASKS_DIR / f"{name}.yaml"
+        config = load_yaml_strict(read_yaml_text(source, "task"), source)
         header = f"# {name}: written by lrattn_lightning.eval.tasks from {path}\n"
         if name == "lrattn_cloze" and window is not None and encode is not None:
             path, header = _write_fitted_cloze(path, out_dir / f"{name}.jsonl", window, encode)

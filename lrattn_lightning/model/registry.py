@@ -24,6 +24,7 @@ from typing import Any
 from lrattn_lightning.core.errors import InputError, config_error
 from lrattn_lightning.core.files import load_yaml_strict, read_yaml_text
 from lrattn_lightning.core.names import closest_names
+from lrattn_lightning.model.accounting import check_budget
 from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig
 from lrattn_lightning.model.routing.kinds import ablation_from_fields
 from lrattn_lightning.model.routing.trust import trust
@@ -55,8 +56,10 @@ class Registry:
         return _lookup(self.ablations, name, "ablation")
 
     def model(self, size: str, ablation: str) -> ModelConfig:
-        """The validated pair; raises ValueError naming the field if the two do not fit."""
-        return ModelConfig(self.size(size), self.ablation(ablation))
+        """The validated pair; raises ValueError naming the field if the two do not fit or exceed the budget."""
+        cfg = ModelConfig(self.size(size), self.ablation(ablation))
+        check_budget(cfg, f"ablations.{ablation} at size {size}")
+        return cfg
 
     @property
     def short_hash(self) -> str:
@@ -183,7 +186,9 @@ def _build(cls: type, where: str, name: str, fields: dict[str, Any]) -> Any:
                and f.default is dataclasses.MISSING]
     if missing:
         raise config_error(where, missing[0], "required field is missing")
-    return cls(name=name, **fields).validate()
+    built = cls(name=name, **fields).validate()
+    check_budget(built, where)  # before any model of this size is built
+    return built
 
 
 def model_config_from_dict(data: Any, where: str = "model_config") -> ModelConfig:
@@ -201,7 +206,9 @@ def model_config_from_dict(data: Any, where: str = "model_config") -> ModelConfi
         name = ablation.pop("name", None)
         if not isinstance(name, str):
             raise config_error(f"{where}.ablation", "name", f"must be a name, got {name!r}")
-        return ModelConfig(size_cfg, ablation_from_fields(name, ablation, f"{where}.ablation", stored=True))
+        cfg = ModelConfig(size_cfg, ablation_from_fields(name, ablation, f"{where}.ablation", stored=True))
+        check_budget(cfg, where)
+        return cfg
     except InputError:
         raise
     except (TypeError, ValueError, KeyError, AttributeError) as err:  # a value of the wrong type

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from lrattn_lightning.core.errors import one_line
+from lrattn_lightning.core.errors import InputError, one_line
 from lrattn_lightning.core.files import load_yaml_strict, read_yaml_text
 from lrattn_lightning.core.flags import Parser
 from lrattn_lightning.core.names import closest_names
@@ -58,7 +58,7 @@ def check_fit_args(sweep: Sweep, tracking_uri: str | None, extra: list[str], par
                                  f"closest: {hint}")
         try:
             parser.parse_args(sweep.fit_args(run, tracking_uri)[1:] + extra)  # [1:]: without the subcommand
-        except (argparse.ArgumentError, SystemExit) as err:
+        except (argparse.ArgumentError, SystemExit, InputError) as err:  # (InputError: a YAML value past the limits)
             raise SweepError(f"sweep '{sweep.name}', run {run.name}: {one_line(err)} (recipe {sweep.recipe}, "
                              f"args of {sweep.path})") from None
 
