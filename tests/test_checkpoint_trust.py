@@ -232,4 +232,6 @@ def test_a_checkpoint_of_the_earlier_format_loads_with_the_same_logits(name):
     loaded = load_checkpoint(OLD / f"{name}.ckpt")
     with torch.no_grad():
         logits = loaded.model(torch.arange(1, 17)[None])
-    assert torch.equal(logits, torch.load(OLD / "logits.pt")[name])
+    # float32 kernels round differently across CPUs (p-lr-block-n4-r32 is 1 ulp off on some): what it computed
+    # then, to float32's precision
+    torch.testing.assert_close(logits, torch.load(OLD / "logits.pt")[name], rtol=1e-6, atol=1e-6)
