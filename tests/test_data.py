@@ -16,8 +16,9 @@ import torch
 
 from lrattn_lightning.data import corpora
 from lrattn_lightning.data import prepare as prepare_module
-from lrattn_lightning.data.corpora import Document, iter_documents
+from lrattn_lightning.data.corpora import iter_documents
 from lrattn_lightning.data.datamodule import TokenDataModule
+from lrattn_lightning.data.documents import Document
 from lrattn_lightning.data.formats import ReadOptions
 from lrattn_lightning.data.prepare import prepare, split_of
 from lrattn_lightning.data.shards import (

@@ -294,7 +294,7 @@ def test_the_split_is_by_document_whatever_the_file_layout(documents, tmp_path):
 def test_the_split_holds_out_round_n_times_the_fraction(n, fraction, held):
     """Across blocks of 1000 documents the count stays exact (the rounding is of the running total); a tiny
     corpus still gets one validation document; the choice depends on the seed, not on the block's order."""
-    from lrattn_lightning.data.corpora import Document
+    from lrattn_lightning.data.documents import Document
     from lrattn_lightning.data.split import key_hash, sided
 
     docs = [Document(f"document {i}") for i in range(n)]

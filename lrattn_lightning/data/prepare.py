@@ -9,8 +9,8 @@ space for the shards (an estimate from the input's decompressed size, in one lin
 written (a full disk too: one line); a signal or a kill keeps the finished parts for the same command to continue.
 Memory does not grow with the corpus, a file or a document: see data/documents.py (documents longer than
 LONG_CHARS wait on disk in the staging folder's .prepare/spool) and data/pieces.py (they are tokenised in pieces).
-`--max_document_bytes N` skips documents longer than N bytes of UTF-8, counted in meta.json and said in one line. Training reads
-fixed windows of seq_len + 1 tokens (inputs x[:-1], targets x[1:]) that never cross a chunk boundary
+`--max_document_bytes N` skips documents longer than N bytes of UTF-8, counted in meta.json and said in one line.
+Training reads fixed windows of seq_len + 1 tokens (inputs x[:-1], targets x[1:]) that never cross a chunk boundary
 (litdata's TokensLoader). Nothing here runs at import time.
 """
 
@@ -181,14 +181,15 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
 
 
-def _check_space(root: Path, corpora: list[Corpus], tokenizer: str, dtype: Any) -> None:
+def _check_space(root: Path, corpora: list[Corpus], tokenizer: str, dtype: Any, limits: tuple) -> None:
     """Refuse, before the shards are written, when the disk cannot hold them: the text's decompressed size (read
-    from the files, compressed ones estimated from their first megabyte), a token per BYTES_PER_TOKEN bytes of
-    it, `dtype` bytes a token id, less what a resumed prepare has written already."""
+    from the files, compressed ones estimated from their first megabyte; at most --max_bytes), a token per
+    BYTES_PER_TOKEN bytes of it, `dtype` bytes a token id, less what a resumed prepare has written already."""
+    max_documents, max_bytes, _ = limits
     expected = [c.expected() for c in corpora]
-    if None in expected:
-        return  # a built-in corpus or a streamed dataset: no size to go by
-    text = sum(expected)
+    if None in expected or max_documents is not None:
+        return  # a built-in corpus, a streamed dataset or a prefix of so many documents: no size to go by
+    text = sum(expected) if max_bytes is None else min(sum(expected), max_bytes + sum(expected[1:]))
     per_token = BYTES_PER_TOKEN.get(tokenizer, DEFAULT_BYTES_PER_TOKEN)
     need = int(text / per_token * np.dtype(dtype).itemsize * 1.01) + (1 << 20)
     written = sum(p.stat().st_size for split in SPLITS for p in (root / split).glob("chunk-*"))
@@ -246,7 +247,7 @@ def _build(staging: Staging, corpora: dict[str, Corpus | None], recipe: dict[str
 
     tok = _tokenizer(kind, arg, root, train_texts)
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
-    _check_space(root, [c for c in (train, val) if c is not None], kind, dtype)
+    _check_space(root, [c for c in (train, val) if c is not None], kind, dtype, limits)
     kept: list[Document] = []  # the first held-out documents, for the eval tasks (none of the spooled ones)
     wanted, kept_bytes = max(cloze_items, perplexity_documents, 1), [0]
 
