@@ -18,6 +18,7 @@ import logging
 import signal
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -413,16 +414,23 @@ def run_subcommand(argv: list[str]) -> int:
     """fit / validate / test with Lightning's own failures as one line and exit codes: 3 for a non-finite
     loss, 128 + the signal's number for SIGTERM, SIGINT or SIGHUP (143, 130, 129: a checkpoint at the
     current step was saved); the run folder is released."""
+    return run_with_stops(lambda: run_lightning(argv), fit=argv[:1] == ["fit"])
+
+
+def run_with_stops(start: Callable[[], LRAttnCLI], *, fit: bool, prefix: str = "[lrattn fit]",
+                   resume: str = "continue with --ckpt_path last") -> int:
+    """Run `start()` (a LightningCLI run) and end as it ended: its summary lines (`prefix`) and 0, or one line
+    and 2 (bad input), 3 (a non-finite loss) or 128 + the stop signal's number, whose line names the signal, the
+    step and checkpoint saved then and `resume` (how to continue). `lrattn demo` runs its fit through this too."""
     import contextlib
 
     from lrattn_lightning.core.errors import one_line
 
-    fit = argv[:1] == ["fit"]
     try:
         with stop.stop_signals_noted() if fit else contextlib.nullcontext():
-            cli = run_lightning(argv)
+            cli = start()
             if cli.subcommand == "fit" and cli.trainer.is_global_zero:
-                print("\n".join(fit_summary(cli)))
+                print("\n".join(fit_summary(cli, prefix)))
             elif cli.subcommand in ("validate", "test") and cli.trainer.is_global_zero:
                 print("\n".join(scoring_summary(cli)))
             late = stop.NOTED_SIGNAL if fit else 0
@@ -438,9 +446,8 @@ def run_subcommand(argv: list[str]) -> int:
               file=sys.stderr)
         return 3
     except SIGTERMException:  # also SIGINT and SIGHUP (LastCheckpoint)
-        how = stop.LAST_STOP or stop.Stop()
-        where = (f" at step {how.step}; checkpoint {how.path} holds it, continue with --ckpt_path last"
-                 if how.path else "; nothing to save yet")
+        how = stop.LAST_STOP or stop.Stop(stop.NOTED_SIGNAL or signal.SIGTERM)
+        where = f" at step {how.step}; checkpoint {how.path} holds it, {resume}" if how.path else "; nothing to save yet"
         print(f"lrattn: stopped by {how.name}{where}", file=sys.stderr)
         return how.exit_code
     finally:
