@@ -51,7 +51,7 @@ NOTED_SIGNAL = 0
 def note_stop_signal(signum: int, _frame: Any = None) -> None:
     global NOTED_SIGNAL
     if signum == signal.SIGHUP:
-        _detach_hung_up_terminal()
+        detach_hung_up_terminal()
     NOTED_SIGNAL = max(NOTED_SIGNAL, signum)
 
 
@@ -102,7 +102,7 @@ class Divergence:
 LAST_DIVERGENCE: Divergence | None = None
 
 
-def _detach_hung_up_terminal() -> None:
+def detach_hung_up_terminal() -> None:
     """After a hangup every write to the terminal fails (EIO): a progress bar or a log line would crash the
     step in progress and lose the save. Point a stdout/stderr that is such a terminal at /dev/null (a hung-up
     terminal is a character device that no longer answers as a tty); files, pipes and live terminals stay."""
