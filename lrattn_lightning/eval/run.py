@@ -24,6 +24,7 @@ import json
 import math
 import random
 import re
+import shlex
 import signal
 import sys
 import tempfile
@@ -319,9 +320,10 @@ def eval_store(flag: str | None, ckpt: LoadedCheckpoint) -> str:
     uri = resolve_tracking_uri(flag, False)
     recorded = (ckpt.mlflow or {}).get("tracking_uri")
     if isinstance(recorded, str) and recorded and absolute_sqlite(recorded) != uri:
+        there = shlex.quote(recorded) if recorded.isprintable() and len(recorded) <= 200 else "URI"
         print(f"[lrattn eval] results go to {uri} ({uri_source(flag)}), not to "
               f"{recorded[:200]!r} where {ckpt.path} says it was trained: a checkpoint does not choose the store; pass "
-              "--tracking_uri to log into its training run there", file=sys.stderr)
+              f"--tracking_uri {there} to log into its training run there", file=sys.stderr)
     return uri
 
 

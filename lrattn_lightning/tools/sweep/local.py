@@ -326,11 +326,9 @@ def check_routers(sweep: Sweep, registry: Any, env: dict[str, str]) -> None:
 
 
 def compare_command(sweep: Sweep, tracking_uri: str) -> str:
-    from lrattn_lightning.train.summary import command
-    from lrattn_lightning.train.tracking import LOCAL_TRACKING_URI, absolute_sqlite
+    from lrattn_lightning.train.summary import command, store_flags
 
-    store = "" if tracking_uri == absolute_sqlite(LOCAL_TRACKING_URI) else f" --tracking_uri {shlex.quote(tracking_uri)}"
-    return f"{command('lrattn')} compare --experiment {shlex.quote(sweep.experiment)}{store}"
+    return f"{command('lrattn')} {shlex.join(['compare', '--experiment', sweep.experiment, *store_flags(tracking_uri)])}"
 
 
 def _run_forwarding_signals(cmd: list[str], env: dict[str, str], log: Path, head: str, stops: _StopSignals
