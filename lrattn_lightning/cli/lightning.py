@@ -448,7 +448,8 @@ def run_with_stops(start: Callable[[], LRAttnCLI], *, fit: bool, prefix: str = "
     except SIGTERMException:  # also SIGINT and SIGHUP (LastCheckpoint)
         how = stop.LAST_STOP or stop.Stop(stop.NOTED_SIGNAL or signal.SIGTERM)
         where = f" at step {how.step}; checkpoint {how.path} holds it, {resume}" if how.path else "; nothing to save yet"
-        print(f"lrattn: stopped by {how.name}{where}", file=sys.stderr)
+        if lock.launched_as_rank_zero():  # one line, not one per rank
+            print(f"lrattn: stopped by {how.name}{where}", file=sys.stderr)
         return how.exit_code
     finally:
         lock.release_run_locks()
