@@ -253,7 +253,7 @@ class LRAttnCLI(LightningCLI):
         checks.check_checkpoint_data(self.subcommand, cfg, ckpt_path, stored)
         # resuming, validating or testing a checkpoint logs into the MLflow run that trained it
         if self.subcommand == "fit":
-            checks.check_schedule(cfg, stored)
+            checks.check_schedule(cfg, stored, ckpt_path)
         return stored["mlflow"].get("run_id")
 
     def _claim_run(self, cfg) -> None:
