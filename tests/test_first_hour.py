@@ -221,3 +221,18 @@ def test_validate_reads_the_split_its_checkpoint_trained_on_and_a_missing_folder
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "lrattn: error: data dir nowhere is missing or empty; create it with `lrattn prepare --source stdlib-docs "
         "--tokenizer byte --out nowhere` (the bundled corpus; --source FILES for your own corpus)"), proc.stderr
+
+
+def test_a_resume_from_a_named_checkpoint_file_takes_the_command_lines_settings(data, tmp_path):
+    """`--ckpt_path FILE` resumed with the file's hyper-parameters over the command line's --model.* (LightningCLI
+    restores them; `last` is no file when it does), so a changed --model.lr was dropped unchecked and
+    --model.schedule_steps ignored. Now a named file resumes as `last` does."""
+    decay = ("--model.decay_fraction", "0.5")
+    assert run_cli(fit_args(data, *decay, steps=4, every=2), tmp_path).returncode == 0
+    ckpt = str(tmp_path / "runs/lrattn/tiny-baseline-seed0/checkpoints/last.ckpt")
+    proc = run_cli(fit_args(data, *decay, "--ckpt_path", ckpt, "--model.lr", "0.5", steps=4, every=2), tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "lrattn: error: --model.lr: the checkpoint was trained with 0.0003, this run passes 0.5" in proc.stderr
+    proc = run_cli(fit_args(data, *decay, "--ckpt_path", ckpt, "--model.schedule_steps", "4", steps=6, every=2), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "training on to step 6 with the 4-step schedule this run followed" in proc.stderr

@@ -13,6 +13,7 @@ writes, last.ckpt and the step monitors of train/callbacks.py as `instantiate_tr
 from __future__ import annotations
 
 import argparse
+import copy
 import inspect
 import logging
 import signal
@@ -122,12 +123,18 @@ class LRAttnCLI(LightningCLI):
         path = self.config[sub].get("ckpt_path") if sub else None
         if path and path != "last":
             self._ckpt_head = checks.read_checkpoint_head(path)
+        # Lightning then puts a --ckpt_path file's hyper-parameters over the command line's --model.* (not for
+        # `last`, which is no file yet): a resume would drop a changed --model.lr unchecked, or --model.schedule_steps
+        # altogether. A fit takes the command line's, as with `last`; compat.py and check_schedule compare them.
+        self._given_model = copy.deepcopy(self.config[sub].model) if sub == "fit" and self._ckpt_head else None
 
     def before_instantiate_classes(self) -> None:
         from lrattn_lightning.core.files import load_yaml_strict, read_yaml_text
         from lrattn_lightning.model.registry import load_registry
 
         cfg = self.config[self.subcommand]
+        if self._given_model is not None:
+            cfg.model = self._given_model
         for recipe in cfg.get("config") or []:  # jsonargparse keeps the last of a duplicated key; we refuse it
             load_yaml_strict(read_yaml_text(Path(recipe.absolute), "recipe"), recipe.relative)
         checks.check_numbers(self.subcommand, cfg)
