@@ -9,6 +9,7 @@ before any work starts. Recipes and sweep files ship inside the package: a path 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Callable
 from importlib import import_module
@@ -99,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         if launched_as_rank_zero():  # (the other ranks of `eval --devices N` end with the same code, quietly)
             print(f"lrattn: {command} stopped by {how.name}; {NOTHING_TO_SAVE[command]}", file=sys.stderr)
         return how.exit_code
+    except KeyboardInterrupt:  # Ctrl-C where the command does not take it itself (while it is imported, chat, ...)
+        print(f"lrattn: {command} stopped by SIGINT", file=sys.stderr)
+        return 128 + signal.SIGINT
     except BrokenPipeError:  # `lrattn list | head`: the reader left; not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
