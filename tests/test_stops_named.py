@@ -284,3 +284,16 @@ def test_a_stopped_eval_names_the_signal_and_logs_nothing(checkpoint, tmp_path, 
     assert not any(key.startswith("eval/") for key in run.data.metrics)
     if group:
         assert gone(str(script))
+
+
+def test_ctrl_c_where_a_command_does_not_take_it_is_one_line(checkpoint, tmp_path):
+    """`lrattn chat` waiting for a line (as any command while its module is imported): Ctrl-C was a
+    KeyboardInterrupt traceback; now one line and 130."""
+    ckpt, _ = checkpoint
+    proc = subprocess.Popen(lrattn("chat", "--checkpoint", str(ckpt)), cwd=tmp_path, env=child_env(), text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert proc.stdout.readline().startswith("lrattn chat:")  # then it waits for the first line
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and one_line(err) == "lrattn: chat stopped by SIGINT", err[-3000:]
