@@ -49,6 +49,7 @@ GRAD = SizeConfig(name="grad", doc="tests: gradcheck", n_layers=3, d_model=8, n_
 # worker, and a long one started last would run alone at the end.
 LONGEST_FIRST = (
     "test_routing_triton.py", "test_resilience.py", "test_fsdp.py", "test_sweep.py", "test_signals.py",
+    "test_stops_named.py",
     "test_comparable.py", "test_tracking_faults.py", "test_training.py", "test_triton_compile.py",
     "test_data_interrupted.py", "test_data_s3.py", "test_first_hour.py", "test_no_stray_writes.py", "test_export.py",
     "test_gpu_check.py", "test_run_endings.py", "test_upcycling.py", "test_eval.py", "test_packaging.py",

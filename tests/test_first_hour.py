@@ -161,7 +161,51 @@ def test_a_resume_with_another_schedule_length_is_refused_unless_asked(data, tmp
     assert run_cli(fit_args(data, "--model.decay_fraction", "0.5", steps=4, every=2), decaying).returncode == 0
     proc = run_cli(fit_args(data, "--model.decay_fraction", "0.5", "--ckpt_path", "last",
                             "--model.allow_schedule_change", "true", steps=8, every=2), decaying)
-    assert proc.returncode == 2 and "departs from a 8-step one at step" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and "differs from a 8-step one from step" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_finished_run_trains_on_with_its_schedule_kept(data, tmp_path):
+    """A finished run's warm-down is done, so no resume follows a longer schedule: `--trainer.max_steps 8` (also with
+    --model.allow_schedule_change) is one line that points to --model.schedule_steps 4 and to --init_from its
+    checkpoint (it pointed to an earlier checkpoint, which a finished run does not keep), and both work. With
+    --model.schedule_steps 4 the same MLflow run goes on to step 8, steps 4-8 at the schedule's final learning rate,
+    and logs what a run launched with `--trainer.max_steps 8 --model.schedule_steps 4` logs: the extension is that
+    recipe, and its fingerprint says so."""
+    decay = ("--model.decay_fraction", "0.5")  # steps 2-4 decay to x0.1 (the default momentum schedule: warmup only)
+    extended, launched = tmp_path / "extended", tmp_path / "launched"
+    for folder in (extended, launched):
+        folder.mkdir()
+    assert run_cli(fit_args(data, *decay, steps=4, every=2), extended).returncode == 0
+    ckpt = "runs/lrattn/tiny-baseline-seed0/checkpoints/last.ckpt"
+    for asked in ((), ("--model.allow_schedule_change", "true")):
+        proc = run_cli(fit_args(data, *decay, "--ckpt_path", "last", *asked, steps=8, every=2), extended)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+        assert "keep that schedule with --model.schedule_steps 4 (steps 4 to 8 at its final values" in proc.stderr
+        assert f"--run_name NEW --init_from {ckpt}" in proc.stderr and (extended / ckpt).is_file()
+        assert "earlier checkpoint" not in proc.stderr
+    proc = run_cli(fit_args(data, *decay, "--ckpt_path", "last", "--model.schedule_steps", "4", steps=8, every=2),
+                   extended)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "training on to step 8 with the 4-step schedule this run followed" in proc.stderr
+    assert run_cli(fit_args(data, *decay, "--model.schedule_steps", "4", steps=8, every=2), launched).returncode == 0
+    (client, [run]), (client_launched, [reference]) = _runs(extended), _runs(launched)
+    assert run.info.status == "FINISHED"
+    for key in ("train/loss", "train/lr/muon", "train/lr/adamw", "val/loss"):
+        got = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+        want = sorted((m.step, m.value) for m in client_launched.get_metric_history(reference.info.run_id, key))
+        assert [s for s, _ in got] == [s for s, _ in want] and np.allclose([v for _, v in got], [v for _, v in want],
+                                                                          rtol=1e-6, atol=0), key
+    muon = dict(sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/lr/muon")))
+    assert [s for s in muon if s >= 4] == [4, 5, 6, 7] and all(v == pytest.approx(muon[4]) for s, v in muon.items()
+                                                              if s >= 4)
+    assert muon[4] == pytest.approx(0.1 * max(muon.values()))  # the final learning rate, held
+    params = run.data.params
+    assert (params["train_max_steps"], params["train_schedule_steps"], params["train_max_steps_from_step_4"]) == (
+        "4", "4", "8") and not any(k.startswith("train_schedule_steps_from") for k in params), params
+    assert run.data.tags["lrattn.recipe"] == reference.data.tags["lrattn.recipe"]
+    # the other way it points to: a new run from these weights, with a fresh optimizer and schedule
+    proc = run_cli(fit_args(data, *decay, "--run_name", "more", "--init_from", ckpt, steps=8, every=2), extended)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_validate_reads_the_split_its_checkpoint_trained_on_and_a_missing_folder_names_the_command(fitted, tmp_path):
@@ -177,3 +221,18 @@ def test_validate_reads_the_split_its_checkpoint_trained_on_and_a_missing_folder
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "lrattn: error: data dir nowhere is missing or empty; create it with `lrattn prepare --source stdlib-docs "
         "--tokenizer byte --out nowhere` (the bundled corpus; --source FILES for your own corpus)"), proc.stderr
+
+
+def test_a_resume_from_a_named_checkpoint_file_takes_the_command_lines_settings(data, tmp_path):
+    """`--ckpt_path FILE` resumed with the file's hyper-parameters over the command line's --model.* (LightningCLI
+    restores them; `last` is no file when it does), so a changed --model.lr was dropped unchecked and
+    --model.schedule_steps ignored. Now a named file resumes as `last` does."""
+    decay = ("--model.decay_fraction", "0.5")
+    assert run_cli(fit_args(data, *decay, steps=4, every=2), tmp_path).returncode == 0
+    ckpt = str(tmp_path / "runs/lrattn/tiny-baseline-seed0/checkpoints/last.ckpt")
+    proc = run_cli(fit_args(data, *decay, "--ckpt_path", ckpt, "--model.lr", "0.5", steps=4, every=2), tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "lrattn: error: --model.lr: the checkpoint was trained with 0.0003, this run passes 0.5" in proc.stderr
+    proc = run_cli(fit_args(data, *decay, "--ckpt_path", ckpt, "--model.schedule_steps", "4", steps=6, every=2), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "training on to step 6 with the 4-step schedule this run followed" in proc.stderr

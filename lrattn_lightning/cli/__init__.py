@@ -9,6 +9,7 @@ before any work starts. Recipes and sweep files ship inside the package: a path 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Callable
 from importlib import import_module
@@ -18,6 +19,8 @@ from lrattn_lightning.core.errors import InputError, one_line
 from lrattn_lightning.core.files import packaged
 from lrattn_lightning.core.flags import Parser
 from lrattn_lightning.core.names import closest_names
+from lrattn_lightning.train.checkpoint import stop
+from lrattn_lightning.train.checkpoint.lock import launched_as_rank_zero
 
 # name -> (module:function, one line for `lrattn --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -37,6 +40,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fidelity": ("tools.fidelity.fidelity:main", "every registry entry against the paper's reference code (docs/fidelity.md)"),
 }
 LIGHTNING = ("fit", "validate", "test")
+# commands with nothing to save when a stop signal comes: it ends them at once with one line and 128 + its number
+NOTHING_TO_SAVE = {"eval": "nothing was logged; run the same command again to evaluate"}
 
 
 def usage() -> str:
@@ -87,7 +92,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if command in LIGHTNING:
             return _function(COMMANDS[command][0])([command, *rest])
+        if command in NOTHING_TO_SAVE:  # (from before its module is imported: a Ctrl-C then is no traceback)
+            with stop.stop_signals_raise():
+                return _function(COMMANDS[command][0])(rest)
         return _function(COMMANDS[command][0])(rest)
+    except stop.StopSignal as how:
+        if launched_as_rank_zero():  # (the other ranks of `eval --devices N` end with the same code, quietly)
+            print(f"lrattn: {command} stopped by {how.name}; {NOTHING_TO_SAVE[command]}", file=sys.stderr)
+        return how.exit_code
+    except KeyboardInterrupt:  # Ctrl-C where the command does not take it itself (while it is imported, chat, ...)
+        print(f"lrattn: {command} stopped by SIGINT", file=sys.stderr)
+        return 128 + signal.SIGINT
     except BrokenPipeError:  # `lrattn list | head`: the reader left; not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -75,6 +75,9 @@ def check_training_numbers(subcommand: str, cfg) -> None:
           for k in ("decay_fraction", "final_lr_fraction")),
         ("--model.betas", m.get("betas"), lambda v: isinstance(v, list | tuple) and len(v) == 2
          and all(_number(b) and 0 <= b < 1 for b in v), "two numbers in [0, 1), e.g. [0.9, 0.95]"),
+        ("--model.schedule_steps", m.get("schedule_steps"),
+         lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+         "an integer >= 1 (or null: --trainer.max_steps)"),
         ("--trainer.accumulate_grad_batches", trainer.get("accumulate_grad_batches"),
          lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1), "an integer >= 1"),
         ("--trainer.val_check_interval", trainer.get("val_check_interval"),
@@ -153,30 +156,44 @@ def parse_error(message: str, parser, subcommand: str | None) -> str:
     return re.sub(r'^Parser key "([^"]+)":\s*', r"--\1: ", " ".join(message.split()))
 
 
-def check_schedule(cfg, stored: dict) -> None:
-    """A resume keeps the schedule's length: another --trainer.max_steps would change the learning rate and
-    momentum of steps already shaped by the old one (a longer run restarted the warm-down). With
-    --model.allow_schedule_change the new length is taken when the two schedules agree on every step so far:
+def check_schedule(cfg, stored: dict, ckpt_path: str) -> None:
+    """A resume keeps the schedule's length (--model.schedule_steps, else --trainer.max_steps): another one would
+    change the learning rate and momentum of steps already shaped by the old one (a longer run restarted the
+    warm-down). Training past its end keeps it: `--trainer.max_steps N --model.schedule_steps OLD` runs the extra
+    steps at its final values, as a run launched with those two flags would (how a finished run is extended).
+    With --model.allow_schedule_change the new length is taken when the two schedules agree on every step so far:
     the run then equals one launched with the new length (extending the stable phase, decay at the new end)."""
     from lrattn_lightning.train.optim import MomentumSchedule, first_schedule_difference
 
-    old, new, step = stored["schedule"].get("total_steps"), cfg.trainer.max_steps, stored.get("global_step") or 0
-    if old is None or new == old or new < 0:
+    m, steps = cfg.model, cfg.trainer.max_steps
+    old, step = stored["schedule"].get("total_steps"), stored.get("global_step") or 0
+    new = m.get("schedule_steps") or steps
+    if old is None or new < 0:
         return
-    m = cfg.model
-    if not m.allow_schedule_change:
-        raise UsageError(f"--trainer.max_steps {new}: the checkpoint's schedule is {old} steps; resuming with another "
-                         f"length changes the learning rate of a run in progress. Resume with --trainer.max_steps {old}, "
-                         "or pass --model.allow_schedule_change true to continue as a run launched with "
-                         f"{new} steps (possible until its schedule departs from the old one)")
+    after = (f"steps {old} to {steps} at its final values: x{m.final_lr_fraction} of the peak learning rate, the "
+             "last momentum")
+    if new == old:
+        if steps > max(old, step):
+            print(f"[lrattn] training on to step {steps} with the {old}-step schedule this run followed "
+                  f"(--model.schedule_steps {old}): {after}", file=sys.stderr)
+        return
+    tail = f" ({after})" if steps > old else ""
+    given = f"--model.schedule_steps {m.schedule_steps}" if m.get("schedule_steps") else f"--trainer.max_steps {steps}"
     momentum = (MomentumSchedule(peak=m.muon_momentum, low=m.muon_momentum_min, warmup_steps=m.muon_momentum_warmup_steps,
                                  cooldown_steps=m.muon_momentum_cooldown_steps) if m.optimizer == "muon_adamw" else None)
     differs = first_schedule_difference(old, new, step, m.warmup_steps, m.decay_fraction, m.final_lr_fraction, momentum)
-    if differs is not None:
-        raise UsageError(f"--trainer.max_steps {new} with --model.allow_schedule_change: the {old}-step schedule this "
-                         f"checkpoint (step {step}) followed departs from a {new}-step one at step {differs} (its "
-                         "warm-down or momentum cooldown had begun); resume with --trainer.max_steps "
-                         f"{old}, or change the length from an earlier checkpoint")
+    keep = f"keep that schedule with --model.schedule_steps {old}{tail}"
+    if differs is not None:  # e.g. the warm-down has begun: no resume follows the new length
+        asked = " with --model.allow_schedule_change" if m.allow_schedule_change else ""
+        raise UsageError(f"{given}{asked}: checkpoint {ckpt_path} (step {step}) followed a {old}-step learning-rate "
+                         f"schedule, which differs from a {new}-step one from step {differs} on, a step already taken; "
+                         f"{keep}, or start a new run from these weights (--run_name NEW --init_from {ckpt_path}: a "
+                         "fresh optimizer and schedule)")
+    if not m.allow_schedule_change:
+        raise UsageError(f"{given}: checkpoint {ckpt_path} (step {step}) follows a {old}-step learning-rate schedule; "
+                         f"resuming with a {new}-step one changes the learning rate of a run in progress. Resume with "
+                         f"--trainer.max_steps {old}; or {keep}; or pass --model.allow_schedule_change true to "
+                         f"continue as a run launched with a {new}-step schedule (possible until the two differ)")
     print(f"[lrattn] schedule length {old} -> {new} steps at step {step} (--model.allow_schedule_change): the run "
           f"continues as one launched with {new} steps", file=sys.stderr)
 

@@ -1,16 +1,21 @@
-"""`lrattn demo`: the README's main job (prepare the embedded corpus, train `small` briefly, point at MLflow)."""
+"""`lrattn demo`: the README's main job (prepare the embedded corpus, train `small` briefly, point at MLflow).
+
+Its fit ends as `lrattn fit` does (cli/lightning.py `run_with_stops`): Ctrl-C, SIGTERM or SIGHUP saves last.ckpt,
+marks the MLflow run KILLED and exits 128 + the signal's number with one line naming the signal and the command
+that continues the run (the demo names each run by the time it started, so that command names it).
+"""
 
 from __future__ import annotations
 
+import shlex
 import time
 from pathlib import Path
 
-from lrattn_lightning.cli.lightning import run_lightning
+from lrattn_lightning.cli.lightning import run_lightning, run_with_stops
 from lrattn_lightning.core.files import packaged
 from lrattn_lightning.core.flags import Parser
 from lrattn_lightning.core.names import check_name
-from lrattn_lightning.train.checkpoint import lock
-from lrattn_lightning.train.summary import fit_summary
+from lrattn_lightning.train.summary import command
 
 
 def demo_main(argv: list[str]) -> int:
@@ -21,10 +26,10 @@ def demo_main(argv: list[str]) -> int:
     parser.add_argument("--data", default="data/stdlib-docs-byte")
     parser.add_argument("--run_name", default=None, help="default: SIZE-ABLATION-DATE-TIME (each demo a new run)")
     parser.add_argument("--experiment", default=None, help="MLflow experiment name (fit's default)")
-    args, rest = parser.parse_known_args(argv)
+    args, fit_flags = parser.parse_known_args(argv)
     for flag, value in (("--experiment", args.experiment), ("--run_name", args.run_name)):
         if value is not None:  # checked before the corpus is prepared; fit checks them again
-            rest = [flag, check_name(value, flag), *rest]
+            check_name(value, flag)
     if not Path(args.data, "meta.json").exists():
         from lrattn_lightning.data.prepare import prepare_main
 
@@ -33,12 +38,25 @@ def demo_main(argv: list[str]) -> int:
             return code
     recipe = Path("experiments/cpu-demo.yaml")
     recipe = recipe if recipe.is_file() else packaged(str(recipe))
-    if args.run_name is None:  # each demo is a new run
-        rest = ["--run_name", f"{args.size}-{args.ablation}-{time.strftime('%Y%m%d-%H%M%S')}", *rest]
-    try:
-        cli = run_lightning(["fit", "--config", str(recipe), "--size", args.size,
-                             "--ablation", args.ablation, "--data.data_dir", args.data, *rest])
-    finally:
-        lock.release_run_locks()
-    print("\n" + "\n".join(fit_summary(cli, "[lrattn demo]")))
-    return 0
+    run_name = args.run_name or f"{args.size}-{args.ablation}-{time.strftime('%Y%m%d-%H%M%S')}"  # each demo a new run
+    experiment = ["--experiment", args.experiment] if args.experiment is not None else []
+    fit = ["fit", "--config", str(recipe), "--size", args.size, "--ablation", args.ablation,
+           "--data.data_dir", args.data, *experiment, "--run_name", run_name, *fit_flags]
+    # how to continue this very run from the folder it was started in: its name, the user's flags and paths
+    again = ["demo", "--size", args.size, "--ablation", args.ablation, "--data", args.data, *experiment,
+             "--run_name", run_name, *_without(fit_flags, "--ckpt_path"), "--ckpt_path", "last"]
+    resume = f"continue with `{command('lrattn')} {shlex.join(again)}`"
+    return run_with_stops(lambda: run_lightning(fit), fit=True, prefix="[lrattn demo]", resume=resume)
+
+
+def _without(flags: list[str], name: str) -> list[str]:
+    """`flags` without `name VALUE` / `name=VALUE`."""
+    out, skip = [], False
+    for flag in flags:
+        if skip:
+            skip = False
+        elif flag == name:
+            skip = True
+        elif not flag.startswith(name + "="):
+            out.append(flag)
+    return out

@@ -13,11 +13,13 @@ writes, last.ckpt and the step monitors of train/callbacks.py as `instantiate_tr
 from __future__ import annotations
 
 import argparse
+import copy
 import inspect
 import logging
 import signal
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,12 +124,18 @@ class LRAttnCLI(LightningCLI):
         path = self.config[sub].get("ckpt_path") if sub else None
         if path and path != "last":
             self._ckpt_head = checks.read_checkpoint_head(path)
+        # Lightning then puts a --ckpt_path file's hyper-parameters over the command line's --model.* (not for
+        # `last`, which is no file yet): a resume would drop a changed --model.lr unchecked, or --model.schedule_steps
+        # altogether. A fit takes the command line's, as with `last`; compat.py and check_schedule compare them.
+        self._given_model = copy.deepcopy(self.config[sub].model) if sub == "fit" and self._ckpt_head else None
 
     def before_instantiate_classes(self) -> None:
         from lrattn_lightning.core.files import load_yaml_strict, read_yaml_text
         from lrattn_lightning.model.registry import load_registry
 
         cfg = self.config[self.subcommand]
+        if self._given_model is not None:
+            cfg.model = self._given_model
         for recipe in cfg.get("config") or []:  # jsonargparse keeps the last of a duplicated key; we refuse it
             load_yaml_strict(read_yaml_text(Path(recipe.absolute), "recipe"), recipe.relative)
         checks.check_numbers(self.subcommand, cfg)
@@ -253,7 +261,7 @@ class LRAttnCLI(LightningCLI):
         checks.check_checkpoint_data(self.subcommand, cfg, ckpt_path, stored)
         # resuming, validating or testing a checkpoint logs into the MLflow run that trained it
         if self.subcommand == "fit":
-            checks.check_schedule(cfg, stored)
+            checks.check_schedule(cfg, stored, ckpt_path)
         return stored["mlflow"].get("run_id")
 
     def _claim_run(self, cfg) -> None:
@@ -435,16 +443,23 @@ def run_subcommand(argv: list[str]) -> int:
     """fit / validate / test with Lightning's own failures as one line and exit codes: 3 for a non-finite
     loss, 128 + the signal's number for SIGTERM, SIGINT or SIGHUP (143, 130, 129: a checkpoint at the
     current step was saved); the run folder is released."""
+    return run_with_stops(lambda: run_lightning(argv), fit=argv[:1] == ["fit"])
+
+
+def run_with_stops(start: Callable[[], LRAttnCLI], *, fit: bool, prefix: str = "[lrattn fit]",
+                   resume: str = "continue with --ckpt_path last") -> int:
+    """Run `start()` (a LightningCLI run) and end as it ended: its summary lines (`prefix`) and 0, or one line
+    and 2 (bad input), 3 (a non-finite loss) or 128 + the stop signal's number, whose line names the signal, the
+    step and checkpoint saved then and `resume` (how to continue). `lrattn demo` runs its fit through this too."""
     import contextlib
 
     from lrattn_lightning.core.errors import one_line
 
-    fit = argv[:1] == ["fit"]
     try:
         with stop.stop_signals_noted() if fit else contextlib.nullcontext():
-            cli = run_lightning(argv)
+            cli = start()
             if cli.subcommand == "fit" and cli.trainer.is_global_zero:
-                print("\n".join(fit_summary(cli)))
+                print("\n".join(fit_summary(cli, prefix)))
             elif cli.subcommand in ("validate", "test") and cli.trainer.is_global_zero:
                 print("\n".join(scoring_summary(cli)))
             late = stop.NOTED_SIGNAL if fit else 0
@@ -460,10 +475,10 @@ def run_subcommand(argv: list[str]) -> int:
               file=sys.stderr)
         return 3
     except SIGTERMException:  # also SIGINT and SIGHUP (LastCheckpoint)
-        how = stop.LAST_STOP or stop.Stop()
-        where = (f" at step {how.step}; checkpoint {how.path} holds it, continue with --ckpt_path last"
-                 if how.path else "; nothing to save yet")
-        print(f"lrattn: stopped by {how.name}{where}", file=sys.stderr)
+        how = stop.LAST_STOP or stop.Stop(stop.NOTED_SIGNAL or signal.SIGTERM)
+        where = f" at step {how.step}; checkpoint {how.path} holds it, {resume}" if how.path else "; nothing to save yet"
+        if lock.launched_as_rank_zero():  # one line, not one per rank
+            print(f"lrattn: stopped by {how.name}{where}", file=sys.stderr)
         return how.exit_code
     finally:
         lock.release_run_locks()

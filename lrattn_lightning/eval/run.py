@@ -24,6 +24,8 @@ import json
 import math
 import random
 import re
+import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -52,6 +54,7 @@ from lrattn_lightning.eval.tasks import (
     write_tasks,
 )
 from lrattn_lightning.model.decoder import Decoder
+from lrattn_lightning.train.checkpoint import stop
 from lrattn_lightning.train.checkpoint.load import (
     LoadedCheckpoint,
     add_trust_flags,
@@ -295,7 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     strategy = "auto" if world == 1 else ("ddp" if own_argv else "ddp_spawn")
     fabric = Fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy)
     _LOADED[args.checkpoint] = ckpt  # rank 0 of a subprocess launch reuses it; spawned ranks load their own
+    launcher = getattr(fabric.strategy, "launcher", None)
+    if getattr(launcher, "procs", None) is not None:  # a stop signal to this process goes on to the ranks it started
+        stop.PASS_ON.append(lambda signum: [p.send_signal(signum) for p in launcher.procs if p.poll() is None])
     fabric.launch(_evaluate, args, data_dir)
+    if stop.HELD_SIGNAL and fabric.global_rank == 0:  # it came while the results were being logged: they are whole
+        print(f"[lrattn eval] {signal.Signals(stop.HELD_SIGNAL).name} came after the results were logged; nothing "
+              "was lost", file=sys.stderr)
     return 0
 
 
@@ -311,9 +320,10 @@ def eval_store(flag: str | None, ckpt: LoadedCheckpoint) -> str:
     uri = resolve_tracking_uri(flag, False)
     recorded = (ckpt.mlflow or {}).get("tracking_uri")
     if isinstance(recorded, str) and recorded and absolute_sqlite(recorded) != uri:
+        there = shlex.quote(recorded) if recorded.isprintable() and len(recorded) <= 200 else "URI"
         print(f"[lrattn eval] results go to {uri} ({uri_source(flag)}), not to "
               f"{recorded[:200]!r} where {ckpt.path} says it was trained: a checkpoint does not choose the store; pass "
-              "--tracking_uri to log into its training run there", file=sys.stderr)
+              f"--tracking_uri {there} to log into its training run there", file=sys.stderr)
     return uri
 
 
@@ -353,10 +363,11 @@ def report(ckpt: LoadedCheckpoint, results: dict[str, Any] | None, val: dict[str
     if args.no_log:
         return eval_metrics(results, val)
     uri = args.tracking_uri  # resolved (and a server probed) before any evaluation started
-    client, run_id, created = open_eval_run(ckpt, uri, args.experiment)
-    metrics = log_eval(client, run_id, ckpt.global_step, results, val)
-    if created:
-        client.set_terminated(run_id)
+    with stop.held():  # a stop signal now waits: the results are logged whole, and a new run ends FINISHED
+        client, run_id, created = open_eval_run(ckpt, uri, args.experiment)
+        metrics = log_eval(client, run_id, ckpt.global_step, results, val)
+        if created:
+            client.set_terminated(run_id)
     print(f"[lrattn eval] logged {len(metrics)} metrics at step {ckpt.global_step} to "
           f"{'new' if created else 'training'} run {run_id} in {uri}")
     experiment_id = client.get_run(run_id).info.experiment_id

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import sys
 from collections.abc import Callable
@@ -198,7 +199,7 @@ def write_tasks(names: list[str], data_dir: str | Path | None, out: Path, *, win
     cut = f" (cloze contexts cut to the trained window of {window} tokens)" if "lrattn_cloze" in wanted else ""
     return (f"wrote {', '.join(wanted)} to {out}{cut}; score an export of this checkpoint with:\n"
             f"  lm_eval --model hf --model_args "
-            f"pretrained=DIR,trust_remote_code=True --tasks {','.join(wanted)} --include_path {out}")
+            f"pretrained=DIR,trust_remote_code=True --tasks {','.join(wanted)} --include_path {shlex.quote(str(out))}")
 
 
 def build_task_manager(names: list[str], include_paths: list[str | Path]) -> tuple[Any, list[str]]:

@@ -94,12 +94,15 @@ class RunDescription(Callback):
                 "registry_sha256": hp.registry_sha256,
                 **{f"train_{k}": v for k, v in hp.items() if k in TRAIN_PARAMS},
                 **recipe_params(trainer),
+                "train_schedule_steps": schedule_steps(trainer, hp),
                 **getattr(pl_module, "init_from_params", {}),  # upcycling: the source checkpoint (lrattn fit --init_from)
             })
-        elif run is not None and run.data.params.get("train_max_steps") not in (None, str(trainer.max_steps)):
-            # a resume with --model.allow_schedule_change: params cannot change, so the new length is its own
+        elif run is not None:  # a resume that trains longer (--model.schedule_steps) or stretches the schedule
+            # (--model.allow_schedule_change): params cannot change, so a new length is a param of its own
             step = getattr(pl_module, "_loaded_step", None) or trainer.global_step  # restored after on_fit_start
-            logger.log_hyperparams({f"train_max_steps_from_step_{step}": trainer.max_steps})
+            now = {"train_max_steps": trainer.max_steps, "train_schedule_steps": schedule_steps(trainer, hp)}
+            logger.log_hyperparams({f"{key}_from_step_{step}": value for key, value in now.items()
+                                    if latest(run.data.params, key) not in (None, str(value))})
         tags = {"ablation": cfg.ablation.name, "size": cfg.size.name, "control": cfg.ablation.control or "none",
                 "git_commit": hp.git_commit, "registry_sha256": hp.registry_sha256,
                 "lrattn_version": package_version(),  # an installed wheel has no git commit to tag
@@ -124,7 +127,8 @@ def recipe_tags(trainer: L.Trainer, pl_module: L.LightningModule, stored: dict[s
     hp, dm = pl_module.hparams, trainer.datamodule
     init = getattr(pl_module, "init_from_params", None) or stored
     parts = fingerprints.recipe_parts(
-        size=pl_module.cfg.size.name, max_steps=trainer.max_steps, tokens_per_step=tokens_per_step(trainer),
+        size=pl_module.cfg.size.name, max_steps=trainer.max_steps, schedule_steps=schedule_steps(trainer, hp),
+        tokens_per_step=tokens_per_step(trainer),
         seq_len=getattr(dm, "seq_len", None),
         data=fingerprints.data_checksum(getattr(dm, "data_dir", ""), getattr(dm, "meta", None)),
         settings=dict(hp), gradient_clip_val=trainer.gradient_clip_val, precision=str(trainer.precision),
@@ -149,6 +153,10 @@ def run_description(trainer: L.Trainer, pl_module: L.LightningModule) -> str:
     cfg, hp, size = pl_module.cfg, pl_module.hparams, pl_module.cfg.size
     recipe = recipe_params(trainer)
     pct = added_flops_percent(cfg)
+    steps = schedule_steps(trainer, hp)
+    span = (f" (the learning-rate schedule spans {steps} of them, the rest at its final values)"
+            if steps < recipe["train_max_steps"] else f" (of a {steps}-step learning-rate schedule)"
+            if steps != recipe["train_max_steps"] else "")
     lines = [
         f"**{cfg.ablation.name}** at size **{size.name}**: {' '.join((cfg.ablation.doc or '').split())}",
         "",
@@ -156,7 +164,7 @@ def run_description(trainer: L.Trainer, pl_module: L.LightningModule) -> str:
         f"run: {'unknown' if pct is None else f'{pct:.3f} %'} of its core (size {size.name}: L={size.n_layers}, "
         f"d={size.d_model}).{paper_flops(cfg, hp.get('registry'), pct)}",
         "",
-        f"Recipe: {recipe['train_max_steps']} steps of {recipe['train_tokens_per_step']} tokens "
+        f"Recipe: {recipe['train_max_steps']} steps of {recipe['train_tokens_per_step']} tokens{span} "
         f"(batch {recipe['train_batch_size']} x seq {recipe['train_seq_len']}), optimizer {hp.get('optimizer')} "
         f"(lr {hp.get('lr')}, Muon lr {hp.get('muon_lr')}), precision {recipe['train_precision']}, "
         f"{recipe['train_devices']} device(s) x {recipe['train_num_nodes']} node(s), data {recipe['train_data_dir']}.",
@@ -190,6 +198,23 @@ def strategy_name(trainer: L.Trainer) -> str:
     """How the run spreads over devices: single, ddp, fsdp (FSDP2: ModelParallelStrategy), or the class name."""
     name = type(trainer.strategy).__name__
     return {"SingleDeviceStrategy": "single", "DDPStrategy": "ddp", "ModelParallelStrategy": "fsdp"}.get(name, name)
+
+
+def schedule_steps(trainer: L.Trainer, hp: Any) -> int:
+    """The steps the learning-rate schedule spans: --model.schedule_steps, else --trainer.max_steps."""
+    return int(hp.get("schedule_steps") or trainer.max_steps)
+
+
+def latest(params: dict[str, str], key: str) -> str | None:
+    """A run's newest value of `key`: the param of the latest resume that changed it (`KEY_from_step_N`), else the
+    run's own (for train_schedule_steps, runs from before it: train_max_steps)."""
+    changed = {int(k.rsplit("_", 1)[1]): v for k, v in params.items()
+               if k.startswith(f"{key}_from_step_") and k.rsplit("_", 1)[1].isdigit()}
+    if changed:
+        return changed[max(changed)]
+    if key == "train_schedule_steps" and key not in params:
+        return params.get("train_max_steps")
+    return params.get(key)
 
 
 def recipe_params(trainer: L.Trainer) -> dict[str, Any]:

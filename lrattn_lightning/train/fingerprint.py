@@ -4,7 +4,9 @@ A run's result depends on its architecture (the size and ablation, which name a 
 its seed (which compare pools over) and its recipe. The recipe's parts, as `recipe_parts` returns them:
 
     size            the registry size (rows are per size anyway; here so that a fingerprint names it)
-    max_steps       the schedule's length (a resume with --model.allow_schedule_change: the new one)
+    max_steps       the run's length (a resume with --model.allow_schedule_change or a longer one: the new one)
+    schedule_steps  the learning-rate schedule's length, only where --model.schedule_steps makes it differ from
+                    max_steps (a finished run trained on; a part absent elsewhere, so older fingerprints stay)
     tokens_per_step batch x seq_len x devices x nodes x gradient accumulation
     seq_len         the training window
     data            sha256 over the data folder's shard checksums (meta.json `checksums`), 16 hex; a folder
@@ -70,10 +72,12 @@ def init_from_part(params: dict[str, Any]) -> str:
 
 
 def recipe_parts(*, size: str, max_steps: int, tokens_per_step: int | None, seq_len: int | None, data: str,
-                 settings: dict[str, Any], gradient_clip_val: Any, precision: str, init_from: str) -> dict[str, Any]:
+                 settings: dict[str, Any], gradient_clip_val: Any, precision: str, init_from: str,
+                 schedule_steps: int | None = None) -> dict[str, Any]:
     optimizer = {k: _plain(settings.get(k)) for k in OPTIMIZER_SETTINGS}
     optimizer["gradient_clip_val"] = _plain(gradient_clip_val)
-    return {"size": size, "max_steps": max_steps, "tokens_per_step": tokens_per_step, "seq_len": seq_len,
+    span = {"schedule_steps": schedule_steps} if schedule_steps not in (None, max_steps) else {}
+    return {"size": size, "max_steps": max_steps, **span, "tokens_per_step": tokens_per_step, "seq_len": seq_len,
             "data": data, "optimizer": optimizer, "precision": str(precision),
             "document_masking": bool(settings.get("document_masking")), "init_from": init_from}
 

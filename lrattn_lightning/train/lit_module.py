@@ -80,6 +80,7 @@ class LRAttnModule(Validation, Optimization, L.LightningModule):
         decay_fraction: float = 0.2,
         final_lr_fraction: float = 0.1,
         allow_schedule_change: bool = False,
+        schedule_steps: int | None = None,
         z_loss: float = 1e-5,
         compile: bool = False,
         impl: str = DEFAULT_IMPL,
@@ -105,6 +106,11 @@ class LRAttnModule(Validation, Optimization, L.LightningModule):
         code, `torch`: torch.optim.Muon with match_rms_adamw); the Muon momentum rises from
         muon_momentum_min to muon_momentum over the first muon_momentum_warmup_steps and falls back over
         the last muon_momentum_cooldown_steps (0 and 0: constant).
+
+        Schedule (warmup-stable-decay learning rates and Muon's momentum, train/optim.py): over schedule_steps, by
+        default --trainer.max_steps; steps past its end run at its final values (how a finished run is extended:
+        cli/checks.py check_schedule). allow_schedule_change: a resume may stretch the schedule while every step so
+        far is the same under the new length.
 
         gate_freeze_steps, gate_release_loss, gate_grad_normalize: the gated residual's training controls, read by
         its kind only (model/routing/gated.py GateHold, docs/gated-residual.md); set for another kind: one line."""

@@ -27,9 +27,17 @@ class Optimization:
             raise InputError("model.optimizer: Muon under Lightning's FSDPStrategy (FSDP1) is not supported; use "
                              "--trainer.strategy fsdp (FSDP2, which Muon gathers whole matrices under), or ddp")
         opt = self.make_optimizer()
-        total = self.trainer.max_steps if self.trainer.max_steps > 0 else int(self.trainer.estimated_stepping_batches)
+        total = schedule_length(hp.get("schedule_steps"), self.trainer)
         # one scheduler: the learning rate of every group and the momentum of the Muon group, per step;
         # its name is LearningRateMonitor's metric prefix: train/lr/muon, train/lr/adamw
         schedule = WarmupStableDecay(opt, total, hp.warmup_steps, hp.decay_fraction, hp.final_lr_fraction,
                                      self.momentum_schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step", "name": "train/lr"}}
+
+
+def schedule_length(schedule_steps: int | None, trainer) -> int:
+    """The steps the learning-rate and momentum schedule spans: --model.schedule_steps, else the run's
+    --trainer.max_steps (its epochs' steps without one). Steps after it run at the schedule's final values."""
+    if schedule_steps:
+        return int(schedule_steps)
+    return trainer.max_steps if trainer.max_steps > 0 else int(trainer.estimated_stepping_batches)

@@ -2,6 +2,8 @@
 
     command      how to call one of our console scripts (lrattn, mlflow) from the user's shell: its bare
                  name where PATH finds this environment's copy, else its path (relative inside cwd)
+    store_flags  `--tracking_uri URI` for a printed command, where its default store is not the one used: every
+                 command these lines print runs from the same folder as it stands, against the same store and data
     ui_pointer   how to look at a run: the URL of a tracking server's run page, or the `mlflow ui` command
                  for a local store and the page to open then
     fit_summary  the closing lines of `lrattn fit` / `lrattn demo`: final validation, run, checkpoint, next steps
@@ -10,11 +12,14 @@
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from lrattn_lightning.data.remote import is_remote
 
 LOCAL_UI = "http://127.0.0.1:5000"
 
@@ -28,6 +33,14 @@ def command(tool: str) -> str:
     if found and Path(found).resolve() == mine.resolve():
         return tool
     return _shown(mine.absolute())
+
+
+def store_flags(uri: str) -> list[str]:
+    """`--tracking_uri URI` where a command without it would take another store (train/tracking.py
+    default_tracking_uri: $MLFLOW_TRACKING_URI, else ./mlflow.db), else nothing."""
+    from lrattn_lightning.train.tracking import absolute_sqlite, default_tracking_uri
+
+    return [] if absolute_sqlite(uri) == default_tracking_uri() else ["--tracking_uri", uri]
 
 
 def run_page(base: str, experiment_id: str | None, run_id: str | None) -> str:
@@ -60,7 +73,12 @@ def fit_summary(cli: Any, prefix: str = "[lrattn fit]") -> list[str]:
     if ckpt.exists():
         shown = _shown(ckpt)
         lines.append(f"checkpoint {shown}")
-        lines.append(f"score it:  {command('lrattn')} eval --checkpoint {shown} --tasks local")
+        # eval logs into this run where it finds it: in this store (a default store elsewhere would not have it);
+        # it reads the local data folder the checkpoint records, object storage only when named
+        score = ["eval", "--checkpoint", shown, "--tasks", "local", *(store_flags(run[1]) if run else [])]
+        if is_remote(str(cfg.data.data_dir)):
+            score += ["--data_dir", str(cfg.data.data_dir)]
+        lines.append(f"score it:  {command('lrattn')} {shlex.join(score)}")
     return [f"{prefix} {line}" for line in lines]
 
 

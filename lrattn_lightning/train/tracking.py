@@ -1,7 +1,8 @@
 """MLflow for training runs: which store, opening it safely, and a logger that never stops training.
 
     resolve_tracking_uri  --tracking_uri, else $MLFLOW_TRACKING_URI, else ./mlflow.db; a bad scheme or a
-                          dead server is an error before any work (or a fallback to the local store)
+                          dead server is an error before any work (or a fallback to the local store);
+                          default_tracking_uri: that default, what a printed command without the flag reaches
     open_store            creates a new sqlite store and the experiment under a file lock, so two fits
                           starting together on a new store both succeed
     TrackingLogger        MLFlowLogger whose MLflow calls are bounded and guarded: when the store fails
@@ -112,6 +113,11 @@ def resolve_tracking_uri(flag: str | None, fallback_local: bool) -> str:
                 "or pass --mlflow_fallback_local true to log to the local sqlite store."
             ) from err
     return uri
+
+
+def default_tracking_uri() -> str:
+    """The store a command given no --tracking_uri takes: $MLFLOW_TRACKING_URI, else ./mlflow.db (absolute)."""
+    return absolute_sqlite(_USER_TRACKING_URI or LOCAL_TRACKING_URI)
 
 
 def uri_source(flag: str | None) -> str:

@@ -19,6 +19,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from lrattn_lightning.core.errors import one_line
 from lrattn_lightning.core.files import PACKAGE_ROOT
 from lrattn_lightning.model.registry import load_registry
 from lrattn_lightning.tools.sweep.file import Sweep, SweepError, SweepRun
+from lrattn_lightning.train.checkpoint.stop import STOP_SIGNALS, detach_hung_up_terminal
 
 
 # ---- state -----------------------------------------------------------------------------------------
@@ -146,10 +148,19 @@ def _held_by(path: Path) -> str | None:
 
 
 # ---- running ---------------------------------------------------------------------------------------
-def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False, extra: list[str] | None = None) -> int:
-    """Run the unfinished runs one after another, each as its own `lrattn fit` process (`extra`: flags for each)."""
+def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False, extra: list[str] | None = None,
+              again: str | None = None) -> int:
+    """Run the unfinished runs one after another, each as its own `lrattn fit` process (`extra`: flags for each).
+    SIGTERM, SIGINT or SIGHUP stops the sweep: the running fit gets the same signal (it saves and stops), no further
+    run starts, and the sweep exits 128 + the signal's number, its last line naming the signal and `again` (the
+    command that continues the sweep)."""
+    with _StopSignals() as stops:
+        return _run_all(sweep, tracking_uri, stop_on_failure, extra or [], stops, again)
+
+
+def _run_all(sweep: Sweep, tracking_uri: str, stop_on_failure: bool, extra: list[str], stops: _StopSignals,
+             again: str | None) -> int:
     from lrattn_lightning.data.shards import validate_data_dir
-    from lrattn_lightning.train.checkpoint.stop import PREEMPTED_EXIT_CODE
 
     registry = load_registry(sweep.registry)
     data_dir = sweep.setting("data.data_dir", "data/stdlib-docs-byte")
@@ -168,9 +179,10 @@ def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False, ex
             print(f"[sweep {sweep.name}] {run.name}: diverged ({diverged.get(run, 'non-finite loss')}); not resumed, "
                   "which would repeat it: give it another recipe (a variant) or remove its run folder and MLflow run",
                   flush=True)
-    results: list[tuple[SweepRun, str]] = []  # (run, "ok" | "finished" | "held" | why it failed)
-    stopped = False
+    results: list[tuple[SweepRun, str]] = []  # (run, "ok" | "finished" | "held" | "stopped by ..." | why it failed)
     for i, run in enumerate(todo, start=1):
+        if stops.signum:  # it came between runs
+            break
         head = f"[sweep {sweep.name}] ({i}/{len(todo)}) {run.name}"
         with claim(sweep, run) as holder:
             if holder or run in finished_runs(sweep, tracking_uri):  # asked again: another sweep may have run it
@@ -182,45 +194,90 @@ def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False, ex
             log = sweep.checkpoint(run).parent.parent / "fit.log"
             print(head + (" (resuming from last.ckpt)" if resume else "") + f": training; its output goes to {log}",
                   flush=True)
-            args = (sweep.fit_args(run, tracking_uri) + LOCAL_ARGS + (extra or [])
-                    + (["--ckpt_path", "last"] if resume else []))
+            args = (sweep.fit_args(run, tracking_uri) + LOCAL_ARGS + extra + (["--ckpt_path", "last"] if resume else []))
             start = time.time()
-            rc, stopped, result, tail = _run_forwarding_signals(
-                [sys.executable, "-m", "lrattn_lightning.cli", *args], env, log, head)
-        state = "ok" if rc == 0 else ("stopped by SIGTERM" if rc == PREEMPTED_EXIT_CODE else f"failed (exit {rc})")
+            rc, result, tail = _run_forwarding_signals(
+                [sys.executable, "-m", "lrattn_lightning.cli", *args], env, log, head, stops)
+        state = "ok" if rc == 0 else _stopped(rc, tail, stops.signum) or f"failed (exit {rc})"
         results.append((run, state))
         print(f"[sweep {sweep.name}] {run.name}: {state} after {time.time() - start:.0f} s"
               + (f", {result}" if rc == 0 and result else ""), flush=True)
-        if rc not in (0, PREEMPTED_EXIT_CODE):
+        if rc != 0 and not state.startswith("stopped by"):
             print("".join(f"    {line}" for line in tail) + f"    (the whole output: {log})", flush=True)
-        if stopped:
-            print(f"[sweep {sweep.name}] stopped by a signal: no further runs start; run the sweep again to resume",
-                  flush=True)
-            break
-        if rc != 0 and stop_on_failure:
+        if rc != 0 and stop_on_failure and not stops.signum:
             break
     not_started = len(todo) - len(results)
     results += [(run, "diverged") for run, state in steps if state == "diverged"]  # (they count as failed)
     _summary(sweep, results, sum(s == "finished" for _, s in steps), not_started)
     print(f"[sweep {sweep.name}] compare the runs: {compare_command(sweep, tracking_uri)}", flush=True)
-    if stopped:
-        return PREEMPTED_EXIT_CODE
-    return 1 if any(s not in ("ok", "finished", "held") for _, s in results) or len(results) < len(todo) else 0
+    if stops.signum:
+        name = signal.Signals(stops.signum).name
+        print(f"[sweep {sweep.name}] stopped by {name}: no further runs start; "
+              + (f"continue with `{again}`" if again else "run the sweep again to continue"), flush=True)
+        return 128 + stops.signum
+    bad = [s for _, s in results if s not in ("ok", "finished", "held")]
+    return 1 if bad or len(results) < len(todo) else 0
+
+
+def _stopped(rc: int, tail: list[str], signum: int) -> str | None:
+    """'stopped by SIGINT at step 3' when a signal stopped the fit (its own stop line says at which step), else None."""
+    named = rc in (128 + s for s in STOP_SIGNALS) or rc in (-s for s in STOP_SIGNALS)
+    if not (named or signum):
+        return None
+    said = next((line.strip()[len(STOP_LINE):].split(";")[0] for line in reversed(tail) if line.startswith(STOP_LINE)),
+                None)
+    return "stopped by " + (said or signal.Signals(signum or (rc - 128 if rc > 0 else -rc)).name)
 
 
 def _summary(sweep: Sweep, results: list[tuple[SweepRun, str]], finished_before: int, not_started: int) -> None:
     count = {s: sum(r == s for _, r in results) for s in ("ok", "finished", "held")}
-    failed = [(run, s) for run, s in results if s not in count]
+    stopped = [(run, s) for run, s in results if s.startswith("stopped by")]
+    failed = [(run, s) for run, s in results if s not in count and (run, s) not in stopped]
     print(f"[sweep {sweep.name}] done: {count['ok']} ran, {len(failed)} failed, "
-          f"{finished_before + count['finished']} skipped as finished"
+          + (f"{len(stopped)} stopped, " if stopped else "")
+          + f"{finished_before + count['finished']} skipped as finished"
           + (f", {count['held']} skipped as running in another process" if count["held"] else "")
           + (f", {not_started} not started" if not_started else "")
-          + "".join(f"\n  {run.name}: {s}" for run, s in failed), flush=True)
+          + "".join(f"\n  {run.name}: {s}" for run, s in failed + stopped), flush=True)
+
+
+class _StopSignals:
+    """The stop signal this sweep got (SIGTERM, SIGINT, SIGHUP: the highest, 0 if none), passed on as it came to the
+    fit that runs (`proc`). A SIGINT or SIGHUP ignored at launch (nohup) stays ignored, as in `lrattn fit`."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self.proc: Any = None
+        self._before: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+            for signum, handler in self._before.items():
+                if signum == signal.SIGTERM or handler is not signal.SIG_IGN:
+                    signal.signal(signum, self.note)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self._before.items():
+            signal.signal(signum, handler)
+
+    def note(self, signum: int, _frame: Any = None) -> None:
+        if signum == signal.SIGHUP:
+            detach_hung_up_terminal()
+        self.signum = max(self.signum, signum)
+        self.forward(signum)
+
+    def forward(self, signum: int) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signum)
 
 
 # Locally a fit's output goes to its run folder's fit.log; the sweep's terminal shows its progress lines.
 LOCAL_ARGS = ["--trainer.enable_progress_bar", "false"]
 PROGRESS, RESULT = "[lrattn fit] step ", "[lrattn fit] finished at step "
+STOP_LINE = "lrattn: stopped by "  # a fit's line when a signal stopped it
 
 
 def run_env(sweep: Sweep) -> dict[str, str]:
@@ -269,29 +326,22 @@ def check_routers(sweep: Sweep, registry: Any, env: dict[str, str]) -> None:
 
 
 def compare_command(sweep: Sweep, tracking_uri: str) -> str:
-    from lrattn_lightning.train.summary import command
-    from lrattn_lightning.train.tracking import LOCAL_TRACKING_URI, absolute_sqlite
+    from lrattn_lightning.train.summary import command, store_flags
 
-    store = "" if tracking_uri == absolute_sqlite(LOCAL_TRACKING_URI) else f" --tracking_uri {shlex.quote(tracking_uri)}"
-    return f"{command('lrattn')} compare --experiment {shlex.quote(sweep.experiment)}{store}"
+    return f"{command('lrattn')} {shlex.join(['compare', '--experiment', sweep.experiment, *store_flags(tracking_uri)])}"
 
 
-def _run_forwarding_signals(cmd: list[str], env: dict[str, str], log: Path, head: str
-                            ) -> tuple[int, bool, str | None, list[str]]:
-    """Run one fit, its output appended to `log`; its progress lines shown under `head`. A SIGTERM/SIGINT to the
-    sweep goes on to it (it checkpoints and stops). (exit code, stopped, its result line, its last lines)."""
+def _run_forwarding_signals(cmd: list[str], env: dict[str, str], log: Path, head: str, stops: _StopSignals
+                            ) -> tuple[int, str | None, list[str]]:
+    """Run one fit, its output appended to `log`; its progress lines shown under `head`. A stop signal to the sweep
+    goes on to it as it came (it checkpoints and stops; `stops`). (exit code, its result line, its last lines)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             errors="replace")
-    stopped, result, tail = False, None, collections.deque(maxlen=12)
-
-    def forward(signum: int, _frame: Any) -> None:
-        nonlocal stopped
-        stopped = True
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stops.proc = proc
+    if stops.signum:  # it came while the fit was being started
+        stops.forward(stops.signum)
+    result, tail = None, collections.deque(maxlen=12)
     try:
         with log.open("a", encoding="utf-8") as out:
             for line in proc.stdout:
@@ -302,7 +352,6 @@ def _run_forwarding_signals(cmd: list[str], env: dict[str, str], log: Path, head
                     print(f"{head}: {line[len('[lrattn fit] '):].rstrip()}", flush=True)
                 elif line.startswith(RESULT):
                     result = line[len("[lrattn fit] "):].strip()
-        return proc.wait(), stopped, result, list(tail)
+        return proc.wait(), result, list(tail)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        stops.proc = None

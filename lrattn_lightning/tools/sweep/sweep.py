@@ -36,6 +36,7 @@ from lrattn_lightning.tools.sweep.local import (  # noqa: F401  (finished_runs: 
     run_env,
     run_local,
 )
+from lrattn_lightning.train.summary import command
 
 
 # ---- every run's fit arguments, checked before the first run starts ---------------------------------
@@ -198,7 +199,8 @@ def main(argv: list[str] | None = None, fit_parser: Callable[[], Any] | None = N
         return 0
     if args.emit:
         return _emit(sweep, plan(sweep, uri), args, extra)
-    return run_local(sweep, uri, stop_on_failure=args.stop_on_failure, extra=extra)
+    again = shlex.join([command("lrattn"), "sweep", *(sys.argv[2:] if argv is None else argv)])  # as it was typed
+    return run_local(sweep, uri, stop_on_failure=args.stop_on_failure, extra=extra, again=again)
 
 
 def _emit(sweep: Sweep, steps: list[tuple[SweepRun, str]], args: argparse.Namespace, extra: list[str]) -> int:

@@ -5,6 +5,8 @@
                         128 + the signal's number; LastCheckpoint (save.py) notes those that come during training
     Stop, LAST_STOP     how the last fit of this process stopped on a signal, and the checkpoint saved then
     NonFiniteLossError, Divergence, LAST_DIVERGENCE   a non-finite loss, and which checkpoint is the last finite one
+    stop_signals_raise  for a command with nothing to save (`lrattn eval`): inside, a stop signal raises StopSignal
+                        (128 + its number, one line), except within `held()`, where it waits for the end (logging)
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ NOTED_SIGNAL = 0
 def note_stop_signal(signum: int, _frame: Any = None) -> None:
     global NOTED_SIGNAL
     if signum == signal.SIGHUP:
-        _detach_hung_up_terminal()
+        detach_hung_up_terminal()
     NOTED_SIGNAL = max(NOTED_SIGNAL, signum)
 
 
@@ -74,6 +76,76 @@ def stop_signals_noted() -> Iterator[None]:
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
+
+
+class StopSignal(BaseException):
+    """SIGTERM, SIGINT or SIGHUP ended a command that has nothing to save: it exits 128 + the signal's number with
+    one line. A BaseException, like KeyboardInterrupt, so that no `except Exception` of a library swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+_HOLD = False  # inside held(): a stop signal is noted (HELD_SIGNAL), not raised
+HELD_SIGNAL = 0
+# called with the signal before StopSignal is raised: passes it on to processes this one launched (eval's ranks)
+PASS_ON: list[Any] = []
+
+
+def _raise_stop(signum: int, _frame: Any = None) -> None:
+    global HELD_SIGNAL, _HOLD
+    if signum == signal.SIGHUP:
+        detach_hung_up_terminal()
+    for pass_on in PASS_ON:
+        with contextlib.suppress(Exception):
+            pass_on(signum)
+    if _HOLD:
+        HELD_SIGNAL = max(HELD_SIGNAL, signum)
+        return
+    _HOLD = True  # a second one (Ctrl-C pressed twice, the group's and a forwarded one) must not interrupt the exit
+    raise StopSignal(signum)
+
+
+@contextlib.contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    """Inside, SIGTERM, SIGINT or SIGHUP raises StopSignal in the main thread (Ctrl-C no longer ends in a
+    KeyboardInterrupt traceback, SIGTERM no longer kills without a word). A SIGINT or SIGHUP ignored at launch
+    stays ignored; the handlers before are restored after."""
+    global HELD_SIGNAL, _HOLD
+    HELD_SIGNAL, _HOLD = 0, False
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    for signum, handler in before.items():
+        if signum == signal.SIGTERM or handler is not signal.SIG_IGN:
+            signal.signal(signum, _raise_stop)
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+        PASS_ON.clear()
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """Inside, a stop signal waits (HELD_SIGNAL): what is being written (results to MLflow) is written whole."""
+    global _HOLD
+    _HOLD = True
+    try:
+        yield
+    finally:
+        _HOLD = False
 
 
 class NonFiniteLossError(RuntimeError):
@@ -102,7 +174,7 @@ class Divergence:
 LAST_DIVERGENCE: Divergence | None = None
 
 
-def _detach_hung_up_terminal() -> None:
+def detach_hung_up_terminal() -> None:
     """After a hangup every write to the terminal fails (EIO): a progress bar or a log line would crash the
     step in progress and lose the save. Point a stdout/stderr that is such a terminal at /dev/null (a hung-up
     terminal is a character device that no longer answers as a tty); files, pipes and live terminals stay."""

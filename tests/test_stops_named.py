@@ -1,0 +1,299 @@
+"""Interruptions named as they happened, in every command that runs long: demo, fit, sweep, prepare, eval (issue 38).
+
+A real signal from outside to a real `lrattn` process, or to its whole process group where the command starts
+children (DDP ranks, a sweep's fits, prepare's tokenizer workers, eval's ranks), as a terminal sends Ctrl-C to its
+foreground job. SIGINT ends the command with exit 130 and one line saying SIGINT stopped it; SIGTERM with 143 and
+its own line; a stopped training run is KILLED in MLflow, with last.ckpt at the step it reached. The commands the
+stopped and the finished runs print (continue, score it) are run as printed, from the same folder.
+
+Each process is paused at an exact point (tests/run_hooks.py PauseAt, or a wrapper around eval's scoring) while
+the signal is sent, so nothing depends on timing.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import warm_cli
+import yaml
+from conftest import prepared_corpus
+from mlflow.tracking import MlflowClient
+from test_data_interrupted import ARGS as PREPARE_ARGS
+from test_data_interrupted import (
+    PART_BYTES,
+    corpus,  # noqa: F401  (the fixture: a 4 MB JSONL corpus and its BPE tokenizer)
+    processes_naming,
+    wait_for_part,
+)
+from test_data_interrupted import RUN as PREPARE_RUN
+from test_data_interrupted import env as prepare_env
+from test_resilience import REGISTRY, child_env, fit_args, hooks, lrattn, run_cli, step_of
+
+# what a short run needs of cpu-demo.yaml's recipe (150 steps of `small`) to be one of `tiny`
+TINY = ["--registry", REGISTRY, "--trainer.max_steps", "6", "--trainer.val_check_interval", "2",
+        "--trainer.limit_val_batches", "2", "--data.batch_size", "2", "--checkpoint_every", "2",
+        "--model.warmup_steps", "2", "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """60 documents of the bundled corpus, with the local eval tasks (`--tasks local`)."""
+    return prepared_corpus(tmp_path_factory, 60, cloze_items=8, perplexity_documents=2)
+
+
+def launch(cmd: list[str], cwd: Path, group: bool, env: dict[str, str] | None = None):
+    """A real process: in a process group of its own when `group` (a terminal's foreground job: its children are
+    in it too), else forked from the tests' warm server. SIGINT is not ignored in it."""
+    env = env or child_env()
+    if group:
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return warm_cli.Launches.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def send(proc, signum: int, group: bool) -> None:
+    if group:
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
+
+
+def wait_for(paths: list[Path], proc, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{paths} never appeared"
+        time.sleep(0.05)
+
+
+def pause(folder: Path, step: int) -> tuple[str, Path, Path]:
+    """A --config that pauses a fit before optimizer step `step` (touching `marker`) until `go` exists."""
+    marker, go = folder / "paused", folder / "go"
+    return hooks(folder, "pause.yaml", ("PauseAt", {"step": step, "marker": str(marker), "go": str(go)})), marker, go
+
+
+def gone(marker: str, timeout: float = 10) -> bool:
+    """No process whose command line names `marker` is left (after up to `timeout` s for them to end)."""
+    deadline = time.monotonic() + timeout
+    while processes_naming(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not processes_naming(marker)
+
+
+def one_line(stderr: str, start: str = "lrattn:") -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith(start)]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    return lines[0]
+
+
+def printed_command(text: str) -> list[str]:
+    """The `lrattn ...` command a line prints (between backticks, or after 'score it:'), as argv for lrattn()."""
+    shown = text.split("`")[1] if "`" in text else text.split("score it:", 1)[1]
+    words = shlex.split(shown)
+    assert Path(words[0]).name == "lrattn", shown
+    return words[1:]
+
+
+def runs(uri: str, experiment: str) -> list:
+    client = MlflowClient(uri)
+    found = client.get_experiment_by_name(experiment)
+    assert found is not None, experiment
+    return [r for r in client.search_runs([found.experiment_id]) if "lrattn.summary" not in r.data.tags]
+
+
+# ---- demo ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_demo_stopped_names_the_signal_and_its_printed_commands_continue_and_score_the_run(data, tmp_path, name):
+    """Ctrl-C exited 0 with no line and the run KILLED; now 130 and one line naming SIGINT and the command that
+    continues this demo run (its generated name, the store and paths given). That command finishes the same run,
+    and the 'score it' line it ends with scores it into the same store (it sent the scores to ./mlflow.db)."""
+    config, marker, go = pause(tmp_path, 2)
+    uri = "sqlite:///elsewhere.db"
+    proc = launch(lrattn("demo", "--size", "tiny", "--ablation", "baseline", "--data", str(data), *TINY,
+                         "--tracking_uri", uri, "--config", config), tmp_path, group=False)
+    wait_for([marker], proc)
+    send(proc, signal.Signals[name], group=False)
+    go.touch()
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + signal.Signals[name], err[-3000:]
+    line = one_line(err)
+    assert line.startswith(f"lrattn: stopped by {name} at step 3; checkpoint "), line
+    (run,) = runs(f"sqlite:///{tmp_path / 'elsewhere.db'}", "cpu-demo")
+    assert run.info.status == "KILLED" and not (tmp_path / "mlflow.db").exists()
+    ckpt = tmp_path / "runs" / "cpu-demo" / run.info.run_name / "checkpoints" / "last.ckpt"
+    assert step_of(ckpt) == 3
+    if name == "SIGTERM":
+        return
+    again = printed_command(line)
+    assert again[:1] == ["demo"] and again[-2:] == ["--ckpt_path", "last"], again
+    assert again[again.index("--run_name") + 1] == run.info.run_name and again[again.index("--tracking_uri") + 1] == uri
+    done = run_cli(again, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (resumed,) = runs(f"sqlite:///{tmp_path / 'elsewhere.db'}", "cpu-demo")
+    assert resumed.info.run_id == run.info.run_id and resumed.info.status == "FINISHED" and step_of(ckpt) == 6
+    score = printed_command(next(line for line in done.stdout.splitlines() if line.startswith("[lrattn demo] score it:")))
+    scored = run_cli(score, tmp_path)
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    assert f"to training run {run.info.run_id}" in scored.stdout, scored.stdout[-2000:]
+    (evaluated,) = runs(f"sqlite:///{tmp_path / 'elsewhere.db'}", "cpu-demo")
+    assert "eval/lrattn_cloze/acc" in evaluated.data.metrics and not (tmp_path / "mlflow.db").exists()
+
+
+# ---- fit ----------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_ctrl_c_to_a_ddp_fits_process_group_stops_every_rank_as_sigint(data, tmp_path):
+    """Two gloo ranks in one process group (Lightning starts rank 1 as a child), Ctrl-C to the group: every rank
+    saves step 3 together, exit 130, one line (not one per rank), the run KILLED."""
+    config, marker, go = pause(tmp_path, 2)
+    args = fit_args(data, "--trainer.devices", "2", "--trainer.strategy", "ddp", "--config", config, steps=6)
+    proc = launch(lrattn(*args), tmp_path, group=True)
+    wait_for([marker], proc, timeout=400)
+    send(proc, signal.SIGINT, group=True)
+    go.touch()
+    _, err = proc.communicate(timeout=400)
+    assert proc.returncode == 130, err[-3000:]
+    last = tmp_path / "runs" / "lrattn" / "tiny-baseline-seed0" / "checkpoints" / "last.ckpt"
+    assert one_line(err) == (f"lrattn: stopped by SIGINT at step 3; checkpoint {last.resolve()} holds it, continue "
+                             "with --ckpt_path last")
+    assert step_of(last) == 3 and gone(config)  # (rank 1's command line names the same --config)
+    (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "lrattn")
+    assert run.info.status == "KILLED"
+
+
+# ---- sweep --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, group", [("SIGINT", False), ("SIGINT", True), ("SIGTERM", False)])
+def test_a_stopped_sweep_names_the_signal_and_its_printed_command_continues_it(data, tmp_path, name, group):
+    """Ctrl-C to a sweep went on to its fit as SIGTERM and was reported as 'stopped by SIGTERM', exit 143. Now the
+    fit gets the signal that came (to the sweep, or to the whole group, as a terminal sends it), the run is KILLED at
+    the step it reached, no further run starts, the exit is 128 + N and the last line names the signal and the
+    command that continues the sweep, which finishes it."""
+    config, marker, go = pause(tmp_path, 2)
+    recipe = {"trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 4, "val_check_interval": 2,
+                          "limit_val_batches": 2, "num_sanity_val_steps": 0, "log_every_n_steps": 1,
+                          "enable_model_summary": False},
+              "model": {"warmup_steps": 1}, "data": {"data_dir": str(data), "batch_size": 2}, "checkpoint_every": 2}
+    recipe["trainer"]["callbacks"] = yaml.safe_load(Path(config).read_text())["trainer"]["callbacks"]
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump({
+        "name": "stops", "doc": "a sweep stopped by a signal", "recipe": "recipe.yaml", "registry": REGISTRY,
+        "sizes": ["tiny"], "ablations": ["baseline"], "seeds": [0, 1], "env": {"OMP_NUM_THREADS": "1"}}))
+    uri = f"sqlite:///{tmp_path / 'sweeps.db'}"
+    proc = launch(lrattn("sweep", "sweep.yaml", "--tracking_uri", uri), tmp_path, group=group)
+    wait_for([marker], proc)
+    send(proc, signal.Signals[name], group)
+    go.touch()
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + signal.Signals[name], out[-3000:] + err[-3000:]
+    lines = out.strip().splitlines()
+    assert "Traceback" not in err and not any(other in out for other in ("SIGTERM", "SIGINT") if other != name), out
+    assert f"[sweep stops] tiny-baseline-seed0: stopped by {name} at step 3 after " in out, out
+    assert "0 failed, 1 stopped" in out and "1 not started" in out, out
+    assert lines[-1].startswith(f"[sweep stops] stopped by {name}: no further runs start; continue with `"), lines[-1]
+    (run,) = runs(uri, "stops")
+    assert run.info.run_name == "tiny-baseline-seed0" and run.info.status == "KILLED"
+    assert step_of(tmp_path / "runs" / "stops" / "tiny-baseline-seed0" / "checkpoints" / "last.ckpt") == 3
+    if group:  # the fit went with the group: no process of this folder is left
+        assert gone(str(tmp_path))
+    again = printed_command(lines[-1])
+    assert again == ["sweep", "sweep.yaml", "--tracking_uri", uri], again
+    done = run_cli(again, tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:]
+    finished = {r.info.run_name: r for r in runs(uri, "stops")}
+    assert sorted(finished) == ["tiny-baseline-seed0", "tiny-baseline-seed1"]
+    assert finished["tiny-baseline-seed0"].info.run_id == run.info.run_id
+    assert all(r.info.status == "FINISHED" for r in finished.values())
+
+
+# ---- prepare (verified: the data package is someone else's) ---------------------------------------------------
+@pytest.mark.parametrize("group", [False, True])
+def test_ctrl_c_stops_prepare_as_sigint(corpus, tmp_path, group):  # noqa: F811
+    """SIGINT to `prepare`, or to its group with its two tokenizer workers: exit 130, its line names SIGINT, no
+    worker is left; the same command continues from the finished parts."""
+    out = f"out-{'group' if group else 'process'}"
+    for name in ("corpus.jsonl", "tok.json"):
+        (tmp_path / name).symlink_to(corpus / name)
+    cmd = [sys.executable, "-c", PREPARE_RUN, str(PART_BYTES), *PREPARE_ARGS, "--out", out]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=prepare_env(), text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=group,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    wait_for_part(tmp_path / f".{out}.tmp-prepare", 2, proc)
+    send(proc, signal.SIGINT, group)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert one_line(err, "[lrattn prepare] stopped") == ("[lrattn prepare] stopped by SIGINT: the finished parts are "
+                                                         "kept; run the same command to continue from them")
+    assert gone(out)
+    if group:
+        again = subprocess.run(cmd, cwd=tmp_path, env=prepare_env(), capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0 and "continuing" in again.stderr, again.stderr[-3000:]
+
+
+# ---- eval ---------------------------------------------------------------------------------------------------
+# `lrattn eval` with a pause before it scores (in every rank: `paused-RANK`), as a script: its ranks re-run it
+EVAL_PAUSED = """import os, sys, time
+from lrattn_lightning.eval import lm
+scoring = lm._Progress.__init__
+def paused(self, *args, **kwargs):
+    folder = os.path.dirname(os.path.abspath(__file__))
+    open(os.path.join(folder, "paused-" + os.environ.get("LOCAL_RANK", "0")), "w").close()
+    while not os.path.exists(os.path.join(folder, "go")):
+        time.sleep(0.05)
+    scoring(self, *args, **kwargs)
+lm._Progress.__init__ = paused
+from lrattn_lightning.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def checkpoint(data, tmp_path_factory) -> tuple[Path, str]:
+    folder = tmp_path_factory.mktemp("trained")
+    done = run_cli(fit_args(data, steps=2), folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return folder / "runs" / "lrattn" / "tiny-baseline-seed0" / "checkpoints" / "last.ckpt", f"sqlite:///{folder}/mlflow.db"
+
+
+@pytest.mark.parametrize("name, group, devices", [("SIGINT", False, 1), ("SIGTERM", False, 1), ("SIGINT", True, 2)])
+def test_a_stopped_eval_names_the_signal_and_logs_nothing(checkpoint, tmp_path, name, group, devices):
+    """Ctrl-C was a KeyboardInterrupt traceback and SIGTERM a silent kill: now one line naming the signal, 128 + N,
+    nothing logged; to the group of a two-rank eval, every rank ends and still only one line is printed."""
+    ckpt, uri = checkpoint
+    script = tmp_path / "eval_paused.py"
+    script.write_text(EVAL_PAUSED)
+    cmd = [sys.executable, str(script), "eval", "--checkpoint", str(ckpt), "--tasks", "local", "--limit", "4",
+           "--tracking_uri", uri, "--devices", str(devices), "--accelerator", "cpu"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env(), text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=group,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    wait_for([tmp_path / f"paused-{rank}" for rank in range(devices)], proc)
+    send(proc, signal.Signals[name], group)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.Signals[name], err[-3000:]
+    assert one_line(err) == (f"lrattn: eval stopped by {name}; nothing was logged; run the same command again to "
+                             "evaluate")
+    (run,) = runs(uri, "lrattn")
+    assert not any(key.startswith("eval/") for key in run.data.metrics)
+    if group:
+        assert gone(str(script))
+
+
+def test_ctrl_c_where_a_command_does_not_take_it_is_one_line(checkpoint, tmp_path):
+    """`lrattn chat` waiting for a line (as any command while its module is imported): Ctrl-C was a
+    KeyboardInterrupt traceback; now one line and 130."""
+    ckpt, _ = checkpoint
+    proc = subprocess.Popen(lrattn("chat", "--checkpoint", str(ckpt)), cwd=tmp_path, env=child_env(), text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert proc.stdout.readline().startswith("lrattn chat:")  # then it waits for the first line
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and one_line(err) == "lrattn: chat stopped by SIGINT", err[-3000:]
