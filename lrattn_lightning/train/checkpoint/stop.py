@@ -119,7 +119,9 @@ def _raise_stop(signum: int, _frame: Any = None) -> None:
 def stop_signals_raise() -> Iterator[None]:
     """Inside, SIGTERM, SIGINT or SIGHUP raises StopSignal in the main thread (Ctrl-C no longer ends in a
     KeyboardInterrupt traceback, SIGTERM no longer kills without a word). A SIGINT or SIGHUP ignored at launch
-    stays ignored; the handlers before are restored after."""
+    stays ignored; the handlers before are restored after, unless a stop signal came: then the process is
+    ending, and the ones still to come (the group's Ctrl-C and the one a parent rank passes on) are ignored, so
+    that none lands as a KeyboardInterrupt in a finaliser ("Exception ignored in ..." and its traceback)."""
     global HELD_SIGNAL, _HOLD
     HELD_SIGNAL, _HOLD = 0, False
     if threading.current_thread() is not threading.main_thread():
@@ -129,11 +131,15 @@ def stop_signals_raise() -> Iterator[None]:
     for signum, handler in before.items():
         if signum == signal.SIGTERM or handler is not signal.SIG_IGN:
             signal.signal(signum, _raise_stop)
+    stopped = False
     try:
         yield
+    except StopSignal:
+        stopped = True
+        raise
     finally:
         for signum, handler in before.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, signal.SIG_IGN if stopped else handler)
         PASS_ON.clear()
 
 
