@@ -67,15 +67,21 @@ def stop_signals_noted() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
-    for signum, handler in before.items():
-        if signum == signal.SIGTERM or handler is not signal.SIG_IGN:
-            signal.signal(signum, note_stop_signal)
+    before = _install(note_stop_signal)
     try:
         yield
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
+
+
+def _install(handler: Any) -> dict[int, Any]:
+    """`handler` for every stop signal but a SIGINT or SIGHUP ignored at launch (nohup); the handlers before."""
+    before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    for signum, previous in before.items():
+        if signum == signal.SIGTERM or previous is not signal.SIG_IGN:
+            signal.signal(signum, handler)
+    return before
 
 
 class StopSignal(BaseException):
@@ -127,10 +133,7 @@ def stop_signals_raise() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
-    for signum, handler in before.items():
-        if signum == signal.SIGTERM or handler is not signal.SIG_IGN:
-            signal.signal(signum, _raise_stop)
+    before = _install(_raise_stop)
     stopped = False
     try:
         yield
