@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 import lrattn_lightning.data as data_package
 from lrattn_lightning.cli import main as lrattn_main
 from lrattn_lightning.core.errors import InputError
-from lrattn_lightning.data import documents, formats, jsonlines, pieces, pipeline, split
+from lrattn_lightning.data import documents, formats, jsonlines, pipeline, split
 from lrattn_lightning.data.documents import Spool, TextBuilder, TextStats
 from lrattn_lightning.data.prepare import prepare
 from lrattn_lightning.data.shards import read_meta
@@ -47,28 +47,25 @@ SEPARATOR = "\n<|doc|>\n"
 QUICK = {"cloze_items": 0, "perplexity_documents": 0, "chunk_bytes": "4KB"}
 
 
+def data_modules() -> list:
+    return [m for m in list(sys.modules.values()) if getattr(m, "__name__", "").startswith(data_package.__name__ + ".")]
+
+
 def shrink(values: dict) -> None:
     """Every module of lrattn_lightning.data holding one of these names gets the small value (imported names too)."""
-    for module in list(sys.modules.values()):
-        if getattr(module, "__name__", "").startswith(data_package.__name__ + "."):
-            for name, value in values.items():
-                if name in vars(module):
-                    setattr(module, name, value)
+    for module in data_modules():
+        for name, value in values.items():
+            if name in vars(module):
+                setattr(module, name, value)
 
 
 @pytest.fixture
 def small():
-    saved = {m.__name__: {n: getattr(m, n) for n in SMALL if hasattr(m, n)}
-             for m in (documents, formats, jsonlines, pieces, pipeline, split)}
-    from lrattn_lightning.data import prepare as prepare_module
-    from lrattn_lightning.data import sources
-
-    saved.update({m.__name__: {n: getattr(m, n) for n in SMALL if hasattr(m, n)} for m in (prepare_module, sources)})
+    saved = [(m, n, getattr(m, n)) for m in data_modules() for n in SMALL if n in vars(m)]
     shrink(SMALL)
     yield
-    for name, values in saved.items():
-        for attr, value in values.items():
-            setattr(sys.modules[name], attr, value)
+    for module, name, value in saved:
+        setattr(module, name, value)
 
 
 def read_back(out: Path) -> collections.Counter:

@@ -18,9 +18,7 @@ many, which fraction and where; more, and the file is refused in one line naming
 Documents are read as they are (no cleaning); only documents that are empty or all whitespace are skipped.
 
 Memory does not grow with a document or a file: text files are read in BLOCK_BYTES blocks, a JSONL line longer
-than LONG_LINE is parsed as it streams (data/jsonlines.py), and Parquet and Arrow are read in batches of about
-ARROW_BATCH_BYTES of text, a value longer than LONG_CHARS decoded in blocks from Arrow's buffer. Parquet keeps a
-value whole on disk, so pyarrow holds the largest value of a batch once (its bytes; never a copy as text).
+than LONG_LINE is parsed as it streams (data/jsonlines.py), and Parquet in batches (data/arrow.py).
 `consumed` counts the decompressed bytes read; `expected()` estimates their total from the compression ratio
 seen so far (the progress bar's ETA, and the free-space check before anything is written).
 """
@@ -37,15 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from lrattn_lightning.core.errors import InputError
-from lrattn_lightning.data.documents import (
-    HEAD_BYTES,
-    LONG_CHARS,
-    Document,
-    Spool,
-    TextBuilder,
-    TextStats,
-    Utf8Decoder,
-)
+from lrattn_lightning.data.arrow import check_parquet, parquet_documents
+from lrattn_lightning.data.documents import HEAD_BYTES, Document, Spool, TextBuilder, TextStats, Utf8Decoder
 from lrattn_lightning.data.jsonlines import LONG_LINE, line_text, long_line_text
 from lrattn_lightning.data.staging import check_stop
 
@@ -57,7 +48,6 @@ RATIO_BYTES = 1 << 20  # decompressed bytes `check` makes to estimate a compress
 RATIO_PIECE = 1 << 12  # compressed bytes fed at a time for it
 RUNNING_RATIO_BYTES = 4 << 20  # compressed bytes read after which their own ratio replaces the sampled one
 CHECK_LINE_BYTES = 1 << 19  # of a first JSONL line longer than the head, what `check` parses before any work
-ARROW_BATCH_BYTES = 32 << 20  # text of a Parquet or Arrow batch (its row count follows the column's average size)
 BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark some editors put first: not part of the text
 SUPPORTED = ".parquet, .jsonl/.ndjson or .txt (the last two also as .gz, .zst, .bz2, .xz)"
 
@@ -182,11 +172,11 @@ class FileInput:
                 whole = not stream.peek(1)
                 long_first = self.kind == "jsonl" and b"\n" not in content and not whole
                 if long_first:
-                    self._check_long_first_line(content.removeprefix(BOM), stream)
+                    check_long_first_line(self.path, self.options.text_field, content.removeprefix(BOM), stream)
         except _decompress_errors() as err:
             raise self._broken(err) from err
         if self.compression:
-            self.ratio = self._sample_ratio()
+            self.ratio = sample_ratio(self.path, self.compression)
         content = content.removeprefix(BOM)
         inner = magic_of(content[:16])
         if inner is not None and self.compression:
@@ -201,57 +191,8 @@ class FileInput:
                 if line.strip():
                     line_text(line.decode("utf-8", errors="replace"), f"{self.path}:{lineno}", self.options.text_field)
 
-    def _sample_ratio(self) -> float:
-        """Decompressed bytes per byte of the file over its first RATIO_BYTES of output: the file fed to a
-        decompressor in small pieces, so the input it took is known within a piece (a stream reads ahead)."""
-        import zlib
-
-        import zstandard
-
-        make = {"gzip": lambda: zlib.decompressobj(31), "bz2": bz2.BZ2Decompressor, "xz": lzma.LZMADecompressor,
-                "zstd": lambda: zstandard.ZstdDecompressor().decompressobj()}[self.compression]
-        decompressor, taken, made = make(), 0, 0
-        with open(self.path, "rb") as f:
-            while made < RATIO_BYTES and not getattr(decompressor, "eof", False) and (piece := f.read(RATIO_PIECE)):
-                taken += len(piece)
-                made += len(decompressor.decompress(piece))
-        return made / taken if taken and made else 1.0
-
-    def _check_long_first_line(self, content: bytes, stream: Any) -> None:
-        """A first line longer than the head: its first CHECK_LINE_BYTES parsed as they stream (a refusal there is
-        one line now; the rest is checked while it is read)."""
-        left = [CHECK_LINE_BYTES - len(content)]
-
-        def more() -> bytes:
-            if left[0] <= 0:
-                raise _Enough
-            block = stream.readline(min(left[0], BLOCK_BYTES))
-            left[0] -= len(block)
-            return block
-
-        try:
-            long_line_text(content, more, self.path, 1, self.options.text_field, TextStats(self.path),
-                           lambda: TextBuilder(None))
-        except _Enough:
-            pass
-
     def _check_parquet(self) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        try:
-            schema = pq.ParquetFile(self.path).schema_arrow
-        except (pa.ArrowException, OSError) as err:
-            raise InputError(f"{self.path}: not a readable Parquet file ({err}); copy it again") from err
-        field = self.options.text_field
-        if field not in schema.names:
-            raise InputError(f"{self.path}: no column '{field}' (columns: {', '.join(schema.names)}); pass "
-                             "--text_field NAME")
-        kind = schema.field(field).type
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
-            raise InputError(f"{self.path}: column '{field}' holds {kind}, not text; pass --text_field NAME of a "
-                             "string column")
-        self.ratio = _parquet_text_bytes(pq.ParquetFile(self.path), field) / max(self.size, 1)
+        self.ratio = check_parquet(self.path, self.options.text_field) / max(self.size, 1)
 
     def documents(self, spool: Spool | None = None) -> Iterator[Document]:
         if self.kind == "parquet":
@@ -346,81 +287,53 @@ class FileInput:
             buf = buf[cut:]
 
     def _parquet_documents(self, spool: Spool | None) -> Iterator[Document]:
-        import pyarrow.parquet as pq
+        def read(fraction: float) -> None:
+            self.consumed = int(self.size * self.ratio * fraction)
 
-        field, stats = self.options.text_field, TextStats(self.path)
-        pf = pq.ParquetFile(self.path, buffer_size=BLOCK_BYTES)  # pages as they are needed, not a whole row group
-        leaf = _leaf(pf, field)
-        rows = 0
-        for group in range(pf.metadata.num_row_groups):
-            meta = pf.metadata.row_group(group)
-            size = meta.column(leaf).total_uncompressed_size
-            batch = max(1, min(1024, meta.num_rows * ARROW_BATCH_BYTES // max(size, 1)))
-            for part in pf.iter_batches(batch_size=batch, row_groups=[group], columns=[field], use_threads=False):
-                check_stop()
-                yield from arrow_documents(part.column(0), rows, stats, spool, self.path, field)
-                rows += part.num_rows
-                self.consumed = int(self.size * self.ratio * rows / max(pf.metadata.num_rows, 1))
-        stats.finish()
-        self.consumed = int(self.size * self.ratio)
+        yield from parquet_documents(self.path, self.options.text_field, spool, read)
 
     def inputs(self) -> list[Path]:
         return [self.path]
 
 
+def sample_ratio(path: Path, compression: str) -> float:
+    """Decompressed bytes per byte of a compressed file over its first RATIO_BYTES of output: the file fed to a
+    decompressor in small pieces, so the input it took is known within a piece (a stream reads ahead)."""
+    import zlib
+
+    import zstandard
+
+    make = {"gzip": lambda: zlib.decompressobj(31), "bz2": bz2.BZ2Decompressor, "xz": lzma.LZMADecompressor,
+            "zstd": lambda: zstandard.ZstdDecompressor().decompressobj()}[compression]
+    decompressor, taken, made = make(), 0, 0
+    with open(path, "rb") as f:
+        while made < RATIO_BYTES and not getattr(decompressor, "eof", False) and (piece := f.read(RATIO_PIECE)):
+            taken += len(piece)
+            made += len(decompressor.decompress(piece))
+    return made / taken if taken and made else 1.0
+
+
+def check_long_first_line(path: Path, field: str, content: bytes, stream: Any) -> None:
+    """A first JSONL line longer than the head: its first CHECK_LINE_BYTES parsed as they stream (a refusal there
+    is one line now; the rest is checked while it is read)."""
+    left = CHECK_LINE_BYTES - len(content)
+
+    def more() -> bytes:
+        nonlocal left
+        if left <= 0:
+            raise _Enough
+        block = stream.readline(min(left, BLOCK_BYTES))
+        left -= len(block)
+        return block
+
+    try:
+        long_line_text(content, more, path, 1, field, TextStats(path), lambda: TextBuilder(None))
+    except _Enough:
+        pass
+
+
 class _Enough(Exception):
     """`check` has parsed enough of a long first line."""
-
-
-def _leaf(pf: Any, field: str) -> int:
-    """The Parquet column (leaf) of a top-level field."""
-    schema = pf.metadata.schema
-    return next(i for i in range(pf.metadata.num_columns) if schema.column(i).path == field)
-
-
-def _parquet_text_bytes(pf: Any, field: str) -> int:
-    """The uncompressed size of a Parquet file's text column (about its text's bytes)."""
-    leaf = _leaf(pf, field)
-    return sum(pf.metadata.row_group(g).column(leaf).total_uncompressed_size for g in range(pf.metadata.num_row_groups))
-
-
-def arrow_documents(column: Any, first_row: int, stats: TextStats, spool: Spool | None, path: Path | str,
-                    field: str) -> Iterator[Document]:
-    """The documents of an Arrow string column (a Parquet or Arrow batch), rows numbered from `first_row`, through
-    the text policy of `stats`: a valid column becomes Python strings at once; undecodable bytes are decoded row by
-    row; a value longer than LONG_CHARS bytes is decoded in blocks straight from Arrow's buffer."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    name = Path(path).name
-    if column.null_count:
-        first = next(i for i, v in enumerate(column.is_null().to_pylist()) if v)
-        raise InputError(f"{path}: row {first_row + first} has no text (null in column '{field}'); drop such rows, or "
-                         "pass --text_field NAME")
-    lengths = pc.binary_length(column).to_numpy(zero_copy_only=False)
-    stats.bytes += int(lengths.sum())
-    if not len(lengths) or lengths.max() <= LONG_CHARS:
-        try:
-            texts = column.to_pylist()
-        except UnicodeDecodeError:
-            texts = None
-        if texts is not None:
-            for i, text in enumerate(texts):
-                yield Document(text, None, f"{name}#{first_row + i}")
-            return
-    stats.bytes -= int(lengths.sum())  # counted again as each value is decoded
-    raw = column.cast(pa.large_binary())
-    for i, length in enumerate(lengths.tolist()):
-        where, origin = f"in row {first_row + i}", f"{name}#{first_row + i}"
-        if length <= LONG_CHARS:
-            yield Document(stats.decode(raw[i].as_py(), where), None, origin)
-            continue
-        view, decoder, text = memoryview(raw[i].as_buffer()), Utf8Decoder(stats), TextBuilder(spool)
-        for start in range(0, length, BLOCK_BYTES):
-            check_stop()
-            text.add(decoder.feed(bytes(view[start : start + BLOCK_BYTES]), where))
-        text.add(decoder.feed(b"", where, final=True))
-        yield text.document(None, origin)
 
 
 def hidden(path: Path, root: Path) -> bool:

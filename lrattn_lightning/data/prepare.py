@@ -16,7 +16,6 @@ Training reads fixed windows of seq_len + 1 tokens (inputs x[:-1], targets x[1:]
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import platform
@@ -45,6 +44,7 @@ from lrattn_lightning.data.pipeline import (
 )
 from lrattn_lightning.data.shards import FORMAT_VERSION, sha256_files, shard_files
 from lrattn_lightning.data.sources import Corpus, limited
+from lrattn_lightning.data.space import check_space, no_space
 from lrattn_lightning.data.split import SPLITS, check_seed, fixed, key_hash, sided, split_of
 from lrattn_lightning.data.staging import (
     BOOK,
@@ -61,12 +61,6 @@ from lrattn_lightning.data.tokenizer import load_tokenizer, parse_tokenizer_name
 
 __all__ = ["prepare", "prepare_main", "default_out", "split_of", "key_hash"]
 TASK_TEXT_BYTES = 32 << 20  # held-out text kept in memory for the eval tasks, at most
-BYTES_PER_TOKEN = {"byte": 1.0}  # text bytes a token, for the free-space estimate (others: DEFAULT_BYTES_PER_TOKEN)
-DEFAULT_BYTES_PER_TOKEN = 2.0  # below what byte-level BPE reaches on prose from a few thousand merges on
-
-
-class NoSpace(InputError):
-    """The disk is too small for the shards: said before writing when the estimate shows it, else when it fills."""
 
 
 def prepare(
@@ -135,9 +129,9 @@ def prepare(
               # a tokenizer file changed under an interrupted prepare would tokenise its parts two ways
               "tokenizer_file": sha256_files([Path(arg)])[0] if kind in ("hf", "tiktoken") else None,
               "inputs": {s: c.fingerprint() for s, c in corpora.items() if c is not None}}
-    staging = _no_space(lambda: claim(out, recipe), out)
+    staging = no_space(lambda: claim(out, recipe), out)
     try:
-        meta = _no_space(lambda: _build(staging, corpora, recipe, kind, arg, val_fraction, num_workers, chunk_bytes,
+        meta = no_space(lambda: _build(staging, corpora, recipe, kind, arg, val_fraction, num_workers, chunk_bytes,
                                         progress, (max_documents, max_bytes, max_document_bytes), seed, cloze_items,
                                         perplexity_documents), staging.path)
         check_stop()  # a signal that came after the last document: the folder is not published
@@ -158,46 +152,6 @@ def prepare(
         staging.remove()
         raise
     return meta
-
-
-def _no_space(work: Any, where: Path) -> Any:
-    """`work()`; a full disk (ENOSPC, here or in a tokenizer process) as one line. The caller removes the staging
-    folder, which frees what was written."""
-    try:
-        return work()
-    except OSError as err:
-        if err.errno != errno.ENOSPC:
-            raise
-        folder = where if where.exists() else where.parent
-        while not folder.exists():
-            folder = folder.parent
-        free = shutil.disk_usage(folder).free
-        raise NoSpace(f"no space left on the device of {where} (writing {err.filename or 'the shards'}; "
-                      f"{_gb(free)} free now): the unfinished folder is removed; free space on it, or choose another "
-                      "--out") from err
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
-
-
-def _check_space(root: Path, corpora: list[Corpus], tokenizer: str, dtype: Any, limits: tuple) -> None:
-    """Refuse, before the shards are written, when the disk cannot hold them: the text's decompressed size (read
-    from the files, compressed ones estimated from their first megabyte; at most --max_bytes), a token per
-    BYTES_PER_TOKEN bytes of it, `dtype` bytes a token id, less what a resumed prepare has written already."""
-    max_documents, max_bytes, _ = limits
-    expected = [c.expected() for c in corpora]
-    if None in expected or max_documents is not None:
-        return  # a built-in corpus, a streamed dataset or a prefix of so many documents: no size to go by
-    text = sum(expected) if max_bytes is None else min(sum(expected), max_bytes + sum(expected[1:]))
-    per_token = BYTES_PER_TOKEN.get(tokenizer, DEFAULT_BYTES_PER_TOKEN)
-    need = int(text / per_token * np.dtype(dtype).itemsize * 1.01) + (1 << 20)
-    written = sum(p.stat().st_size for split in SPLITS for p in (root / split).glob("chunk-*"))
-    free = shutil.disk_usage(root).free
-    if need - written > free:
-        raise NoSpace(f"the shards need about {_gb(need - written)} ({_gb(text)} of text, a token per {per_token:g} "
-                      f"byte(s) of it, {np.dtype(dtype).itemsize} bytes an id) and {root.parent} has {_gb(free)} free; "
-                      "free space, choose another --out, or take a prefix with --max_documents")
 
 
 def _capped(docs: Iterator[Document], limit: int | None, skipped: list[int]) -> Iterator[Document]:
@@ -247,7 +201,7 @@ def _build(staging: Staging, corpora: dict[str, Corpus | None], recipe: dict[str
 
     tok = _tokenizer(kind, arg, root, train_texts)
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
-    _check_space(root, [c for c in (train, val) if c is not None], kind, dtype, limits)
+    check_space(root, [c for c in (train, val) if c is not None], kind, dtype, limits)
     kept: list[Document] = []  # the first held-out documents, for the eval tasks (none of the spooled ones)
     wanted, kept_bytes = max(cloze_items, perplexity_documents, 1), [0]
 

@@ -21,17 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from lrattn_lightning.core.errors import InputError
+from lrattn_lightning.data.arrow import ARROW_BATCH_BYTES, arrow_documents
 from lrattn_lightning.data.corpora import BUILTIN_SOURCES, iter_documents
 from lrattn_lightning.data.documents import LONG_CHARS, Document, Spool, TextBuilder, TextStats
-from lrattn_lightning.data.formats import (
-    ARROW_BATCH_BYTES,
-    SUPPORTED,
-    FileInput,
-    ReadOptions,
-    arrow_documents,
-    hidden,
-    kind_of,
-)
+from lrattn_lightning.data.formats import SUPPORTED, FileInput, ReadOptions, hidden, kind_of
 from lrattn_lightning.data.shards import sha256_files
 from lrattn_lightning.data.staging import check_stop
 
