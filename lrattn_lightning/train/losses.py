@@ -81,10 +81,13 @@ class FusedTokenLosses(torch.autograd.Function):
         grad_NV = None if rows >= N and logits_NV.dtype == lse_N.dtype else torch.empty_like(logits_NV)
         for s in range(0, N, rows):
             e = min(s + rows, N)
-            p = torch.sub(logits_NV[s:e], lse_N[s:e, None])  # (rows, V) in the compute dtype (bf16 - fp32: fp32)
-            p = p.exp_().mul_(coef_N[s:e, None])
-            p = p.scatter_add_(1, safe_N[s:e, None], -w_ce_N[s:e, None])
+            # (rows, V) in the compute dtype, a copy worked in place: one chunk of working set (torch.sub of
+            # bf16 and float32 would upcast the bf16 rows into a second one)
+            p = logits_NV[s:e].to(lse_N.dtype, copy=True)
+            p.sub_(lse_N[s:e, None]).exp_().mul_(coef_N[s:e, None])
+            p.scatter_add_(1, safe_N[s:e, None], -w_ce_N[s:e, None])
             if grad_NV is None:  # one chunk, float logits: the working tensor is the gradient
                 return p, None, None
             grad_NV[s:e] = p
+            del p  # before the next chunk's copy
         return grad_NV, None, None
