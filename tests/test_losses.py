@@ -9,7 +9,7 @@ import torch
 
 from lrattn_lightning.tools.bench.profiling import peak_allocated_bytes
 from lrattn_lightning.train.lit_module import LRAttnModule
-from lrattn_lightning.train.losses import IGNORE_INDEX, reference_token_losses, token_losses
+from lrattn_lightning.train.losses import IGNORE_INDEX, chunk_logsumexp, reference_token_losses, token_losses
 
 WHOLE = 2**40  # chunk_bytes that keeps every row in one chunk
 
@@ -139,6 +139,12 @@ def test_chunks_bound_the_working_set():
     grad_bytes, chunk_bytes = N * V * 2, rows * V * 4
     assert grad_bytes < fused <= grad_bytes + chunk_bytes + 64 * N  # + one float32 chunk and [N] vectors
     assert old >= 3 * N * V * 4  # at least three float32 [N, V] tensors alive at once
+
+
+def test_chunk_logsumexp_of_infinite_rows_is_torchs():
+    inf = float("inf")
+    x = torch.tensor([[-inf, -inf, -inf], [1.0, inf, 2.0], [-inf, 0.0, 1.0], [300.0, 1.0, 2.0]]).bfloat16()
+    torch.testing.assert_close(chunk_logsumexp(x, torch.float32), torch.logsumexp(x.float(), -1), rtol=0, atol=1e-5)
 
 
 def test_shapes_must_agree():

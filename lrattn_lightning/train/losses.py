@@ -55,6 +55,15 @@ def rows_per_chunk(logits_NV: torch.Tensor, chunk_bytes: int) -> int:
     return max(1, chunk_bytes // (V * compute_dtype(logits_NV.dtype).itemsize))
 
 
+def chunk_logsumexp(x_RV: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """log sum_v exp(x_rv) per row in `dtype`, through one copy of the rows worked in place (torch.logsumexp
+    of a bf16 chunk's float32 copy would hold a second float32 chunk)."""
+    m_R = x_RV.amax(-1).to(dtype)
+    m_R = torch.where(m_R.isinf(), 0, m_R)  # as torch.logsumexp: rows of -inf give -inf, a +inf gives +inf
+    p_RV = x_RV.to(dtype, copy=True)
+    return p_RV.sub_(m_R[:, None]).exp_().sum(-1).log_().add_(m_R)
+
+
 class FusedTokenLosses(torch.autograd.Function):
     """(ce, z) from one logsumexp per row, forward and backward in chunks of `rows` rows (module docstring)."""
 
@@ -62,7 +71,7 @@ class FusedTokenLosses(torch.autograd.Function):
     def forward(ctx, logits_NV: torch.Tensor, targets_N: torch.Tensor, rows: int):
         N = logits_NV.shape[0]
         dtype = compute_dtype(logits_NV.dtype)
-        lse_N = torch.cat([torch.logsumexp(logits_NV[s:s + rows].to(dtype), dim=-1) for s in range(0, N, rows)])
+        lse_N = torch.cat([chunk_logsumexp(logits_NV[s:s + rows], dtype) for s in range(0, N, rows)])
         counted_N = targets_N != IGNORE_INDEX
         safe_N = torch.where(counted_N, targets_N, 0)
         picked_N = logits_NV.gather(1, safe_N[:, None]).squeeze(1).to(dtype)  # x_it_i
