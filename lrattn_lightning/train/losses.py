@@ -87,16 +87,17 @@ class FusedTokenLosses(torch.autograd.Function):
         N, rows = logits_NV.shape[0], ctx.rows
         w_ce_N = counted_N.to(lse_N.dtype) * (g_ce / counted_N.sum())  # g_ce / N_ce on counted tokens, else 0
         coef_N = w_ce_N + lse_N * (2.0 * g_z / N)
-        grad_NV = None if rows >= N and logits_NV.dtype == lse_N.dtype else torch.empty_like(logits_NV)
+        grad_NV = torch.empty_like(logits_NV)
+        in_place = logits_NV.dtype == lse_N.dtype  # float32 / float64 logits: work in the gradient's own rows
         for s in range(0, N, rows):
             e = min(s + rows, N)
-            # (rows, V) in the compute dtype, a copy worked in place: one chunk of working set (torch.sub of
-            # bf16 and float32 would upcast the bf16 rows into a second one)
-            p = logits_NV[s:e].to(lse_N.dtype, copy=True)
+            # (rows, V) in the compute dtype, worked in place: no working set beyond the gradient for float
+            # logits, one float32 chunk for bf16 ones (torch.sub of bf16 and float32 would upcast the bf16 rows
+            # into a second one)
+            p = grad_NV[s:e].copy_(logits_NV[s:e]) if in_place else logits_NV[s:e].to(lse_N.dtype, copy=True)
             p.sub_(lse_N[s:e, None]).exp_().mul_(coef_N[s:e, None])
             p.scatter_add_(1, safe_N[s:e, None], -w_ce_N[s:e, None])
-            if grad_NV is None:  # one chunk, float logits: the working tensor is the gradient
-                return p, None, None
-            grad_NV[s:e] = p
+            if not in_place:
+                grad_NV[s:e] = p
             del p  # before the next chunk's copy
         return grad_NV, None, None
