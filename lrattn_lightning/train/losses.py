@@ -1,14 +1,103 @@
-"""The training loss's parts, shared by training, validation and `lrattn eval`'s exact validation loss."""
+"""The training loss's parts, shared by training, validation and `lrattn eval`'s exact validation loss.
+
+Per token i with logits x_i (V of them) and target t_i:
+
+    lse_i = log sum_v exp(x_iv)          ce = mean_i (lse_i - x_it_i)          z = mean_i lse_i^2
+
+The training loss is ce + z_loss * z (lit_module.py). Both terms need lse_i, so `token_losses` computes it
+once (`FusedTokenLosses`): one read of the logits forward and one backward, where
+
+    d loss / d x_iv = p_iv * (g_ce / N_ce * [i counted] + g_z * 2 lse_i / N) - [v = t_i] * g_ce / N_ce * [i counted]
+
+with p_iv = exp(x_iv - lse_i) the softmax and N_ce the tokens the cross-entropy counts. The float32 working set
+(float64 for float64 logits) is bounded: rows are taken in chunks of at most `chunk_bytes` of it, so a
+100k vocabulary never holds a float32 copy of every token's logits. `reference_token_losses` is the readable
+twin (two logsumexps, a float32 copy of the logits) the fused path is compared and benchmarked against.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+IGNORE_INDEX = -100  # F.cross_entropy's default: such a target is left out of the cross-entropy (not of z)
+CHUNK_BYTES = 256 * 2**20  # the float32 working set of one chunk of rows (V = 100277: 669 rows)
 
-def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean cross-entropy, mean z-loss term logsumexp^2), both in float32."""
-    logits = logits.float().flatten(0, 1)
-    ce = F.cross_entropy(logits, targets.flatten())
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor, *,
+                 chunk_bytes: int = CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean cross-entropy, mean z-loss term logsumexp^2) of logits (..., V) against targets (...), both
+    float32 (float64 for float64 logits) whatever the logits' dtype. Targets equal to IGNORE_INDEX are left
+    out of the cross-entropy, as F.cross_entropy does; the data never makes them."""
+    logits_NV = logits.flatten(0, -2)
+    targets_N = targets.flatten()
+    if logits_NV.shape[0] != targets_N.shape[0]:
+        raise ValueError(f"token_losses: {tuple(logits.shape)} logits against {tuple(targets.shape)} targets")
+    return FusedTokenLosses.apply(logits_NV, targets_N, rows_per_chunk(logits_NV, chunk_bytes))
+
+
+def reference_token_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The readable twin of token_losses (the code before the fused path): a float32 copy, two logsumexps."""
+    logits = logits.float().flatten(0, -2)
+    ce = F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE_INDEX)
     z = torch.logsumexp(logits, dim=-1).pow(2).mean()
     return ce, z
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for bf16 / fp16 / fp32 logits, float64 for float64 ones."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def rows_per_chunk(logits_NV: torch.Tensor, chunk_bytes: int) -> int:
+    """How many rows of logits fit `chunk_bytes` of working set in the compute dtype (at least one)."""
+    V = logits_NV.shape[-1]
+    return max(1, chunk_bytes // (V * compute_dtype(logits_NV.dtype).itemsize))
+
+
+def chunk_logsumexp(x_RV: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """log sum_v exp(x_rv) per row in `dtype`, through one copy of the rows worked in place (torch.logsumexp
+    of a bf16 chunk's float32 copy would hold a second float32 chunk)."""
+    m_R = x_RV.amax(-1).to(dtype)
+    m_R = torch.where(m_R.isinf(), 0, m_R)  # as torch.logsumexp: rows of -inf give -inf, a +inf gives +inf
+    p_RV = x_RV.to(dtype, copy=True)
+    return p_RV.sub_(m_R[:, None]).exp_().sum(-1).log_().add_(m_R)
+
+
+class FusedTokenLosses(torch.autograd.Function):
+    """(ce, z) from one logsumexp per row, forward and backward in chunks of `rows` rows (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, logits_NV: torch.Tensor, targets_N: torch.Tensor, rows: int):
+        N = logits_NV.shape[0]
+        dtype = compute_dtype(logits_NV.dtype)
+        lse_N = torch.cat([chunk_logsumexp(logits_NV[s:s + rows], dtype) for s in range(0, N, rows)])
+        counted_N = targets_N != IGNORE_INDEX
+        safe_N = torch.where(counted_N, targets_N, 0)
+        picked_N = logits_NV.gather(1, safe_N[:, None]).squeeze(1).to(dtype)  # x_it_i
+        ce = torch.where(counted_N, lse_N - picked_N, 0).sum() / counted_N.sum()
+        z = lse_N.square().mean()
+        ctx.save_for_backward(logits_NV, safe_N, counted_N, lse_N)
+        ctx.rows = rows
+        return ce, z
+
+    @staticmethod
+    def backward(ctx, g_ce: torch.Tensor, g_z: torch.Tensor):
+        logits_NV, safe_N, counted_N, lse_N = ctx.saved_tensors
+        N, rows = logits_NV.shape[0], ctx.rows
+        w_ce_N = counted_N.to(lse_N.dtype) * (g_ce / counted_N.sum())  # g_ce / N_ce on counted tokens, else 0
+        coef_N = w_ce_N + lse_N * (2.0 * g_z / N)
+        grad_NV = torch.empty_like(logits_NV)
+        in_place = logits_NV.dtype == lse_N.dtype  # float32 / float64 logits: work in the gradient's own rows
+        for s in range(0, N, rows):
+            e = min(s + rows, N)
+            # (rows, V) in the compute dtype, worked in place: no working set beyond the gradient for float
+            # logits, one float32 chunk for bf16 ones (torch.sub of bf16 and float32 would upcast the bf16 rows
+            # into a second one)
+            p = grad_NV[s:e].copy_(logits_NV[s:e]) if in_place else logits_NV[s:e].to(lse_N.dtype, copy=True)
+            p.sub_(lse_N[s:e, None]).exp_().mul_(coef_N[s:e, None])
+            p.scatter_add_(1, safe_N[s:e, None], -w_ce_N[s:e, None])
+            if not in_place:
+                grad_NV[s:e] = p
+            del p  # before the next chunk's copy
+        return grad_NV, None, None

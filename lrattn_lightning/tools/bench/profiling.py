@@ -53,6 +53,23 @@ def quiet_profile(**kwargs):
             prof.__exit__(None, None, None)
 
 
+def peak_allocated_bytes(fn: Callable[[], object]) -> int:
+    """The highest running total of CPU tensor bytes allocated minus freed while `fn` runs (the profiler's
+    allocation events in time order): the CPU analogue of torch.cuda.max_memory_allocated above what was
+    live before `fn`."""
+    from torch.profiler import ProfilerActivity
+
+    with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
 _KERNEL_INDEX = re.compile(r"^graph_\d+_|_\d+$")
 _GRAPH_CALL = re.compile(r"^## Call CompiledFxGraph \w+ ##$")
 

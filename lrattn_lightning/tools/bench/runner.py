@@ -55,18 +55,9 @@ def measure_peak_memory(subject: Subject, device) -> int:
         subject.step()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device)
-    from torch.profiler import ProfilerActivity
+    from lrattn_lightning.tools.bench.profiling import peak_allocated_bytes
 
-    from lrattn_lightning.tools.bench.profiling import quiet_profile
-
-    with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        subject.step()
-    events = [e for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")]
-    live = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
+    peak = peak_allocated_bytes(subject.step)
     opt_state = subject.optimizer.state if subject.optimizer is not None else None
     return _param_and_state_bytes(subject.model, opt_state) + peak
 
