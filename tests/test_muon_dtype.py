@@ -1,6 +1,6 @@
 """Muon's orthogonalisers in float32 and batched: the float32 iteration against a float64 evaluation of the same
-polynomials, a batched step against one matrix at a time, `auto` per device capability, the option's checks and a
-resume across dtypes."""
+polynomials, a batched step against one matrix at a time, `auto` per device capability, the option's checks, a
+resume across dtypes, and the recipe fingerprint."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from conftest import tiny_config
 from test_optim import BF16_BOUND, polar_express_float64, rel_err
 
 from lrattn_lightning.model.decoder import build_decoder
+from lrattn_lightning.train import fingerprint as fingerprints
+from lrattn_lightning.train.lit_module import LRAttnModule
 from lrattn_lightning.train.muon import (
     NEWTON_SCHULZ_COEFFS,
     ORTHOGONALIZERS,
@@ -23,6 +25,7 @@ from lrattn_lightning.train.muon import (
 from lrattn_lightning.train.optim import (
     MUON_VARIANTS,
     MuonWithAuxAdamW,
+    muon_dtype_of,
     same_shape_batches,
     split_parameters,
 )
@@ -160,7 +163,20 @@ def test_torchs_own_probes_answer_on_this_machine():
     assert native_bfloat16("cuda") == (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8)
 
 
+def test_the_module_passes_its_muon_dtype_to_the_optimizer():
+    for setting, expected in (("auto", resolve_muon_dtype("auto", "cpu")), ("float32", "float32"),
+                              ("bfloat16", "bfloat16")):
+        module = LRAttnModule(size="tiny", ablation="baseline", muon_dtype=setting)
+        opt = module.make_optimizer()
+        assert muon_dtype_of([opt]) == expected
+        assert {g["orthogonalizer_dtype"] for g in opt.param_groups if g["use_muon"]} == {expected}
+    plain = LRAttnModule(size="tiny", ablation="baseline", optimizer="adamw").make_optimizer()
+    assert muon_dtype_of([plain]) is None
+
+
 def test_a_bad_muon_dtype_is_one_line_naming_the_field():
+    with pytest.raises(ValueError, match=r"^model\.muon_dtype: 'float16' is not one of auto, bfloat16, float32$"):
+        LRAttnModule(size="tiny", ablation="baseline", muon_dtype="float16")
     with pytest.raises(ValueError, match=r"orthogonalizer_dtype: 'half' is not one of auto, bfloat16, float32"):
         MuonWithAuxAdamW([{"params": [torch.nn.Parameter(torch.zeros(4, 4))], "use_muon": True,
                            "orthogonalizer_dtype": "half"}])
@@ -193,3 +209,18 @@ def test_a_resume_in_another_dtype_is_one_line_and_old_states_ran_bfloat16():
     resumed.step()  # the restored group carries every option the step reads
     with pytest.raises(ValueError, match="orthogonalizer_dtype='bfloat16'"):
         _muon_opt("float32").load_state_dict(old)
+
+
+# ---- the recipe fingerprint ------------------------------------------------------------------------------------
+def test_float32_muon_is_part_of_the_recipe_and_bfloat16_keeps_old_fingerprints():
+    def parts(**kw):
+        return fingerprints.recipe_parts(size="tiny", max_steps=10, tokens_per_step=64, seq_len=32, data="d",
+                                         settings={"optimizer": "muon_adamw"}, gradient_clip_val=1.0,
+                                         precision="32-true", init_from="none", **kw)
+
+    before = parts()  # a run recorded before the part existed (it ran bfloat16)
+    assert fingerprints.fingerprint(parts(muon_dtype="bfloat16")) == fingerprints.fingerprint(before)
+    assert fingerprints.fingerprint(parts(muon_dtype=None)) == fingerprints.fingerprint(before)  # no Muon
+    fp32 = parts(muon_dtype="float32")
+    assert fingerprints.fingerprint(fp32) != fingerprints.fingerprint(before)
+    assert fingerprints.differences(fp32, before) == [("optimizer.muon_dtype", "float32", None)]
