@@ -61,13 +61,19 @@ NEWTON_SCHULZ_STEPS = 5
 
 def polar_express(g: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Polar Express on a matrix (m, n) or a batch (B, m, n); a result of the same shape in `dtype`.
-    bfloat16: rounded to it between iterations, float32 inside each (the reference); float32: float32 throughout."""
+    bfloat16: the reference's sequence, rounded to bfloat16 between iterations and float32 inside each; float32:
+    float32 throughout, each iteration three GEMMs (A = X X^T; P = b A + c A A; X <- a X + P X, the sums inside the
+    GEMMs), so no pass over X outside them."""
     x = g.to(dtype)
     tall = g.size(-2) > g.size(-1)
     wide = x.mT if tall else x  # iterate on the wide orientation: X X^T is the small Gram
     # ||X||_F bounds the spectral norm; the 2 % cushion keeps rounding from pushing it past 1
     x = wide / (wide.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
     for a, b, c in POLAR_EXPRESS_COEFFS:
+        if dtype == torch.float32:
+            gram = x @ x.mT
+            x = _addmm(x, _addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+            continue
         xf = x.float()
         gram = xf @ xf.mT  # (B, m, m)
         poly = b * gram + c * (gram @ gram)
@@ -122,8 +128,10 @@ def native_bfloat16(device_type: str, probes: Mapping[str, Callable[[], bool]] =
 def resolve_muon_dtype(setting: str, device_type: str,
                        probes: Mapping[str, Callable[[], bool]] = TORCH_PROBES) -> OrthogonalizerDtype:
     """The orthogonalisers' dtype for `setting` (auto | bfloat16 | float32) on a device: auto is bfloat16 where the
-    device computes it natively (the reference's rounding at no cost), float32 elsewhere (emulated bfloat16
-    matmuls cost more than float32 ones)."""
+    device computes it natively, float32 elsewhere, where emulated bfloat16 matmuls cost several times float32
+    ones. Natively, Newton-Schulz's bfloat16 matmuls are the faster ones; Polar Express keeps float32 matmuls
+    inside its bfloat16 iterations (the reference's rounding), so there bfloat16 buys the paper's numbers, not
+    speed (docs/benchmarks.md "Muon in float32 and batched")."""
     if setting not in get_args(MuonDtype):
         raise InputError(f"muon_dtype: '{setting}' is not one of {', '.join(get_args(MuonDtype))}")
     if setting != "auto":
