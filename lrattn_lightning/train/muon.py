@@ -22,8 +22,10 @@ normalised so that its spectral norm is at most 1; on singular values p acts as 
 The dtype of the iteration (`dtype`, the optimiser's `orthogonalizer_dtype`, LRAttnModule's `muon_dtype`):
   * bfloat16: the originals' rounding, exactly (the recipe parity tests run it); the result is bfloat16 and the
     normalisation statistics are taken of that bfloat16 O;
-  * float32: the same polynomials with every step in float32 (no rounding to bfloat16 anywhere): for devices
-    without native bfloat16, where it is the faster one (docs/benchmarks.md "Muon in float32").
+  * float32: the same polynomials with every step in float32 (no rounding to bfloat16 anywhere), Polar Express as
+    three GEMMs an iteration: the faster one without native bfloat16, and for Polar Express everywhere (its
+    bfloat16 path multiplies in float32 too); O differs from bfloat16's by a median 10 % on real directions
+    (docs/benchmarks.md "Muon in float32 and batched").
 `resolve_muon_dtype` turns `auto` into one of them for a device.
 
 Both orthogonalisers take a matrix (m, n) or a batch of same-shape matrices (B, m, n), each orthogonalised on its
