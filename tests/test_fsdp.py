@@ -44,17 +44,21 @@ def test_fsdp_on_two_cpu_ranks_equals_one_process_with_adamw(four_windows, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype, rel", [("bfloat16", 2e-3), ("float32", 1e-4)])
 @pytest.mark.parametrize("variant", ["reference", "torch"])
-def test_muon_under_fsdp_orthogonalises_whole_matrices_as_one_process_does(four_windows, tmp_path, variant):
-    """Muon's matrices are sharded by rows under FSDP2; each step gathers the whole momentum direction, every
-    rank orthogonalises it and keeps its rows. The losses follow the one-process run's at bf16 tolerance (the
-    orthogonalisers round to bfloat16 between iterations, and the reduce-scatter sums in another order)."""
+def test_muon_under_fsdp_orthogonalises_whole_matrices_as_one_process_does(four_windows, tmp_path, variant, dtype,
+                                                                           rel):
+    """Muon's matrices are sharded by rows under FSDP2; each step gathers the whole momentum direction (in the
+    orthogonaliser's dtype), every rank orthogonalises each shape's batch of them and keeps its rows. The losses
+    follow the one-process run's at bf16 tolerance for bfloat16 (the orthogonalisers round to it between iterations,
+    and the reduce-scatter sums in another order), and closer for float32."""
     client, r1, r2 = _pair(four_windows, tmp_path, "p-lr-block-n4-r32", "--model.optimizer", "muon_adamw",
-                           "--model.muon_variant", variant, "--model.muon_lr", "0.02")
+                           "--model.muon_variant", variant, "--model.muon_lr", "0.02", "--model.muon_dtype", dtype)
     a, b = losses_by_step(client, r1.info.run_id), losses_by_step(client, r2.info.run_id)
     assert sorted(a) == sorted(b) == list(range(12))
     for step in a:
-        assert b[step] == pytest.approx(a[step], rel=2e-3), (step, a, b)
+        assert b[step] == pytest.approx(a[step], rel=rel), (step, a, b)
+    assert r2.data.params["train_muon_dtype_resolved"] == dtype
     assert a[11] < a[0] - 0.1  # Muon trains: not a run that stands still
     assert r2.data.params["train_optimizer"] == "muon_adamw"
 

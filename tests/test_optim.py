@@ -47,9 +47,10 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 BF16_BOUND = 2e-2  # five bfloat16 steps of the largest element: one flipped rounding per iteration at most
 
 
-def polar_express_float64(g: torch.Tensor) -> torch.Tensor:
-    """The Polar Express iteration with every step in float64: X <- G / (1.02 ||G||_F + 1e-6) on the wide
-    orientation, then X <- a X + (b A + c A^2) X with A = X X^T (the golden file's float64 run is the same)."""
+def polar_express_float64(g: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The Polar Express iteration with every step in float64 (whatever `dtype` the optimiser asks for): X <- G /
+    (1.02 ||G||_F + 1e-6) on the wide orientation, then X <- a X + (b A + c A^2) X with A = X X^T (the golden
+    file's float64 run is the same). A matrix or a batch of them."""
     tall = g.size(-2) > g.size(-1)
     x = g.double().mT if tall else g.double()
     x = x / (x.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
@@ -65,12 +66,13 @@ def float64_polar_express(monkeypatch):
 
 
 def run_golden_scenario(**change):
-    """Our optimiser and schedule on the golden scenario; yields (step, params, group) after each step."""
+    """Our optimiser and schedule on the golden scenario; yields (step, params, group) after each step. Its
+    orthogonaliser runs in bfloat16, the reference's rounding, on every machine (`auto` may pick float32)."""
     c = GOLDEN["config"]
     params = {k: torch.nn.Parameter(v.clone()) for k, v in GOLDEN["init"].items()}
     opt = MuonWithAuxAdamW([{"params": list(params.values()), "use_muon": True, "lr": c["lr"],
                              "weight_decay": c["weight_decay"], "momentum": c["momentum_max"],
-                             **{**MUON_VARIANTS["reference"], **change}}])
+                             "orthogonalizer_dtype": "bfloat16", **{**MUON_VARIANTS["reference"], **change}}])
     steps = c["total_steps"]
     momentum = MomentumSchedule(peak=c["momentum_max"], low=c["momentum_min"],
                                 warmup_steps=c["momentum_warmup_steps"], cooldown_steps=c["momentum_cooldown_steps"])
@@ -323,6 +325,7 @@ def test_state_dict_round_trip_resumes_lr_momentum_and_weights_exactly():
 # ---- bad options: a clear ValueError naming the field ----------------------------------------------
 @pytest.mark.parametrize("group, field", [
     ({"orthogonalizer": "svd"}, "orthogonalizer"),
+    ({"orthogonalizer_dtype": "float16"}, "orthogonalizer_dtype"),
     ({"scale": "rms"}, "scale"),
     ({"variance_beta2": 1.5}, "variance_beta2"),
     ({"momentum": 1.0}, "momentum"),

@@ -22,6 +22,7 @@ from lrattn_lightning.cli import main
 from lrattn_lightning.data.prepare import prepare, split_of
 from lrattn_lightning.model.accounting import added_flops_percent, count_params
 from lrattn_lightning.model.registry import load_registry
+from lrattn_lightning.train.muon import resolve_muon_dtype
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -91,8 +92,11 @@ def test_fit_logs_everything_to_sqlite_mlflow(tiny_data, tmp_path, monkeypatch):
     assert sum(r["entropy"] for r in sites["sites"]) / 4 == pytest.approx(metrics["routing/mean/entropy"], rel=1e-5)
     for key, value in (("train_max_steps", "4"), ("train_batch_size", "4"), ("train_seq_len", "32"),
                        ("train_seed", "0"), ("train_precision", "32-true"), ("train_devices", "1"),
-                       ("train_num_nodes", "1"), ("train_tokenizer", "byte"), ("train_muon_variant", "reference")):
+                       ("train_num_nodes", "1"), ("train_tokenizer", "byte"), ("train_muon_variant", "reference"),
+                       ("train_muon_dtype", "auto"), ("train_muon_dtype_resolved", resolve_muon_dtype("auto", "cpu"))):
         assert params[key] == value, key
+    parts = json.loads(tags["lrattn.recipe_parts"])  # float32 Muon is recipe; bfloat16 is the part's absence
+    assert parts["optimizer"].get("muon_dtype", "bfloat16") == params["train_muon_dtype_resolved"]
     assert metrics["train/device/items_per_sec"] > 0
     # byte tokenizer: ~1 byte per token, so bits per byte ~ loss / ln 2
     assert metrics["val/bpb"] == pytest.approx(metrics["val/loss"] / 0.6931471805599453, rel=0.1)

@@ -40,9 +40,11 @@ from lrattn_lightning.model.accounting import added_flops_percent, count_params
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.train import diagnostics
 from lrattn_lightning.train import fingerprint as fingerprints
+from lrattn_lightning.train.optim import muon_dtype_of
 
 # the module's settings logged as `train_<name>` params
-TRAIN_PARAMS = ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_decay", "muon_variant", "muon_momentum",
+TRAIN_PARAMS = ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_decay", "muon_variant", "muon_dtype",
+                "muon_momentum",
                 "muon_momentum_min", "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps", "warmup_steps",
                 "decay_fraction", "final_lr_fraction", "z_loss", "compile", "document_masking", "attention", "impl",
                 "gate_freeze_steps", "gate_release_loss", "gate_grad_normalize")
@@ -93,6 +95,7 @@ class RunDescription(Callback):
                 **flat_run_params(cfg),
                 "registry_sha256": hp.registry_sha256,
                 **{f"train_{k}": v for k, v in hp.items() if k in TRAIN_PARAMS},
+                "train_muon_dtype_resolved": muon_dtype_of(trainer.optimizers) or "none",  # what `auto` became here
                 **recipe_params(trainer),
                 "train_schedule_steps": schedule_steps(trainer, hp),
                 **getattr(pl_module, "init_from_params", {}),  # upcycling: the source checkpoint (lrattn fit --init_from)
@@ -131,7 +134,8 @@ def recipe_tags(trainer: L.Trainer, pl_module: L.LightningModule, stored: dict[s
         tokens_per_step=tokens_per_step(trainer),
         seq_len=getattr(dm, "seq_len", None),
         data=fingerprints.data_checksum(getattr(dm, "data_dir", ""), getattr(dm, "meta", None)),
-        settings=dict(hp), gradient_clip_val=trainer.gradient_clip_val, precision=str(trainer.precision),
+        settings=dict(hp), muon_dtype=muon_dtype_of(trainer.optimizers),
+        gradient_clip_val=trainer.gradient_clip_val, precision=str(trainer.precision),
         init_from=fingerprints.init_from_part(init))
     method = {k: hp.get(k) for k in pl_module.cfg.kind.training_options}
     return {fingerprints.FINGERPRINT_TAG: fingerprints.fingerprint(parts),

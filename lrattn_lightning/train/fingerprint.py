@@ -12,7 +12,8 @@ its seed (which compare pools over) and its recipe. The recipe's parts, as `reci
     data            sha256 over the data folder's shard checksums (meta.json `checksums`), 16 hex; a folder
                     prepared without checksums: `meta:` + the hash of its meta.json (token and byte counts)
     optimizer       the optimiser and every setting that shapes its steps: learning rates, weight decays, Muon's
-                    variant and momentum schedule, warmup / decay / final LR, z-loss, gradient clipping
+                    variant and momentum schedule, warmup / decay / final LR, z-loss, gradient clipping; and
+                    `muon_dtype`, the dtype Muon's orthogonaliser ran in, only where it is float32 (see below)
     precision       Lightning's precision (32-true, bf16-mixed, ...)
     document_masking  whether attention stops at document boundaries
     init_from       `none`, or the source of an upcycled run: `run RUN_ID step N` (its MLflow run) or
@@ -23,6 +24,15 @@ both as tags (FINGERPRINT_TAG, PARTS_TAG, rewritten when a resume changes the sc
 `lrattn compare` groups by the one and says what differs from the other. The routing kind's own training
 options (the gated residual's `gate_*`) are not recipe: they are the method under test, tagged apart
 (METHOD_TAG) and named by a sweep's `variant` label.
+
+Muon's dtype. `--model.muon_dtype auto` resolves per device (bfloat16 on a GPU or a CPU with native bfloat16,
+float32 elsewhere), and the two give other numbers: on real directions O differs by a median 10 % (Frobenius), and
+over 300 steps at `tiny` the loss curves part by a fifth to a third of what another seed does, the final loss within
+the seeds' spread (docs/benchmarks.md "Muon in float32 and batched"): small, not nothing, and not known to be
+unbiased in longer runs. So the part is the resolved dtype, not the setting: two `auto` runs on a laptop without bfloat16 and on
+a GPU get different fingerprints, and compare says `optimizer.muon_dtype` differs, rather than pool them silently;
+to pool runs across such machines, pin `--model.muon_dtype` in the recipe. bfloat16, what every run before this
+part did, is the part's absence, so their fingerprints still hold and new bfloat16 runs pool with them.
 
 Runs from before the fingerprint have no tags: `legacy_parts` rebuilds the parts from their MLflow params,
 with `data` as `folder PATH` (no checksums were recorded), so they group among themselves and never with
@@ -45,6 +55,9 @@ LEGACY = "legacy-"  # prefix of a fingerprint rebuilt from params
 OPTIMIZER_SETTINGS = ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_decay", "muon_variant",
                       "muon_momentum", "muon_momentum_min", "muon_momentum_warmup_steps",
                       "muon_momentum_cooldown_steps", "warmup_steps", "decay_fraction", "final_lr_fraction", "z_loss")
+
+
+MUON_DTYPE_UNMARKED = "bfloat16"  # the dtype every run before the part had: no part
 
 
 def fingerprint(parts: dict[str, Any]) -> str:
@@ -73,9 +86,12 @@ def init_from_part(params: dict[str, Any]) -> str:
 
 def recipe_parts(*, size: str, max_steps: int, tokens_per_step: int | None, seq_len: int | None, data: str,
                  settings: dict[str, Any], gradient_clip_val: Any, precision: str, init_from: str,
-                 schedule_steps: int | None = None) -> dict[str, Any]:
+                 schedule_steps: int | None = None, muon_dtype: str | None = None) -> dict[str, Any]:
+    """`muon_dtype`: the dtype Muon's orthogonaliser runs in, resolved (None: no Muon)."""
     optimizer = {k: _plain(settings.get(k)) for k in OPTIMIZER_SETTINGS}
     optimizer["gradient_clip_val"] = _plain(gradient_clip_val)
+    if muon_dtype not in (None, MUON_DTYPE_UNMARKED):
+        optimizer["muon_dtype"] = muon_dtype
     span = {"schedule_steps": schedule_steps} if schedule_steps not in (None, max_steps) else {}
     return {"size": size, "max_steps": max_steps, **span, "tokens_per_step": tokens_per_step, "seq_len": seq_len,
             "data": data, "optimizer": optimizer, "precision": str(precision),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import subprocess
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import lightning as L
 import torch
@@ -37,6 +37,7 @@ from lrattn_lightning.train.callbacks import (
 from lrattn_lightning.train.checkpoint.compat import check_loaded
 from lrattn_lightning.train.checkpoint.stop import NonFiniteLossError
 from lrattn_lightning.train.losses import token_losses
+from lrattn_lightning.train.muon import MuonDtype
 from lrattn_lightning.train.optim import (
     MUON_VARIANTS,
     MomentumSchedule,
@@ -72,6 +73,7 @@ class LRAttnModule(Validation, Optimization, L.LightningModule):
         muon_lr: float = 1e-3,
         muon_weight_decay: float = 0.1,
         muon_variant: MuonVariant = "reference",
+        muon_dtype: MuonDtype = "auto",
         muon_momentum: float = 0.95,
         muon_momentum_min: float = 0.85,
         muon_momentum_warmup_steps: int = 300,
@@ -103,9 +105,12 @@ class LRAttnModule(Validation, Optimization, L.LightningModule):
         block mask: skips cross-document blocks, CUDA for training); the same results (model/decoder.py).
 
         Optimiser (lrattn_lightning/train/optim.py): muon_variant picks the Muon update (`reference`: the paper's
-        code, `torch`: torch.optim.Muon with match_rms_adamw); the Muon momentum rises from
-        muon_momentum_min to muon_momentum over the first muon_momentum_warmup_steps and falls back over
-        the last muon_momentum_cooldown_steps (0 and 0: constant).
+        code, `torch`: torch.optim.Muon with match_rms_adamw); muon_dtype the dtype its orthogonaliser runs in
+        (`bfloat16`: the originals' rounding; `float32`; `auto`: bfloat16 where the device computes it natively,
+        CUDA or a CPU with AMX / AVX-512 BF16, else float32; resolved when the optimiser is built, logged as the
+        MLflow param train_muon_dtype_resolved and, when float32, part of the recipe fingerprint); the Muon
+        momentum rises from muon_momentum_min to muon_momentum over the first muon_momentum_warmup_steps and falls
+        back over the last muon_momentum_cooldown_steps (0 and 0: constant).
 
         Schedule (warmup-stable-decay learning rates and Muon's momentum, train/optim.py): over schedule_steps, by
         default --trainer.max_steps; steps past its end run at its final values (how a finished run is extended:
@@ -130,6 +135,8 @@ class LRAttnModule(Validation, Optimization, L.LightningModule):
         self.cfg = cfg
         if muon_variant not in MUON_VARIANTS:
             raise InputError(f"model.muon_variant: unknown '{muon_variant}'; use one of {', '.join(MUON_VARIANTS)}")
+        if muon_dtype not in get_args(MuonDtype):
+            raise InputError(f"model.muon_dtype: '{muon_dtype}' is not one of {', '.join(get_args(MuonDtype))}")
         self.momentum_schedule = MomentumSchedule(  # checked now, before any work
             peak=muon_momentum, low=muon_momentum_min, warmup_steps=muon_momentum_warmup_steps,
             cooldown_steps=muon_momentum_cooldown_steps)

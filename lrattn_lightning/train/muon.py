@@ -19,12 +19,23 @@ normalised so that its spectral norm is at most 1; on singular values p acts as 
   * Newton-Schulz with one fixed quintic (3.4445, -4.7750, 2.0315), five times, all in bfloat16:
     torch.optim.Muon's orthogonaliser (on random matrices the singular values end in about [0.68, 1.14]).
 
-Both return bfloat16, as their originals do; the normalisation statistics are taken of that bfloat16 O.
+The dtype of the iteration (`dtype`, the optimiser's `orthogonalizer_dtype`, LRAttnModule's `muon_dtype`):
+  * bfloat16: the originals' rounding, exactly (the recipe parity tests run it); the result is bfloat16 and the
+    normalisation statistics are taken of that bfloat16 O;
+  * float32: the same polynomials with every step in float32 (no rounding to bfloat16 anywhere), Polar Express as
+    three GEMMs an iteration: the faster one without native bfloat16, and for Polar Express everywhere (its
+    bfloat16 path multiplies in float32 too); O differs from bfloat16's by a median 10 % on real directions
+    (docs/benchmarks.md "Muon in float32 and batched").
+`resolve_muon_dtype` turns `auto` into one of them for a device.
+
+Both orthogonalisers take a matrix (m, n) or a batch of same-shape matrices (B, m, n), each orthogonalised on its
+own: the optimiser stacks a group's same-shape matrices into one call.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from typing import Literal, get_args
 
 import torch
@@ -33,6 +44,9 @@ from lrattn_lightning.core.errors import InputError
 
 Orthogonalizer = Literal["polar_express", "newton_schulz"]
 UpdateScale = Literal["original", "match_rms_adamw"]
+OrthogonalizerDtype = Literal["bfloat16", "float32"]  # what an iteration runs in
+MuonDtype = Literal["auto", "bfloat16", "float32"]  # the setting: auto resolves per device (resolve_muon_dtype)
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 # (a, b, c) per Polar Express iteration: the paper's composition for l = 1e-3, cushion 0.02, safety 1.02
 # (tests/test_optim.py derives them again from the minimax conditions).
@@ -47,35 +61,84 @@ NEWTON_SCHULZ_COEFFS = (3.4445, -4.7750, 2.0315)
 NEWTON_SCHULZ_STEPS = 5
 
 
-def polar_express(g: torch.Tensor) -> torch.Tensor:
-    """Polar Express on a matrix; bfloat16 result of the same shape."""
-    x = g.bfloat16()
-    wide = x.mT if g.size(-2) > g.size(-1) else x  # iterate on the wide orientation: X X^T is the small Gram
+def polar_express(g: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Polar Express on a matrix (m, n) or a batch (B, m, n); a result of the same shape in `dtype`.
+    bfloat16: the reference's sequence, rounded to bfloat16 between iterations and float32 inside each; float32:
+    float32 throughout, each iteration three GEMMs (A = X X^T; P = b A + c A A; X <- a X + P X, the sums inside the
+    GEMMs), so no pass over X outside them."""
+    x = g.to(dtype)
+    tall = g.size(-2) > g.size(-1)
+    wide = x.mT if tall else x  # iterate on the wide orientation: X X^T is the small Gram
     # ||X||_F bounds the spectral norm; the 2 % cushion keeps rounding from pushing it past 1
     x = wide / (wide.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
     for a, b, c in POLAR_EXPRESS_COEFFS:
+        if dtype == torch.float32:
+            gram = x @ x.mT
+            x = _addmm(x, _addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+            continue
         xf = x.float()
-        gram = xf @ xf.mT  # (m, m)
+        gram = xf @ xf.mT  # (B, m, m)
         poly = b * gram + c * (gram @ gram)
-        x = (a * xf + poly @ xf).bfloat16()  # a X + (b A + c A^2) X
-    return x.mT if g.size(-2) > g.size(-1) else x
+        x = (a * xf + poly @ xf).to(dtype)  # a X + (b A + c A^2) X
+    return x.mT if tall else x
 
 
-def newton_schulz(g: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
-    """torch.optim.Muon's quintic Newton-Schulz iteration; bfloat16 result of the same shape."""
+def _addmm(bias: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, beta: float, alpha: float = 1.0) -> torch.Tensor:
+    """beta * bias + alpha * m1 @ m2 in one call: torch.addmm on matrices (torch.optim.Muon's), baddbmm on batches."""
+    return (torch.addmm if m1.ndim == 2 else torch.baddbmm)(bias, m1, m2, beta=beta, alpha=alpha)
+
+
+def newton_schulz(g: torch.Tensor, dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7) -> torch.Tensor:
+    """torch.optim.Muon's quintic Newton-Schulz iteration on a matrix (m, n) or a batch (B, m, n), every step in
+    `dtype` (bfloat16: torch's); a result of the same shape in `dtype`."""
     a, b, c = NEWTON_SCHULZ_COEFFS
-    tall = g.size(0) > g.size(1)
-    x = g.bfloat16()
-    x = x.T if tall else x
-    x = x / x.norm().clamp(min=eps)
+    tall = g.size(-2) > g.size(-1)
+    x = g.to(dtype)
+    x = x.mT if tall else x
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
     for _ in range(NEWTON_SCHULZ_STEPS):
-        gram = x @ x.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A^2
-        x = torch.addmm(x, poly, x, beta=a)  # a X + (b A + c A^2) X
-    return x.T if tall else x
+        gram = x @ x.mT
+        poly = _addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A^2
+        x = _addmm(x, poly, x, beta=a)  # a X + (b A + c A^2) X
+    return x.mT if tall else x
 
 
 ORTHOGONALIZERS = {"polar_express": polar_express, "newton_schulz": newton_schulz}
+
+
+# ---- which dtype `auto` means on a device ------------------------------------------------------------------------
+# What decides "native bfloat16": a CUDA (or ROCm) device that computes it (compute capability >= 8.0); a CPU with
+# AMX tiles (Sapphire Rapids and later) or AVX-512 BF16 (Cooper Lake, Zen 4 and later), which oneDNN's bfloat16
+# matmuls use. torch.backends.cpu.get_cpu_capability() says only AVX512 / AVX2, not whether BF16 is among them;
+# the CPU probes are private in torch (2.13), so where one is missing it counts as False.
+TORCH_PROBES: dict[str, Callable[[], bool]] = {
+    "cuda_bf16": lambda: torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False),
+    "cpu_amx": lambda: bool(getattr(torch.cpu, "_is_amx_tile_supported", bool)()),
+    "cpu_avx512_bf16": lambda: bool(getattr(torch.cpu, "_is_avx512_bf16_supported", bool)()),
+}
+
+
+def native_bfloat16(device_type: str, probes: Mapping[str, Callable[[], bool]] = TORCH_PROBES) -> bool:
+    """Whether a device of this type computes bfloat16 natively (`probes`: torch's, or a test's)."""
+    if device_type == "cuda":
+        return probes["cuda_bf16"]()
+    if device_type == "cpu":
+        return probes["cpu_amx"]() or probes["cpu_avx512_bf16"]()
+    return False  # mps, xpu, ...: float32 until measured
+
+
+def resolve_muon_dtype(setting: str, device_type: str,
+                       probes: Mapping[str, Callable[[], bool]] = TORCH_PROBES) -> OrthogonalizerDtype:
+    """The orthogonalisers' dtype for `setting` (auto | bfloat16 | float32) on a device: auto is bfloat16 where the
+    device computes it natively, float32 elsewhere, where emulated bfloat16 matmuls cost several times float32
+    ones. Natively, Newton-Schulz's bfloat16 matmuls are the faster ones; Polar Express keeps float32 matmuls
+    inside its bfloat16 iterations (the reference's rounding), so there bfloat16 buys the paper's numbers, not
+    speed (docs/benchmarks.md "Muon in float32 and batched")."""
+    if setting not in get_args(MuonDtype):
+        raise InputError(f"muon_dtype: '{setting}' is not one of {', '.join(get_args(MuonDtype))}")
+    if setting != "auto":
+        return setting  # type: ignore[return-value]
+    return "bfloat16" if native_bfloat16(device_type, probes) else "float32"
 
 
 def update_scale(rule: str, shape: torch.Size) -> float:
@@ -102,17 +165,14 @@ def normalize_neurons(o: torch.Tensor, variance: torch.Tensor, beta2: float) -> 
     return out * (norm / out.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-10))
 
 
-def muon_direction(grad: torch.Tensor, state: dict, group: dict, whole=None) -> torch.Tensor:
-    """The orthogonalised (and optionally normalised) direction O for one matrix, before lr and scale.
-    `state` holds the momentum buffer (and the variance EMA); `group` the options. Under FSDP grad and the
-    buffer are this rank's rows and `whole(u)` gathers the whole matrix, whose O every rank then computes."""
+def momentum_direction(grad: torch.Tensor, buf: torch.Tensor, group: dict) -> torch.Tensor:
+    """U, the direction to orthogonalise: M <- mu M + (1 - mu) G (in place), then U = (1 - mu) G + mu M (nesterov)
+    or M itself."""
     momentum = group["momentum"]
-    buf = state["momentum_buffer"]
     buf.lerp_(grad, 1 - momentum)
-    u = grad.lerp(buf, momentum) if group["nesterov"] else buf
-    if whole is not None:
-        u = whole(u)
-    o = ORTHOGONALIZERS[group["orthogonalizer"]](u)
-    if group["variance_beta2"] is not None:
-        o = normalize_neurons(o, state["variance"], group["variance_beta2"])
-    return o
+    return grad.lerp(buf, momentum) if group["nesterov"] else buf
+
+
+def orthogonalize(u: torch.Tensor, group: dict) -> torch.Tensor:
+    """O for a matrix or a batch of same-shape matrices, by the group's orthogonaliser in its dtype."""
+    return ORTHOGONALIZERS[group["orthogonalizer"]](u, DTYPES[group["orthogonalizer_dtype"]])

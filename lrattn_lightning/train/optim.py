@@ -16,10 +16,17 @@ The Muon update itself (lrattn_lightning/train/muon.py) comes in two variants:
 adjust_lr_fn="match_rms_adamw". Cautious decay shrinks a weight only where the update has its sign:
 W <- W - lr * lambda * [O * W >= 0] * W. Plain decoupled decay: W <- (1 - lr * lambda) W.
 
+Muon's step orthogonalises a group's same-shape matrices (8 layers' q/k/v, o, fc1, fc2: four shapes) as one batch
+(B, m, n) per shape, at most MAX_BATCH_ELEMENTS elements a call; each matrix keeps its own momentum buffer and
+second moment, and its O equals the one-matrix call's to rounding (`max_batch_elements=1`: one matrix a call).
+The orthogonalisers run in `orthogonalizer_dtype` (bfloat16: the reference's rounding; float32), which `auto`
+resolves per device when the optimiser is built (muon.py resolve_muon_dtype).
+
 Under FSDP2 (`--trainer.strategy fsdp`) parameters, gradients and optimiser state are sharded by rows
-(DTensors): AdamW updates each rank's rows; Muon gathers each matrix's momentum direction whole (bfloat16,
-exact: both orthogonalisers round to it first), every rank orthogonalises it and keeps its own rows of O; the
-neuron-wise second moment is kept whole on every rank. One process and FSDP agree to rounding (tests/test_fsdp.py).
+(DTensors): AdamW updates each rank's rows; Muon gathers each matrix's momentum direction whole (in the
+orthogonaliser's dtype, so exactly what one process orthogonalises: bfloat16 moves half the bytes of float32),
+every rank orthogonalises it and keeps its own rows of O; the neuron-wise second moment is kept whole on every
+rank. One process and FSDP agree to rounding (tests/test_fsdp.py).
 
 Schedule (`WarmupStableDecay`, one scheduler, state in the checkpoint): the learning rate warms up
 linearly over `warmup_steps`, stays, then decays linearly over the last `decay_fraction` of the run to
@@ -29,6 +36,7 @@ first steps and falls back over the last ones (the reference: 0.85 -> 0.95 over 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -38,9 +46,14 @@ from torch import nn
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.train.muon import (
+    DTYPES,
+    MuonDtype,
     Orthogonalizer,
     UpdateScale,
-    muon_direction,
+    momentum_direction,
+    normalize_neurons,
+    orthogonalize,
+    resolve_muon_dtype,
     update_scale,
     variance_shape,
 )
@@ -50,7 +63,15 @@ MUON_VARIANTS: dict[str, dict[str, Any]] = {
     "reference": {"orthogonalizer": "polar_express", "scale": "original", "variance_beta2": 0.95, "cautious": True},
     "torch": {"orthogonalizer": "newton_schulz", "scale": "match_rms_adamw", "variance_beta2": None, "cautious": False},
 }
-MUON_DEFAULTS = {"lr": 1e-3, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True, **MUON_VARIANTS["reference"]}
+# orthogonalizer_dtype: the reference's bfloat16 for an optimiser built directly; LRAttnModule passes its muon_dtype
+MUON_DEFAULTS = {"lr": 1e-3, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True, "orthogonalizer_dtype": "bfloat16",
+                 **MUON_VARIANTS["reference"]}
+# what a resumed run must share with its checkpoint's Muon group (torch would restore the saved values silently);
+# a checkpoint from before orthogonalizer_dtype ran bfloat16
+MUON_RESUME_KEYS = {**{key: None for key in MUON_VARIANTS["reference"]}, "orthogonalizer_dtype": "bfloat16"}
+# one batched orthogonalisation holds at most this many elements (B m n): 256 MB in float32, which bounds its
+# temporaries (and, under FSDP, the whole matrices gathered at once) at any model size
+MAX_BATCH_ELEMENTS = 1 << 26
 ADAMW_DEFAULTS = {"lr": 3e-4, "weight_decay": 0.0, "betas": (0.9, 0.95), "eps": 1e-8}
 # 2-D parameters that stay with AdamW: the token embedding and the LM head (matched as whole name components,
 # also under a wrapper's prefix such as `_orig_mod.`), and what the routing kind says of its router's.
@@ -100,6 +121,8 @@ def _check_group(i: int, group: dict) -> None:
         raise bad("momentum", f"{group['momentum']} must lie in [0, 1)")
     if group["orthogonalizer"] not in get_args(Orthogonalizer):
         raise bad("orthogonalizer", f"'{group['orthogonalizer']}' is not one of {', '.join(get_args(Orthogonalizer))}")
+    if group["orthogonalizer_dtype"] not in DTYPES:
+        raise bad("orthogonalizer_dtype", f"'{group['orthogonalizer_dtype']}' is not one of {', '.join(get_args(MuonDtype))}")
     if group["scale"] not in get_args(UpdateScale):
         raise bad("scale", f"'{group['scale']}' is not one of {', '.join(get_args(UpdateScale))}")
     beta2 = group["variance_beta2"]
@@ -114,10 +137,13 @@ class MuonWithAuxAdamW(torch.optim.Optimizer):
     """Muon for the groups with `use_muon=True`, AdamW for the others; one optimiser, one `state`.
 
     Each group carries its own options: Muon groups lr, weight_decay, momentum, nesterov, orthogonalizer,
-    scale, variance_beta2 (None: off), cautious; AdamW groups lr, weight_decay, betas, eps.
+    orthogonalizer_dtype (auto | bfloat16 | float32; auto is resolved here, for the device of the group's first
+    parameter), scale, variance_beta2 (None: off), cautious; AdamW groups lr, weight_decay, betas, eps.
+    max_batch_elements: the most elements one batched orthogonalisation holds (1: one matrix a call).
     """
 
-    def __init__(self, param_groups: Iterable[dict]):
+    def __init__(self, param_groups: Iterable[dict], max_batch_elements: int = MAX_BATCH_ELEMENTS):
+        self.max_batch_elements = max_batch_elements
         groups = []
         for i, group in enumerate(param_groups):
             if "use_muon" not in group:
@@ -127,6 +153,9 @@ class MuonWithAuxAdamW(torch.optim.Optimizer):
             if unknown:
                 raise InputError(f"param group {i}: unknown option(s) {', '.join(sorted(unknown))}")
             group = {**defaults, **group, "params": list(group["params"])}
+            if group["use_muon"] and group["orthogonalizer_dtype"] == "auto":
+                device = group["params"][0].device.type if group["params"] else "cpu"
+                group["orthogonalizer_dtype"] = resolve_muon_dtype("auto", device)
             _check_group(i, group)
             groups.append(group)
         super().__init__(groups, {})
@@ -136,12 +165,20 @@ class MuonWithAuxAdamW(torch.optim.Optimizer):
             raise InputError("optimizer state: written by the old two-part MuonAdamW wrapper, which this version "
                              "cannot resume; start the run again (or load only its weights)")
         # torch restores every group option from the state; the update rule must not change silently
+        state_dict = {**state_dict, "param_groups": [dict(g) for g in state_dict["param_groups"]]}
         for saved, now in zip(state_dict["param_groups"], self.param_groups, strict=False):
-            for key in ("use_muon", *(MUON_VARIANTS["reference"] if now["use_muon"] else ())):
-                if saved.get(key) != now[key]:
+            if saved.get("use_muon") != now["use_muon"]:
+                raise InputError(f"optimizer state: group '{now.get('name')}' was trained with use_muon="
+                                 f"{saved.get('use_muon')!r}, this run has {now['use_muon']!r}; resume with the same "
+                                 "optimizer")
+            for key, before in (MUON_RESUME_KEYS.items() if now["use_muon"] else ()):
+                saved.setdefault(key, before)
+                if saved[key] != now[key]:
+                    flag, fix = (("model.muon_dtype", f"pass --model.muon_dtype {saved[key]} (auto resolves per "
+                                  "device)") if key == "orthogonalizer_dtype" else
+                                 ("model.muon_variant", "resume with the same variant"))
                     raise InputError(f"optimizer state: group '{now.get('name')}' was trained with {key}="
-                                     f"{saved.get(key)!r}, this run has {now[key]!r} (model.muon_variant); "
-                                     "resume with the same variant")
+                                     f"{saved[key]!r}, this run has {now[key]!r} ({flag}); {fix}")
         super().load_state_dict(state_dict)
 
     @torch.no_grad()
@@ -151,22 +188,48 @@ class MuonWithAuxAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon_group_step(group)
+                continue
             for p in group["params"]:
                 if p.grad is not None:
-                    (self._muon_step if group["use_muon"] else self._adamw_step)(p, group)
+                    self._adamw_step(p, group)
         return loss
 
-    def _muon_step(self, p: torch.Tensor, group: dict) -> None:
+    def _muon_group_step(self, group: dict) -> None:
+        """Muon on a group, a batch of same-shape matrices at a time: each one's direction U (whole under FSDP),
+        O of the batch (B, m, n) in one call, normalised against each matrix's own second moment, then each update."""
+        params = [p for p in group["params"] if p.grad is not None]
+        for batch in same_shape_batches([p.shape for p in params], self.max_batch_elements):
+            ps = [params[i] for i in batch]
+            us = [self._direction(p, group) for p in ps]
+            o = orthogonalize(us[0] if len(ps) == 1 else torch.stack(us), group)  # (m, n) or (B, m, n)
+            if group["variance_beta2"] is not None:
+                variances = [self.state[p]["variance"] for p in ps]
+                v = variances[0] if len(ps) == 1 else torch.stack(variances)
+                o = normalize_neurons(o, v, group["variance_beta2"])  # updates v, the EMA of O's mean squares
+                if len(ps) > 1:
+                    for old, new in zip(variances, v, strict=True):
+                        old.copy_(new)
+            for p, o_p in zip(ps, [o] if len(ps) == 1 else o.unbind(0), strict=True):
+                self._muon_update(p, o_p, group)
+
+    def _direction(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """U of matrix p from its gradient and momentum buffer (made here at the first step), the whole matrix."""
         state = self.state[p]
         if not state:
             state["momentum_buffer"] = torch.zeros_like(p)  # sharded like p under FSDP (a DTensor)
             if group["variance_beta2"] is not None:  # one entry per row or column of the whole matrix, replicated
                 state["variance"] = torch.zeros(variance_shape(p.shape), device=_local(p).device, dtype=p.dtype)
+        u = momentum_direction(_local(p.grad), _local(state["momentum_buffer"]), group)
         if _is_sharded(p):  # FSDP2: this rank's rows; Muon orthogonalises the whole matrix (gathered)
-            o = _rows_of(p, muon_direction(_local(p.grad), {**state, "momentum_buffer": _local(state["momentum_buffer"])},
-                                           group, whole=lambda u: _whole(p, u)))
-        else:
-            o = muon_direction(p.grad, state, group)
+            return _whole(p, u, DTYPES[group["orthogonalizer_dtype"]])
+        return u
+
+    def _muon_update(self, p: torch.Tensor, o: torch.Tensor, group: dict) -> None:
+        """W <- W - lr (lambda decay) - lr scale O, with O the whole matrix's direction (FSDP: p's rows of it)."""
+        if _is_sharded(p):
+            o = _rows_of(p, o)
         w = _local(p)
         lr, wd = group["lr"], group["weight_decay"]
         if wd > 0 and group["cautious"]:
@@ -193,6 +256,19 @@ class MuonWithAuxAdamW(torch.optim.Optimizer):
         w.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
 
 
+def same_shape_batches(shapes: list[torch.Size], max_elements: int) -> list[list[int]]:
+    """Indices of the matrices of each shape (in order of first appearance), cut into batches of at most
+    max_elements elements (a matrix larger than that: a batch of its own)."""
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, shape in enumerate(shapes):
+        by_shape.setdefault(tuple(shape), []).append(i)
+    batches = []
+    for shape, indices in by_shape.items():
+        per = max(1, max_elements // math.prod(shape))
+        batches += [indices[k:k + per] for k in range(0, len(indices), per)]
+    return batches
+
+
 # ---- FSDP2: parameters sharded by rows (DTensor, Shard(0) over the data-parallel mesh) -----------------------
 def _is_sharded(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor"
@@ -203,12 +279,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if _is_sharded(t) else t
 
 
-def _whole(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """The whole matrix from every rank's rows `local`, laid out as parameter p is (an all-gather), in bfloat16:
-    both orthogonalisers round their input to bfloat16 first, so gathering it rounded is exact and moves half."""
+def _whole(p: torch.Tensor, local: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The whole matrix from every rank's rows `local`, laid out as parameter p is (an all-gather), in `dtype`, the
+    orthogonaliser's: it rounds its input to that dtype first, so gathering it rounded is exact (and bfloat16
+    moves half the bytes)."""
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local.bfloat16(), p.device_mesh, p.placements, shape=p.shape,
+    return DTensor.from_local(local.to(dtype), p.device_mesh, p.placements, shape=p.shape,
                               stride=p.stride()).full_tensor()
 
 
@@ -243,6 +320,7 @@ def build_optimizer(
     muon_weight_decay: float,
     muon_momentum: float = 0.95,
     muon_variant: str = "reference",
+    muon_dtype: str = "auto",
 ) -> torch.optim.Optimizer:
     muon_params, adamw_params = split_parameters(model)
     if kind == "adamw":
@@ -257,8 +335,18 @@ def build_optimizer(
                "weight_decay": weight_decay}]
     if muon_params:
         groups.insert(0, {"params": muon_params, "use_muon": True, "name": "muon", "lr": muon_lr,
-                          "weight_decay": muon_weight_decay, "momentum": muon_momentum, **MUON_VARIANTS[muon_variant]})
+                          "weight_decay": muon_weight_decay, "momentum": muon_momentum,
+                          "orthogonalizer_dtype": muon_dtype, **MUON_VARIANTS[muon_variant]})
     return MuonWithAuxAdamW(groups)
+
+
+def muon_dtype_of(optimizers: Iterable[torch.optim.Optimizer]) -> str | None:
+    """The dtype Muon's orthogonalisers run in (auto resolved), or None where no optimiser has a Muon group."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            if group.get("use_muon"):
+                return group["orthogonalizer_dtype"]
+    return None
 
 
 def wsd_lambda(total_steps: int, warmup_steps: int, decay_fraction: float, final_lr_fraction: float) -> Callable[[int], float]:

@@ -18,7 +18,7 @@ class Optimization:
         return build_optimizer(
             self.model, kind=hp.optimizer, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
             muon_lr=hp.muon_lr, muon_weight_decay=hp.muon_weight_decay, muon_momentum=hp.muon_momentum,
-            muon_variant=hp.muon_variant,
+            muon_variant=hp.muon_variant, muon_dtype=hp.muon_dtype,
         )
 
     def configure_optimizers(self) -> dict:
