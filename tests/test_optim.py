@@ -16,14 +16,8 @@ from test_training import cli_subprocess, fit_args, losses_by_step, only_run, ti
 from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.train.lit_module import LRAttnModule
 from lrattn_lightning.train.muon import ORTHOGONALIZERS, POLAR_EXPRESS_COEFFS, newton_schulz, polar_express
-from lrattn_lightning.train.optim import (
-    MUON_VARIANTS,
-    MomentumSchedule,
-    MuonWithAuxAdamW,
-    WarmupStableDecay,
-    build_optimizer,
-    split_parameters,
-)
+from lrattn_lightning.train.optim import MUON_VARIANTS, MuonWithAuxAdamW, build_optimizer, split_parameters
+from lrattn_lightning.train.schedule import MomentumSchedule, WarmupStableDecay
 
 GOLDEN = torch.load(Path(__file__).parent / "golden" / "muon_reference.pt", weights_only=True)
 
@@ -367,7 +361,7 @@ def test_other_bad_options(registry):
 def test_lr_schedule_is_the_references_warmup_stable_linear_warmdown(total, warmup):
     """The paper's schedule restated: (s + 1) / warmup, then 1, then over the last W = int(0.2 T) steps
     0.1 + 0.9 (T - s) / W. At T = 38146 the warmdown starts at step 30517 (it started one step early)."""
-    from lrattn_lightning.train.optim import wsd_lambda
+    from lrattn_lightning.train.schedule import wsd_lambda
 
     factor = wsd_lambda(total, warmup, 0.2, 0.1)
     W = int(0.2 * total)

@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     except stop.StopSignal as how:
         if launched_as_rank_zero():  # (the other ranks of `eval --devices N` end with the same code, quietly)
             print(f"lrattn: {command} stopped by {how.name}; {NOTHING_TO_SAVE[command]}", file=sys.stderr)
+        else:  # a launched rank gets the group's Ctrl-C and the one rank 0 passes on: the second must not land
+            stop.ignore_stop_signals()  # as a KeyboardInterrupt in a finaliser, with its traceback
         return how.exit_code
     except KeyboardInterrupt:  # Ctrl-C where the command does not take it itself (while it is imported, chat, ...)
         print(f"lrattn: {command} stopped by SIGINT", file=sys.stderr)

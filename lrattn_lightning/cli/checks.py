@@ -163,7 +163,7 @@ def check_schedule(cfg, stored: dict, ckpt_path: str) -> None:
     steps at its final values, as a run launched with those two flags would (how a finished run is extended).
     With --model.allow_schedule_change the new length is taken when the two schedules agree on every step so far:
     the run then equals one launched with the new length (extending the stable phase, decay at the new end)."""
-    from lrattn_lightning.train.optim import MomentumSchedule, first_schedule_difference
+    from lrattn_lightning.train.schedule import MomentumSchedule, first_schedule_difference
 
     m, steps = cfg.model, cfg.trainer.max_steps
     old, step = stored["schedule"].get("total_steps"), stored.get("global_step") or 0

@@ -320,7 +320,7 @@ class CheckpointContents(Callback):
 # ---- step monitors: `lrattn fit` installs them -----------------------------------------------------------
 class MuonMomentumMonitor(Callback):
     """`train/momentum/<group>` of each Muon group at each logged step, beside LearningRateMonitor's
-    `train/lr/<group>`: the momentum the scheduler (train/optim.py WarmupStableDecay) set for that step."""
+    `train/lr/<group>`: the momentum the scheduler (train/schedule.py WarmupStableDecay) set for that step."""
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         for optimizer in trainer.optimizers:

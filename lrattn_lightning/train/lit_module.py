@@ -38,13 +38,9 @@ from lrattn_lightning.train.checkpoint.compat import check_loaded
 from lrattn_lightning.train.checkpoint.stop import NonFiniteLossError
 from lrattn_lightning.train.losses import token_losses
 from lrattn_lightning.train.muon import MuonDtype
-from lrattn_lightning.train.optim import (
-    MUON_VARIANTS,
-    MomentumSchedule,
-    MuonVariant,
-    sharded_grad_norm,
-)
+from lrattn_lightning.train.optim import MUON_VARIANTS, MuonVariant, sharded_grad_norm
 from lrattn_lightning.train.optimization import Optimization
+from lrattn_lightning.train.schedule import MomentumSchedule
 from lrattn_lightning.train.validation import Validation
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lrattn_lightning.core.errors import InputError
+
 IGNORE_INDEX = -100  # F.cross_entropy's default: such a target is left out of the cross-entropy (not of z)
 CHUNK_BYTES = 256 * 2**20  # the float32 working set of one chunk of rows (V = 100277: 669 rows)
 
@@ -32,7 +34,7 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor, *,
     logits_NV = logits.flatten(0, -2)
     targets_N = targets.flatten()
     if logits_NV.shape[0] != targets_N.shape[0]:
-        raise ValueError(f"token_losses: {tuple(logits.shape)} logits against {tuple(targets.shape)} targets")
+        raise InputError(f"token_losses: {tuple(logits.shape)} logits against {tuple(targets.shape)} targets")
     return FusedTokenLosses.apply(logits_NV, targets_N, rows_per_chunk(logits_NV, chunk_bytes))
 
 

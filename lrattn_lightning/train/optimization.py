@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from lrattn_lightning.core.errors import InputError
-from lrattn_lightning.train.optim import WarmupStableDecay, build_optimizer
+from lrattn_lightning.train.optim import build_optimizer
+from lrattn_lightning.train.schedule import WarmupStableDecay
 
 
 class Optimization:

@@ -125,25 +125,26 @@ def _raise_stop(signum: int, _frame: Any = None) -> None:
 def stop_signals_raise() -> Iterator[None]:
     """Inside, SIGTERM, SIGINT or SIGHUP raises StopSignal in the main thread (Ctrl-C no longer ends in a
     KeyboardInterrupt traceback, SIGTERM no longer kills without a word). A SIGINT or SIGHUP ignored at launch
-    stays ignored; the handlers before are restored after, unless a stop signal came: then the process is
-    ending, and the ones still to come (the group's Ctrl-C and the one a parent rank passes on) are ignored, so
-    that none lands as a KeyboardInterrupt in a finaliser ("Exception ignored in ..." and its traceback)."""
+    stays ignored; the handlers before are restored after (a launched rank that stopped ignores the ones still
+    to come: cli/__init__.py)."""
     global HELD_SIGNAL, _HOLD
     HELD_SIGNAL, _HOLD = 0, False
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     before = _install(_raise_stop)
-    stopped = False
     try:
         yield
-    except StopSignal:
-        stopped = True
-        raise
     finally:
         for signum, handler in before.items():
-            signal.signal(signum, signal.SIG_IGN if stopped else handler)
+            signal.signal(signum, handler)
         PASS_ON.clear()
+
+
+def ignore_stop_signals() -> None:
+    """For a process that is ending on a stop signal and has nothing left to do."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 @contextlib.contextmanager
