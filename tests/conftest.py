@@ -22,6 +22,12 @@ import torch
 from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig, fit_to_size
 from lrattn_lightning.model.registry import Registry, load_registry
 
+# A suite started in the background of a non-interactive shell (`cmd &`) inherits SIGINT ignored, and so would every
+# process it starts, which keeps SIGINT ignored as `nohup` would: the Ctrl-C tests need it as a terminal gives it
+# (the tests of a signal ignored at launch ignore it themselves).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REGISTRY_PATH = REPO_ROOT / "registry.yaml"
 # RMSNorm epsilon of float32 tensors: torch's default finfo(float32).eps, as in the paper's code

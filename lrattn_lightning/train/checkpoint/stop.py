@@ -64,24 +64,26 @@ def stop_signals_noted() -> Iterator[None]:
     the handlers before are restored after."""
     global NOTED_SIGNAL
     NOTED_SIGNAL = 0
+    with _handling(note_stop_signal):
+        yield
+
+
+@contextlib.contextmanager
+def _handling(handler: Any) -> Iterator[None]:
+    """Inside, `handler` takes every stop signal but a SIGINT or SIGHUP ignored at launch (nohup); the handlers
+    before are restored after. Only the main thread can install handlers: elsewhere, nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = _install(note_stop_signal)
-    try:
-        yield
-    finally:
-        for signum, handler in before.items():
-            signal.signal(signum, handler)
-
-
-def _install(handler: Any) -> dict[int, Any]:
-    """`handler` for every stop signal but a SIGINT or SIGHUP ignored at launch (nohup); the handlers before."""
     before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     for signum, previous in before.items():
         if signum == signal.SIGTERM or previous is not signal.SIG_IGN:
             signal.signal(signum, handler)
-    return before
+    try:
+        yield
+    finally:
+        for signum, previous in before.items():
+            signal.signal(signum, previous)
 
 
 class StopSignal(BaseException):
@@ -129,15 +131,10 @@ def stop_signals_raise() -> Iterator[None]:
     to come: cli/__init__.py)."""
     global HELD_SIGNAL, _HOLD
     HELD_SIGNAL, _HOLD = 0, False
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    before = _install(_raise_stop)
     try:
-        yield
+        with _handling(_raise_stop):
+            yield
     finally:
-        for signum, handler in before.items():
-            signal.signal(signum, handler)
         PASS_ON.clear()
 
 
