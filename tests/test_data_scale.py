@@ -529,3 +529,27 @@ def test_a_disk_that_fills_while_writing_is_one_line_and_leaves_nothing(tmp_path
     assert done.stdout.strip() == "exit=2", (done.stdout, done.stderr[-3000:])  # and `ls -A disk` printed nothing
     assert len(lines) == 1 and lines[0].startswith("lrattn: error: no space left on the device of ") and \
         "the unfinished folder is removed" in lines[0], done.stderr[-3000:]
+
+
+def test_hugging_face_datasets_keep_long_documents(small, tmp_path, monkeypatch):
+    """A saved dataset and `hf:DIR` (streamed by datasets), a row over LONG_CHARS first: `check` reads that row
+    without a spool (it raised), and both keep every document."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    docs = [text_of(n, i) for i, n in enumerate([500, 3, 64, 65, 2000, 10])]
+    datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "hfdir").mkdir()
+    pq.write_table(pa.table({"text": docs}), tmp_path / "hfdir" / "train.parquet")
+    for name, source in (("saved", str(tmp_path / "saved")), ("hf", f"hf:{tmp_path / 'hfdir'}")):
+        prepare([source], tmp_path / f"out-{name}", val_fraction=0.5, **QUICK)
+        assert read_back(tmp_path / f"out-{name}") == expected(docs), name
+
+
+def test_empty_documents_are_counted_once_when_bpe_reads_the_corpus_twice(tmp_path):
+    docs = [f"document {i} " * 20 if i % 4 else "  \n " for i in range(40)]
+    meta = prepare(write(docs, "jsonl", tmp_path / "in"), tmp_path / "out", tokenizer="bpe:300", **QUICK)
+    assert meta["empty_documents_skipped"] == 10

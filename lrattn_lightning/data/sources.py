@@ -96,7 +96,7 @@ class HFInput:
             if not isinstance(text, str):
                 raise InputError(f"Hugging Face dataset '{self.name}': row {i} has {type(text).__name__} in "
                                  f"'{field}', not text; pass --text_field NAME of a text column")
-            if len(text) > LONG_CHARS:
+            if len(text) > LONG_CHARS and spool is not None:  # (`check` reads a row only to see its type)
                 built = TextBuilder(spool)
                 built.add(text)
                 yield built.document(None, f"{self.name}#{i}")
@@ -212,6 +212,8 @@ class Corpus:
         return sum(i.consumed for i in self.items)
 
     def documents(self, spool: Spool | None = None) -> Iterator[Document]:
+        """Every document; `empty` counts the skipped ones of this pass (BPE training reads the corpus twice)."""
+        self.empty = 0
         if self.builtin:
             yield from iter_documents(self.builtin)
             return
