@@ -29,17 +29,19 @@ SPLITS = ("train", "val")
 
 def key_hash(key: str, seed: int = 0) -> float:
     """A stable uniform number in [0, 1) for a key (a document's key, or its text)."""
-    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8, salt=seed.to_bytes(16, "little")).digest()
-    return int.from_bytes(digest, "big") / 2**64
+    return _uniform([key], seed)
 
 
 def text_hash(doc: Document, seed: int = 0) -> float:
     """key_hash of a document's text, a spooled one's read in blocks (the same number as for the text whole)."""
-    if doc.spool is None:
-        return key_hash(doc.text, seed)
+    return _uniform(doc.blocks(), seed)
+
+
+def _uniform(texts: Iterable[str], seed: int) -> float:
+    """blake2b (8 bytes, salted by `seed`) of the texts' UTF-8, one after the other, as a number in [0, 1)."""
     digest = hashlib.blake2b(digest_size=8, salt=seed.to_bytes(16, "little"))
-    for block in doc.blocks():
-        digest.update(block.encode("utf-8"))
+    for text in texts:
+        digest.update(text.encode("utf-8"))
     return int.from_bytes(digest.digest(), "big") / 2**64
 
 
