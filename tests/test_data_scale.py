@@ -553,3 +553,16 @@ def test_empty_documents_are_counted_once_when_bpe_reads_the_corpus_twice(tmp_pa
     docs = [f"document {i} " * 20 if i % 4 else "  \n " for i in range(40)]
     meta = prepare(write(docs, "jsonl", tmp_path / "in"), tmp_path / "out", tokenizer="bpe:300", **QUICK)
     assert meta["empty_documents_skipped"] == 10
+
+
+def test_progress_counts_each_pass_from_zero(tmp_path, capsys, monkeypatch):
+    """BPE training reads the corpus before the shards do: the second pass's progress starts again at 0 (it went
+    on counting, to 200 % of the input as its total)."""
+    docs = [f"document {i}: " + text_of(300, i) for i in range(200)]
+    source = write(docs, "jsonl.gz", tmp_path / "in")
+    monkeypatch.setattr(pipeline.Progress, "LOG_SECONDS", 0.0)
+    prepare(source, tmp_path / "out", tokenizer="bpe:300", progress=False, **QUICK)
+    size = (tmp_path / "in" / "c.jsonl.gz").stat().st_size
+    total = len(gzip.decompress((tmp_path / "in" / "c.jsonl.gz").read_bytes()))
+    logged = [line for line in capsys.readouterr().err.splitlines() if "ETA" in line]
+    assert size < total and logged[-1].startswith(f"[lrattn prepare] 100% of {total / 1e6:,.1f} MB read"), logged[-1]

@@ -199,7 +199,7 @@ class FileInput:
             yield from self._parquet_documents(spool)
             return
         raw, stream = self._open()
-        self._raw, stats = raw, TextStats(self.path)
+        self._raw, stats, self.consumed = raw, TextStats(self.path), 0  # (BPE training reads the corpus twice)
         try:
             with raw, stream:
                 if self.kind == "jsonl":
