@@ -255,3 +255,22 @@ def test_forward_in_float32_and_bfloat16(registry, name, dtype):
             assert torch.isfinite(w).any() and not torch.isinf(w).any()  # (NaN: a source a DWA leaves out)
             if cfg.kind.diagnostics == "depth_weights":  # a softmax over the sources
                 torch.testing.assert_close(w.sum(0), torch.ones_like(w[0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_rope_rotates_each_pair_bit_for_bit(dtype):
+    """apply_rope (x * cos + swap(x) * sin, either table layout, q and k stacked or not) against the pair formula
+    (x0 cos - x1 sin, x0 sin + x1 cos) computed on the unbound pairs: the same products and sums, so equal bits."""
+    from lrattn_lightning.model.decoder import apply_rope, rope_angles, rope_tables
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 2, 3, 8, dtype=dtype)  # (B, T, q/k, H, hd)
+    cos, sin = rope_angles(torch.arange(16), 8, 500000.0)
+    cdtype = torch.promote_types(dtype, torch.float32)
+    x0, x1 = x.to(cdtype).unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos.to(cdtype)[None, :, None, None, :], sin.to(cdtype)[None, :, None, None, :]
+    expected = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).to(dtype)
+    assert torch.equal(apply_rope(x, cos, sin), expected)
+    assert torch.equal(apply_rope(x, *rope_tables(cos, sin)), expected)
+    assert torch.equal(apply_rope(x[:, :, 0], cos, sin), expected[:, :, 0])  # (B, T, H, hd)
+    assert not torch.equal(apply_rope(x, cos, -sin), expected)  # the sign of the rotation matters

@@ -420,3 +420,31 @@ def test_resume_after_sigkill_in_decay_matches_uninterrupted_run(tiny_data, tmp_
     mom = losses_by_step(client, run_full.info.run_id, "train/momentum/muon")
     assert lr[0] < lr[3] == lr[12] == lr[18] > lr[19] > lr[23]  # decay starts from 1.0 at step 18
     assert mom[12] < mom[14] == mom[20] > mom[21] > mom[23] and mom[20] == pytest.approx(0.95)
+
+
+@pytest.mark.parametrize("clip", [1e-3, 0.0])
+def test_clipping_by_the_logged_norm_is_lightnings_clipping(tiny_data, clip):  # noqa: F811
+    """The module clips by the gradient norm it logs (one pass) instead of Lightning's second one: after two
+    optimizer steps, with clipping that bites (1e-3) and without, the weights are those of Lightning's own
+    configure_gradient_clipping (torch's clip_grad_norm_), and clipping changed them."""
+    import lightning as L
+
+    from lrattn_lightning.data.datamodule import TokenDataModule
+    from test_training import REGISTRY
+
+    class LightningsClipping(LRAttnModule):
+        configure_gradient_clipping = L.LightningModule.configure_gradient_clipping
+
+    def trained(cls, clip_val):
+        L.seed_everything(0)
+        trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, limit_val_batches=0,
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                            gradient_clip_val=clip_val)
+        module = cls(size="tiny", ablation="baseline", registry=REGISTRY, warmup_steps=1, lr=1e-2)
+        trainer.fit(module, datamodule=TokenDataModule(str(tiny_data), batch_size=2, seq_len=16))
+        return torch.cat([p.detach().flatten() for p in module.model.parameters()])
+
+    ours = trained(LRAttnModule, clip)
+    torch.testing.assert_close(ours, trained(LightningsClipping, clip), rtol=1e-6, atol=1e-7)
+    if clip:
+        assert not torch.allclose(ours, trained(LRAttnModule, 0.0), rtol=1e-4, atol=1e-6)

@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lrattn_lightning.cli import checks
 from lrattn_lightning.core.errors import UsageError
+from lrattn_lightning.core.malloc import keep_freed_memory
 from lrattn_lightning.core.names import check_name
 from lrattn_lightning.data.datamodule import TokenDataModule
 from lrattn_lightning.data.shards import validate_data_dir
@@ -423,6 +424,7 @@ def run_lightning(argv: list[str]) -> LRAttnCLI:
     args = None if argv == sys.argv[1:] else argv
     quiet_lightning()
     bound_yaml_values()
+    keep_freed_memory()  # each step's large arrays reuse the last step's pages (core/malloc.py)
     # `lrattn demo` and shipped recipe paths hand LightningCLI rewritten arguments on purpose
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
     return LRAttnCLI(

@@ -56,14 +56,28 @@ def rope_angles(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor,
     return angles.cos(), angles.sin()
 
 
+def rope_tables(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """The [T, head_dim/2] tables of rope_angles laid out per element [T, head_dim]: cos_i repeated for both
+    members of pair i, and sin_i signed (-sin_i for the pair's first member, +sin_i for its second)."""
+    return cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
+
+
 def apply_rope(x_BTHd: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) by position-dependent angles, in promote_types(dtype, float32)."""
+    """Rotate pairs (x[2i], x[2i+1]) by position-dependent angles, in promote_types(dtype, float32).
+
+    x: [B, T, ..., hd]; cos, sin: rope_angles' [T, hd/2] tables or rope_tables' [T, hd] ones (the decoder builds
+    those once per forward). As x * cos + swap(x) * sin with swap exchanging each pair's members: the same
+    products and sums, bit for bit, as (x0 cos - x1 sin, x0 sin + x1 cos), in three elementwise kernels and one
+    copy instead of seven.
+    """
+    if 2 * cos.shape[-1] == x_BTHd.shape[-1]:
+        cos, sin = rope_tables(cos, sin)
     cdtype = torch.promote_types(x_BTHd.dtype, torch.float32)
-    pairs = x_BTHd.to(cdtype).unflatten(-1, (-1, 2))  # (B, T, H, d/2, 2)
-    x0, x1 = pairs.unbind(-1)
-    cos, sin = cos.to(cdtype)[None, :, None, :], sin.to(cdtype)[None, :, None, :]
-    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return rotated.flatten(-2).to(x_BTHd.dtype)
+    x = x_BTHd.to(cdtype)
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    shape = (1, cos.shape[0]) + (1,) * (x.dim() - 3) + (cos.shape[-1],)  # broadcast over batch and heads
+    cos, sin = cos.to(cdtype).view(shape), sin.to(cdtype).view(shape)
+    return (x * cos + swapped * sin).to(x_BTHd.dtype)
 
 
 @dataclass
@@ -109,14 +123,17 @@ class CausalSelfAttention(nn.Module):
         [B, T, H, hd] become before the cache stores them and the attention uses them."""
         B, T, D = x_BTD.shape
         if kv_inputs is None:
-            q, k, v = self.qkv(x_BTD).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)  # (B, T, H, hd)
+            qkv = self.qkv(x_BTD).view(B, T, 3, self.n_heads, self.head_dim)
+            # QK-norm then RoPE, on q and k together (B, T, 2, H, hd): the same rows, half the kernels
+            q, k = apply_rope(rms_norm(qkv[:, :, :2]), cos, sin).unbind(2)  # (B, T, H, hd)
+            v = qkv[:, :, 2]
         else:
             w_q, w_k, w_v = self.qkv.weight.chunk(3, dim=0)
             q, k, v = (F.linear(x, w).view(B, T, self.n_heads, self.head_dim)
                        for x, w in zip((x_BTD, *kv_inputs), (w_q, w_k, w_v), strict=True))
+            q, k = apply_rope(rms_norm(q), cos, sin), apply_rope(rms_norm(k), cos, sin)  # QK-norm then RoPE
         if values is not None:
             v = values(v)
-        q, k = apply_rope(rms_norm(q), cos, sin), apply_rope(rms_norm(k), cos, sin)  # QK-norm then RoPE
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
         if cache is not None:
             past = cache.keys[layer]
@@ -257,7 +274,8 @@ class Decoder(nn.Module):
         start = 0 if cache is None else cache.length
         if start + T > size.seq_len:
             raise InputError(f"sequence of {start + T} tokens exceeds seq_len={size.seq_len} of size '{size.name}'")
-        cos, sin = rope_angles(torch.arange(start, start + T, device=idx.device), size.d_model // size.n_heads, size.rope_theta)
+        cos, sin = rope_tables(*rope_angles(torch.arange(start, start + T, device=idx.device),
+                                            size.d_model // size.n_heads, size.rope_theta))
         same_doc, segments = self._documents(idx, cache)
         x = self.embed(idx)  # (B, T, D)
         routing_cache = None

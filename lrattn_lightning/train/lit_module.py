@@ -18,7 +18,6 @@ import lightning as L
 import torch
 import torchmetrics
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import grad_norm
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.core.files import PACKAGE_ROOT
@@ -238,9 +237,7 @@ class LRAttnModule(Validation, Optimization, L.LightningModule):
         if getattr(self, "_sharded", False):  # FSDP: the total over every rank's shards
             self.log("train/grad_norm", sharded_grad_norm(self.model))
             return
-        norms = grad_norm(self.model, norm_type=2)  # Lightning's: per parameter and the total, before clipping
-        if norms:
-            self.log("train/grad_norm", norms["grad_2.0_norm_total"])
+        self.log("train/grad_norm", self.gradient_norm())  # before clipping; clipping reuses it (optimization.py)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.routing_control is not None:

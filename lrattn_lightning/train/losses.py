@@ -58,12 +58,21 @@ def rows_per_chunk(logits_NV: torch.Tensor, chunk_bytes: int) -> int:
 
 
 def chunk_logsumexp(x_RV: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """log sum_v exp(x_rv) per row in `dtype`, through one copy of the rows worked in place (torch.logsumexp
-    of a bf16 chunk's float32 copy would hold a second float32 chunk)."""
+    """log sum_v exp(x_rv) per row in `dtype`, through one working copy of the rows in `dtype`, worked in place
+    (torch.logsumexp of a bf16 chunk's float32 copy would hold a second float32 chunk)."""
     m_R = x_RV.amax(-1).to(dtype)
     m_R = torch.where(m_R.isinf(), 0, m_R)  # as torch.logsumexp: rows of -inf give -inf, a +inf gives +inf
-    p_RV = x_RV.to(dtype, copy=True)
-    return p_RV.sub_(m_R[:, None]).exp_().sum(-1).log_().add_(m_R)
+    return shifted(x_RV, m_R).exp_().sum(-1).log_().add_(m_R)
+
+
+def shifted(x_RV: torch.Tensor, m_R: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x - m[:, None] in m's dtype as one new (or `out`) array: the subtraction writes it where x already has that
+    dtype (one pass); bf16 rows are copied up first and shifted in place (on CPU a mixed-dtype subtraction would
+    hold a float32 copy of x besides its result)."""
+    if x_RV.dtype == m_R.dtype:
+        return torch.sub(x_RV, m_R[:, None], out=out)
+    p = x_RV.to(m_R.dtype, copy=True).sub_(m_R[:, None])
+    return p if out is None else out.copy_(p)
 
 
 class FusedTokenLosses(torch.autograd.Function):
@@ -93,11 +102,11 @@ class FusedTokenLosses(torch.autograd.Function):
         in_place = logits_NV.dtype == lse_N.dtype  # float32 / float64 logits: work in the gradient's own rows
         for s in range(0, N, rows):
             e = min(s + rows, N)
-            # (rows, V) in the compute dtype, worked in place: no working set beyond the gradient for float
-            # logits, one float32 chunk for bf16 ones (torch.sub of bf16 and float32 would upcast the bf16 rows
-            # into a second one)
-            p = grad_NV[s:e].copy_(logits_NV[s:e]) if in_place else logits_NV[s:e].to(lse_N.dtype, copy=True)
-            p.sub_(lse_N[s:e, None]).exp_().mul_(coef_N[s:e, None])
+            # (rows, V) in the compute dtype, x - lse written by the subtraction (into the gradient's own rows for
+            # float logits: no working set beyond it; one float32 chunk for bf16 ones, the promotion's result),
+            # then worked in place
+            p = shifted(logits_NV[s:e], lse_N[s:e], out=grad_NV[s:e] if in_place else None)
+            p.exp_().mul_(coef_N[s:e, None])
             p.scatter_add_(1, safe_N[s:e, None], -w_ce_N[s:e, None])
             if not in_place:
                 grad_NV[s:e] = p

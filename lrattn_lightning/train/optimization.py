@@ -35,6 +35,26 @@ class Optimization:
                                      self.momentum_schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step", "name": "train/lr"}}
 
+    def gradient_norm(self) -> torch.Tensor:
+        """The total L2 norm of the model's gradients in one foreach pass, kept for clipping by norm (below)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+        self._grad_norm = (norm, len(grads))
+        return norm
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Lightning's clipping, except that clipping by norm scales by the norm just logged (gradient_norm, called
+        by on_before_optimizer_step: the same gradients; torch's clip_grad_norm_ is that norm and this scaling)
+        instead of computing it a second time."""
+        computed, self._grad_norm = getattr(self, "_grad_norm", None), None
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if (computed is None or len(params) != computed[1] or not gradient_clip_val
+                or gradient_clip_algorithm not in (None, "norm")):
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            return
+        torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, computed[0], foreach=True)
+
 
 def schedule_length(schedule_steps: int | None, trainer) -> int:
     """The steps the learning-rate and momentum schedule spans: --model.schedule_steps, else the run's
