@@ -428,9 +428,9 @@ def test_clipping_by_the_logged_norm_is_lightnings_clipping(tiny_data, clip):  #
     optimizer steps, with clipping that bites (1e-3) and without, the weights are those of Lightning's own
     configure_gradient_clipping (torch's clip_grad_norm_), and clipping changed them."""
     import lightning as L
+    from test_training import REGISTRY
 
     from lrattn_lightning.data.datamodule import TokenDataModule
-    from test_training import REGISTRY
 
     class LightningsClipping(LRAttnModule):
         configure_gradient_clipping = L.LightningModule.configure_gradient_clipping
