@@ -472,7 +472,7 @@ def test_a_dry_run_writes_nothing(data_dir, tmp_path, monkeypatch, capsys):
     """`lrattn sweep --dry-run` with the default store (sqlite:///mlflow.db in the working folder) lists the
     runs and leaves the folder as it was: no empty mlflow.db, no runs folder."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setattr("lrattn_lightning.train.tracking._USER_TRACKING_URI", None, raising=False)
+    monkeypatch.setattr("lrattn_lightning.train.store._USER_TRACKING_URI", None)
     folder = tmp_path / "work"
     folder.mkdir()
     path = write_sweep(folder, data_dir)

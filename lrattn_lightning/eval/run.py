@@ -163,7 +163,7 @@ def open_eval_run(ckpt: LoadedCheckpoint, tracking_uri: str, experiment: str = "
     from mlflow.tracking import MlflowClient
 
     from lrattn_lightning.train.callbacks import flat_run_params
-    from lrattn_lightning.train.tracking import artifact_location
+    from lrattn_lightning.train.store import artifact_location
 
     client = MlflowClient(tracking_uri)
     run_id = (ckpt.mlflow or {}).get("run_id")
@@ -315,7 +315,7 @@ def eval_store(flag: str | None, ckpt: LoadedCheckpoint) -> str:
     """Where results go: --tracking_uri, else $MLFLOW_TRACKING_URI, else the local store; never the store a
     checkpoint names (a checkpoint is data from elsewhere). Said in one line when the checkpoint's training run was
     logged to another store, before anything connects to it."""
-    from lrattn_lightning.train.tracking import absolute_sqlite, resolve_tracking_uri, uri_source
+    from lrattn_lightning.train.store import absolute_sqlite, resolve_tracking_uri, uri_source
 
     uri = resolve_tracking_uri(flag, False)
     recorded = (ckpt.mlflow or {}).get("tracking_uri")

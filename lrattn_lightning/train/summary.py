@@ -38,7 +38,7 @@ def command(tool: str) -> str:
 def store_flags(uri: str) -> list[str]:
     """`--tracking_uri URI` where a command without it would take another store (train/tracking.py
     default_tracking_uri: $MLFLOW_TRACKING_URI, else ./mlflow.db), else nothing."""
-    from lrattn_lightning.train.tracking import absolute_sqlite, default_tracking_uri
+    from lrattn_lightning.train.store import absolute_sqlite, default_tracking_uri
 
     return [] if absolute_sqlite(uri) == default_tracking_uri() else ["--tracking_uri", uri]
 

@@ -40,7 +40,7 @@ def finished_runs(sweep: Sweep, tracking_uri: str) -> set[SweepRun]:
     from mlflow.tracking import MlflowClient
 
     from lrattn_lightning.tools.compare.runs import search_all
-    from lrattn_lightning.train.tracking import sqlite_file, store_lock
+    from lrattn_lightning.train.store import sqlite_file, store_lock
 
     db = sqlite_file(tracking_uri)
     if db is not None and not db.exists():  # nothing has finished there; opening it would create the file
@@ -67,7 +67,7 @@ def diverged_runs(sweep: Sweep, tracking_uri: str) -> dict[SweepRun, str]:
     from mlflow.tracking import MlflowClient
 
     from lrattn_lightning.tools.compare.runs import search_all
-    from lrattn_lightning.train.tracking import DIVERGED_TAG, sqlite_file
+    from lrattn_lightning.train.store import DIVERGED_TAG, sqlite_file
 
     db = sqlite_file(tracking_uri)
     if db is not None and not db.exists():

@@ -169,7 +169,7 @@ def _bool(text: str) -> bool:
 
 def main(argv: list[str] | None = None, fit_parser: Callable[[], Any] | None = None) -> int:
     """`lrattn sweep` (`cli/sweep.py sweep_main` hands in fit's parser: the cli layer owns it)."""
-    from lrattn_lightning.train.tracking import resolve_tracking_uri
+    from lrattn_lightning.train.store import resolve_tracking_uri
 
     parser = Parser(prog="lrattn sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("file", help="a sweep file, e.g. experiments/sweeps/cpu-study.yaml")
