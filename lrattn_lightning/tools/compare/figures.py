@@ -1,10 +1,12 @@
 """The figures of `lrattn compare`, from its rows (table.py) and the runs' routing artifacts.
 
     loss_vs_flops      the paper's Figure 1: mean val loss against added FLOPs %, one point per row (bars: std
-                       over seeds), the Pareto front of each recipe marked; the legend sits under the axes and
-                       every label where it covers no point, bar, ring or other label
+                       over seeds), the Pareto front of each recipe marked; the legend (the ring's meaning
+                       included) sits under the axes and every label where it covers no point, bar, ring, line
+                       or other label (labels.py), or, where the points crowd, a number keyed in the legend
     routing_heatmaps   the routing weights (routing/weights.json: rows x sources) of every row whose runs log
-                       them, whatever the kind, each panel with its labels and scale, side by side
+                       them, whatever the kind, each panel with its labels and scale, side by side, each as tall
+                       as its rows (a 32-site table gets 32 readable rows) and its title clear of the cells
     gate_alphas        the gated residual's mean alpha per sublayer, one line per ablation (band: seed min-max)
     training_curves    train loss over the whole run, the same zoomed on its second half, and val loss over the
                        whole run; mean over seeds, overlaid
