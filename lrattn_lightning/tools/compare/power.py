@@ -11,7 +11,9 @@
                          p < α. It bounds the chance of any false "resolved" in the family by α, whatever the tests'
                          dependence.
     pairwise(rows)       Welch's test (significance.py) for every pair of rows of one size and recipe, Holm-adjusted
-                         within that group (pairs with a one-seed side have no p and are not in the family)
+                         within that group (pairs with a one-seed side have no p and are not in the family); a
+                         pair's seeds needed at α / m, the level Holm asks of the first of m pairs: enough to
+                         resolve it after the correction, whatever the other pairs do
 
 Seeds needed are computed as if the observed difference and spread were the true ones: with two or three seeds
 the spread is itself uncertain by a factor of about two, so the number is a size, not a promise.
@@ -95,7 +97,7 @@ class Pair:
     delta: float  # mean(low) - mean(high), <= 0
     p: float | None  # Welch's two-sided p; None: a side has one seed
     p_holm: float | None = None
-    need: int | None = None  # seeds per arm for 80 % power at the observed Δ and pooled std
+    need: int | None = None  # seeds per arm for 80 % power at α / m (m pairs), the observed Δ and pooled std
 
     @property
     def resolved(self) -> bool:
@@ -113,11 +115,13 @@ def pairwise(rows: list[Row]) -> dict[tuple[str, str], list[Pair]]:
         pairs = []
         for a, b in itertools.combinations(mine, 2):
             low, high = (a, b) if a.mean <= b.mean else (b, a)
-            delta, p = welch(low.losses, high.losses)
-            pairs.append(Pair(low, high, delta, p, need=seeds_needed(delta, pooled_std(low.losses, high.losses))))
+            pairs.append(Pair(low, high, *welch(low.losses, high.losses)))
         tested = [pair for pair in pairs if pair.p is not None]
         for pair, adjusted in zip(tested, holm([pair.p for pair in tested]), strict=True):
             pair.p_holm = adjusted
+        level = ALPHA / max(len(tested), 1)
+        for pair in pairs:
+            pair.need = seeds_needed(pair.delta, pooled_std(pair.low.losses, pair.high.losses), alpha=level)
         pairs.sort(key=lambda pair: (not pair.resolved, 2.0 if pair.p_holm is None else pair.p_holm))
         out[key] = pairs
     return out
@@ -154,9 +158,11 @@ def pairwise_section(rows: list[Row]) -> str:
     parts = ["\n## Pairwise tests\n",
              "Every pair of rows of one size and recipe: Welch's two-sided t-test across seeds, Holm-corrected over "
              "the pairs of the group (pairs with a one-seed side have no test and are not counted); *resolved*: "
-             f"adjusted p < {ALPHA}. Seeds needed: per arm, for 80 % power at two-sided α = {ALPHA} in a two-sample "
-             "t-test if the observed difference and pooled spread were the true ones (with two or three seeds the "
-             "spread is itself uncertain, so read it as a size, not a promise).\n"]
+             f"adjusted p < {ALPHA}. Seeds needed: per arm, for 80 % power in a two-sample t-test at two-sided "
+             f"α = {ALPHA} / m for the m pairs of the group (the level Holm's correction asks of its first pair: "
+             "enough to resolve the pair after the correction) if the observed difference and pooled spread were "
+             "the true ones; with two or three seeds the spread is itself uncertain, so read it as a size, not a "
+             "promise.\n"]
     for (size, group), pairs in sorted(groups.items()):
         mine = [r for r in rows if (r.size, r.group) == (size, group)]
         if not pairs:
