@@ -186,6 +186,11 @@ def test_eval_logs_metrics_and_results_json_on_the_training_run(single_process_e
     assert results["results"]["lrattn_ppl"]["bits_per_byte,none"] == pytest.approx(metrics["eval/lrattn_ppl/bits_per_byte"])
     assert results["config"]["model_args"]["ablation"] == "s-lr-grid-n4-r16"
     assert results["n-samples"]["lrattn_cloze"]["effective"] == 6
+    # what each score was measured under, for `lrattn compare` to pool only like with like
+    data = str(trained["data"].resolve())
+    cloze = json.loads(run.data.tags["lrattn.eval_config/lrattn_cloze"])
+    assert (cloze["limit"], cloze["num_fewshot"], cloze["data"], cloze["items"]) == (6, 0, data, 6)
+    assert json.loads(run.data.tags["lrattn.eval_config/val"])["data"] == data
 
 
 def test_fabric_validation_loss_is_exact_over_the_whole_split(single_process_eval, trained, lm):
@@ -231,6 +236,7 @@ def test_fit_callback_logged_eval_on_the_training_run(trained):
     client = MlflowClient(trained["uri"])
     history = client.get_metric_history(trained["run_id"], "eval/lrattn_cloze/acc")
     assert history and history[0].step == 4  # logged by EvalCallback when fit ended, at the last step
+    assert "lrattn.eval_config/lrattn_cloze" in client.get_run(trained["run_id"]).data.tags
     assert any(a.path.startswith("eval/results-step000004") for a in client.list_artifacts(trained["run_id"], "eval"))
 
 

@@ -132,9 +132,10 @@ def test_compare_reads_the_table_and_figures_back(finished_sweep, monkeypatch, c
         png = (out / f"{stem}.png").read_bytes()
         assert png[:8] == PNG and len(png) > 5000, stem
         assert (out / f"{stem}.svg").stat().st_size > 0
-    # everything is also an artifact of the experiment's summary run
+    # everything is also an artifact of the experiment's summary run, in an experiment of its own
     client = MlflowClient(uri)
-    exp = client.get_experiment_by_name("sweep-test")
+    exp = client.get_experiment_by_name("sweep-test-reports")
+    assert not client.search_runs([client.get_experiment_by_name("sweep-test").experiment_id], "tags.`lrattn.summary` = 'true'")
     summary = client.search_runs([exp.experiment_id], "tags.`lrattn.summary` = 'true'")
     assert len(summary) == 1
     artifacts = {a.path for a in client.list_artifacts(summary[0].info.run_id, "compare")}

@@ -23,7 +23,6 @@ import argparse
 import json
 import math
 import random
-import re
 import shlex
 import signal
 import sys
@@ -45,9 +44,11 @@ from lrattn_lightning.data.shards import bits_per_byte, check_shards, count_wind
 from lrattn_lightning.eval.lm import LRAttnLM
 from lrattn_lightning.eval.tasks import (
     LOCAL_TASKS,
+    MLFLOW_UNSAFE,
     PRESETS,
     TaskError,
     build_task_manager,
+    config_tags,
     expand_tasks,
     load_tasks,
     materialise_local_tasks,
@@ -139,9 +140,6 @@ def validation_loss(model: Decoder, data_dir: str | Path, *, batch_size: int = 1
 
 
 # ---- MLflow -------------------------------------------------------------------------------------
-_MLFLOW_UNSAFE = re.compile(r"[^A-Za-z0-9_\-. /]")
-
-
 def eval_metrics(results: dict[str, Any] | None, val: dict[str, float] | None = None) -> dict[str, float]:
     """lm-eval results -> {'eval/<task>/<metric>': value}; 'acc,none' -> 'acc', 'acc,flt' -> 'acc_flt'."""
     out: dict[str, float] = {}
@@ -151,7 +149,7 @@ def eval_metrics(results: dict[str, Any] | None, val: dict[str, float] | None = 
                 continue
             metric, _, filt = key.partition(",")
             name = metric if filt in ("", "none") else f"{metric}_{filt}"
-            out[_MLFLOW_UNSAFE.sub("_", f"eval/{task}/{name}")] = float(value)
+            out[MLFLOW_UNSAFE.sub("_", f"eval/{task}/{name}")] = float(value)
     for key, value in (val or {}).items():
         out[f"eval/val/{key}"] = float(value)
     return out
@@ -200,14 +198,16 @@ def _param(key: str, value: Any) -> Any:
 
 
 def log_eval(client: Any, run_id: str, step: int, results: dict[str, Any] | None,
-             val: dict[str, float] | None = None) -> dict[str, float]:
-    """Log eval/<task>/<metric> at `step` and the results JSON; returns the logged metrics."""
+             val: dict[str, float] | None = None, data_dir: str | Path | None = None) -> dict[str, float]:
+    """Log eval/<task>/<metric> at `step`, each task's configuration (tag lrattn.eval_config/<task>, JSON: limit,
+    few-shot, data folder; eval/tasks.py `config_tags`) and the results JSON; returns the logged metrics."""
     from lm_eval.utils import handle_non_serializable
-    from mlflow.entities import Metric
+    from mlflow.entities import Metric, RunTag
 
     metrics = eval_metrics(results, val)
     now = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
+    tags = [RunTag(k, v) for k, v in config_tags(results, val, data_dir).items()]
+    client.log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()], tags=tags)
     payload = {k: v for k, v in (results or {}).items() if k != "samples"}
     if val:
         payload["validation"] = val
@@ -347,11 +347,11 @@ def _evaluate(fabric: Any, args: argparse.Namespace, data_dir: str | None) -> di
                               seq_len=ckpt.seq_len)
     if fabric.global_rank != 0:
         return None
-    return report(ckpt, results, val, args)
+    return report(ckpt, results, val, args, data_dir)
 
 
 def report(ckpt: LoadedCheckpoint, results: dict[str, Any] | None, val: dict[str, float] | None,
-           args: argparse.Namespace) -> dict[str, float]:
+           args: argparse.Namespace, data_dir: str | None = None) -> dict[str, float]:
     """Rank 0: print the table and log to MLflow (unless --no-log)."""
     from lm_eval.utils import make_table
 
@@ -365,7 +365,7 @@ def report(ckpt: LoadedCheckpoint, results: dict[str, Any] | None, val: dict[str
     uri = args.tracking_uri  # resolved (and a server probed) before any evaluation started
     with stop.held():  # a stop signal now waits: the results are logged whole, and a new run ends FINISHED
         client, run_id, created = open_eval_run(ckpt, uri, args.experiment)
-        metrics = log_eval(client, run_id, ckpt.global_step, results, val)
+        metrics = log_eval(client, run_id, ckpt.global_step, results, val, data_dir)
         if created:
             client.set_terminated(run_id)
     print(f"[lrattn eval] logged {len(metrics)} metrics at step {ckpt.global_step} to "
@@ -420,5 +420,6 @@ class EvalCallback(Callback):
         self.metrics = eval_metrics(results, val)
         logger = trainer.logger
         if isinstance(logger, MLFlowLogger):
-            self.metrics = log_eval(logger.experiment, logger.run_id, trainer.global_step, results, val)
+            self.metrics = log_eval(logger.experiment, logger.run_id, trainer.global_step, results, val,
+                                    datamodule.data_dir)
         print("[lrattn eval] " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(self.metrics.items())))

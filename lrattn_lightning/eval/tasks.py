@@ -269,3 +269,34 @@ def _dataset_path(manager: Any, name: str) -> str | None:
         return None
     found = re.search(r"^dataset_path:\s*(\S+)", Path(path).read_text(errors="replace"), re.MULTILINE)
     return found.group(1).strip("'\"") if found else None
+
+
+# ---- what a score was measured under --------------------------------------------------------------
+MLFLOW_UNSAFE = re.compile(r"[^A-Za-z0-9_\-. /]")  # what MLflow refuses in metric and tag names
+# + task (as in its metrics' names): the configuration the run's eval/<task>/* metrics were last measured under
+CONFIG_TAG = "lrattn.eval_config/"
+
+
+def config_tags(results: dict[str, Any] | None, val: dict[str, float] | None,
+                data_dir: str | Path | None) -> dict[str, str]:
+    """The tags `lrattn eval` (and the fit's EvalCallback) set beside its metrics, one per task, JSON:
+    limit (None: every item), num_fewshot (the task's own), data (the prepared folder a local task or the
+    validation loss read; None: lm-eval's own dataset), tasks (what the evaluation ran together) and items
+    (the documents scored). `lrattn compare` pools a task's scores across runs only where limit, num_fewshot
+    and data agree (tools/compare/evals.py)."""
+    from lrattn_lightning.data import remote
+
+    folder = None if data_dir is None else str(data_dir) if remote.is_remote(data_dir) else str(Path(data_dir).resolve())
+    config = (results or {}).get("config") or {}
+    limit = config.get("limit")
+    limit = int(limit) if isinstance(limit, float) and limit.is_integer() else limit
+    tags = {}
+    for task in ((results or {}).get("results") or {}):
+        shots = ((results.get("configs") or {}).get(task) or {}).get("num_fewshot", config.get("num_fewshot"))
+        items = ((results.get("n-samples") or {}).get(task) or {}).get("effective")
+        tags[task] = {"limit": limit, "num_fewshot": shots, "data": folder if task in LOCAL_TASKS else None,
+                      "tasks": config.get("tasks"), "items": items}
+    if val:
+        tags["val"] = {"limit": None, "num_fewshot": None, "data": folder, "tasks": ["val"], "items": val.get("windows")}
+    return {MLFLOW_UNSAFE.sub("_", f"{CONFIG_TAG}{task}"): json.dumps(value, sort_keys=True)
+            for task, value in tags.items()}

@@ -1,12 +1,16 @@
 """`lrattn compare --experiment NAME`: the report of a sweep, read back from MLflow (any tracking URI).
 
-Writes into --out (default reports/EXPERIMENT) and logs as artifacts of a summary run in the same
-experiment (tag lrattn.summary=true; its description shows the table in the MLflow UI):
+Writes into --out (default reports/EXPERIMENT) and logs as artifacts of a summary run in an experiment of its
+own, EXPERIMENT-reports (tags lrattn.summary=true, lrattn.report_of=EXPERIMENT; its description shows the table
+in the MLflow UI), so that nothing reading the training runs (this command, a sweep, a resume) meets it:
 
     table.md, table.csv      one row per (size, ablation): seeds, final val loss mean ± std, the
                              difference to the ablation's control and to the baseline with Welch's
-                             t-test across seeds, added FLOPs %, parameters, tokens/s, val bits per byte,
-                             and every downstream score `eval/<task>/<metric>` the runs carry
+                             t-test across seeds and the seeds per arm that would resolve it at 80 % power,
+                             added FLOPs %, parameters, tokens/s, val bits per byte, every downstream score
+                             `eval/<task>/<metric>` the runs carry (one column per task configuration:
+                             evals.py), and the pairwise tests of every pair of rows of a size and recipe,
+                             Holm-corrected (power.py)
     loss_vs_flops.png/svg    the paper's Figure 1: mean val loss against added FLOPs %, one point per
                              ablation (bars: std over seeds), the Pareto front marked
     routing_heatmaps.png/svg the routing weights (sites x sources) every kind logs at its last validation
@@ -15,7 +19,8 @@ experiment (tag lrattn.summary=true; its description shows the table in the MLfl
     gate_alphas.png/svg      the gated residual's mean alpha per sublayer, one line per ablation (mean over
                              seeds, band: seed min-max), from each run's routing/gates.json
     training_curves.png/svg  train loss and val loss against step, mean over seeds, overlaid
-    report.md                all of the above on one page, with the runs it was made from
+    report.md                all of the above on one page, with the runs it was made from and an appendix
+                             of lm-eval's bookkeeping numbers (bootstrap stderr, sample counts)
 
 One row is one recipe: runs whose recipe fingerprints differ (train/fingerprint.py: schedule length, tokens
 per step, data, optimiser, precision, an upcycling source, ...) are never pooled or paired in a Δ or p; each
@@ -37,6 +42,7 @@ from typing import Any
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.core.flags import Parser
+from lrattn_lightning.tools.compare.evals import appendix_table
 from lrattn_lightning.tools.compare.figures import (
     gate_curves,
     plot_curves,
@@ -46,6 +52,7 @@ from lrattn_lightning.tools.compare.figures import (
     routing_matrices,
 )
 from lrattn_lightning.tools.compare.notes import notes
+from lrattn_lightning.tools.compare.power import pairwise_section
 from lrattn_lightning.tools.compare.runs import search_all
 from lrattn_lightning.tools.compare.table import (
     SUMMARY_TAG,
@@ -74,7 +81,7 @@ def write_report(client: Any, experiment: str, out: Path, sweep: str | None = No
     sizes = ", ".join(sorted({r.size for r in rows}))
     seeds = sorted({len(row.runs) for row in rows})
     title = f"{experiment}: size {sizes}, {'/'.join(map(str, seeds))} seed(s) per ablation"
-    table_md = markdown_table(rows, reference) + notes(rows, reference, stale)
+    table_md = markdown_table(rows, reference) + notes(rows, reference, stale) + pairwise_section(rows)
     files = [out / "table.md", out / "table.csv"]
     files[0].write_text(table_md)
     files[1].write_text(csv_table(rows, reference))
@@ -104,7 +111,9 @@ def _report_text(experiment: str, rows: list[Row], table_md: str, records: list[
              "is —); p is Welch's two-sided t-test across "
              "seeds (— below two seeds a side). Added FLOPs % is the analytic forward cost of routing relative to "
              "the non-embedding core (SPEC §4); tokens/s is the median training throughput of each run, averaged "
-             "over seeds. **Bold**: on the Pareto front of (added FLOPs %, mean val loss).\n",
+             "over seeds. Seeds needed: per arm, for 80 % power at two-sided α = 0.05 if the observed Δ and spread were "
+             "the true ones. **Bold**: on the Pareto front of (added FLOPs %, mean val loss), a front of means: "
+             "the pairwise tests say which of its differences are resolved.\n",
              table_md,
              "\n![validation loss against added FLOPs](loss_vs_flops.png)\n",
              "\n![training curves](training_curves.png)\n"]
@@ -115,21 +124,43 @@ def _report_text(experiment: str, rows: list[Row], table_md: str, records: list[
     parts.append("\n## Runs\n\n| run | row | recipe | seed | val loss | run id |\n|---|---|---|---:|---:|---|")
     parts += [f"| {r.name} | {row.label} | {row.group} (`{r.recipe}`) | {r.seed} | {r.val_loss:.4f} | `{r.run_id}` |"
               for row in rows for r in row.runs]
+    appendix = appendix_table(rows, lambda row: row.label)
+    if appendix:
+        parts.append("\n## Appendix: lm-eval's bookkeeping\n\nNot compared across seeds, so not in the table: lm-eval's "
+                     "per-run bootstrap standard errors (the table's ± is the spread over seeds) and its sample "
+                     "counts; mean ± std over the row's runs that have them.\n\n" + appendix)
     return "\n".join(p for p in parts if p is not None) + "\n"
 
 
+REPORTS_SUFFIX, REPORT_OF_TAG = "-reports", "lrattn.report_of"
+
+
+def reports_experiment(client: Any, experiment: str) -> str:
+    """The id of EXPERIMENT-reports, the summary runs' own experiment (created, or restored if deleted)."""
+    from lrattn_lightning.train.tracking import artifact_location
+
+    name = experiment + REPORTS_SUFFIX
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        return client.create_experiment(name, artifact_location(client.tracking_uri), tags={REPORT_OF_TAG: experiment})
+    if exp.lifecycle_stage == "deleted":
+        client.restore_experiment(exp.experiment_id)
+    return exp.experiment_id
+
+
 def log_summary_run(client: Any, experiment: str, files: list[Path], table_md: str, sweep: str | None) -> str:
-    """Log the report as artifacts of the experiment's summary run (created once, then reused)."""
-    exp = client.get_experiment_by_name(experiment)
-    query = f"tags.`{SUMMARY_TAG}` = 'true'" + (f" and tags.sweep_summary = '{sweep}'" if sweep else "")
-    found = search_all(client, exp.experiment_id, query)
+    """Log the report as artifacts of the experiment's summary run in EXPERIMENT-reports (created once, then
+    reused: the run tagged with this experiment, and this sweep if one was named)."""
+    exp_id = reports_experiment(client, experiment)
+    found = [r for r in search_all(client, exp_id, f"tags.`{SUMMARY_TAG}` = 'true'")  # names compared here: any quote
+             if r.data.tags.get(REPORT_OF_TAG) == experiment and r.data.tags.get("sweep_summary") == sweep]
     if found:
         run_id = max(found, key=lambda r: r.info.start_time).info.run_id
     else:
-        tags = {SUMMARY_TAG: "true", "mlflow.runName": f"compare-{sweep or experiment}"}
+        tags = {SUMMARY_TAG: "true", REPORT_OF_TAG: experiment, "mlflow.runName": f"compare-{sweep or experiment}"}
         if sweep:
             tags["sweep_summary"] = sweep
-        run_id = client.create_run(exp.experiment_id, tags=tags).info.run_id
+        run_id = client.create_run(exp_id, tags=tags).info.run_id
     for path in files:
         client.log_artifact(run_id, str(path), "compare")
     client.set_tag(run_id, "mlflow.note.content", table_md)  # the run's description in the UI
@@ -161,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[lrattn compare] {len(rows)} ablations; wrote {', '.join(p.name for p in files)} to {out}")
     if not args.no_summary_run:
         run_id = log_summary_run(client, args.experiment, files, (out / "table.md").read_text(), args.sweep)
-        print(f"[lrattn compare] logged as artifacts compare/* of run {run_id} in experiment '{args.experiment}'")
+        print(f"[lrattn compare] logged as artifacts compare/* of run {run_id} in experiment "
+              f"'{args.experiment}{REPORTS_SUFFIX}' (the training runs' experiment holds only training runs)")
     return 0
 
 

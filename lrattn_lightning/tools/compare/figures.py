@@ -1,10 +1,12 @@
 """The figures of `lrattn compare`, from its rows (table.py) and the runs' routing artifacts.
 
     loss_vs_flops      the paper's Figure 1: mean val loss against added FLOPs %, one point per row (bars: std
-                       over seeds), the Pareto front of each recipe marked; the legend sits under the axes and
-                       every label where it covers no point, bar, ring or other label
+                       over seeds), the Pareto front of each recipe marked; the legend (the ring's meaning
+                       included) sits under the axes and every label where it covers no point, bar, ring, line
+                       or other label (labels.py), or, where the points crowd, a number keyed in the legend
     routing_heatmaps   the routing weights (routing/weights.json: rows x sources) of every row whose runs log
-                       them, whatever the kind, each panel with its labels and scale, side by side
+                       them, whatever the kind, each panel with its labels and scale, side by side, each as tall
+                       as its rows (a 32-site table gets 32 readable rows) and its title clear of the cells
     gate_alphas        the gated residual's mean alpha per sublayer, one line per ablation (band: seed min-max)
     training_curves    train loss over the whole run, the same zoomed on its second half, and val loss over the
                        whole run; mean over seeds, overlaid
@@ -23,6 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from lrattn_lightning.tools.compare import labels as labels_mod
 from lrattn_lightning.tools.compare.table import Row
 
 
@@ -49,9 +52,12 @@ def _colors(rows: list[Row]) -> dict[str, Any]:
     return {name: cmap(i % cmap.N) for i, name in enumerate(names)}
 
 
+DPI = 150  # PNGs at 100 % zoom: 9-point labels are 19 pixels tall
+
+
 def _save(fig: Any, out: Path, stem: str) -> list[Path]:
     paths = [out / f"{stem}.png", out / f"{stem}.svg"]
-    fig.savefig(paths[0], dpi=130, bbox_inches="tight")
+    fig.savefig(paths[0], dpi=DPI, bbox_inches="tight")
     fig.savefig(paths[1], bbox_inches="tight")
     _plt().close(fig)
     return paths
@@ -66,10 +72,11 @@ def loss_vs_flops_figure(rows: list[Row], title: str) -> Any:
     (rows whose cost is unknown, NaN, are left out). Returns the figure, drawn."""
     rows = [r for r in rows if r.added_flops_pct == r.added_flops_pct]
     plt = _plt()
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter
 
     names, colors = _names(rows), _colors(rows)
-    fig, ax = plt.subplots(figsize=(7.5, 5.0))
+    fig, ax = plt.subplots(figsize=(8.0, 5.4), dpi=DPI)
     xs = [r.added_flops_pct for r in rows if r.added_flops_pct > 0]
     if xs and max(xs) / min(xs) > 5:  # costs over decades (the paper's 0.06 % .. 2.4 %): log beyond the smallest
         ax.set_xscale("symlog", linthresh=min(xs), linscale=0.6)
@@ -98,66 +105,70 @@ def loss_vs_flops_figure(rows: list[Row], title: str) -> Any:
         for row in rows:
             if row.mean > top:  # off the scale: an arrow at the top edge, the value in the label
                 ax.plot(row.added_flops_pct, top, "^", ms=9, color=colors[names[id(row)]], clip_on=False, zorder=5)
-    ax.set_xlabel("added FLOPs % of the non-embedding core (forward, per token)")
-    ax.set_ylabel("validation loss (nats/token), mean ± std over seeds")
-    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("added FLOPs % of the non-embedding core (forward, per token)", fontsize=10)
+    ax.set_ylabel("validation loss (nats/token), mean ± std over seeds", fontsize=10)
+    ax.set_title(title, fontsize=11)
     ax.grid(alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
-    if handles:  # under the axes, never over a point
-        ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=min(3, len(handles)),
-                  fontsize=8, frameon=False)
-    _place_labels(fig, ax, rows, top, names)
+    if any(r.pareto for r in shown):  # the ring is a marker of its own: the legend says what it means
+        handles.append(Line2D([], [], ls="none", marker="o", ms=RING_MS, mfc="none", mec="0.2", mew=1.4))
+        labels.append("on the Pareto front (ring)")
+    if len(shown) < len(rows):
+        handles.append(Line2D([], [], ls="none", marker="^", ms=9, color="0.35"))
+        labels.append("off the scale (its value in its label)")
+    _legend(ax, handles, labels)
+    _name_points(fig, ax, rows, top, names, colors, handles, labels)
     return fig
 
 
-def _place_labels(fig: Any, ax: Any, rows: list[Row], top: float | None, names: dict[int, str]) -> None:
-    """Name every point, each label where its drawn extent overlaps no point, error bar, Pareto ring, earlier
-    label or the legend, inside the axes where it can be."""
+RING_MS = 13.8  # points: the diameter of the Pareto ring (scatter s=190 is an area in points^2)
+LABEL_PT = 9
+
+
+def _legend(ax: Any, handles: list, labels: list[str]) -> None:
+    """Under the axes, never over a point."""
+    if handles:
+        ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=min(3, len(handles)),
+                  fontsize=LABEL_PT, frameon=False)
+
+
+def _name_points(fig: Any, ax: Any, rows: list[Row], top: float | None, names: dict[int, str], colors: dict,
+                 handles: list, labels: list[str]) -> None:
+    """Name every point beside it where its name covers nothing (labels.py); where one name finds no such place
+    near its point, number the points instead and key the numbers, with each point's marker, in the legend."""
+    from matplotlib.lines import Line2D
+
     fig.canvas.draw()  # final limits and scales, so labels can be placed in pixels
-    renderer = fig.canvas.get_renderer()
-    px = fig.dpi / 72
-    ring = 8 * px  # the Pareto ring around a point
-    avoid = []
-    for r in rows:
-        x, y = ax.transData.transform((r.added_flops_pct, min(r.mean, top) if top else r.mean))
-        avoid.append((x - ring, y - ring, x + ring, y + ring))
-        if r.std and (top is None or r.mean <= top):  # the error bar
-            _, lo = ax.transData.transform((r.added_flops_pct, r.mean - r.std))
-            _, hi = ax.transData.transform((r.added_flops_pct, r.mean + r.std))
-            avoid.append((x - 4 * px, lo, x + 4 * px, hi))
-    legend = ax.get_legend()
-    if legend is not None:
-        box = legend.get_window_extent(renderer)
-        avoid.append((box.x0, box.y0, box.x1, box.y1))
-    inside = ax.get_window_extent(renderer)
-    offsets = [(9, dy) for dy in (4, -12, 14, -22, 24, -32, 34, -42, 44, -52)]
-    offsets += [(-9, dy) for dy in (4, -12, 14, -22, 24, -32)]
-    for row in sorted(rows, key=lambda r: (r.added_flops_pct, r.mean)):
-        off_scale = top is not None and row.mean > top
-        text = names[id(row)] + (f" ({row.mean:.3f}, off scale)" if off_scale else "")
-        xy = (row.added_flops_pct, min(row.mean, top) if top else row.mean)
-        label = ax.annotate(text, xy, textcoords="offset points", xytext=offsets[0], fontsize=8,
-                            annotation_clip=False, va="bottom")
-        chosen, fallback = None, None
-        for dx, dy in ([(9, -14), (9, -26), (-9, -14)] if off_scale else []) + offsets:
-            label.set_horizontalalignment("left" if dx > 0 else "right")
-            label.xyann = (dx, dy)
-            b = label.get_window_extent(renderer)
-            box = (b.x0, b.y0, b.x1, b.y1)
-            if any(_overlap(box, other) for other in avoid):
-                continue
-            fallback = fallback or (dx, dy, box)
-            if inside.x0 <= b.x0 and b.x1 <= inside.x1 and inside.y0 <= b.y0 and b.y1 <= inside.y1:
-                chosen = (dx, dy, box)
-                break
-        dx, dy, box = chosen or fallback or (9, 4, box)
-        label.set_horizontalalignment("left" if dx > 0 else "right")
-        label.xyann = (dx, dy)
-        avoid.append(box)
+    ordered = sorted(rows, key=lambda r: (r.added_flops_pct, r.mean))
+    ring = RING_MS / 2 * fig.dpi / 72 + 1
 
+    def marks() -> list[tuple]:
+        boxes = []
+        for r in rows:
+            x, y = ax.transData.transform((r.added_flops_pct, min(r.mean, top) if top else r.mean))
+            boxes.append((x - ring, y - ring, x + ring, y + ring))
+            if r.std and (top is None or r.mean <= top):  # the error bar
+                _, lo = ax.transData.transform((r.added_flops_pct, r.mean - r.std))
+                _, hi = ax.transData.transform((r.added_flops_pct, r.mean + r.std))
+                boxes.append((x - 5, lo, x + 5, hi))
+        return boxes + labels_mod.furniture(fig, ax) + labels_mod.line_boxes(ax)
 
-def _overlap(a: tuple, b: tuple) -> bool:
-    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+    def xy(r: Row) -> tuple[float, float]:
+        return (r.added_flops_pct, min(r.mean, top) if top else r.mean)
+
+    def off(r: Row) -> str:
+        return f" ({r.mean:.3f}, off scale)" if top is not None and r.mean > top else ""
+
+    items = [(xy(r), names[id(r)] + off(r), colors[names[id(r)]]) for r in ordered]
+    if labels_mod.place(fig, ax, items, marks(), inside=True, reach=60, fontsize=LABEL_PT) is not None:
+        return
+    for i, r in enumerate(ordered, start=1):
+        handles.append(Line2D([], [], ls="none", marker="o", ms=7, color=colors[names[id(r)]]))
+        labels.append(f"{i}: {names[id(r)]}{off(r)}")
+    _legend(ax, handles, labels)
+    fig.canvas.draw()  # the legend grew: measure it again
+    numbers = [(xy(r), str(i), colors[names[id(r)]]) for i, r in enumerate(ordered, start=1)]
+    labels_mod.place(fig, ax, numbers, marks(), inside=False, fontsize=LABEL_PT)
 
 
 def _clip_top(rows: list[Row]) -> float | None:
@@ -238,24 +249,85 @@ def plot_gate_curves(curves: dict, out: Path, title: str) -> list[Path]:
 
 
 def plot_heatmaps(matrices: dict, out: Path, title: str) -> list[Path]:
+    return _save(heatmaps_figure(matrices, title), out, "routing_heatmaps")
+
+
+CELL_W, CELL_H = 0.36, 0.26  # inches a source column and a site row take: a 7-point weight, an 8-point tick label
+CHAR = 0.075  # inches a character of an 8-9 point label takes, about
+
+
+def heatmaps_figure(matrices: dict, title: str) -> Any:
     """One panel per row (its own labels, axes and colour scale: softmax weights and gates on 0..1, signed
-    mixing coefficients on a diverging scale), drawn by the function that draws a run's own heatmap."""
+    mixing coefficients on a diverging scale), drawn by the function that draws a run's own heatmap. Each panel
+    is as large as its content (CELL_W x CELL_H a cell, room for its tick labels, wrapped title and axis labels,
+    colour bar): a table of 32 sites gets the height of 32 rows; constrained layout keeps titles off the axes."""
     from lrattn_lightning.train.diagnostics import heatmap_figure
 
     plt = _plt()
-    n = len(matrices)
+    panels = list(matrices.items())
+    sizes = [_panel_inches(table) for _, (table, _, _) in panels]
+    n = len(panels)
     cols = min(n, 3)
+    while cols > 1 and sum(sorted((size[0] for size in sizes), reverse=True)[:cols]) > 24:  # at most ~24 in wide
+        cols -= 1
     rows_n = math.ceil(n / cols)
-    width = max(len(r) for table, _, _ in matrices.values() for r in table["sites_by_sources"])
-    panel = min(max(2.5 + 0.25 * width, 4.5), 9.0)
-    fig, axes = plt.subplots(rows_n, cols, figsize=(panel * cols, 4.0 * rows_n), squeeze=False)
-    for ax, (name, (table, step, seeds)) in zip(axes.flat, matrices.items(), strict=False):
+    def widest(c: int, k: int) -> float:  # k = 0: the panel, 2: its cells
+        return max(sizes[i][k] for i in range(c, n, cols))
+
+    def tallest(r: int, k: int) -> float:  # k = 1: the panel, 3: its cells
+        return max(sizes[i][k] for i in range(r * cols, min(n, (r + 1) * cols)))
+
+    fig = plt.figure(figsize=(sum(widest(c, 0) for c in range(cols)), sum(tallest(r, 1) for r in range(rows_n)) + 0.5),
+                     dpi=DPI, layout="constrained")
+    # constrained layout shares out what its margins leave by these ratios: the cells' own inches
+    grid = fig.add_gridspec(rows_n, cols, width_ratios=[widest(c, 2) for c in range(cols)],
+                            height_ratios=[tallest(r, 3) for r in range(rows_n)])
+    for i, (name, (table, step, seeds)) in enumerate(panels):
+        ax = fig.add_subplot(grid[i // cols, i % cols])
         heatmap_figure(table, f"{name}\n{table.get('kind', '')} at step {step}, mean of {seeds} seed(s)", ax=ax)
-    for ax in list(axes.flat)[n:]:
-        ax.axis("off")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    return _save(fig, out, "routing_heatmaps")
+        _readable(ax, table, sizes[i][0])
+    fig.suptitle(title, fontsize=12)
+    return fig
+
+
+def _table_shape(table: dict) -> tuple[int, int, int, int]:
+    """(sites, sources, longest site label, longest source label) of a weights table."""
+    matrix = table["sites_by_sources"]
+    sites, sources = len(matrix), max(len(r) for r in matrix)
+    site_labels = table.get("site_labels") or [str(j + 1) for j in range(sites)]
+    source_labels = table.get("source_labels") or [str(i) for i in range(sources)]
+    return sites, sources, max(map(len, site_labels)), max(map(len, source_labels))
+
+
+def _panel_inches(table: dict) -> tuple[float, float, float, float]:
+    """(width, height) of a panel with its labels and colour bar, then of its cells alone, in inches."""
+    sites, sources, site_chars, source_chars = _table_shape(table)
+    width = 0.9 + CHAR * site_chars + CELL_W * sources + 1.5  # y label, tick labels, cells, colour bar and its label
+    height = 1.1 + CELL_H * sites + 0.7 + (CHAR * source_chars if source_chars > 3 else 0.2)  # title, cells, x label
+    return max(width, 3.2), max(height, 2.6), CELL_W * sources, CELL_H * sites
+
+
+def _readable(ax: Any, table: dict, width: float) -> None:
+    """Fonts readable at 100 % (ticks 8 pt, weights 7 pt, labels 9 pt, title 10 pt), long labels wrapped to the
+    panel's size, so nothing runs past its panel."""
+    import textwrap
+
+    sites, sources, _, _ = _table_shape(table)
+    ax.set_box_aspect(sites * CELL_H / (sources * CELL_W))  # cells of one shape in every panel, whatever its slot
+    ax.tick_params(labelsize=8)
+    for text in ax.texts:  # the weights printed in the cells
+        text.set_fontsize(7)
+    ax.set_xlabel(textwrap.fill(ax.get_xlabel(), max(24, int(CELL_W * sources / CHAR))), fontsize=9)
+    ax.set_ylabel(textwrap.fill(ax.get_ylabel(), max(24, int(CELL_H * sites / CHAR))), fontsize=9)
+    bar = ax.images[0].colorbar if ax.images else None
+    if bar is not None:  # drawn again beside the axes' own box (the slot may be taller than the cells)
+        label = bar.ax.get_ylabel()
+        bar.remove()
+        bar = ax.figure.colorbar(ax.images[0], cax=ax.inset_axes((1.04, 0.0, max(0.04, 0.25 / (CELL_W * sources)), 1.0)))
+        bar.set_label(textwrap.fill(label, max(12, int(CELL_H * sites / CHAR))), fontsize=9)
+        bar.ax.tick_params(labelsize=8)
+    lines = ax.get_title().split("\n")
+    ax.set_title("\n".join(textwrap.fill(line, max(30, int((width - 1.5) / (CHAR * 1.1)))) for line in lines), fontsize=10)
 
 
 # Curves of close variants lie on top of each other: besides its colour each gets a line style and a marker

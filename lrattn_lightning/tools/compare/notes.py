@@ -7,6 +7,9 @@
     superseded_note   runs of one size, ablation, seed and recipe that ran more than once: which counts (the
                       latest FINISHED one) and which do not
     stale_note        FINISHED runs whose last validation is not at their last step (left out)
+    power_note        what the seeds-needed cells are
+    pooling_note      downstream scores shown apart because their evaluations differ, and cells of fewer seeds
+                      (evals.py)
 """
 
 from __future__ import annotations
@@ -14,12 +17,15 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
+from lrattn_lightning.tools.compare.evals import pooling_note
+from lrattn_lightning.tools.compare.power import POWER
 from lrattn_lightning.tools.compare.table import GAP_TAG, Row, RunRecord
 from lrattn_lightning.train import fingerprint as fp
 
 
 def notes(rows: list[Row], reference: str, stale: list[RunRecord]) -> str:
-    parts = [recipe_notes(rows), delta_notes(rows, reference), superseded_note(rows), stale_note(stale)]
+    parts = [recipe_notes(rows), delta_notes(rows, reference), superseded_note(rows), stale_note(stale),
+             power_note(rows), pooling_note(rows)]
     return "".join(p for p in parts if p)
 
 
@@ -95,6 +101,14 @@ def superseded_note(rows: list[Row]) -> str:
         return ""
     return ("\nRan more than once with one size, ablation, seed and recipe (the latest FINISHED run counts: a rerun "
             "replaces an earlier result of the same recipe):\n" + "\n".join(lines) + "\n")
+
+
+def power_note(rows: list[Row]) -> str:
+    if all(row.need_control is None and row.need_baseline is None for row in rows):
+        return ""
+    return (f"\nSeeds needed (beside each p): seeds per arm for {POWER * 100:.0f} % power at two-sided α = 0.05 if "
+            "the observed Δ and the pair's pooled spread were the true ones (power.py); — where the spread is unknown (one seed a "
+            "side) or Δ is 0. With two or three seeds the spread itself is uncertain: a size, not a promise.\n")
 
 
 def stale_note(stale: list[RunRecord]) -> str:

@@ -6,7 +6,9 @@ One row is one recipe. Each run carries its recipe fingerprint (tag lrattn.recip
 runs from before it: rebuilt from their params, `legacy-...`). Runs of different fingerprints are never
 pooled into one row, and a Δ or p pairs a row only with the control (or reference) row of its own size and
 recipe; where there is none the cell is — and compare_notes.py says why under the table. An upcycled run
-(`lrattn fit --init_from`) differs in its recipe's `init_from`: its row is labelled with its source.
+(`lrattn fit --init_from`) differs in its recipe's `init_from`: its row is labelled with its source. Beside each
+p: the seeds per arm that would resolve the observed Δ at 80 % power (power.py). Downstream scores pool only
+like with like (evals.py: one column per task configuration; bookkeeping numbers go to the report's appendix).
 
 Only FINISHED runs count; when a (size, ablation, seed, recipe) was run more than once, the latest counts
 and the others are named under the table (`RunRecord.superseded`). A run a sweep tagged with a `variant` (its
@@ -29,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from lrattn_lightning.core.errors import InputError
+from lrattn_lightning.tools.compare.evals import cell_text, eval_columns, run_configs
+from lrattn_lightning.tools.compare.power import need_text, pooled_std, seeds_needed
 from lrattn_lightning.tools.compare.runs import search_all
 from lrattn_lightning.tools.compare.significance import welch
 from lrattn_lightning.train import fingerprint as fp
@@ -61,6 +65,7 @@ class RunRecord:
     method: str = ""  # the routing kind's own training options (tag lrattn.method, JSON)
     upcycled_from: str | None = None  # the source of an upcycled run, as a name: 'RUN_NAME, step N'
     superseded: list[RunRecord] = field(default_factory=list)  # earlier runs of its size, ablation, seed, recipe
+    eval_configs: dict[str, str | None] = field(default_factory=dict)  # task -> its evaluation's config (evals.py)
 
     @property
     def stale(self) -> bool:
@@ -84,6 +89,8 @@ class Row:
     label: str = ""  # the row's name in tables and figures: the ablation, its source if upcycled, its method
     why_no_control: str | None = None  # why Δ vs control is — although the row names a control
     why_no_reference: str | None = None
+    need_control: int | None = None  # seeds per arm for 80 % power at Δ vs control (power.py)
+    need_baseline: int | None = None
 
     @property
     def parts(self) -> dict[str, Any]:
@@ -118,11 +125,12 @@ class Row:
         values = [r.tokens_per_s for r in self.runs if r.tokens_per_s]
         return statistics.fmean(values) if values else None
 
-    def metric(self, key: str) -> tuple[float | None, float | None]:
+    def metric(self, key: str) -> tuple[float | None, float | None, int]:
+        """(mean, std, seeds) over the row's runs that have the metric: a row's seed count is per metric."""
         values = [r.metrics[key] for r in self.runs if key in r.metrics]
         if not values:
-            return None, None
-        return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+            return None, None, 0
+        return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None), len(values)
 
 
 # ---- reading MLflow --------------------------------------------------------------------------------
@@ -155,7 +163,7 @@ def read_runs(client: Any, experiment: str, sweep: str | None = None, curves: bo
             params=int(float(params.get("params", 0))), added_flops_pct=_flops_pct(params.get("added_flops_pct")),
             metrics=dict(metrics), final_step=declared_end(params, tags), gap=tags.get(GAP_TAG),
             method=tags.get(fp.METHOD_TAG, ""), upcycled_from=_source(client, params, names),
-            **_recipe(tags, params),
+            eval_configs=run_configs(client, run), **_recipe(tags, params),
         )
         key = (record.size, record.ablation, seed if seed is not None else record.run_id, record.recipe, record.method)
         same[key].append(record)
@@ -251,10 +259,12 @@ def summarise(records: list[RunRecord], reference: str = "baseline") -> list[Row
             control, row.why_no_control = _partner(row, row.control, rows)
             if control is not None:
                 row.delta_control, row.p_control = welch(row.losses, control.losses)
+                row.need_control = seeds_needed(row.delta_control, pooled_std(row.losses, control.losses))
         if row.ablation != reference:
             base, row.why_no_reference = _partner(row, reference, rows)
             if base is not None:
                 row.delta_baseline, row.p_baseline = welch(row.losses, base.losses)
+                row.need_baseline = seeds_needed(row.delta_baseline, pooled_std(row.losses, base.losses))
     for key in {(row.size, row.recipe) for row in rows}:
         mine = [row for row in rows if (row.size, row.recipe) == key]
         mine = [row for row in mine if not math.isnan(row.added_flops_pct)]  # unknown cost: on no front
@@ -310,10 +320,6 @@ def _partner(row: Row, ablation: str, rows: list[Row]) -> tuple[Row | None, str 
 
 
 # ---- the table -------------------------------------------------------------------------------------
-def eval_keys(rows: list[Row]) -> list[str]:
-    return sorted({k for row in rows for r in row.runs for k in r.metrics if k.startswith("eval/")})
-
-
 def _num(value: float | None, digits: int = 4, sign: bool = False) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "—"
@@ -324,8 +330,11 @@ def _p(value: float | None) -> str:
     return "—" if value is None else (f"{value:.3f}" if value >= 0.001 else f"{value:.1e}")
 
 
-def _mean_std(mean: float | None, std: float | None, digits: int = 4) -> str:
-    return "—" if mean is None else _num(mean, digits) + ("" if std is None else f" ± {std:.{digits}f}")
+def _mean_std(mean: float | None, std: float | None, n: int | None = None, of: int | None = None, digits: int = 4) -> str:
+    """mean ± std, with `(n k)` where only k of the row's `of` seeds have the value."""
+    if mean is None:
+        return "—"
+    return _num(mean, digits) + ("" if std is None else f" ± {std:.{digits}f}") + ("" if n == of else f" (n {n})")
 
 
 def several_recipes(rows: list[Row]) -> bool:
@@ -333,37 +342,38 @@ def several_recipes(rows: list[Row]) -> bool:
 
 
 def markdown_table(rows: list[Row], reference: str = "baseline") -> str:
-    evals = eval_keys(rows)
+    evals = [c for c in eval_columns(rows) if not c.appendix]  # the bookkeeping ones: the report's appendix
     multi_size, recipes = len({row.size for row in rows}) > 1, several_recipes(rows)
     head = (["size"] if multi_size else []) + ["ablation"] + (["recipe"] if recipes else []) + [
-        "seeds", "val loss (mean ± std)", "control", "Δ vs control", "p", f"Δ vs {reference}", "p",
-        "added FLOPs %", "params", "tokens/s", "val bpb", *[k[len("eval/"):] for k in evals]]
+        "seeds", "val loss (mean ± std)", "control", "Δ vs control", "p", "seeds needed", f"Δ vs {reference}", "p",
+        "seeds needed", "added FLOPs %", "params", "tokens/s", "val bpb", *[c.label for c in evals]]
     lines = ["| " + " | ".join(head) + " |",
              "|" + "|".join("---" if h in ("size", "ablation", "recipe", "control") else "---:" for h in head) + "|"]
     for row in rows:
         name = f"**{row.label}**" if row.pareto else row.label
         seeds = ",".join("?" if s is None else str(s) for s in row.seeds)
-        bpb = row.metric("val/bpb")
         cells = ([row.size] if multi_size else []) + [name] + ([row.group] if recipes else []) + [
             f"{len(row.runs)} ({seeds})", _mean_std(row.mean, row.std), row.control or "—",
-            _num(row.delta_control, sign=True), _p(row.p_control), _num(row.delta_baseline, sign=True),
-            _p(row.p_baseline), "unknown" if math.isnan(row.added_flops_pct) else f"{row.added_flops_pct:.3f}", f"{row.params:,}",
-            "—" if row.tokens_per_s is None else f"{row.tokens_per_s:,.0f}", _mean_std(*bpb),
-            *[_mean_std(*row.metric(k)) for k in evals]]
+            _num(row.delta_control, sign=True), _p(row.p_control), need_text(row.need_control),
+            _num(row.delta_baseline, sign=True), _p(row.p_baseline), need_text(row.need_baseline),
+            "unknown" if math.isnan(row.added_flops_pct) else f"{row.added_flops_pct:.3f}", f"{row.params:,}",
+            "—" if row.tokens_per_s is None else f"{row.tokens_per_s:,.0f}",
+            _mean_std(*row.metric("val/bpb"), len(row.runs)),
+            *[cell_text(c, row) for c in evals]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def csv_table(rows: list[Row], reference: str = "baseline") -> str:
-    evals = eval_keys(rows)
+    evals = eval_columns(rows)  # every one, the appendix's too
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     # (the columns of the recipe come after the older ones, so that a reader by position reads what it did)
     writer.writerow(["size", "ablation", "n_seeds", "seeds", "val_loss_mean", "val_loss_std", "val_loss_per_seed",
                      "control", "delta_control", "p_control", f"delta_{reference}", f"p_{reference}",
                      "added_flops_pct", "params", "tokens_per_s", "val_bpb_mean", "pareto", "run_ids",
-                     "row", "recipe", "fingerprint", "upcycled_from",
-                     *[f"{k}_mean" for k in evals], *[f"{k}_std" for k in evals]])
+                     "row", "recipe", "fingerprint", "upcycled_from", "seeds_needed_control",
+                     f"seeds_needed_{reference}", *[f"eval/{c.label}_{s}" for s in ("mean", "std", "n") for c in evals]])
     for row in rows:
         writer.writerow([row.size, row.ablation, len(row.runs), ";".join(map(str, row.seeds)), row.mean,
                          "" if row.std is None else row.std, ";".join(f"{v:.6f}" for v in row.losses),
@@ -371,8 +381,8 @@ def csv_table(rows: list[Row], reference: str = "baseline") -> str:
                          _blank(row.delta_baseline), _blank(row.p_baseline), row.added_flops_pct, row.params,
                          _blank(row.tokens_per_s), _blank(row.metric("val/bpb")[0]), row.pareto,
                          ";".join(r.run_id for r in row.runs), row.label, row.group, row.recipe,
-                         row.runs[0].upcycled_from or "",
-                         *[_blank(row.metric(k)[0]) for k in evals], *[_blank(row.metric(k)[1]) for k in evals]])
+                         row.runs[0].upcycled_from or "", _blank(row.need_control), _blank(row.need_baseline),
+                         *[_blank(c.cell(row)[i]) for i in range(3) for c in evals]])
     return out.getvalue()
 
 
