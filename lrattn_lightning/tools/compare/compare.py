@@ -137,7 +137,7 @@ REPORTS_SUFFIX, REPORT_OF_TAG = "-reports", "lrattn.report_of"
 
 def reports_experiment(client: Any, experiment: str) -> str:
     """The id of EXPERIMENT-reports, the summary runs' own experiment (created, or restored if deleted)."""
-    from lrattn_lightning.train.tracking import artifact_location
+    from lrattn_lightning.train.store import artifact_location
 
     name = experiment + REPORTS_SUFFIX
     exp = client.get_experiment_by_name(name)
@@ -171,7 +171,7 @@ def log_summary_run(client: Any, experiment: str, files: list[Path], table_md: s
 def main(argv: list[str] | None = None) -> int:
     from mlflow.tracking import MlflowClient
 
-    from lrattn_lightning.train.tracking import resolve_tracking_uri
+    from lrattn_lightning.train.store import resolve_tracking_uri
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     parser = Parser(prog="lrattn compare", description=__doc__.split("\n\n")[0])
