@@ -11,7 +11,6 @@ import shlex
 import time
 from pathlib import Path
 
-from lrattn_lightning.cli.lightning import run_lightning, run_with_stops
 from lrattn_lightning.core.files import packaged
 from lrattn_lightning.core.flags import Parser
 from lrattn_lightning.core.names import check_name
@@ -46,6 +45,11 @@ def demo_main(argv: list[str]) -> int:
     again = ["demo", "--size", args.size, "--ablation", args.ablation, "--data", args.data, *experiment,
              "--run_name", run_name, *_without(fit_flags, "--ckpt_path"), "--ckpt_path", "last"]
     resume = f"continue with `{command('lrattn')} {shlex.join(again)}`"
+    from lrattn_lightning.cli.lightning import (  # (after --help: Lightning takes seconds)
+        run_lightning,
+        run_with_stops,
+    )
+
     return run_with_stops(lambda: run_lightning(fit), fit=True, prefix="[lrattn demo]", resume=resume)
 
 

@@ -3,10 +3,6 @@
 
 from __future__ import annotations
 
-from lrattn_lightning.cli.lightning import LRAttnCLI, bound_yaml_values
-from lrattn_lightning.data.datamodule import TokenDataModule
-from lrattn_lightning.train.lit_module import LRAttnModule
-
 
 class _ParserBuilt(Exception):
     pass
@@ -23,7 +19,12 @@ class _FitParserOnly:
 def fit_parser():
     """`lrattn fit`'s parser for `lrattn sweep` to check every run's arguments with: the same LRAttnCLI classes
     and arguments, built without subcommands (`run=False`), so it lacks only Trainer.fit's own arguments
-    (--ckpt_path, which the sweep sets itself)."""
+    (--ckpt_path, which the sweep sets itself). Lightning is imported here, once the sweep's own flags are read
+    (`lrattn sweep --help` does not pay for it)."""
+    from lrattn_lightning.cli.lightning import LRAttnCLI, bound_yaml_values
+    from lrattn_lightning.data.datamodule import TokenDataModule
+    from lrattn_lightning.train.lit_module import LRAttnModule
+
     bound_yaml_values()  # a run's args are YAML values too, read as `lrattn fit` reads them
     cli = type("SweepFitParser", (_FitParserOnly, LRAttnCLI), {})
     try:  # exit_on_error=False: a bad argument raises ArgumentError instead of printing usage and exiting

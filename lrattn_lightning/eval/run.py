@@ -20,41 +20,29 @@ recorded, or not in this tracking store) a new run tagged with the checkpoint is
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import random
 import shlex
 import signal
 import sys
-import tempfile
-import time
-import uuid
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-import torch
-from lightning.pytorch.callbacks import Callback
+from typing import TYPE_CHECKING, Any
 
 from lrattn_lightning.core.errors import UsageError
 from lrattn_lightning.core.flags import Parser
-from lrattn_lightning.data.datamodule import collate_windows
 from lrattn_lightning.data.remote import is_remote
-from lrattn_lightning.data.shards import bits_per_byte, check_shards, count_windows, read_meta, verify_split
-from lrattn_lightning.eval.lm import LRAttnLM
+from lrattn_lightning.eval.evaluate import (  # noqa: F401 (also imported from here)
+    _param,
+    eval_metrics,
+    log_eval,
+    run_lm_eval,
+    validation_loss,
+)
 from lrattn_lightning.eval.tasks import (
     LOCAL_TASKS,
-    MLFLOW_UNSAFE,
     PRESETS,
-    TaskError,
-    build_task_manager,
-    config_tags,
     expand_tasks,
-    load_tasks,
-    materialise_local_tasks,
     write_tasks,
 )
-from lrattn_lightning.model.decoder import Decoder
 from lrattn_lightning.train.checkpoint import stop
 from lrattn_lightning.train.checkpoint.load import (
     LoadedCheckpoint,
@@ -63,98 +51,13 @@ from lrattn_lightning.train.checkpoint.load import (
     load_checkpoint,
     trust_routers,
 )
-from lrattn_lightning.train.losses import token_losses
 from lrattn_lightning.train.summary import ui_pointer
+
+if TYPE_CHECKING:
+    pass
 
 
 # ---- running lm-eval ----------------------------------------------------------------------------
-def run_lm_eval(lm: LRAttnLM, tasks: str | list[str], *, data_dir: str | Path | None = None,
-                include_paths: list[str | Path] = (), num_fewshot: int | None = None, limit: int | float | None = None,
-                bootstrap_iters: int = 100_000) -> dict[str, Any] | None:
-    """Evaluate `lm` on task names/presets; the results dict on rank 0, None on other ranks.
-
-    `num_fewshot` None: the few-shot count of a named preset (paper: 5), else each task's default.
-    """
-    from lm_eval.evaluator import evaluate
-
-    names, preset_shots = expand_tasks(tasks)
-    if not names:
-        raise TaskError(f"no tasks given; name lm-eval tasks or a preset ({', '.join(PRESETS)})")
-    shots = num_fewshot if num_fewshot is not None else preset_shots
-    with tempfile.TemporaryDirectory(prefix="lrattn-tasks-") as tmp:
-        local = materialise_local_tasks(names, data_dir, Path(tmp), window=lm.max_length, encode=lm.tok_encode)
-        manager, resolved = build_task_manager(names, ([tmp] if local else []) + list(include_paths))
-        loaded = manager.load(load_tasks(manager, resolved))
-        random.seed(0)  # lm-eval's default seeds (simple_evaluate's, without its slow environment report)
-        np.random.seed(1234)
-        torch.manual_seed(1234)
-        for task in loaded["tasks"].values():
-            if shots is not None and task.get_config("num_fewshot") != 0:
-                task.set_config(key="num_fewshot", value=shots)
-            elif task.get_config("num_fewshot") is None:
-                task.set_config(key="num_fewshot", value=0)
-            task.set_fewshot_seed(seed=1234)
-        start = time.time()
-        results = evaluate(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=bootstrap_iters, log_samples=False)
-    if results is not None:
-        results["config"] = {"model": "lrattn", "model_args": lm.get_model_info(), "tasks": resolved,
-                             "num_fewshot": shots, "limit": limit, "batch_size": lm.batch_size,
-                             "world_size": lm.world_size, "bootstrap_iters": bootstrap_iters}
-        results["date"] = start
-        results["total_evaluation_time_seconds"] = str(time.time() - start)
-    return results
-
-
-@torch.no_grad()
-def validation_loss(model: Decoder, data_dir: str | Path, *, batch_size: int = 16, rank: int = 0, world_size: int = 1,
-                    all_reduce: Any = None, seq_len: int | None = None) -> dict[str, float]:
-    """Exact token-weighted cross-entropy over every validation window (the training windows of seq_len + 1).
-
-    Each batch is scored as the module's validation_step scores it (`token_losses`). Rank r scores
-    windows r, r + W, ...; `all_reduce` (sum) combines the float64 sums across ranks.
-    """
-    from lrattn_lightning.data.datamodule import split_dataset
-
-    seq_len = seq_len or model.cfg.size.seq_len
-    meta = read_meta(data_dir)
-    n_windows = count_windows(check_shards(data_dir, "val"), seq_len + 1)
-    verify_split(data_dir, "val", meta)  # a chunk changed since prepare is one line, not a crash mid-run
-    dataset = split_dataset(data_dir, "val", seq_len + 1, shuffle=False, drop_last=True)
-    device = next(model.parameters()).device
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of token losses, tokens)
-    mine = list(range(rank, n_windows, world_size))
-    for first in range(0, len(mine), batch_size):
-        windows = collate_windows([dataset[i] for i in mine[first:first + batch_size]]).to(device)  # (B, T + 1)
-        targets = windows[:, 1:]
-        ce, _ = token_losses(model(windows[:, :-1]), targets)  # mean over the batch's tokens, as in validation_step
-        sums[0] += ce.double() * targets.numel()
-        sums[1] += targets.numel()
-    if all_reduce is not None and world_size > 1:
-        sums = all_reduce(sums)
-    loss = float(sums[0] / sums[1])
-    bytes_per_token = float(meta["splits"]["val"].get("bytes_per_token") or 0.0)
-    out = {"loss": loss, "tokens": float(sums[1]), "windows": float(n_windows)}
-    if bytes_per_token:
-        out["bpb"] = bits_per_byte(loss, bytes_per_token)
-    return out
-
-
-# ---- MLflow -------------------------------------------------------------------------------------
-def eval_metrics(results: dict[str, Any] | None, val: dict[str, float] | None = None) -> dict[str, float]:
-    """lm-eval results -> {'eval/<task>/<metric>': value}; 'acc,none' -> 'acc', 'acc,flt' -> 'acc_flt'."""
-    out: dict[str, float] = {}
-    for task, row in ((results or {}).get("results") or {}).items():
-        for key, value in row.items():
-            if isinstance(value, bool) or not isinstance(value, int | float) or key == "alias":
-                continue
-            metric, _, filt = key.partition(",")
-            name = metric if filt in ("", "none") else f"{metric}_{filt}"
-            out[MLFLOW_UNSAFE.sub("_", f"eval/{task}/{name}")] = float(value)
-    for key, value in (val or {}).items():
-        out[f"eval/val/{key}"] = float(value)
-    return out
-
-
 def open_eval_run(ckpt: LoadedCheckpoint, tracking_uri: str, experiment: str = "lrattn") -> tuple[Any, str, bool]:
     """(client, run id, created): the checkpoint's training run if this store has it, else a new run."""
     from mlflow.exceptions import MlflowException
@@ -191,34 +94,6 @@ def open_eval_run(ckpt: LoadedCheckpoint, tracking_uri: str, experiment: str = "
     return client, run.info.run_id, True
 
 
-def _param(key: str, value: Any) -> Any:
-    from mlflow.entities import Param
-
-    return Param(key, str(value))
-
-
-def log_eval(client: Any, run_id: str, step: int, results: dict[str, Any] | None,
-             val: dict[str, float] | None = None, data_dir: str | Path | None = None) -> dict[str, float]:
-    """Log eval/<task>/<metric> at `step`, each task's configuration (tag lrattn.eval_config/<task>, JSON: limit,
-    few-shot, data folder; eval/tasks.py `config_tags`) and the results JSON; returns the logged metrics."""
-    from lm_eval.utils import handle_non_serializable
-    from mlflow.entities import Metric, RunTag
-
-    metrics = eval_metrics(results, val)
-    now = int(time.time() * 1000)
-    tags = [RunTag(k, v) for k, v in config_tags(results, val, data_dir).items()]
-    client.log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()], tags=tags)
-    payload = {k: v for k, v in (results or {}).items() if k != "samples"}
-    if val:
-        payload["validation"] = val
-    text = json.dumps(payload, indent=2, default=handle_non_serializable, ensure_ascii=False)
-    # two evaluations of one checkpoint within a second must not overwrite each other's file
-    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
-    client.log_text(run_id, text, f"eval/results-step{step:06d}-{stamp}.json")
-    return metrics
-
-
-# ---- `lrattn eval`: the Fabric launcher ---------------------------------------------------------
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = Parser(prog="lrattn eval", description="Evaluate a checkpoint with lm-eval; log to MLflow.")
     parser.add_argument("--checkpoint", required=True, help="a .ckpt written by `lrattn fit`")
@@ -271,8 +146,6 @@ def _number(text: str) -> int | float:
 
 def main(argv: list[str] | None = None) -> int:
     """`lrattn eval`: checks first, then Fabric launches the ranks; rank 0 prints and logs."""
-    from lightning.fabric import Fabric
-
     own_argv = argv is None or list(argv) == sys.argv[2:]  # the console script: ranks can re-execute it
     args = parse_args(sys.argv[2:] if argv is None else list(argv))
     trust_routers(args)  # the router classes the user names, before a checkpoint names one
@@ -294,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                         "or pass --val-loss")
     if not args.no_log:
         args.tracking_uri = eval_store(args.tracking_uri, ckpt)
+    from lightning.fabric import Fabric  # (after the checks: seconds to import)
+
     world = args.devices * args.num_nodes
     strategy = "auto" if world == 1 else ("ddp" if own_argv else "ddp_spawn")
     fabric = Fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy)
@@ -332,6 +207,8 @@ def _evaluate(fabric: Any, args: argparse.Namespace, data_dir: str | None) -> di
         trust_routers(args)
     ckpt = _LOADED.pop(args.checkpoint, None) or load_checkpoint(args.checkpoint)
     model = ckpt.model.to(fabric.device)
+    from lrattn_lightning.eval.lm import LRAttnLM  # (lm-eval: imported once the arguments are good)
+
     lm = LRAttnLM(model=model, tokenizer=ckpt.tokenizer, batch_size=args.batch_size, device=fabric.device,
                   collectives=fabric if fabric.world_size > 1 else None, max_length=ckpt.seq_len)
     lm.checkpoint = ckpt
@@ -375,51 +252,11 @@ def report(ckpt: LoadedCheckpoint, results: dict[str, Any] | None, val: dict[str
     return metrics
 
 
-# ---- at the end of `lrattn fit` -----------------------------------------------------------------
-class EvalCallback(Callback):
-    """Evaluate the in-memory model when training ends and log to the training's MLflow run.
+def __getattr__(name: str) -> Any:
+    """`lrattn_lightning.eval.run.EvalCallback` (the name users pass to --trainer.callbacks+=) lives in
+    eval/callback.py, imported when asked for: `lrattn eval` itself needs no Lightning callback."""
+    if name == "EvalCallback":
+        from lrattn_lightning.eval.callback import EvalCallback
 
-        lrattn fit ... --trainer.callbacks+=lrattn_lightning.eval.run.EvalCallback --trainer.callbacks.tasks=local
-
-    Every rank evaluates its shard (through the trainer's strategy); rank 0 logs.
-    """
-
-    def __init__(self, tasks: str = "local", limit: float | None = None, num_fewshot: int | None = None,
-                 batch_size: int = 16, include_path: str | None = None, val_loss: bool = False,
-                 bootstrap_iters: int = 100_000):
-        self.tasks, self.limit, self.num_fewshot = tasks, limit, num_fewshot
-        self.batch_size, self.include_path, self.val_loss = batch_size, include_path, val_loss
-        self.bootstrap_iters = bootstrap_iters
-        self.metrics: dict[str, float] = {}
-
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        from lightning.pytorch.loggers import MLFlowLogger
-
-        datamodule = trainer.datamodule
-        model: Decoder = pl_module.model
-        was_training = model.training
-        model.eval()
-        strategy = trainer.strategy if trainer.world_size > 1 else None
-        lm = LRAttnLM(model=model, tokenizer=datamodule.tokenizer(), batch_size=self.batch_size,
-                      device=pl_module.device, collectives=strategy, max_length=datamodule.seq_len)
-        limit = int(self.limit) if self.limit is not None and self.limit >= 1 else self.limit
-        try:
-            results = run_lm_eval(lm, self.tasks, data_dir=datamodule.data_dir,
-                                  include_paths=[self.include_path] if self.include_path else [],
-                                  num_fewshot=self.num_fewshot, limit=limit, bootstrap_iters=self.bootstrap_iters)
-            val = None
-            if self.val_loss:
-                val = validation_loss(model, datamodule.data_dir, batch_size=self.batch_size,
-                                      rank=trainer.global_rank, world_size=trainer.world_size,
-                                      all_reduce=lambda t: trainer.strategy.reduce(t, reduce_op="sum"),
-                                      seq_len=datamodule.seq_len)
-        finally:
-            model.train(was_training)
-        if not trainer.is_global_zero:
-            return
-        self.metrics = eval_metrics(results, val)
-        logger = trainer.logger
-        if isinstance(logger, MLFlowLogger):
-            self.metrics = log_eval(logger.experiment, logger.run_id, trainer.global_step, results, val,
-                                    datamodule.data_dir)
-        print("[lrattn eval] " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(self.metrics.items())))
+        return EvalCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -177,8 +177,19 @@ def _flex_eager(q: Tensor, k: Tensor, v: Tensor, block_mask: Any) -> Tensor:
         return flex_attention(q, k, v, block_mask=block_mask)
 
 
-# not traced into the caller's graph; what it calls (the compiled flex_attention on CUDA) still compiles
-_flex_outside = torch.compiler.disable(_flex_eager, recursive=False)
+_FLEX_OUTSIDE: list[Callable[..., Tensor]] = []
+
+
+def ready_flex_outside() -> None:
+    """Make _flex_eager's Dynamo-disabled twin (not traced into the caller's graph; what it calls, the compiled
+    flex_attention on CUDA, still compiles). Made by a Decoder with `attention: flex`, outside any trace, and not at
+    import: torch.compiler.disable imports Dynamo, ~1 s for every command that never uses it."""
+    if not _FLEX_OUTSIDE:
+        _FLEX_OUTSIDE.append(torch.compiler.disable(_flex_eager, recursive=False))
+
+
+def _flex_outside(q: Tensor, k: Tensor, v: Tensor, block_mask: Any) -> Tensor:
+    return _FLEX_OUTSIDE[0](q, k, v, block_mask)
 
 
 def document_block_mask(seg_BT: Tensor) -> Any:
@@ -244,6 +255,8 @@ class Decoder(nn.Module):
         if attention not in ATTENTIONS:
             raise InputError(f"attention must be one of {list(ATTENTIONS)}, got {attention!r}")
         self.attention = attention
+        if attention == "flex":
+            ready_flex_outside()
         self.cfg, self.impl = cfg, impl
         size = cfg.size
         self.embed = nn.Embedding(size.vocab_size, size.d_model)
