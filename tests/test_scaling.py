@@ -130,6 +130,8 @@ def test_a_poor_fit_is_refused_in_one_line():
 def test_no_reference_and_one_seed_per_size_are_said():
     points = ladder(np.random.default_rng(7), seeds=1)
     assert "no `control` runs" in analyse(points, reference="control").refusal
+    alone = analyse([p for p in points if p.method == "baseline"], resamples=20)
+    assert alone.refusal.startswith("only `baseline` ran") and alone.fit is None
     result = analyse(points, resamples=20)
     assert result.k and not result.low and any("cannot be judged" in note for note in result.notes)
     fit, why = fit_law([Point("a", "s", 0, 1e12, 2.0)] * 3, ["a"])  # one compute three times: no exponent

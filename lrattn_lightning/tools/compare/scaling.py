@@ -14,11 +14,11 @@ best of a grid of E (each a linear fit of ln(L - E) against ln C).
 
 The interval is a percentile bootstrap over seeds: every resample draws each (method, size) cell's seeds with
 replacement, their deviations from the cell's mean scaled by sqrt(n / (n - 1)) so a resampled cell spreads as much
-as its seeds do (plain resampling of 3 seeds shrinks the spread by a third and the intervals with it), refits from
-the point fit and recomputes k; a seeded RNG makes a report reproducible. Its ends are the expanded percentiles
-(Hesterberg's small-sample correction): at Phi(-t) and Phi(t), t Student's quantile for the seeds' pooled degrees of
-freedom, instead of 2.5 % and 97.5 %. On simulated ladders (4 sizes, 2 methods, 3 seeds, tests/test_scaling.py)
-the nominal 95 % interval covers the true multiplier in about 92 % of studies.
+as its seeds do (plain resampling of n = 3 seeds shrinks the variance by a third, the intervals with it), refits from
+the point fit and recomputes k; a seeded RNG makes a report reproducible. Its ends are expanded percentiles (as in
+Hesterberg's expanded percentile interval): at Phi(-t) and Phi(t), t Student's quantile for the seeds' pooled
+degrees of freedom, instead of 2.5 % and 97.5 %. On simulated ladders (4 sizes, 2 methods, 3 seeds, tests/test_scaling.py)
+the nominal 95 % interval covers the true multiplier in about 92-94 % of studies.
 
 No multiplier (one line saying why, and no fitted curve in the figure) when: the reference or every other method
 has fewer than MIN_POINTS distinct computes (E, A, alpha need three), the fit fails or runs into a bound of alpha
@@ -28,6 +28,7 @@ one seed per cell the fit is reported, its quality unjudged and without an inter
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -98,7 +99,7 @@ class Scaling:
     low: dict[str, float] = field(default_factory=dict)
     high: dict[str, float] = field(default_factory=dict)
     resamples: int = 0
-    failed: int = 0  # resamples whose fit did not converge (left out of the interval)
+    failed: int = 0  # resamples whose refit failed or ran into a bound (left out of the interval)
     cell_rms: float | None = None  # RMS of the cell-mean residuals
     seed_std: float | None = None  # pooled within-cell standard deviation
     seed_dof: int = 0  # its degrees of freedom
@@ -123,8 +124,8 @@ class _Data:
         self.y = np.array([p.loss for p in points], dtype=float)
 
     def with_losses(self, y: np.ndarray) -> _Data:
-        twin = object.__new__(_Data)
-        twin.__dict__.update(self.__dict__, y=y)
+        twin = copy.copy(self)
+        twin.y = y
         return twin
 
 
@@ -176,9 +177,10 @@ def _fit(data: _Data, shared: bool, start: np.ndarray | None = None
     if not result.success or not np.all(np.isfinite(theta)):
         return None, f"the fit did not converge ({result.message})", None
     alphas = theta[1:1 + na]
-    if np.any(alphas <= ALPHA_BOUNDS[0] * 1.001) or np.any(alphas >= ALPHA_BOUNDS[1] * 0.999):
-        return None, (f"the fit ran into its bound alpha = {alphas.min() if alphas.min() < 0.5 else alphas.max():.3g} "
-                      f"(allowed {ALPHA_BOUNDS[0]:g}-{ALPHA_BOUNDS[1]:g}): the losses do not follow the law"), None
+    at_bound = alphas[(alphas <= ALPHA_BOUNDS[0] * 1.001) | (alphas >= ALPHA_BOUNDS[1] * 0.999)]
+    if at_bound.size:
+        return None, (f"the fit ran into its bound alpha = {at_bound[0]:.3g} (allowed {ALPHA_BOUNDS[0]:g}-"
+                      f"{ALPHA_BOUNDS[1]:g}): the losses do not follow the law"), None
     if theta[0] >= top - 1e-6 * abs(top):
         return None, f"the fit ran into its bound E = {theta[0]:.4f} (the smallest loss): no saturating law fits", None
     fit = LawFit(E=float(theta[0]), alpha={m: float(alphas[0 if shared else i]) for i, m in enumerate(methods)},
@@ -210,20 +212,11 @@ def _start(data: _Data, na: int, top: float) -> np.ndarray | None:
 def analyse(points: list[Point], reference: str = "baseline", shared: bool = True, resamples: int = RESAMPLES,
             seed: int = 0) -> Scaling:
     """The fit, the multipliers against `reference` with their bootstrap interval, or one line refusing them."""
-    out = Scaling(points=list(points), reference=reference, shared=shared)
-    counts = {m: len({round(math.log(p.compute), 9) for p in points if p.method == m}) for m in out.methods}
-    if reference not in counts:
-        out.refusal = f"no `{reference}` runs on the ladder to compare with"
+    usable = [p for p in points if p.compute > 0 and math.isfinite(p.compute) and math.isfinite(p.loss)]
+    out = Scaling(points=usable, reference=reference, shared=shared)
+    out.refusal = _too_few(out)
+    if out.refusal:
         return out
-    few = [m for m, n in counts.items() if n < MIN_POINTS]
-    if reference in few or len(few) == len(counts) - 1:
-        who = [reference] if reference in few else few
-        out.refusal = (f"fewer than {MIN_POINTS} sizes (distinct computes) for "
-                       + ", ".join(f"{m} ({counts[m]})" for m in who) + ": E, A and alpha need three")
-        return out
-    if few:
-        out.notes.append(f"Left out (fewer than {MIN_POINTS} sizes): {', '.join(few)}.")
-        out.points = [p for p in points if p.method not in few]
     methods = out.methods
     data = _Data(out.points, methods)
     fit, why, theta = _fit(data, shared)
@@ -247,6 +240,24 @@ def analyse(points: list[Point], reference: str = "baseline", shared: bool = Tru
         return out
     _bootstrap(out, data, cells, theta, resamples, np.random.default_rng(seed))
     return out
+
+
+def _too_few(out: Scaling) -> str | None:
+    """Why there can be no multiplier for want of runs, or None; methods short of sizes are left out, noted."""
+    counts = {m: len({round(math.log(p.compute), 9) for p in out.points if p.method == m}) for m in out.methods}
+    if out.reference not in counts:
+        return f"no `{out.reference}` runs on the ladder to compare with"
+    if len(counts) == 1:
+        return f"only `{out.reference}` ran on the ladder: no method to compare with it"
+    few = [m for m, n in counts.items() if n < MIN_POINTS]
+    if out.reference in few or len(few) == len(counts) - 1:
+        who = [out.reference] if out.reference in few else few
+        return (f"fewer than {MIN_POINTS} sizes (distinct computes) for "
+                + ", ".join(f"{m} ({counts[m]})" for m in who) + ": E, A and alpha need three")
+    if few:
+        out.notes.append(f"Left out (fewer than {MIN_POINTS} sizes): {', '.join(few)}.")
+        out.points = [p for p in out.points if p.method not in few]
+    return None
 
 
 def _cells(points: list[Point]) -> dict[tuple[str, str], list[int]]:

@@ -4,7 +4,7 @@ and the multipliers of scaling.py, and their files
 
     scaling.md           the section: the multiplier table, the fit's parameters and quality, the cell residuals
     scaling.csv          one row per method: A_m, alpha, the multiplier, its median and interval over the resamples
-    scaling_points.csv   one row per run: its compute, loss, the law's value there and the residual
+    scaling_points.csv   one row per run: its compute, loss, the law's value there and the residual (law - loss)
     scaling.png/svg      loss against compute per method, the fitted curves and the multiplier table beside them
 
 A method is a row's label (table.Row.label: the ablation, `+variant`, ...). A run's training compute is
@@ -140,7 +140,7 @@ def _quality(result: Scaling) -> str:
                  f"{result.cell_rms / result.seed_std:.2f}; above {POOR_FIT:g} the fit is called poor, and not "
                  "reported)")
     if result.failed:
-        text += f". {result.failed} of {result.resamples} resamples did not converge and are left out of the interval"
+        text += f". {result.failed} of {result.resamples} resamples failed to fit (no convergence, or a bound) and are left out of the interval"
     return text + ".\n"
 
 
