@@ -14,6 +14,8 @@ loaded strictly; every error names the file and the field.
       - {size: small, ablation: gated-last09, seed: 0,       # variants of one entry: the label joins
          variant: freeze50, args: {model.gate_freeze_steps: 50}}   # the run name and the tags)
     args: {trainer.max_steps: 200}       # extra `lrattn fit` flags for every run (--trainer.max_steps 200)
+    size_args:                           # ... and for every run of one size, after `args` (a ladder's token
+      small: {trainer.max_steps: 400}    # budget per size); a run's own args come last
     env: {OMP_NUM_THREADS: "1"}          # environment of every run (local runs and emitted scripts); a
                                          # PYTHONPATH is appended to the environment's own, its relative
                                          # folders relative to the sweep file
@@ -38,7 +40,7 @@ from lrattn_lightning.core.names import check_name, closest_names
 from lrattn_lightning.model.registry import Registry, UnknownNameError, load_registry
 
 _FIELDS = ("name", "doc", "recipe", "experiment", "registry", "sizes", "ablations", "seeds", "runs", "args",
-           "env", "slurm")
+           "size_args", "env", "slurm")
 _RUN_FIELDS = {"size", "ablation", "seed", "variant", "args"}
 _SLURM_FIELDS = ("time", "partition", "account", "cpus_per_task", "max_parallel", "extra")
 
@@ -72,6 +74,11 @@ class Sweep:
     args: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     slurm: dict[str, Any] = field(default_factory=dict)
+    size_args: dict[str, dict[str, Any]] = field(default_factory=dict)  # size -> its runs' extra fit flags
+
+    def run_args(self, run: SweepRun) -> list[tuple[str, Any]]:
+        """The run's extra fit flags in the order they apply (a later one wins): the sweep's, its size's, its own."""
+        return [*self.args.items(), *self.size_args.get(run.size, {}).items(), *run.args]
 
     def setting(self, dotted: str, default: Any = None) -> Any:
         """A fit setting as the runs will see it: the sweep's `args`, else the recipe, else `default`."""
@@ -97,7 +104,7 @@ class Sweep:
             args += ["--registry", self.registry]
         if tracking_uri:
             args += ["--tracking_uri", tracking_uri]
-        for key, value in [*self.args.items(), *run.args]:  # the run's own flags come last and win
+        for key, value in self.run_args(run):  # the run's own flags come last and win
             args += [f"--{key}", _flag_value(value)]
         return args
 
@@ -157,8 +164,10 @@ def load_sweep(path: str | Path, registry: Registry | None = None) -> tuple[Swee
     grid, listed = _grid_runs(raw, fail), _list_runs(raw.get("runs"), fail)
     _check_runs(reg, grid, listed, fail)
     args, env, slurm = _options(raw, fail, path)
+    size_args = _size_args(raw.get("size_args"), {run.size for run in grid + listed}, fail)
     return Sweep(name=name, doc=raw["doc"].strip(), path=str(path), recipe=str(recipe), experiment=experiment,
-                 runs=tuple(grid + listed), registry=reg_path, args=args, env=env, slurm=slurm), reg
+                 runs=tuple(grid + listed), registry=reg_path, args=args, env=env, slurm=slurm,
+                 size_args=size_args), reg
 
 
 def _resolve_path(recipe: str, sweep_file: Path) -> Path | None:
@@ -232,6 +241,19 @@ def _check_args(args: Any, where: str, fail) -> dict[str, Any]:
         if isinstance(value, dict | list) and key.split(".")[0] not in ("trainer", "model", "data"):
             raise fail(where, f"key '{key}': a structured value must belong to trainer/model/data")
     return dict(args)
+
+
+def _size_args(raw: Any, sizes: set[str], fail) -> dict[str, dict[str, Any]]:
+    """`size_args`: size -> fit flags of that size's runs; every size one the sweep runs."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise fail("size_args", "must be a mapping SIZE: {fit flags}, e.g. {small: {trainer.max_steps: 400}}")
+    for size in raw:
+        if size not in sizes:
+            hint = ", ".join(closest_names(str(size), sorted(sizes)))
+            raise fail(f"size_args.{size}", f"the sweep runs no size {size!r}; its sizes: {hint}")
+    return {size: _check_args(args, f"size_args.{size}", fail) for size, args in raw.items()}
 
 
 def _grid_runs(raw: dict[str, Any], fail) -> list[SweepRun]:

@@ -51,6 +51,7 @@ def check_fit_args(sweep: Sweep, tracking_uri: str | None, extra: list[str], par
     for run in sweep.runs:
         given = ([(k, f"recipe {sweep.recipe}") for k in recipe_keys]
                  + [(k, f"the sweep's args ({sweep.path})") for k in sweep.args]
+                 + [(k, f"the size_args of {run.size} ({sweep.path})") for k in sweep.size_args.get(run.size, {})]
                  + [(k, f"the args of variant '{run.variant}' ({sweep.path})") for k, _ in run.args])
         for key, origin in given:
             if not _accepted(key, known, groups):

@@ -1,0 +1,184 @@
+"""The `## Compute multipliers` section of `lrattn compare` when its runs span two or more sizes (a ladder,
+experiments/sweeps/scaling-*.yaml): the runs as (method, size, seed, training compute, val loss) points, the fit
+and the multipliers of scaling.py, and their files
+
+    scaling.md           the section: the multiplier table, the fit's parameters and quality, the cell residuals
+    scaling.csv          one row per method: A_m, alpha, the multiplier, its median and interval over the resamples
+    scaling_points.csv   one row per run: its compute, loss, the law's value there and the residual (law - loss)
+    scaling.png/svg      loss against compute per method, the fitted curves and the multiplier table beside them
+
+A method is a row's label (table.Row.label: the ablation, `+variant`, ...). A run's training compute is
+3 x (the core's forward FLOPs per token, from its size params, + the routing's, its added_flops_pct of them) x its
+tokens (its last step x tokens per step): training_compute. Where a size holds a method under several recipes,
+only recipe A (the size's most common) counts, and a line says so.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from lrattn_lightning.model.accounting import core_flops
+from lrattn_lightning.model.config import SizeConfig
+from lrattn_lightning.tools.compare.scaling import LEVEL, POOR_FIT, RESAMPLES, Point, Scaling, analyse
+from lrattn_lightning.tools.compare.scaling_figure import plot_scaling
+from lrattn_lightning.tools.compare.table import Row, RunRecord
+
+_SIZE_FIELDS = ("n_layers", "d_model", "n_heads", "d_mlp", "vocab_size", "seq_len")
+
+
+def training_compute(params: dict[str, str], record: RunRecord) -> float | None:
+    """3 x (core + routing) forward FLOPs per token x tokens trained; None where the run does not say."""
+    try:
+        size = SizeConfig(name=params.get("size", record.size), doc="", **{f: int(params[f]) for f in _SIZE_FIELDS})
+        per_step = record.parts.get("tokens_per_step")
+        tokens = (float(per_step) * record.final_step if per_step not in (None, "None") and record.final_step
+                  else record.metrics.get("train/tokens_seen"))
+    except (KeyError, ValueError, TypeError):
+        return None
+    pct = record.added_flops_pct
+    if not tokens or pct != pct:  # no token count, or a routing of unknown cost (NaN)
+        return None
+    return 3.0 * core_flops(size) * (1 + pct / 100) * float(tokens)
+
+
+def ladder_points(client: Any, rows: list[Row]) -> tuple[list[Point], list[str]]:
+    """The runs of `rows` as points, and one line per thing left out."""
+    by_cell: dict[tuple[str, str], list[Row]] = defaultdict(list)
+    for row in rows:
+        by_cell[(row.label or row.ablation, row.size)].append(row)
+    points, notes, unknown = [], [], []
+    for (method, size), mine in sorted(by_cell.items()):
+        if len(mine) > 1:
+            others = sorted(r.group for r in mine if r.group != "A")
+            notes.append(f"`{method}` at {size}: only recipe A counts (recipe {', '.join(others)} left out).")
+            mine = [r for r in mine if r.group == "A"]
+        for row in mine:
+            for run in row.runs:
+                compute = training_compute(client.get_run(run.run_id).data.params, run)
+                if compute is None:
+                    unknown.append(run.name)
+                    continue
+                points.append(Point(method, size, run.seed, compute, run.val_loss))
+    if unknown:
+        notes.append(f"Left out, training compute unknown (no size params, token count or routing FLOPs): "
+                     f"{', '.join(unknown)}.")
+    return points, notes
+
+
+def write_scaling(client: Any, rows: list[Row], out: Path, title: str, reference: str = "baseline",
+                  per_method_exponents: bool = False, resamples: int = RESAMPLES) -> tuple[list[Path], str]:
+    """The section's files in `out` and its markdown; nothing ([], '') when the rows hold fewer than two sizes."""
+    if len({row.size for row in rows}) < 2:
+        return [], ""
+    points, notes = ladder_points(client, rows)
+    result = analyse(points, reference, shared=not per_method_exponents, resamples=resamples)
+    result.notes[:0] = notes
+    text = section(result)
+    files = [out / "scaling.md", out / "scaling.csv", out / "scaling_points.csv"]
+    files[0].write_text(text)
+    files[1].write_text(method_csv(result))
+    files[2].write_text(points_csv(result))
+    files += plot_scaling(result, out, title + " — validation loss against training compute")
+    return files, text + "\n![loss against training compute](scaling.png)\n"
+
+
+# ---- text --------------------------------------------------------------------------------------------
+def _g(value: float | None, digits: int = 3) -> str:
+    return "—" if value is None or value != value else f"{value:.{digits}g}"
+
+
+def section(result: Scaling) -> str:
+    ref, shared = result.reference, result.shared
+    law = ("L(C) = E + A_m·C^(−α) with E and α shared by every method" if shared else
+           "L(C) = E + A_m·C^(−α_m) with E shared and one exponent per method")
+    what = (f"k = (A_{ref}/A_m)^(1/α), the same at every compute" if shared else
+            f"read at the ladder's largest compute C* = {result.at:.3g} FLOPs (with per-method exponents k depends on "
+            "C)")
+    lines = ["## Compute multipliers\n",
+             f"Final validation loss against training compute C (3 × the core's and the routing's forward FLOPs per "
+             f"token × tokens trained), fitted as {law} (least squares over every run). A method's multiplier k is "
+             f"how much more compute `{ref}` needs to reach that method's loss: {what}; k > 1 means the method is "
+             f"worth more compute than `{ref}`. Interval: {100 * LEVEL:g} % percentile bootstrap over seeds (each "
+             "(method, size) cell's seeds resampled with replacement, deviations scaled by √(n/(n−1)), refit; "
+             f"{result.resamples or RESAMPLES} resamples, seeded), its ends expanded to Student's t for the seeds' "
+             "degrees of freedom.\n"]
+    if result.refusal:
+        lines.append(f"**No compute multipliers: {result.refusal}.**\n")
+    else:
+        lines += [_table(result), _quality(result), _residuals(result)]
+    lines += [f"{note}\n" for note in result.notes]
+    return "\n".join(lines)
+
+
+def _table(result: Scaling) -> str:
+    fit = result.fit
+    head = ["method", "sizes", "runs", "A_m", "α", "multiplier k", "median", f"{100 * LEVEL:g} % interval",
+            "residual RMS"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for m in result.methods:
+        mine = [i for i, p in enumerate(result.points) if p.method == m]
+        rms = math.sqrt(sum(fit.residuals[i] ** 2 for i in mine) / len(mine))
+        interval = (f"{result.low[m]:.3f} – {result.high[m]:.3f}" if m in result.low else "—")
+        sizes = len({result.points[i].size for i in mine})
+        lines.append(f"| {m} | {sizes} | {len(mine)} | {fit.A(m):.4g} | {fit.alpha[m]:.4f} | {result.k[m]:.3f} | "
+                     f"{_g(result.median.get(m), 4)} | {interval} | {rms:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _quality(result: Scaling) -> str:
+    fit = result.fit
+    alpha = f"α = {fit.alpha[result.reference]:.4f}" if result.shared else "α per method above"
+    text = (f"E = {fit.E:.4f}, {alpha}; residual RMS over all runs {fit.rms:.4f}; the cell means (mean over seeds "
+            f"per method and size) sit {result.cell_rms:.4f} (RMS) from the law")
+    if result.seed_std is not None:
+        text += (f", against a seed standard deviation of {result.seed_std:.4f} (ratio "
+                 f"{result.cell_rms / result.seed_std:.2f}; above {POOR_FIT:g} the fit is called poor, and not "
+                 "reported)")
+    if result.failed:
+        text += f". {result.failed} of {result.resamples} resamples failed to fit (no convergence, or a bound) and are left out of the interval"
+    return text + ".\n"
+
+
+def _residuals(result: Scaling) -> str:
+    """Fit minus mean loss per method (rows) and size (columns, by compute)."""
+    sizes = sorted({p.size for p in result.points},
+                   key=lambda s: min(p.compute for p in result.points if p.size == s))
+    cell: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for p, r in zip(result.points, result.fit.residuals, strict=True):
+        cell[(p.method, p.size)].append(r)
+    lines = ["Residuals, the law minus the mean loss over seeds:\n", "| method | " + " | ".join(sizes) + " |",
+             "|---|" + "---:|" * len(sizes)]
+    for m in result.methods:
+        values = [cell.get((m, s)) for s in sizes]
+        lines.append(f"| {m} | " + " | ".join("—" if not v else f"{sum(v) / len(v):+.4f}" for v in values) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def method_csv(result: Scaling) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["method", "reference", "shared_exponent", "E", "A", "alpha", "multiplier", "median", "low",
+                     "high", "level", "resamples", "at_compute", "refusal"])
+    for m in result.methods:
+        fit = result.fit
+        writer.writerow([m, result.reference, result.shared, *(("", "", "") if fit is None else
+                                                               (fit.E, fit.A(m), fit.alpha[m])),
+                         result.k.get(m, ""), result.median.get(m, ""), result.low.get(m, ""),
+                         result.high.get(m, ""), LEVEL, result.resamples, result.at or "", result.refusal or ""])
+    return out.getvalue()
+
+
+def points_csv(result: Scaling) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["method", "size", "seed", "compute", "val_loss", "fitted", "residual"])
+    for i, p in enumerate(result.points):
+        fitted = "" if result.fit is None else float(result.fit.predict(p.method, p.compute))
+        residual = "" if result.fit is None else result.fit.residuals[i]
+        writer.writerow([p.method, p.size, "" if p.seed is None else p.seed, p.compute, p.loss, fitted, residual])
+    return out.getvalue()
