@@ -1,4 +1,4 @@
-"""Welch's t-test without scipy (tools/significance.py) against scipy's numbers, and the paged run search."""
+"""Welch's t-test (tools/compare/significance.py) against scipy's recorded numbers, and the paged run search."""
 
 from __future__ import annotations
 
