@@ -32,7 +32,7 @@ from lrattn_lightning.model.registry import load_registry, parse_registry
 from lrattn_lightning.tools.sweep.file import SweepRun, load_sweep
 
 REPO = Path(__file__).resolve().parent.parent
-README = REPO / "README.md"
+EXTENDING = REPO / "docs" / "extending.md"
 LRATTN = str(Path(sys.executable).with_name("lrattn"))
 KINDS = ["denseformer", "mhc-n4", "delta-attnres-null", "gated-residual", "s-lr-grid-n4-r16"]  # fitted in process
 SWEPT = ["baseline", "my-router"]  # by the sweep process
@@ -40,9 +40,10 @@ UPCYCLED, LONG, RERUN = "tiny-denseformer-upcycled", "tiny-baseline-6steps", "ti
 
 
 def readme_files() -> dict[str, str]:
-    """The README's own-router example: the code blocks of 'Writing your own router' that open with a file name."""
-    text = README.read_text()
-    section = text[text.index("## Writing your own router"):text.index("## A tour of the code")]
+    """docs/extending.md's own-router example: the code blocks of 'Writing your own router' that open with a file
+    name."""
+    text = EXTENDING.read_text()
+    section = text[text.index("## Writing your own router"):]
     files = {}
     for body in re.findall(r"```(?:python|yaml)\n(.*?)```", section, re.S):
         first = body.splitlines()[0]

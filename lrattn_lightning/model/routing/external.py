@@ -8,7 +8,7 @@
         router: my_pkg.routers:MyRouter      # imported when the model is built, from the user's environment
         router_options: {width: 4}           # keyword arguments: MyRouter(cfg, width=4)
 
-The contract (README, "Writing your own router"; kept stable): the class is an `nn.Module` built as
+The contract (docs/extending.md, "Writing your own router"; kept stable): the class is an `nn.Module` built as
 `Class(cfg, **router_options)` (cfg: the resolved ModelConfig) with the Router protocol of router.py,
 `start(emb, *, record=False, cache=None, segments=None) -> state`, `read(state, j)`, `write(state, i, out)`,
 `reset_parameters()` and optionally `new_cache()` (KV-cache decoding: an object kept across passes, or
@@ -71,7 +71,7 @@ def build_external(cfg: ModelConfig) -> nn.Module:
     missing = [m for m in ("start", "read", "write", "reset_parameters") if not callable(getattr(router, m, None))]
     if missing:
         raise config_error(f"ablations.{cfg.ablation.name}", "router",
-                           f"{cfg.options.router} lacks {', '.join(missing)} of the Router protocol (README, "
+                           f"{cfg.options.router} lacks {', '.join(missing)} of the Router protocol (docs/extending.md, "
                            "'Writing your own router')")
     return router
 
@@ -126,7 +126,7 @@ class ExternalKind(RoutingKind):
     name = "external"
     Options = ExternalOptions
     owner_phrase = "only routing external names a router class"
-    diagnostics = "mixing"  # whatever a recording state's `weights` hold (README: the contract); none: nothing
+    diagnostics = "mixing"  # whatever a recording state's `weights` hold (docs/extending.md: the contract); none: nothing
     user_code = True
 
     def diagnostic_axes(self, cfg: ModelConfig) -> dict:
