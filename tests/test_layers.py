@@ -161,14 +161,82 @@ def test_the_cycle_check_would_catch_one(tmp_path):
     assert "lrattn_lightning.core.names" in imports_of(a) and "lrattn_lightning.core.errors" in imports_of(b)
 
 
+# the modules that use the kernels (model/routing/attnres/triton/): the kernels never import them (STYLE: Liger's
+# ops/ vs transformers/); the launch specs and compile check that drive every registry entry are tools/kernels/
+KERNELS = PACKAGE / "model" / "routing" / "attnres" / "triton"
+KERNEL_USERS = ("lrattn_lightning.model.registry", "lrattn_lightning.model.routing.kinds",
+                "lrattn_lightning.model.routing.router", "lrattn_lightning.tools", "lrattn_lightning.train",
+                "lrattn_lightning.cli")
+
+
+def _with_parents(module: str) -> list[str]:
+    """Importing a.b.c runs a, a.b and a.b.c."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def users_reached(start: list[Path]) -> dict[str, list[str]]:
+    """Kernel users that each module of `start` imports, directly or through the modules it imports (lazy
+    imports and the packages Python runs on the way included): module -> the users' names."""
+    known = dict(modules())
+    out = {}
+    for path in start:
+        seen, todo, found = set(), list(imports_of(path)), []
+        while todo:
+            for name in _with_parents(todo.pop()):
+                if name in seen:
+                    continue
+                seen.add(name)
+                if any(name == u or name.startswith(u + ".") for u in KERNEL_USERS):
+                    found.append(name)
+                elif name in known:
+                    todo += imports_of(known[name])
+        out[path.stem] = sorted(found)
+    return out
+
+
+def test_kernels_never_import_their_users():
+    """Nothing under model/routing/attnres/triton imports the registry, the table of routing kinds, the router
+    protocol's build_router, training, tools or the CLI, directly or through another module."""
+    files = sorted(KERNELS.rglob("*.py"))
+    assert {"kernels", "ops", "router", "launch"} <= {p.stem for p in files}
+    reached = users_reached(files)
+    assert {name: users for name, users in reached.items() if users} == {}
+
+
+def test_the_kernel_users_check_would_catch_one(tmp_path):
+    """A kernel module importing a user, directly, lazily or through a module that does, is named."""
+    direct, lazy, through = tmp_path / "direct.py", tmp_path / "lazy.py", tmp_path / "through.py"
+    direct.write_text('"""d"""\nfrom lrattn_lightning.model.routing import kinds\n')
+    lazy.write_text('"""l"""\ndef f():\n    from lrattn_lightning.model.routing.router import build_router\n')
+    # the decoder imports build_router: a kernel importing the decoder reaches it
+    through.write_text('"""t"""\nimport lrattn_lightning.model.decoder\n')
+    reached = users_reached([direct, lazy, through])
+    assert reached["direct"] == ["lrattn_lightning.model.routing.kinds"]
+    assert reached["lazy"] == ["lrattn_lightning.model.routing.router"]
+    assert "lrattn_lightning.model.routing.router" in reached["through"]
+
+
+def test_the_moved_specs_command_says_what_it_became():
+    """`python -m lrattn_lightning.model.routing.attnres.triton.specs` (before the specs were a tool): one line
+    naming the new command, exit 2."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "lrattn_lightning.model.routing.attnres.triton.specs", "--out", "x"],
+                          capture_output=True, text=True, cwd=PACKAGE.parent, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        "lrattn_lightning.model.routing.attnres.triton.specs moved to lrattn_lightning.tools.kernels.specs: run "
+        "python -m lrattn_lightning.tools.kernels.specs with the same flags"]
+
+
 def test_files_and_classes_stay_small():
     """A module past ~400 lines or a class past ~200 is a signal to split (STYLE); the few that are past it are
     named here with their reason, so a new one is a decision, not drift."""
     allowed = {  # module -> why it is longer
         "lrattn_lightning.cli.lightning": "LightningCLI's hooks in the order Lightning calls them",
         "lrattn_lightning.train.tracking": "the MLflow logger that survives an outage, one class",
-        "lrattn_lightning.model.routing.attnres.triton.kernels": "Triton kernels, forward and backward side by side",
-        "lrattn_lightning.model.routing.attnres.triton.ops": "torch custom ops with fakes and autograd per kernel",
         "lrattn_lightning.eval.run": "the Fabric launcher and its MLflow logging",
         "lrattn_lightning.train.callbacks": "the callbacks every run installs",
     }

@@ -201,6 +201,31 @@ def test_unsupported_cases_raise_one_line_naming_the_backend_that_can():
     assert [compile_impl(i) for i in IMPLS] == ["compiled", "reference", "compiled"]
 
 
+def test_the_backend_table_answers_where_a_backend_runs_and_which_runs(monkeypatch):
+    """Callers ask the table (backends.py), never a backend's name: the portable backends run on any device;
+    triton's answer is its own check's (CUDA, or TRITON_INTERPRET=1); an unknown name is one line."""
+    from lrattn_lightning.core.errors import InputError
+    from lrattn_lightning.model.routing.attnres import availability, resolve_impl
+
+    pytest.importorskip("triton")
+    for impl in IMPLS:
+        assert availability(impl) is None and availability(impl, "cuda") is None
+        assert availability(impl, torch.device("cpu")) is None
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert availability("triton", "cuda") is None
+    why = availability("triton", torch.device("cpu"))
+    assert why.startswith("model.impl 'triton' needs a CUDA GPU, or TRITON_INTERPRET=1") and "\n" not in why
+    assert availability("triton") == (None if torch.cuda.is_available() else why)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (read when asked: the interpreter serves CPU tensors)
+    assert availability("triton", "cpu") is None
+    assert [resolve_impl(i) for i in (*IMPLS, "triton")] == [*IMPLS, "triton"]
+    assert [resolve_impl(i, compiled=True) for i in (*IMPLS, "triton")] == ["compiled", "reference", "compiled",
+                                                                             "triton"]
+    for ask in (lambda: availability("fsat", "cpu"), lambda: resolve_impl("fsat")):
+        with pytest.raises(InputError, match=r"^impl: unknown AttnRes backend 'fsat' \(closest: fast"):
+            ask()
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", ["s-lr-block-n8-r64", "p-lr-full-r32", "attnres-block-n4", "p-lr-block-n8-r32-dynquery"])
 def test_kv_cache_decoding_matches_full_forward(name, impl):

@@ -1,10 +1,10 @@
 """The `triton` backend's kernels compile for the GPUs researchers use, within the register budget, checked
 without a GPU (docs/benchmarks.md, "The triton kernels compiled").
 
-specs.py records every kernel launch of every AttnRes registry entry (entries with the same
+tools/kernels/specs.py records every kernel launch of every AttnRes registry entry (entries with the same
 architecture once) at paper-0.5b and d4096-7b widths: float32 and bf16 autocast; training (forward and
-backward), validation recording the routing weights, decoding one token. compile_check.py compiles each
-distinct specialisation with Triton's compiler and ptxas for sm_80, sm_90 and sm_100, under this
+backward), validation recording the routing weights, decoding one token. tools/kernels/compile_check.py
+compiles each distinct specialisation with Triton's compiler and ptxas for sm_80, sm_90 and sm_100, under this
 environment's triton and under triton 3.6 (the GPU machine's; `./tasks setup` makes .venv/triton-3.6, a venv
 holding only triton), both at once, and reads registers, spills and shared memory from each cubin. Compiled
 kernels go to Triton's own cache (~/.triton/cache, keyed on source, triton version and options). Cold, on 2
@@ -24,9 +24,9 @@ import pytest
 pytest.importorskip("triton")
 
 from lrattn_lightning.model.registry import load_registry  # noqa: E402
-from lrattn_lightning.model.routing.attnres.triton import compile_check as triton_compile  # noqa: E402
-from lrattn_lightning.model.routing.attnres.triton import ops as triton_ops
-from lrattn_lightning.model.routing.attnres.triton import specs as triton_specs
+from lrattn_lightning.model.routing.attnres.triton import ops as triton_ops  # noqa: E402
+from lrattn_lightning.tools.kernels import compile_check as triton_compile
+from lrattn_lightning.tools.kernels import specs as triton_specs
 
 ROOT = Path(__file__).resolve().parent.parent
 TRITON36 = ROOT / ".venv" / "triton-3.6" / "bin" / "python"

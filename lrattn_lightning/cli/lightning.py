@@ -157,10 +157,10 @@ class LRAttnCLI(LightningCLI):
         validate_data_dir(cfg.data.data_dir, model_cfg.size, cfg.data.seq_len)
         if self.subcommand == "fit":
             checks.check_one_batch(cfg)
-        if cfg.model.get("impl") == "triton" and model_cfg.kind.takes_impl:  # CUDA or the interpreter
-            from lrattn_lightning.model.routing.attnres.triton.ops import availability_error
+        if model_cfg.kind.takes_impl:  # the backend runs here (triton: CUDA or the interpreter)
+            from lrattn_lightning.model.routing.attnres import DEFAULT_IMPL, availability
 
-            if (error := availability_error()) is not None:
+            if (error := availability(cfg.model.get("impl") or DEFAULT_IMPL)) is not None:
                 raise UsageError(error)
         self._check_attention(cfg)
         if cfg.trainer.get("strategy") == "fsdp":  # checked now: instantiate_trainer builds it after the run folder

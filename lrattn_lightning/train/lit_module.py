@@ -25,7 +25,7 @@ from lrattn_lightning.model.accounting import model_flops_per_token
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.model.registry import load_registry, model_config_from_dict
-from lrattn_lightning.model.routing.attnres import DEFAULT_IMPL, compile_impl
+from lrattn_lightning.model.routing.attnres import DEFAULT_IMPL, resolve_impl
 from lrattn_lightning.model.routing.kinds import check_training_options, training_flags
 from lrattn_lightning.train.callbacks import (
     CheckpointContents,
@@ -136,7 +136,7 @@ class LRAttnModule(Validation, Optimization, L.LightningModule):
             peak=muon_momentum, low=muon_momentum_min, warmup_steps=muon_momentum_warmup_steps,
             cooldown_steps=muon_momentum_cooldown_steps)
         # how AttnRes is computed, not part of the architecture; compiled: the backend torch.compile traces
-        self.model = build_decoder(cfg, impl=compile_impl(impl) if compile else impl, attention=attention)
+        self.model = build_decoder(cfg, impl=resolve_impl(impl, compiled=compile), attention=attention)
         self.model.doc_separator = doc_separator if document_masking else None
         # Lightning's model summary counts the FLOPs of one forward of this (one window; was "Total FLOPs: 0")
         self.example_input_array = torch.zeros(1, cfg.size.seq_len, dtype=torch.long)

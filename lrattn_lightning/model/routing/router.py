@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from torch import Tensor, nn
 
 from lrattn_lightning.model.config import ModelConfig
-from lrattn_lightning.model.routing.attnres.backends import DEFAULT_IMPL, backend
+from lrattn_lightning.model.routing.attnres import DEFAULT_IMPL, resolve_impl
 
 
 class Router(Protocol):
@@ -51,5 +51,5 @@ class Router(Protocol):
 
 def build_router(cfg: ModelConfig, impl: str = DEFAULT_IMPL) -> nn.Module:
     """The router of `cfg`'s routing kind; for AttnRes computed by backend `impl` (attnres/backends.py)."""
-    backend(impl)  # an unknown name is one line, whatever the kind
+    resolve_impl(impl)  # an unknown name is one line, whatever the kind
     return cfg.kind.build(cfg, impl)

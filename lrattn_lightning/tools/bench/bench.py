@@ -44,7 +44,7 @@ from typing import Any
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.core.flags import Parser
-from lrattn_lightning.model.routing.attnres.backends import IMPLS
+from lrattn_lightning.model.routing.attnres.backends import IMPLS, availability
 from lrattn_lightning.tools.bench.steps import OPTIMIZERS
 
 PHASES = ("train", "forward", "generate")
@@ -158,11 +158,8 @@ def _check_args(args, reg, device) -> set[str]:
         raise InputError(f"--memory: unknown {sorted(memory - {'alloc', 'rss'})}; use alloc, rss or none")
     if args.clock == "cpu" and device.type != "cpu":
         raise InputError("--clock cpu measures this process's CPU time: use it with --device cpu")
-    if args.impl == "triton":
-        from lrattn_lightning.model.routing.attnres.triton.ops import availability_error
-
-        if (error := availability_error(device.type)) is not None:
-            raise InputError(f"--impl triton: {error}")
+    if (error := availability(args.impl, device)) is not None:  # (triton: CUDA or the interpreter)
+        raise InputError(f"--impl {args.impl}: {error}")
     return memory
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.core.flags import Parser
-from lrattn_lightning.model.routing.attnres.backends import IMPLS
+from lrattn_lightning.model.routing.attnres.backends import IMPLS, availability
 from lrattn_lightning.tools.fidelity.interface import flag_language
 
 
@@ -97,11 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from lrattn_lightning.tools.fidelity import golden
 
-    if args.impl == "triton":
-        from lrattn_lightning.model.routing.attnres.triton.ops import availability_error
-
-        if (error := availability_error("cpu")) is not None:
-            raise InputError(f"--impl triton: {error}")
+    if (error := availability(args.impl, "cpu")) is not None:  # the golden numbers are CPU tensors
+        raise InputError(f"--impl {args.impl}: {error}")
 
     only = args.entries.split(",") if args.entries else None
     rows = fidelity_rows(args.golden, args.registry, impl=args.impl, only=only)

@@ -16,6 +16,10 @@ Every backend serves every option, block_summary rms and MHAR's depth_head_norm 
 (the triton kernels normalise keys per depth head: a whole-key norm is applied before them, its keys handed
 over as carried keys with the kernels' norm off; triton/router.py).
 
+Callers ask the table, never a backend's name: `availability(impl, device)` (None: it runs there; else the
+one-line reason, from the backend's own check), `resolve_impl(impl, compiled)` (the backend that runs, under
+torch.compile its substitute; an unknown name is one line naming the closest).
+
 `fast` is not traceable by torch.compile (its compiled substitute is `compiled`) and does not fold per-token
 queries into write-time logits: for `query: gated_dynamic` the kind takes `compiled`, run eagerly. KV-cache
 decoding runs the named backend too (on CPU `reference` / `compiled` decode faster than `fast`: ~0.10 s against
@@ -31,23 +35,32 @@ from dataclasses import dataclass
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.core.names import with_closest
 
+PACKAGE = "lrattn_lightning.model.routing.attnres"
+
 
 @dataclass(frozen=True)
 class Backend:
     name: str
-    module: str  # below lrattn_lightning.model.routing.attnres
+    module: str  # below PACKAGE
     router: str  # its router class
     under_compile: str  # the backend a torch.compile'd decoder takes for this one
-    portable: bool  # runs on any machine (else: what `needs` says)
     needs: str = "any machine"
+    # what says whether it runs on a device ("module:function" below PACKAGE, called with a device type or
+    # None for this machine -> None, or why not); None: it runs anywhere
+    check: str | None = None
+
+    @property
+    def portable(self) -> bool:
+        return self.check is None
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
-    Backend("fast", "fast", "FastAttnRes", under_compile="compiled", portable=True),
-    Backend("reference", "reference", "ReferenceAttnRes", under_compile="reference", portable=True),
-    Backend("compiled", "compiled", "CompiledAttnRes", under_compile="compiled", portable=True),
-    Backend("triton", "triton.router", "TritonAttnRes", under_compile="triton", portable=False,
-            needs="a CUDA GPU, or TRITON_INTERPRET=1 for Triton's CPU interpreter"),
+    Backend("fast", "fast", "FastAttnRes", under_compile="compiled"),
+    Backend("reference", "reference", "ReferenceAttnRes", under_compile="reference"),
+    Backend("compiled", "compiled", "CompiledAttnRes", under_compile="compiled"),
+    Backend("triton", "triton.router", "TritonAttnRes", under_compile="triton",
+            needs="a CUDA GPU, or TRITON_INTERPRET=1 for Triton's CPU interpreter",
+            check="triton.launch:availability_error"),
 )}
 DEFAULT_IMPL = "fast"
 IMPLS = tuple(BACKENDS)  # every backend
@@ -63,9 +76,27 @@ def backend(name: str) -> Backend:
 
 def router_class(name: str) -> type:
     b = backend(name)
-    return getattr(importlib.import_module(f"lrattn_lightning.model.routing.attnres.{b.module}"), b.router)
+    return getattr(importlib.import_module(f"{PACKAGE}.{b.module}"), b.router)
+
+
+def availability(impl: str, device=None) -> str | None:
+    """None when backend `impl` can run on `device` (a torch.device or its type: "cuda", "cpu"; None: on this
+    machine, whichever device), else the one-line reason naming the fix. Its check module is imported only
+    here (the triton one needs no triton to answer)."""
+    b = backend(impl)
+    if b.check is None:
+        return None
+    module, function = b.check.split(":")
+    return getattr(importlib.import_module(f"{PACKAGE}.{module}"), function)(getattr(device, "type", device))
+
+
+def resolve_impl(impl: str, compiled: bool = False) -> str:
+    """The backend that runs for `impl`: itself, or under torch.compile its substitute (`fast` -> `compiled`:
+    same parameters and results). An unknown name is one line (InputError) naming the closest."""
+    b = backend(impl)
+    return b.under_compile if compiled else b.name
 
 
 def compile_impl(name: str) -> str:
-    """The backend a torch.compile'd decoder takes for `name` (`fast` -> `compiled`: same parameters and results)."""
-    return backend(name).under_compile
+    """The backend a torch.compile'd decoder takes for `name` (resolve_impl(name, compiled=True))."""
+    return resolve_impl(name, compiled=True)

@@ -29,7 +29,7 @@ all G sites (G online softmaxes in one tile) and keeps out_g and lse_g; each sit
 merges it with `lrattn::attnres_merge` (w = sigmoid(l_p - lse_g), h = out_g + w (v_p - out_g)), as `fast`
 does. Full routing (every group one site), per-token queries (gated dynamic: a site's query exists only once
 the sublayer before it ran) read site by site with `lrattn::attnres_read`; a group whose tile would exceed
-GROUP_TILE_MAX (the register budget, ops.py) is split into even sub-groups that fit, each one
+GROUP_TILE_MAX (the register budget, launch.py) is split into even sub-groups that fit, each one
 `attnres_group` kernel (paper-0.5b, 8 blocks: the 6 sites of a block as 3 + 3; at d = 4096 with one depth
 head no two sites fit, so those reads are site by site). Nothing has run on a GPU yet (docs/benchmarks.md).
 

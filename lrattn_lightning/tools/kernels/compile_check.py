@@ -1,8 +1,9 @@
 """Compile recorded kernel launches (specs.py) for GPU targets on a machine without a GPU, and read what
-each compiled kernel needs: the compile check of the `triton` backend (tests/test_compile_check.py).
+each compiled kernel needs: the compile check of the `triton` backend (tests/test_triton_compile.py).
 
-Needs only triton (no torch, nothing of this package): run as a script by any python with triton, e.g. a
-separate environment holding the GPU machine's triton 3.6 (`./tasks setup` makes .venv/triton-3.6):
+Needs only triton (no torch, nothing of this package: the kernel files are loaded by path, kernels()): run
+as a script by any python with triton, e.g. a separate environment holding the GPU machine's triton 3.6
+(`./tasks setup` makes .venv/triton-3.6):
 
     python compile_check.py RECORDS.json OUT.json --archs 80,90,100 --jobs 2
 
@@ -34,23 +35,38 @@ import time
 import warnings
 from pathlib import Path
 
-REG_BUDGET = 128  # (ops.REG_BUDGET: every launch passes it as maxnreg, so more would be spilled)
+REG_BUDGET = 128  # (triton/launch.py's REG_BUDGET: every launch passes it as maxnreg, so more would be spilled)
 # per SM: 64 Ki registers, 2048 threads, 32 programs on all three; shared memory per SM and per program (opt-in)
 ARCHS = {80: {"gpu": "A100", "smem_sm": 164 * 1024, "smem_block": 163 * 1024},
          90: {"gpu": "H100/H200", "smem_sm": 228 * 1024, "smem_block": 227 * 1024},
          100: {"gpu": "B200", "smem_sm": 228 * 1024, "smem_block": 227 * 1024}}
 REGS_SM, THREADS_SM, PROGRAMS_SM, RESERVED_SMEM = 65536, 2048, 32, 1024
+# the kernel files (model/routing/attnres/triton/), each importing only triton and the files before it
+KERNELS_PACKAGE = "lrattn_lightning.model.routing.attnres.triton"
+KERNELS_DIR = Path(__file__).resolve().parents[2] / "model" / "routing" / "attnres" / "triton"
+KERNEL_FILES = ("kernel_parts", "read_kernels", "group_kernels", "kernels")
 _kernels = None
 
 
 def kernels():
-    """kernels.py beside this file, loaded by path (so no package import, no torch)."""
+    """The kernels module (triton/kernels.py: every kernel by name). The kernel files are loaded by path in
+    order, each under its own name in sys.modules, so that their imports of one another find them there and
+    no package __init__ runs (no torch); a file already imported (the package is in use here) is taken as is."""
     global _kernels
     if _kernels is None:
-        spec = importlib.util.spec_from_file_location("lrattn_triton_kernels", Path(__file__).with_name(
-            "kernels.py"))
-        _kernels = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(_kernels)
+        for name in KERNEL_FILES:
+            full = f"{KERNELS_PACKAGE}.{name}"
+            if full in sys.modules:
+                continue
+            spec = importlib.util.spec_from_file_location(full, KERNELS_DIR / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[full] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[full]
+                raise
+        _kernels = sys.modules[f"{KERNELS_PACKAGE}.kernels"]
     return _kernels
 
 

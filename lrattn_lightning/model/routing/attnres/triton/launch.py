@@ -1,0 +1,224 @@
+"""Where the `triton` backend's kernels run and how they are launched: whether they can run here
+(availability_error), where launches go (the kernels, or a recorder: set_launch_target), the launch geometry
+under the register budget, and `_Read`, what every kernel needs of one read (rows, key mode, the pointer
+table, the geometry). The custom ops that launch: ops.py (single reads), group_ops.py (two-phase block reads).
+Importing this module never needs triton: the kernels (kernels.py) are imported when a launch first asks.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from lrattn_lightning.core.errors import InputError
+
+# Where launches go: None, the kernels (kernels.py); or a recorder that keeps each launch's arguments and
+# runs nothing (tools/kernels/specs.py, recorded_launches: which specialisations the model launches)
+_launch_target = None
+
+
+def set_launch_target(target) -> None:
+    """Send every kernel launch to `target` (its attributes stand for the kernels) instead; None: the kernels."""
+    global _launch_target
+    _launch_target = target
+
+
+def interpreting() -> bool:
+    """Triton's CPU interpreter is on (TRITON_INTERPRET=1 must be set before triton is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def availability_error(device_type: str | None = None) -> str | None:
+    """Why the triton backend cannot run here (None: it can). device_type None: only the machine."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "model.impl 'triton' needs the triton package (pip install triton); or use impl 'fast'"
+    if interpreting() or _launch_target is not None:  # (a recorder runs nothing: any device)
+        return None
+    if device_type is None and torch.cuda.is_available():
+        return None
+    if device_type == "cuda":
+        return None
+    return ("model.impl 'triton' needs a CUDA GPU, or TRITON_INTERPRET=1 in the environment (Triton's CPU "
+            "interpreter, slow: for tests); on this machine use impl 'fast'")
+
+
+def _kernels():
+    if _launch_target is not None:
+        return _launch_target
+    from lrattn_lightning.model.routing.attnres.triton import kernels as triton_kernels
+
+    return triton_kernels
+
+
+def _rows(x: Tensor) -> tuple[Tensor, int]:
+    """x as [N, C] rows with unit column stride (a view where possible) and its row stride."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2, (x2.stride(0) if x2.shape[0] > 1 else x2.shape[-1])
+
+
+def _dtype_name(dtypes: list[torch.dtype]) -> str:
+    """The one dtype of the table's tensors, by name (the kernels map it to Triton's)."""
+    if len(set(dtypes)) > 1:
+        raise RuntimeError(f"attnres_read: the block summaries must share one dtype, got {sorted(map(str, dtypes))}")
+    return str(dtypes[0]).removeprefix("torch.") if dtypes else "float32"
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+# Launch geometry (the register budget: <= 128 registers per thread, no spills; tests/test_triton_compile.py,
+# docs/benchmarks.md). A forward program holds a tile of BLOCK_N tokens x BLOCK_G sites x one head's row
+# (the online softmax's accumulator); rows are whole (any D, r: masked), so BLOCK_N is what shrinks:
+# PROGRAM_TILE elements (one token where a row is wider) at 4 elements per thread, num_warps = tile / 128
+# from 4 up to 16 (8 elements per thread in the 4096-element tiles of d = 4096 and of two-phase groups).
+# The backward read walks a row in chunks of at most BWD_CHUNK columns (tile BLOCK_N x CH = PROGRAM_TILE:
+# 4 tokens x 256 at every width from e = 256 up, so d = 1024 and d = 4096 launch one kernel). Measured with
+# Triton's compiler and ptxas: 16 elements per thread took up to 230 registers in the backward kernels at
+# D = 1024; 32-warp programs made ptxas keep 32 or 64 registers and spill; whole 4096-wide rows in the
+# backward read sat at 128 registers and spilled under triton 3.6. Every launch also passes maxnreg =
+# REG_BUDGET (PTX .maxnreg): without it ptxas 12.9 (sm_80) trades a few bytes of spill for full occupancy
+# in some kernels; and num_stages = 1: no tl.dot, so software pipelining has nothing to overlap (and its
+# passes cost compile time).
+PROGRAM_TILE = 1024
+ELEMENTS_PER_THREAD = 4
+MAX_WARPS = 16
+REG_BUDGET = 128
+BWD_CHUNK = 256
+# A group's tile: BLOCK_G * width <= GROUP_TILE_MAX (16 warps at 8 elements per thread), at most
+# GROUP_SITES_MAX sites; larger groups are split into sub-groups that fit (group_limit), each reading the
+# completed sources once. Every group kernel of a width holds BLOCK_G = group_limit sites (masked): groups of
+# 2 and of 3 or 4 sites launch one kernel.
+GROUP_TILE_MAX = 4096
+GROUP_SITES_MAX = 8
+
+
+def group_limit(d_model: int, heads: int, key_width: int) -> int:
+    """The most sites one two-phase kernel holds (its tile: pow2(G) x a head's row <= GROUP_TILE_MAX)."""
+    width = max(_pow2(d_model // heads), _pow2(key_width // heads))
+    return min(GROUP_SITES_MAX, _pow2_floor(max(1, GROUP_TILE_MAX // width)))
+
+
+def geometry(n_tokens: int, row: int, sites: int = 1) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of a launch over n_tokens whose tile holds `sites` x `row` elements per token. Few
+    tokens cap BLOCK_N at 16 or more, so decoding (one token a sequence) launches the kernels training
+    compiled. A source's tile [BLOCK_N, row] keeps one element per thread at least: fewer (a group tile of
+    8 sites x 256 at 16 warps) made triton 3.6 replicate it across threads and spill kilobytes."""
+    block_n = max(1, min(64, _pow2_floor(max(1, PROGRAM_TILE // (row * sites))), max(16, _pow2(n_tokens))))
+    warps = min(MAX_WARPS, max(4, block_n * row * sites // (32 * ELEMENTS_PER_THREAD)))
+    return block_n, max(1, min(warps, _pow2_floor(block_n * row // 32)))
+
+
+class _Read:
+    """What both kernels need of one read: rows, key mode, the table and the launch geometry."""
+
+    def __init__(self, emb_v, emb_k, values, keys, part_v, part_k, query, consts, heads, key_offset, group=False):
+        self.B_T, D = emb_v.shape[:-1], emb_v.shape[-1]
+        R = query.shape[-1]
+        self.has_partial = part_v is not None
+        if self.has_partial:  # the partial block: the table's last source
+            values, keys = [*values, part_v], ([*keys, part_k] if emb_k is not None else keys)
+        else:  # no partial: its slot's prior and eps go
+            half = len(consts) // 2
+            consts = [*consts[: half - 1], *consts[half:-1]]
+        self.N, self.D, self.R, self.heads, self.S_t = emb_v.numel() // D, D, R, heads, len(values)
+        self.carried = emb_k is not None
+        # key mode 0: the key lies in the head's value columns (value keys; sliced keys with one head)
+        self.key_mode = 1 if self.carried or not (heads == 1 or R == D) else 0
+        self.key_offset = 0 if self.carried else key_offset
+        if self.carried:
+            key_of = list(keys)
+            ek = emb_k
+        else:  # key-in-value: views of the values' key columns
+            key_of = [v[..., key_offset:] for v in values]
+            ek = emb_v[..., key_offset:]
+        self.ev, self.sev = _rows(emb_v)
+        self.ek, self.sek = _rows(ek)
+        vt = [_rows(v) for v in values]
+        kt = [_rows(k) for k in key_of]
+        self.vdtype = _dtype_name([v.dtype for v, _ in vt])
+        self.kdtype = _dtype_name([k.dtype for k, _ in kt])
+        self.values, self.keys = [v for v, _ in vt], [k for k, _ in kt]
+        self.ints = ([v.data_ptr() for v, _ in vt] + [s for _, s in vt] + [k.data_ptr() for k, _ in kt]
+                     + [s for _, s in kt])
+        self.consts = torch.tensor(consts, dtype=torch.float64).view(torch.int64).tolist()
+        self.query, self.query_per_token = query.contiguous(), query.dim() > 1 and not group
+        self.cdtype = torch.promote_types(emb_v.dtype, torch.float32)
+        self.E, self.K = D // heads, R // heads
+        self.BLOCK_E = _pow2(max(self.E, self.K))  # (a key of its own is loaded as wide as the value)
+        # a group's tile holds its G sites at once: [BLOCK_N, BLOCK_G, BLOCK_E]
+        self.G = query.shape[0] if group else 1
+        self.BLOCK_G = max(_pow2(self.G), group_limit(D, heads, R)) if group else 1
+        self.BLOCK_N, self.num_warps = geometry(self.N, self.BLOCK_E, self.BLOCK_G)
+        self.grid = (triton_cdiv(self.N, self.BLOCK_N), heads)
+        # the backward read: chunks of CH columns, BLOCK_N x CH tiles
+        self.CH = min(BWD_CHUNK, _pow2(max(self.E, self.K)))
+        self.bwd_block_n, self.bwd_warps = geometry(self.N, self.CH)
+        self.bwd_grid = (triton_cdiv(self.N, self.bwd_block_n), heads)
+
+    def meta(self, extra: list[int] = ()) -> tuple[Tensor, Tensor]:
+        """The table on the device (one host-to-device copy per launch), as int64 and as float64."""
+        meta = torch.tensor(self.ints + self.consts + list(extra), dtype=torch.int64).to(self.ev.device)
+        return meta, meta.view(torch.float64)
+
+    def dtypes(self) -> dict:
+        dtypes = _kernels().DTYPES
+        return dict(VDT=dtypes[self.vdtype], KDT=dtypes[self.kdtype], ACC=dtypes[str(self.cdtype).removeprefix("torch.")])
+
+    def constexprs(self) -> dict:
+        return dict(KEY_MODE=self.key_mode, **self.dtypes(), BLOCK_N=self.BLOCK_N, BLOCK_E=self.BLOCK_E,
+                    **self.options())
+
+    def options(self, num_warps: int | None = None) -> dict:
+        return dict(num_warps=num_warps or self.num_warps, num_stages=1, maxnreg=REG_BUDGET)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _out_dtype(emb_v: Tensor, values: list[Tensor], part_v: Tensor | None) -> torch.dtype:
+    dtype = emb_v.dtype
+    for v in [*values, *([part_v] if part_v is not None else [])]:
+        dtype = torch.promote_types(dtype, v.dtype)
+    return dtype
+
+
+def _source_grads(rd: _Read, sources: list[Tensor], carried_keys: list[Tensor]) -> tuple[list, list]:
+    """Empty value gradients of `sources` and key gradients (carried keys; key mode 1's own buffers; key
+    mode 0: the value gradients themselves, the kernels add the key's share there)."""
+    dvs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in sources]
+    if rd.carried:
+        dks = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in carried_keys]
+    elif rd.key_mode == 1:
+        dks = [t.new_empty(*t.shape[:-1], rd.R) for t in dvs]
+    else:
+        dks = dvs
+    return dvs, dks
+
+
+def _fold_keys(rd: _Read, dvs: list[Tensor], dks: list[Tensor], key_offset: int) -> list[Tensor]:
+    """Key-in-value sources: key mode 1's key gradients added to their value columns; [] then (none apart)."""
+    if rd.carried:
+        return dks
+    if rd.key_mode == 1:
+        for dv, dk in zip(dvs, dks, strict=True):
+            dv[..., key_offset:] += dk
+    return []
+
+
+def check_device(device: torch.device) -> None:
+    """Raise (one line) when tensors on `device` cannot run the kernels."""
+    error = availability_error(device.type)
+    if error is not None:
+        raise InputError(error)
