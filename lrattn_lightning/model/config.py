@@ -13,8 +13,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lrattn_lightning.core.errors import config_error, finite_number
+from lrattn_lightning.core.errors import config_error
 from lrattn_lightning.core.names import closest_names
+from lrattn_lightning.model.options import PositiveFloat, PositiveInt, check_fields
 
 if TYPE_CHECKING:
     from lrattn_lightning.model.routing.kind import RoutingKind
@@ -26,14 +27,14 @@ class SizeConfig:
 
     name: str
     doc: str
-    n_layers: int
-    d_model: int
-    n_heads: int
-    d_mlp: int
-    vocab_size: int
-    seq_len: int
-    rope_theta: float = 500000.0
-    init_std: float = 0.02
+    n_layers: PositiveInt
+    d_model: PositiveInt
+    n_heads: PositiveInt
+    d_mlp: PositiveInt
+    vocab_size: PositiveInt
+    seq_len: PositiveInt
+    rope_theta: PositiveFloat = 500000.0
+    init_std: PositiveFloat = 0.02
 
     @property
     def n_sublayers(self) -> int:
@@ -41,18 +42,11 @@ class SizeConfig:
 
     def validate(self) -> SizeConfig:
         where = f"sizes.{self.name}"
-        for field in ("n_layers", "d_model", "n_heads", "d_mlp", "vocab_size", "seq_len"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise config_error(where, field, f"must be a positive integer, got {value!r}")
+        check_fields(self, where, skip=("name", "doc"))
         if self.d_model % self.n_heads:
             raise config_error(where, "n_heads", f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if (self.d_model // self.n_heads) % 2:
             raise config_error(where, "n_heads", "the attention head size d_model/n_heads must be even for RoPE")
-        for field in ("rope_theta", "init_std"):
-            value = getattr(self, field)
-            if not finite_number(value) or value <= 0:
-                raise config_error(where, field, f"must be a positive number, got {value!r}")
         return self
 
 

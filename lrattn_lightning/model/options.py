@@ -131,6 +131,17 @@ def _hints(cls: type) -> dict[str, Any]:
     return get_type_hints(cls, include_extras=True)
 
 
+def check_fields(record: Any, where: str, label: Any = None, skip: tuple[str, ...] = ()) -> None:
+    """Every field of the dataclass `record` (but `skip`) against its annotation; the first that does not fit is
+    one line naming `where` and the field (`label(field)`: its name as written)."""
+    hints = _hints(type(record))
+    for field in dataclasses.fields(record):
+        if field.name not in skip:
+            wrong = complaint(getattr(record, field.name), hints[field.name])
+            if wrong is not None:
+                raise config_error(where, label(field.name) if label else field.name, wrong)
+
+
 class KindOptions:
     """Base of a kind's options: a frozen dataclass whose fields' annotations say what each may hold (checked by
     `validate`), `rules` the rules between them. `flat_names` maps an option to its flat name where that differs
@@ -169,11 +180,7 @@ class KindOptions:
 
     def validate(self, where: str) -> None:
         """Each option against its annotation, then the rules between them; one line naming the option."""
-        hints = _hints(type(self))
-        for option in self.names():
-            wrong = complaint(getattr(self, option), hints[option])
-            if wrong is not None:
-                raise self.error(where, option, wrong)
+        check_fields(self, where, self.label)
         self.rules(where)
 
     def rules(self, where: str) -> None:
