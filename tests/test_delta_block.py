@@ -204,10 +204,10 @@ def test_registry_entries_and_mlflow_params(registry):
     from lrattn_lightning.train.callbacks import flat_run_params
 
     block, true = registry.ablation("delta-attnres-block"), registry.ablation("delta-attnres-block-true")
-    assert (block.options.delta_mode, block.options.delta_block_layers, block.options.delta_block_sources) == (
+    assert (block.options.mode, block.options.block_layers, block.options.block_sources) == (
         "delta_block", None, "recursive")
-    assert true.options.delta_block_sources == "true_delta" and true.control == "delta-attnres-block"
-    assert registry.ablation("delta-attnres").options.delta_mode == "delta"  # the delta entries keep their mode
+    assert true.options.block_sources == "true_delta" and true.control == "delta-attnres-block"
+    assert registry.ablation("delta-attnres").options.mode == "delta"  # the delta entries keep their mode
     study = registry.model("cpu-study", "delta-attnres-block")
     assert study.kind.diagnostic_axes(study)["source_labels"] == ["x0", "B1 (L0-1)", "B2 (L2-3) + x0", "B3 (L4-5) + B1"]
     cfg = tiny_config(registry, "delta-attnres-block-true")
@@ -215,4 +215,4 @@ def test_registry_entries_and_mlflow_params(registry):
     assert params["delta_mode"] == "delta_block" and params["delta_block_sources"] == "true_delta"
     assert params["params"] == count_params(cfg) and model_config_from_dict(cfg.to_dict()) == cfg
     clipped = fit_to_size(block.replace(delta_block_layers=9), cfg.size)
-    assert clipped.options.delta_block_layers == 1  # tests' fit to the two-layer size
+    assert clipped.options.block_layers == 1  # tests' fit to the two-layer size

@@ -143,7 +143,7 @@ def test_parameters_and_flops_are_counted(options):
     a, d, M = cfg.ablation.options, SIZE.d_model, 2 * SIZE.n_layers
     n, m = a.streams, a.fractions
     e, N = d // m, n * m
-    layer = a.hc_norm == "layer"
+    layer = a.norm == "layer"
     # static [Y | A_r] N x (m + N) and beta N; dynamic: norm gain (+ bias), W_alpha e x (m + N), w_beta e, 2 scales
     per = N * (m + N) + N + ((e * (2 if layer else 1) + e * (m + N) + e + 2) if a.dynamic else 0)
     assert sum(p.numel() for p in model.router.parameters()) == routing_params(cfg) == M * per
@@ -183,7 +183,7 @@ def test_the_registry_entries_and_a_tiny_fit():
     dynamic, static = registry.ablation("frac-connections-m2"), registry.ablation("frac-connections-static-m2")
     assert (dynamic.routing, dynamic.control, static.control) == ("hyper_connections", "baseline", "frac-connections-m2")
     assert dynamic.options.as_dict() | {"dynamic": False} == static.options.as_dict()
-    assert (dynamic.options.streams, dynamic.options.fractions, dynamic.options.hc_norm) == (1, 2, "layer")
+    assert (dynamic.options.streams, dynamic.options.fractions, dynamic.options.norm) == (1, 2, "layer")
     wide = parse_registry({"sizes": {}, "ablations": {"w": {"doc": "d", "control": None, "routing": "hyper_connections",
                                                            "fractions": 6}}}).ablation("w")
     assert fit_to_size(wide, SIZE).options.fractions == 4  # the largest divisor of d = 32 below 6
@@ -191,7 +191,7 @@ def test_the_registry_entries_and_a_tiny_fit():
 
 @pytest.mark.parametrize("fields, says", [
     ({"fractions": 0}, "field 'fractions': must be a positive integer, got 0"),
-    ({"hc_norm": "ln"}, "field 'hc_norm': must be one of rms, layer, got 'ln'"),
+    ({"hc_norm": "ln"}, "field 'hc_norm': 'ln' is not one of \\['rms', 'layer'\\]"),
     ({"fractions": 2, "manifold": True}, "field 'fractions': mHC .manifold: true. has no fractions"),
     ({"fractions": 3}, "field 'fractions': d_model=32 is not divisible by fractions=3; choose a divisor of 32"),
     ({"fraction": 2}, "field 'fraction': unknown field; closest: fractions")])

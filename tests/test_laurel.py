@@ -92,7 +92,7 @@ def test_the_factory_start_is_the_baseline_exactly(mode):
     model, base = build_decoder(cfg).eval(), build_decoder(ModelConfig(SIZE, BASELINE)).eval()
     r, d = model.router, SIZE.d_model
     if "lr" in mode:  # A column orthogonal: A[j, j mod r] = 1/sqrt(r d); B = 0
-        rank = cfg.ablation.options.laurel_rank
+        rank = cfg.ablation.options.rank
         expected = torch.zeros(d, rank)
         expected[torch.arange(d), torch.arange(d) % rank] = 1 / math.sqrt(rank * d)
         assert all(torch.equal(A, expected) for A in r.down) and not r.up.any()
@@ -192,5 +192,5 @@ def test_a_rank_above_d_model_is_one_line_and_fits_a_tiny_size():
     with pytest.raises(InputError, match="field 'laurel_rank': laurel_rank=40 exceeds d_model=32; choose laurel_rank <= 32"):
         config(laurel_rank=40)
     fitted = fit_to_size(ablation(laurel_rank=40), SIZE)
-    assert fitted.options.laurel_rank == SIZE.d_model
+    assert fitted.options.rank == SIZE.d_model
     assert ModelConfig(SIZE, fitted).kind.routing_params(ModelConfig(SIZE, fitted)) > 0

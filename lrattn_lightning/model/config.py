@@ -2,8 +2,9 @@
 
 Importing this module needs no torch. A `ModelConfig` is one validated (size, ablation) pair. An `AblationConfig`
 holds its routing kind (model/routing/kind.py: the object that knows everything about one way of routing) and that
-kind's typed options (`ablation.options`, a frozen dataclass the kind declares); model/routing/kinds.py builds one
-from a registry entry's or a checkpoint's flat fields, `to_dict` writes them back flat under the same names.
+kind's typed options (`ablation.options`, a frozen dataclass the kind declares: model/options.py); model/routing/
+kinds.py builds one from a registry entry (options nested under the kind, or flat) or a checkpoint's flat fields,
+`to_dict` writes them back flat under their flat names.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lrattn_lightning.core.errors import config_error, finite_number
+from lrattn_lightning.core.errors import config_error
+from lrattn_lightning.core.names import closest_names
+from lrattn_lightning.model.options import PositiveFloat, PositiveInt, check_fields
 
 if TYPE_CHECKING:
     from lrattn_lightning.model.routing.kind import RoutingKind
@@ -24,14 +27,14 @@ class SizeConfig:
 
     name: str
     doc: str
-    n_layers: int
-    d_model: int
-    n_heads: int
-    d_mlp: int
-    vocab_size: int
-    seq_len: int
-    rope_theta: float = 500000.0
-    init_std: float = 0.02
+    n_layers: PositiveInt
+    d_model: PositiveInt
+    n_heads: PositiveInt
+    d_mlp: PositiveInt
+    vocab_size: PositiveInt
+    seq_len: PositiveInt
+    rope_theta: PositiveFloat = 500000.0
+    init_std: PositiveFloat = 0.02
 
     @property
     def n_sublayers(self) -> int:
@@ -39,18 +42,11 @@ class SizeConfig:
 
     def validate(self) -> SizeConfig:
         where = f"sizes.{self.name}"
-        for field in ("n_layers", "d_model", "n_heads", "d_mlp", "vocab_size", "seq_len"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise config_error(where, field, f"must be a positive integer, got {value!r}")
+        check_fields(self, where, skip=("name", "doc"))
         if self.d_model % self.n_heads:
             raise config_error(where, "n_heads", f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if (self.d_model // self.n_heads) % 2:
             raise config_error(where, "n_heads", "the attention head size d_model/n_heads must be even for RoPE")
-        for field in ("rope_theta", "init_std"):
-            value = getattr(self, field)
-            if not finite_number(value) or value <= 0:
-                raise config_error(where, field, f"must be a positive number, got {value!r}")
         return self
 
 
@@ -86,18 +82,28 @@ class AblationConfig:
         return self
 
     def replace(self, **changes: Any) -> AblationConfig:
-        """A validated copy with some fields changed: name, doc, control, tags, or the kind's options by name."""
+        """A validated copy with some fields changed: name, doc, control, tags, or the kind's options by their names
+        (`rank`) or flat names (`laurel_rank`)."""
         own = {k: changes.pop(k) for k in list(changes) if k in ("name", "doc", "control", "tags")}
-        names = [f.name for f in dataclasses.fields(self.options)]
-        for key in changes:
-            if key not in names:
-                raise config_error(f"ablations.{self.name}", key, f"routing {self.routing} has no option {key!r}; its "
-                                   f"options: {', '.join(names) or 'none'}")
-        options = dataclasses.replace(self.options, **changes) if changes else self.options
+        names, labels = self.options.names(), {}
+        by_flat = {self.options.flat(n): n for n in names}
+        for key in list(changes):
+            if key not in names and key in by_flat:
+                changes[by_flat[key]] = changes.pop(key)
+            if key in names or key in by_flat:
+                labels[by_flat.get(key, key)] = key  # errors name an option as the change did (the others: flat)
+            else:
+                hint = ", ".join(closest_names(key, list(names), n=1))
+                raise config_error(f"ablations.{self.name}", key, f"routing {self.routing} has no option {key!r}"
+                                   f"{'; closest: ' + hint if hint else ''} (its options: {', '.join(names) or 'none'})")
+        options = self.options
+        if changes:
+            options = type(options).written(options.nested() | changes, labels)
         return dataclasses.replace(self, options=options, **own).validate()
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values, the kind's options flat: what checkpoints, exports and MLflow params store."""
+        """Plain values, the kind's options flat under their flat names (`laurel_rank`): what checkpoints, exports
+        and MLflow params store, in the same form since before options nested in the registry."""
         return {"name": self.name, "doc": self.doc, "control": self.control, "routing": self.routing,
                 **self.options.as_dict(), "tags": list(self.tags)}
 

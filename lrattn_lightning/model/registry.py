@@ -2,7 +2,9 @@
 
 The file has three sections:
   sizes:      name -> SizeConfig fields (+ optional `extends`)
-  ablations:  name -> AblationConfig fields (+ optional `extends`); `doc` and `control` required
+  ablations:  name -> AblationConfig fields (+ optional `extends`); `doc` and `control` required; the routing
+              kind's options nested under its name (`laurel: {rank: 8}`) or, the older form, flat (`laurel_rank: 8`);
+              `extends` merges them option by option
   grids:      name -> {extends, name: "template-{rank}-{blocks}", doc, axes: {field: [values]}, ...}
               each grid point becomes a named ablation, exactly as if written out by hand.
 and optionally
@@ -26,7 +28,7 @@ from lrattn_lightning.core.files import load_yaml_strict, read_yaml_text
 from lrattn_lightning.core.names import closest_names
 from lrattn_lightning.model.accounting import check_budget
 from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig
-from lrattn_lightning.model.routing.kinds import ablation_from_fields
+from lrattn_lightning.model.routing.kinds import ablation_from_entry, ablation_from_fields, entry_of
 from lrattn_lightning.model.routing.trust import trust
 
 DEFAULT_PATH = Path("registry.yaml")
@@ -130,9 +132,9 @@ def parse_registry(raw: dict[str, Any], *, path: str = "<dict>", sha256: str = "
                 raise config_error(f"grids.{grid_name}", "name", f"grid point '{name}' collides with an existing ablation")
             ablations_raw[name] = entry
 
-    sizes = {name: _build(SizeConfig, f"sizes.{name}", name, _resolve_extends(sizes_raw, "sizes", name)) for name in sizes_raw}
-    ablations = {name: ablation_from_fields(name, _resolve_extends(ablations_raw, "ablations", name),
-                                            f"ablations.{name}") for name in ablations_raw}
+    sizes = {name: _build(SizeConfig, f"sizes.{name}", name, _size_fields(sizes_raw, name)) for name in sizes_raw}
+    ablations = {name: ablation_from_entry(name, entry_of(_lineage(ablations_raw, "ablations", name)),
+                                           f"ablations.{name}") for name in ablations_raw}
     for name, abl in ablations.items():
         if abl.control is not None and abl.control not in ablations:
             hint = ", ".join(closest_names(abl.control, list(ablations)))
@@ -153,25 +155,29 @@ def _section(raw: dict[str, Any], key: str) -> dict[str, Any]:
     return value
 
 
-def _resolve_extends(table: dict[str, dict], section: str, name: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Fields of `name` with its `extends` chain applied (child fields win)."""
+def _lineage(table: dict[str, dict], section: str, name: str, chain: tuple[str, ...] = ()) -> list[tuple[str, dict]]:
+    """`name` and the entries it `extends`, the farthest first: [(name, fields without `extends`), ...]."""
     if name in chain:
         cycle = " -> ".join((*chain, name))
         raise config_error(f"{section}.{chain[0]}", "extends", f"cycle: {cycle}")
     entry = dict(table[name])
     parent = entry.pop("extends", None)
     if parent is None:
-        return entry
+        return [(name, entry)]
     if not isinstance(parent, str):
         raise config_error(f"{section}.{name}", "extends", f"must name one entry, got {parent!r}")
     if parent not in table:
         hint = ", ".join(closest_names(str(parent), list(table)))
         raise config_error(f"{section}.{name}", "extends", f"unknown entry '{parent}'; closest: {hint}")
-    merged = _resolve_extends(table, section, parent, (*chain, name))
-    # A child does not inherit what describes the parent alone.
-    for own in ("doc",):
-        merged.pop(own, None)
-    merged.update(entry)
+    return [*_lineage(table, section, parent, (*chain, name)), (name, entry)]
+
+
+def _size_fields(table: dict[str, dict], name: str) -> dict[str, Any]:
+    """Fields of size `name` with its `extends` chain applied (child fields win; the doc is each entry's own)."""
+    merged: dict[str, Any] = {}
+    for _, fields in _lineage(table, "sizes", name):
+        merged.pop("doc", None)
+        merged.update(fields)
     return merged
 
 

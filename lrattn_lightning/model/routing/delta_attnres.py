@@ -8,12 +8,12 @@ The plain residual stream is kept, and a softmax read over *deltas* is added to 
 
 read before sublayer j + 1 (j = 0..2L-1); the head reads the plain stream s_2L. This is the public code
 (wdlctc/delta-attention-residuals-code, `delta_attn_res`, gate type `bias`: the read is used as it is), in
-two modes (`delta_mode`):
+two modes (`mode`, under `delta_attnres:` in the registry; flat `delta_mode`):
 
 `delta` (the default): the sources v_i are the embedding o_0 and every sublayer output o_i so far. The
 embedding is source 0 once the first sublayer has written, so the first sublayer reads o_0 itself.
 
-`delta_block`: the sources are block summaries b_k. Blocks 1..K are P = `delta_block_layers` layers each
+`delta_block`: the sources are block summaries b_k. Blocks 1..K are P = `block_layers` layers each
 (layers (k-1)P .. kP-1; a shorter last block is allowed, as in the public code); the default null is the
 public code's rule P = max(1, ceil(L / N)) with N = 4 blocks, the count every published run of it passes (its
 config class says 8). At layer kP (k = 0..K-1), with H_k the plain stream entering it and D_k = H_k - H_{k-1}
@@ -21,7 +21,7 @@ the sum of block k's outputs, b_k joins the sources:
 
     b_0 = H_0 = o_0                                       the embedding
     b_k = H_k - b_{k-1}       (recursive, the default)    = D_k + D_{k-2} + ... (+ o_0 for even k)
-    b_k = H_k - H_{k-1} = D_k (`delta_block_sources: true_delta`)
+    b_k = H_k - H_{k-1} = D_k (`block_sources: true_delta`)
 
 `recursive` is what the public code computes (`partial_block - blocks[-1]` at a block's first layer; the
 per-block accumulation in its model forward is commented out), not the block delta its comments name
@@ -55,14 +55,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lrattn_lightning.core.errors import check_literal, config_error
 from lrattn_lightning.model.config import ModelConfig, SizeConfig
+from lrattn_lightning.model.options import PositiveInt
 from lrattn_lightning.model.routing._math import compute_dtype
 from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
 
@@ -74,7 +74,7 @@ BlockSources = Literal["recursive", "true_delta"]  # (not "true": YAML reads tha
 
 def block_layers(cfg: ModelConfig) -> int:
     """P, the layers per block of delta_block: the option, or the public code's max(1, ceil(L / 4))."""
-    P = cfg.options.delta_block_layers
+    P = cfg.options.block_layers
     return P if P is not None else max(1, math.ceil(cfg.size.n_layers / PUBLIC_BLOCKS))
 
 
@@ -92,8 +92,8 @@ class DeltaAttnResRouter(nn.Module):
         self.d, self.std, self.null = cfg.size.d_model, cfg.size.init_std, cfg.options.null_source
         sites = cfg.size.n_sublayers if self.null else cfg.size.n_sublayers - 1  # reads j = first..2L-1
         self.first = 0 if self.null else 1
-        self.block = block_layers(cfg) if cfg.options.delta_mode == "delta_block" else None
-        self.recursive = cfg.options.delta_block_sources == "recursive"
+        self.block = block_layers(cfg) if cfg.options.mode == "delta_block" else None
+        self.recursive = cfg.options.block_sources == "recursive"
         self.queries = nn.Parameter(torch.empty(sites, self.d))
         self.key_norm_weight = nn.Parameter(torch.empty(sites, self.d))
         if self.null:
@@ -145,24 +145,22 @@ class DeltaAttnResRouter(nn.Module):
 
 @dataclass(frozen=True)
 class DeltaAttnResOptions(KindOptions):
-    null_source: bool = False  # a zero source the softmax can pick, so the added term can vanish
-    delta_mode: DeltaMode = "delta"  # sources: every sublayer output, or block summaries
-    delta_block_layers: int | None = None  # P, layers per block (None: the public code's ceil(L / 4))
-    delta_block_sources: BlockSources = "recursive"  # b_k = H_k - b_{k-1} (the public code) or H_k - H_{k-1}
+    """`delta_attnres: {mode: delta_block, block_sources: true_delta}` (flat: delta_mode, delta_block_*)."""
 
-    def validate(self, where: str) -> None:
-        if not isinstance(self.null_source, bool):
-            raise config_error(where, "null_source", f"must be true or false, got {self.null_source!r}")
-        check_literal(where, "delta_mode", self.delta_mode, get_args(DeltaMode))
-        P = self.delta_block_layers
-        if P is not None and (isinstance(P, bool) or not isinstance(P, int) or P < 1):
-            raise config_error(where, "delta_block_layers", f"must be a positive integer or null, got {P!r}")
-        check_literal(where, "delta_block_sources", self.delta_block_sources, get_args(BlockSources))
-        if self.delta_mode == "delta":
-            for name, default in (("delta_block_layers", None), ("delta_block_sources", "recursive")):
+    flat_names: ClassVar[dict[str, str]] = {"mode": "delta_mode", "block_layers": "delta_block_layers",
+                                            "block_sources": "delta_block_sources"}
+    null_source: bool = False  # a zero source the softmax can pick, so the added term can vanish
+    mode: DeltaMode = "delta"  # sources: every sublayer output, or block summaries
+    block_layers: PositiveInt | None = None  # P, layers per block (None: the public code's ceil(L / 4))
+    block_sources: BlockSources = "recursive"  # b_k = H_k - b_{k-1} (the public code) or H_k - H_{k-1}
+
+    def rules(self, where: str) -> None:
+        if self.mode == "delta":
+            mode = self.name_of("mode")
+            for name, default in (("block_layers", None), ("block_sources", "recursive")):
                 if getattr(self, name) != default:
-                    raise config_error(where, name, "only delta_mode: delta_block reads it; set delta_mode: "
-                                                    "delta_block or drop the field")
+                    raise self.error(where, name, f"only {mode}: delta_block reads it; set {mode}: delta_block or "
+                                                  "drop the field")
 
 
 class DeltaAttnResKind(RoutingKind):
@@ -171,19 +169,19 @@ class DeltaAttnResKind(RoutingKind):
     diagnostics = "depth_weights"
 
     def validate_model(self, cfg: ModelConfig, where: str) -> None:
-        P, L = cfg.options.delta_block_layers, cfg.size.n_layers
+        P, L = cfg.options.block_layers, cfg.size.n_layers
         if P is not None and P >= L:
-            raise config_error(where, "delta_block_layers", f"{P} layers per block leave no block after the first in "
+            raise cfg.options.error(where, "block_layers", f"{P} layers per block leave no block after the first in "
                                                             f"{L} layers; choose 1..{L - 1} (or null)")
 
     def clipped_to(self, options: DeltaAttnResOptions, size: SizeConfig) -> dict[str, Any]:
-        P = options.delta_block_layers
-        return {"delta_block_layers": max(1, size.n_layers - 1)} if P is not None and P >= size.n_layers else {}
+        P = options.block_layers
+        return {"block_layers": max(1, size.n_layers - 1)} if P is not None and P >= size.n_layers else {}
 
     def diagnostic_axes(self, cfg: ModelConfig) -> dict:
         null = cfg.options.null_source
         first = 0 if null else 1
-        if cfg.options.delta_mode == "delta":
+        if cfg.options.mode == "delta":
             labels = [str(i) for i in range(max(self._sources(cfg)) - int(null))]
             axis = "0 = embedding, i = sublayer i's output"
         else:
@@ -201,7 +199,7 @@ class DeltaAttnResKind(RoutingKind):
         names = ["x0"] + [f"B{k}" for k in range(1, math.ceil(L / P))]
         labels = ["x0"]
         for k in range(1, len(names)):
-            held = names[k::-2] if cfg.options.delta_block_sources == "recursive" else names[k:k + 1]
+            held = names[k::-2] if cfg.options.block_sources == "recursive" else names[k:k + 1]
             layers = f"L{k - 1}" if P == 1 else f"L{(k - 1) * P}-{k * P - 1}"
             labels.append(f"{held[0]} ({layers})" + "".join(f" + {n}" for n in held[1:]))
         return labels
@@ -214,7 +212,7 @@ class DeltaAttnResKind(RoutingKind):
         """|S_j| for the read sites j = first..2L-1."""
         null = int(cfg.options.null_source)
         first = 0 if null else 1
-        if cfg.options.delta_mode == "delta":
+        if cfg.options.mode == "delta":
             return [(j + 1 if j else 0) + null for j in range(first, cfg.size.n_sublayers)]
         P = block_layers(cfg)  # read j is layer j // 2's attention (even j) or MLP (odd j)
         return [(j // 2 // P + 1 if j % 2 else math.ceil(j // 2 / P)) + null for j in range(first, cfg.size.n_sublayers)]
@@ -224,7 +222,7 @@ class DeltaAttnResKind(RoutingKind):
 
     def added_flops(self, cfg: ModelConfig) -> int:
         d = cfg.size.d_model
-        starts = 0 if cfg.options.delta_mode == "delta" else math.ceil(cfg.size.n_layers / block_layers(cfg)) - 1
+        starts = 0 if cfg.options.mode == "delta" else math.ceil(cfg.size.n_layers / block_layers(cfg)) - 1
         return sum(n * 5 * d + d for n in self._sources(cfg)) + starts * d
 
     def adamw_names(self, router: nn.Module) -> None:

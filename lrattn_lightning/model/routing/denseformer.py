@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from lrattn_lightning.core.errors import config_error
 from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.options import PositiveInt
 from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
 
 
@@ -91,14 +91,8 @@ class DenseFormerRouter(nn.Module):
 
 @dataclass(frozen=True)
 class DenseFormerOptions(KindOptions):
-    dilation: int = 1  # k: a DWA averages every k-th earlier output (and the current one)
-    period: int = 1  # p: a DWA after every p-th layer
-
-    def validate(self, where: str) -> None:
-        for option in ("dilation", "period"):
-            value = getattr(self, option)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise config_error(where, option, f"must be a positive integer, got {value!r}")
+    dilation: PositiveInt = 1  # k: a DWA averages every k-th earlier output (and the current one)
+    period: PositiveInt = 1  # p: a DWA after every p-th layer
 
 
 class DenseFormerKind(RoutingKind):
@@ -115,8 +109,8 @@ class DenseFormerKind(RoutingKind):
     def validate_model(self, cfg: ModelConfig, where: str) -> None:
         L = cfg.size.n_layers
         if cfg.options.period > L:
-            raise config_error(where, "period", f"period={cfg.options.period} exceeds the {L} layers: no layer "
-                               f"would average; choose period <= {L}")
+            raise cfg.options.error(where, "period", f"period={cfg.options.period} exceeds the {L} layers: no layer "
+                                    f"would average; choose period <= {L}")
 
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return DenseFormerRouter(cfg)

@@ -107,19 +107,20 @@ def adamw_names(router: nn.Module) -> set[str] | None:
 
 @dataclass(frozen=True)
 class ExternalOptions(KindOptions):
-    router: str | None = None  # "package.module:Class", imported when the model is built (if trusted: trust.py)
-    router_options: dict[str, Any] | None = None  # keyword arguments of that class
+    # both checked by `rules` (an import path; identifier keys), not by their annotations
+    router: Any = None  # "package.module:Class", imported when the model is built (if trusted: trust.py)
+    router_options: Any = None  # keyword arguments of that class, a mapping (or null)
 
-    def validate(self, where: str) -> None:
+    def rules(self, where: str) -> None:
         """router: an import path; router_options: a mapping of identifier keys (or null)."""
         if not isinstance(self.router, str) or not IMPORT_PATH.fullmatch(self.router):
-            raise config_error(where, "router", f"routing external needs the class as 'package.module:Class', got "
-                               f"{self.router!r}")
+            raise self.error(where, "router", f"routing external needs the class as 'package.module:Class', got "
+                                               f"{self.router!r}")
         options = self.router_options
         if options is not None and (not isinstance(options, dict) or not all(isinstance(k, str) and k.isidentifier()
                                                                              for k in options)):
-            raise config_error(where, "router_options", f"must be a mapping of keyword arguments (identifier keys) "
-                               f"or null, got {options!r}")
+            raise self.error(where, "router_options", f"must be a mapping of keyword arguments (identifier keys) "
+                                                       f"or null, got {options!r}")
 
 
 class ExternalKind(RoutingKind):

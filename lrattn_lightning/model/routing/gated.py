@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Annotated, Literal
 
 import torch
 from torch import Tensor, nn
 
-from lrattn_lightning.core.errors import InputError, check_literal, config_error
+from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.options import Range, complaint
 from lrattn_lightning.model.routing._math import compute_dtype
 from lrattn_lightning.model.routing.kind import KindOptions, NotExpressible, RoutingKind
 
@@ -236,27 +237,28 @@ class GatedRouter(nn.Module):
 #   running_mean  sublayer i starts at alpha0_i = i / (i + 1) (b_i = log i): the stream starts as the mean
 #                 of the embedding and the i outputs, i.e. the plain residual stream / (i + 1)
 GateBias = Literal["none", "constant", "last_layer", "running_mean"]
+Alpha0 = Annotated[float, Range(0, 1, open_low=True, open_high=True)]
 
 
 @dataclass(frozen=True)
 class GatedOptions(KindOptions):
     gate_bias: GateBias = "none"
-    gate_alpha: float | None = None  # alpha0 of gate_bias constant / last_layer
+    gate_alpha: Alpha0 | None = None  # alpha0 of gate_bias constant / last_layer
 
-    def validate(self, where: str) -> None:
+    def rules(self, where: str) -> None:
         """gate_alpha exactly when the bias needs one."""
-        a = self
-        check_literal(where, "gate_bias", a.gate_bias, get_args(GateBias))
-        alpha = a.gate_alpha
-        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float)):
-            raise config_error(where, "gate_alpha", f"must be a number in (0, 1) or null, got {alpha!r}")
-        if a.gate_bias in ("constant", "last_layer"):
-            if alpha is None or not 0.0 < alpha < 1.0:
-                raise config_error(where, "gate_alpha", f"gate_bias '{a.gate_bias}' needs the initial gate "
-                                   f"alpha0 in (0, 1), got {alpha!r}")
-        elif alpha is not None:
-            raise config_error(where, "gate_alpha", f"gate_bias '{a.gate_bias}' sets no alpha0 of its own; "
-                               "leave gate_alpha null (or use gate_bias constant / last_layer)")
+        bias, alpha = self.name_of("gate_bias"), self.name_of("gate_alpha")
+        if self.gate_bias in ("constant", "last_layer"):
+            if self.gate_alpha is None:
+                raise self.error(where, "gate_alpha", f"{bias} '{self.gate_bias}' needs the initial gate alpha0 in "
+                                                      f"(0, 1), got None")
+        elif self.gate_alpha is not None:
+            raise self.error(where, "gate_alpha", f"{bias} '{self.gate_bias}' sets no alpha0 of its own; leave {alpha} "
+                                                  f"null (or use {bias} constant / last_layer)")
+
+
+FREEZE_STEPS = Annotated[int, Range(0, note="steps with alpha held at 0.5")]
+RELEASE_LOSS = Annotated[float, Range(0, open_low=True, note="a training loss in nats")] | None
 
 
 class GateHold:
@@ -269,12 +271,11 @@ class GateHold:
     def __init__(self, router: GatedRouter, gate_freeze_steps: int = 0, gate_release_loss: float | None = None,
                  gate_grad_normalize: bool = False):
         steps, loss = gate_freeze_steps, gate_release_loss
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise InputError(f"model.gate_freeze_steps: must be an integer >= 0 (steps with alpha held at 0.5), got {steps!r}")
-        if loss is not None and (isinstance(loss, bool) or not isinstance(loss, int | float) or not 0 < loss < math.inf):
-            raise InputError(f"model.gate_release_loss: must be a positive training loss in nats or null, got {loss!r}")
-        if not isinstance(gate_grad_normalize, bool):
-            raise InputError(f"model.gate_grad_normalize: must be true or false, got {gate_grad_normalize!r}")
+        for flag, value, hint in (("gate_freeze_steps", steps, FREEZE_STEPS), ("gate_release_loss", loss, RELEASE_LOSS),
+                                  ("gate_grad_normalize", gate_grad_normalize, bool)):
+            wrong = complaint(value, hint)
+            if wrong is not None:
+                raise InputError(f"model.{flag}: {wrong}")
         self.router, self.freeze_steps, self.release_loss = router, steps, loss
         self.active = steps > 0 or loss is not None
         router.gate_grad_normalize = gate_grad_normalize

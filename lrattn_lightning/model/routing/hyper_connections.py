@@ -32,7 +32,7 @@ A = [Y | A_r] is [N, m + N] and beta [N]:
            (N(H_a) over e channels; g, W_A [e, m + N], w_beta [e] shared by the slots; scales s_A, s_beta)
 With n = 1 this is FracConnection of wdlctc/hyper-connection-factory (`hyper.py`, SPEC §10's code), whose defaults
 the registry's `frac-connections-m2` takes: m = 2, dynamic, N = LayerNorm with gain and bias (eps 1e-5;
-`hc_norm: layer`; `rms`, the default, keeps HC's RMSNorm * g), scalar scales 0.01, Y = A_r = I: the baseline
+`norm: layer`, flat `hc_norm`; `rms`, the default, keeps HC's RMSNorm * g), scalar scales 0.01, Y = A_r = I: the baseline
 exactly at init. The factory has no streams x fractions; lucidrains' `num_fracs` has, and that generalisation is
 offered here (n streams x m fractions, each stream read as HC's stream (i - 1) mod n, every slot its own row),
 but its layout is not followed: there beta is an [m, m] matrix per stream (all ones: every fraction of the
@@ -56,18 +56,19 @@ Shape legend: B batch, T tokens, n streams, m fractions, N = n m slots, e = D / 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lrattn_lightning.core.errors import config_error
 from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.options import PositiveInt
 from lrattn_lightning.model.routing._math import compute_dtype
 from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
 
 SCALE0 = 1e-2  # the public code's initial scales of the dynamic terms
-NORMS = ("rms", "layer")
+Norm = Literal["rms", "layer"]
 
 
 def sinkhorn(log_alpha: Tensor, iters: int) -> Tensor:
@@ -93,7 +94,7 @@ class HyperConnectionsRouter(nn.Module):
         self.d, self.n, self.m, self.M = cfg.size.d_model, a.streams, a.fractions, cfg.size.n_sublayers
         self.e, self.N = self.d // self.m, self.n * self.m  # fraction width, slots (stream s, fraction k)
         self.dynamic, self.manifold, self.iters = a.dynamic, a.manifold, a.sinkhorn_iters
-        self.layer_norm = a.hc_norm == "layer"
+        self.layer_norm = a.norm == "layer"
         m, N, e, M = self.m, self.N, self.e, self.M
         self.static_alpha = nn.Parameter(torch.empty(M, N, m + N))
         self.static_beta = nn.Parameter(torch.empty(M, N))
@@ -129,7 +130,7 @@ class HyperConnectionsRouter(nn.Module):
                             weights=[] if record else None)
 
     def _norm(self, H: Tensor, i: int) -> Tensor:
-        """N(H) per slot over its e channels: RMSNorm * g, or LayerNorm (g, b; eps 1e-5) with `hc_norm: layer`."""
+        """N(H) per slot over its e channels: RMSNorm * g, or LayerNorm (g, b; eps 1e-5) with `norm: layer`."""
         gain = self.norm_gain[i].to(H.dtype)
         if self.layer_norm:
             return F.layer_norm(H, (self.e,), gain, self.norm_bias[i].to(H.dtype), eps=1e-5)
@@ -182,26 +183,21 @@ class HyperConnectionsRouter(nn.Module):
 
 @dataclass(frozen=True)
 class HyperConnectionsOptions(KindOptions):
-    streams: int = 4  # n
+    """`hyper_connections: {streams: 1, fractions: 2, norm: layer}` (flat: the same names, hc_norm)."""
+
+    flat_names: ClassVar[dict[str, str]] = {"norm": "hc_norm"}
+    streams: PositiveInt = 4  # n
     dynamic: bool = True  # input-dependent coefficients (tanh(N(H) W) s terms, W = 0 at init)
     manifold: bool = False  # mHC: Sinkhorn-Knopp doubly stochastic mixing, sigmoid pre / 2 sigmoid post maps
-    sinkhorn_iters: int = 20
-    fractions: int = 1  # m: Frac-Connections' fractions of d per stream (1: Hyper-Connections)
-    hc_norm: str = "rms"  # N of the dynamic terms: rms (RMSNorm * g) | layer (LayerNorm: g, b)
+    sinkhorn_iters: PositiveInt = 20
+    fractions: PositiveInt = 1  # m: Frac-Connections' fractions of d per stream (1: Hyper-Connections)
+    norm: Norm = "rms"  # N of the dynamic terms: rms (RMSNorm * g) | layer (LayerNorm: g, b)
 
-    def validate(self, where: str) -> None:
-        for option in ("streams", "sinkhorn_iters", "fractions"):
-            value = getattr(self, option)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise config_error(where, option, f"must be a positive integer, got {value!r}")
-        for option in ("dynamic", "manifold"):
-            if not isinstance(getattr(self, option), bool):
-                raise config_error(where, option, f"must be true or false, got {getattr(self, option)!r}")
-        if self.hc_norm not in NORMS:
-            raise config_error(where, "hc_norm", f"must be one of {', '.join(NORMS)}, got {self.hc_norm!r}")
+    def rules(self, where: str) -> None:
         if self.manifold and self.fractions > 1:
-            raise config_error(where, "fractions", f"mHC (manifold: true) has no fractions (neither public code "
-                               f"defines it), got fractions={self.fractions}; set fractions: 1 or manifold: false")
+            raise self.error(where, "fractions", f"mHC ({self.name_of('manifold')}: true) has no fractions (neither "
+                                                 f"public code defines it), got {self.name_of('fractions')}="
+                                                 f"{self.fractions}; set it to 1 or {self.name_of('manifold')}: false")
 
 
 class HyperConnectionsKind(RoutingKind):
@@ -224,8 +220,8 @@ class HyperConnectionsKind(RoutingKind):
     def validate_model(self, cfg: ModelConfig, where: str) -> None:
         d, m = cfg.size.d_model, cfg.options.fractions
         if d % m:
-            raise config_error(where, "fractions", f"d_model={d} is not divisible by fractions={m}; choose a "
-                               f"divisor of {d}")
+            raise cfg.options.error(where, "fractions", f"d_model={d} is not divisible by fractions={m}; choose a "
+                                                        f"divisor of {d}")
 
     def clipped_to(self, options: HyperConnectionsOptions, size) -> dict:
         m = options.fractions
@@ -237,13 +233,13 @@ class HyperConnectionsKind(RoutingKind):
     def routing_params(self, cfg: ModelConfig) -> int:
         a, d = cfg.options, cfg.size.d_model
         m, N, e = a.fractions, a.streams * a.fractions, d // a.fractions
-        dynamic = e * (2 if a.hc_norm == "layer" else 1) + e * (m + N) + e + (3 if a.manifold else 2)
+        dynamic = e * (2 if a.norm == "layer" else 1) + e * (m + N) + e + (3 if a.manifold else 2)
         return cfg.size.n_sublayers * (N * (m + N) + N + (dynamic if a.dynamic else 0))
 
     def added_flops(self, cfg: ModelConfig) -> int:
         a, d = cfg.options, cfg.size.d_model
         n, m, N = a.streams, a.fractions, a.streams * a.fractions  # N slots of e = d / m channels: N e = n d
-        norm = 7 if a.hc_norm == "layer" else 4  # per channel: RMSNorm * g 4; LayerNorm adds mean, centring, bias
+        norm = 7 if a.norm == "layer" else 4  # per channel: RMSNorm * g 4; LayerNorm adds mean, centring, bias
         per = 2 * n * d * (m + N) + 2 * n * d + ((2 * n * d * (m + N + 1) + norm * n * d) if a.dynamic else 0)
         return cfg.size.n_sublayers * per + n * d
 

@@ -1,8 +1,9 @@
 """The routing-kind protocol: what one way of routing across depth states about itself (model/routing/kinds.py lists
 the built-in ones). A registry entry's `routing: NAME` names a kind; everything else reads the entry through it:
 
-    Options               its options, a frozen dataclass (`KindOptions`): the registry writes them as plain fields of
-                          the entry, checkpoints and MLflow params store them flat under the same names
+    Options               its options, a frozen dataclass (`KindOptions`, model/options.py: checked from their
+                          annotations, `rules` for the rest): a registry entry nests them under the kind's name
+                          (`laurel: {rank: 8}`), checkpoints and MLflow params store them flat (`laurel_rank`)
     training_options      the LightningModule's flags only it reads (`--model.gate_freeze_steps` ...), and
     training_control(router, flags)  what training does with them (the gated residual's gate hold)
     validate(options, where)  checks of its options that need no size; validate_model(cfg, where) the rest
@@ -25,11 +26,11 @@ the built-in ones). A registry entry's `routing: NAME` names a kind; everything 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lrattn_lightning.core.errors import InputError
+from lrattn_lightning.model.options import KindOptions
 
 if TYPE_CHECKING:
     from torch import nn
@@ -39,17 +40,6 @@ if TYPE_CHECKING:
 
 class NotExpressible(InputError):
     """The entry has no equivalent in the reference's flags (said why)."""
-
-
-class KindOptions:
-    """Base of a kind's options: a frozen dataclass whose `validate` checks every field's type and value and the
-    rules between them (one line naming the entry and the field: core.errors.config_error)."""
-
-    def validate(self, where: str) -> None:
-        """Checks that need no size."""
-
-    def as_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 @dataclass(frozen=True)
@@ -72,7 +62,7 @@ class RoutingKind:
     """The defaults: a kind with no parameters, no extra output rows, no diagnostics, unknown to the reference."""
 
     name = ""
-    Options: type[KindOptions] = NoOptions  # its options, a frozen dataclass (registry: written as plain fields)
+    Options: type[KindOptions] = NoOptions  # its options, a frozen dataclass (model/options.py)
     training_options: tuple[str, ...] = ()  # the LightningModule's flags only it reads (`--model.gate_*`)
     owner_phrase = ""  # how an error says a foreign field belongs here (default: "only routing NAME reads it")
     diagnostics: str | None = None
@@ -85,7 +75,7 @@ class RoutingKind:
             self.owner_phrase = f"only routing {self.name} reads it"
 
     def validate(self, options: Any, where: str) -> None:
-        """Checks of its options that need no size (KindOptions.validate) and any the kind adds."""
+        """Checks of its options that need no size: their annotations, then their `rules` (KindOptions.validate)."""
         options.validate(where)
 
     def validate_model(self, cfg: ModelConfig, where: str) -> None:

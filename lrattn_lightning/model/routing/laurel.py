@@ -5,7 +5,7 @@ stream entering the sublayer and f = o_i what it computes from RMSNorm(x):
 
     rw      x' = a f + b x
     lr      x' = f + x + x A B                      A [d, r], B [r, d]: a rank-r term of the stream itself
-    rw_lr   x' = a f + b (x + x A B)                (`laurel_mode`, default rw_lr; r: `laurel_rank`, default 16)
+    rw_lr   x' = a f + b (x + x A B)                (`mode`, default rw_lr; r: `rank`, default 16)
 
     (a, b) = 2 softmax(w), w [2] per sublayer       the same in rw and rw_lr; lr has no w (a = b = 1)
 
@@ -32,20 +32,20 @@ Diagnostics ("mixing"): a recording pass keeps one heatmap row per sublayer: (a,
 then, where it has the low-rank term, |x A B| / |x|, the augment's size relative to the stream (L2 norms over
 d, per token; 0 at the start).
 
-Shape legend: B batch, T tokens, D = d_model, r = laurel_rank, M = 2L sublayers.
+Shape legend: B batch, T tokens, D = d_model, r = rank, M = 2L sublayers.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
 
-from lrattn_lightning.core.errors import check_literal, config_error
 from lrattn_lightning.model.config import ModelConfig, SizeConfig
+from lrattn_lightning.model.options import PositiveInt
 from lrattn_lightning.model.routing._math import compute_dtype
 from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
 
@@ -63,8 +63,8 @@ class LaurelRouter(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         a = cfg.options
-        self.d, self.M, self.r = cfg.size.d_model, cfg.size.n_sublayers, a.laurel_rank
-        self.rw, self.lr = a.laurel_mode in ("rw", "rw_lr"), a.laurel_mode in ("lr", "rw_lr")
+        self.d, self.M, self.r = cfg.size.d_model, cfg.size.n_sublayers, a.rank
+        self.rw, self.lr = a.mode in ("rw", "rw_lr"), a.mode in ("lr", "rw_lr")
         if self.rw:
             self.mix_logits = nn.Parameter(torch.empty(self.M, 2))  # w: (a, b) = 2 softmax(w)
         if self.lr:
@@ -120,17 +120,17 @@ class LaurelRouter(nn.Module):
 
 @dataclass(frozen=True)
 class LaurelOptions(KindOptions):
-    laurel_mode: LaurelMode = "rw_lr"  # rw: learned (a, b); lr: + x A B; rw_lr: both (the factory's default)
-    laurel_rank: int = DEFAULT_RANK  # r of the low-rank term (lr, rw_lr)
+    """`laurel: {mode: rw_lr, rank: 16}` (flat: laurel_mode, laurel_rank)."""
 
-    def validate(self, where: str) -> None:
-        check_literal(where, "laurel_mode", self.laurel_mode, get_args(LaurelMode))
-        r = self.laurel_rank
-        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-            raise config_error(where, "laurel_rank", f"must be a positive integer, got {r!r}")
-        if self.laurel_mode == "rw" and r != DEFAULT_RANK:
-            raise config_error(where, "laurel_rank", f"laurel_mode rw has no low-rank term; remove laurel_rank={r} "
-                               f"(over an `extends`, reset it to {DEFAULT_RANK}) or choose laurel_mode lr or rw_lr")
+    flat_names: ClassVar[dict[str, str]] = {"mode": "laurel_mode", "rank": "laurel_rank"}
+    mode: LaurelMode = "rw_lr"  # rw: learned (a, b); lr: + x A B; rw_lr: both (the factory's default)
+    rank: PositiveInt = DEFAULT_RANK  # r of the low-rank term (lr, rw_lr)
+
+    def rules(self, where: str) -> None:
+        mode, rank = self.name_of("mode"), self.name_of("rank")
+        if self.mode == "rw" and self.rank != DEFAULT_RANK:
+            raise self.error(where, "rank", f"{mode} rw has no low-rank term; remove {rank}={self.rank} (over an "
+                                            f"`extends`, reset it to {DEFAULT_RANK}) or choose {mode} lr or rw_lr")
 
 
 class LaurelKind(RoutingKind):
@@ -140,7 +140,7 @@ class LaurelKind(RoutingKind):
 
     @staticmethod
     def _modes(cfg: ModelConfig) -> tuple[bool, bool]:
-        mode = cfg.options.laurel_mode
+        mode = cfg.options.mode
         return mode in ("rw", "rw_lr"), mode in ("lr", "rw_lr")
 
     def diagnostic_axes(self, cfg: ModelConfig) -> dict[str, Any]:
@@ -153,13 +153,13 @@ class LaurelKind(RoutingKind):
                 "value": "mean over tokens", "embedding_column": None}
 
     def validate_model(self, cfg: ModelConfig, where: str) -> None:
-        r, d = cfg.options.laurel_rank, cfg.size.d_model
+        r, d, rank = cfg.options.rank, cfg.size.d_model, cfg.options.name_of("rank")
         if self._modes(cfg)[1] and r > d:
-            raise config_error(where, "laurel_rank", f"laurel_rank={r} exceeds d_model={d}; choose laurel_rank <= {d}")
+            raise cfg.options.error(where, "rank", f"{rank}={r} exceeds d_model={d}; choose {rank} <= {d}")
 
     def clipped_to(self, options: LaurelOptions, size: SizeConfig) -> dict[str, Any]:
-        if options.laurel_mode != "rw" and options.laurel_rank > size.d_model:
-            return {"laurel_rank": size.d_model}
+        if options.mode != "rw" and options.rank > size.d_model:
+            return {"rank": size.d_model}
         return {}
 
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
@@ -167,11 +167,11 @@ class LaurelKind(RoutingKind):
 
     def routing_params(self, cfg: ModelConfig) -> int:
         rw, lr = self._modes(cfg)
-        return cfg.size.n_sublayers * (2 * rw + 2 * cfg.size.d_model * cfg.options.laurel_rank * lr)
+        return cfg.size.n_sublayers * (2 * rw + 2 * cfg.size.d_model * cfg.options.rank * lr)
 
     def added_flops(self, cfg: ModelConfig) -> int:
         rw, lr = self._modes(cfg)
-        d, r = cfg.size.d_model, cfg.options.laurel_rank
+        d, r = cfg.size.d_model, cfg.options.rank
         return cfg.size.n_sublayers * ((4 * d * r + d) * lr + 2 * d * rw)
 
     def adamw_names(self, router: nn.Module) -> None:

@@ -13,7 +13,7 @@ After layer i (1..L), per token, a dense aggregation (DA) over X_0..X_i makes th
 
 W1_i is d x K_i with K_i = 64 (floor(C (i + 1) e / 64) + 1) (e = 4 at the last layer, else 1), W2_i is
 K_i x C (i + 1); W2 = 0 and a_i one-hot on X_i at init, W1 ~ N(0, 1/d): exactly the pre-norm baseline at init.
-RMS is parameter-free (eps 1e-6), as the public code's. `mudd_prepost_norm: true` (PrePostDANorm, `ppn`: the
+RMS is parameter-free (eps 1e-6), as the public code's. `prepost_norm: true` (PrePostDANorm, `ppn`: the
 MUDDFormer code's default for deep models; plain MUDDFormer diverged at 24 layers in hyper-connection-factory)
 stores the sources normalised, N_j = RMSNorm(X_j) g_j (gains started at 1), sets a_i = 0, and makes every stream
 `X_i + DA_c` with the R stream's DA term through one more RMSNorm whose gain starts at 1e-3:
@@ -23,7 +23,7 @@ stores the sources normalised, N_j = RMSNorm(X_j) g_j (gains started at 1), sets
 also exactly the baseline at init (a_i = 0 and W2 = 0 make every DA term zero; the post gain matters once they
 move). This follows hyper-connection-factory's
 `hcfactory/connections/dense.py` (and, through it, the JAX reference `layers/mudd.py`): the depth-varying FFN width
-of the paper is left out, as there. `mudd_dynamic: false` keeps only the static a_i; `mudd_multiway: false` makes
+of the paper is left out, as there. `dynamic: false` keeps only the static a_i; `multiway: false` makes
 one R stream that the attention also reads (a dynamic DenseFormer), as the factory's two ablations. The decoder's
 norms are weight-free for every kind (SPEC §5), so MUDDFormer's separate Q/K/V norms are too (the factory gives
 every norm, the baseline's included, a gain): the runs compared differ in the connection only.
@@ -43,12 +43,12 @@ Shape legend: B batch, T tokens, D = d_model, C ways, n = i + 1 sources.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lrattn_lightning.core.errors import config_error
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.routing._math import compute_dtype
 from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
@@ -60,7 +60,7 @@ WAYS = ("Q", "K", "V", "R")
 
 def ways(cfg: ModelConfig) -> list[int]:
     """C_i per layer i = 1..L: 4 (Q, K, V, R) before the last layer, 1 (R) after it (or 1 everywhere)."""
-    L, multi = cfg.size.n_layers, cfg.options.mudd_multiway
+    L, multi = cfg.size.n_layers, cfg.options.multiway
     return [4 if multi and i < L else 1 for i in range(1, L + 1)]
 
 
@@ -83,7 +83,7 @@ class MuddFormerRouter(nn.Module):
         super().__init__()
         a, d, L = cfg.options, cfg.size.d_model, cfg.size.n_layers
         self.d, self.L, self.ways = d, L, ways(cfg)
-        self.dynamic, self.ppn = a.mudd_dynamic, a.mudd_prepost_norm
+        self.dynamic, self.ppn = a.dynamic, a.prepost_norm
         self.static = nn.ParameterList(nn.Parameter(torch.empty(C, i + 1)) for i, C in enumerate(self.ways, 1))
         if self.dynamic:
             K = hidden_widths(cfg)
@@ -160,14 +160,13 @@ class MuddFormerRouter(nn.Module):
 
 @dataclass(frozen=True)
 class MuddFormerOptions(KindOptions):
-    mudd_prepost_norm: bool = False  # PrePostDANorm (`ppn`): normalised sources, X_i + DA, post-norm on R
-    mudd_dynamic: bool = True  # the per-token GELU(RMS(X_i) W1) W2 term (false: the static a_i only)
-    mudd_multiway: bool = True  # separate Q, K, V, R streams (false: one R stream the attention reads too)
+    """`muddformer: {prepost_norm: true}` (flat: mudd_prepost_norm, mudd_dynamic, mudd_multiway)."""
 
-    def validate(self, where: str) -> None:
-        for option in ("mudd_prepost_norm", "mudd_dynamic", "mudd_multiway"):
-            if not isinstance(getattr(self, option), bool):
-                raise config_error(where, option, f"must be true or false, got {getattr(self, option)!r}")
+    flat_names: ClassVar[dict[str, str]] = {"prepost_norm": "mudd_prepost_norm", "dynamic": "mudd_dynamic",
+                                            "multiway": "mudd_multiway"}
+    prepost_norm: bool = False  # PrePostDANorm (`ppn`): normalised sources, X_i + DA, post-norm on R
+    dynamic: bool = True  # the per-token GELU(RMS(X_i) W1) W2 term (false: the static a_i only)
+    multiway: bool = True  # separate Q, K, V, R streams (false: one R stream the attention reads too)
 
 
 class MuddFormerKind(RoutingKind):
@@ -191,16 +190,16 @@ class MuddFormerKind(RoutingKind):
         a, d, L = cfg.options, cfg.size.d_model, cfg.size.n_layers
         total = 0
         for i, (C, K) in enumerate(zip(ways(cfg), hidden_widths(cfg), strict=True), 1):
-            total += C * (i + 1) + (K * (d + C * (i + 1)) if a.mudd_dynamic else 0)
-        return total + ((2 * L + 1) * d if a.mudd_prepost_norm else 0)
+            total += C * (i + 1) + (K * (d + C * (i + 1)) if a.dynamic else 0)
+        return total + ((2 * L + 1) * d if a.prepost_norm else 0)
 
     def added_flops(self, cfg: ModelConfig) -> int:
         a, d = cfg.options, cfg.size.d_model
         total = 0
         for i, (C, K) in enumerate(zip(ways(cfg), hidden_widths(cfg), strict=True), 1):
             total += 2 * C * (i + 1) * d
-            total += 2 * K * (d + C * (i + 1)) if a.mudd_dynamic else 0
-            total += C * d if a.mudd_prepost_norm else 0
+            total += 2 * K * (d + C * (i + 1)) if a.dynamic else 0
+            total += C * d if a.prepost_norm else 0
         return total
 
     def adamw_names(self, router: nn.Module) -> None:

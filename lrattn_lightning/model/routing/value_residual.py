@@ -23,15 +23,18 @@ Shape legend: B batch, T tokens, H heads, hd head width, D = d_model.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 from torch import Tensor, nn
 
 from lrattn_lightning.core.errors import config_error
 from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.options import Range
 from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
+
+Lambda = Annotated[float, Range(0, 1, note="0: the baseline, ResFormer: 0.5")]
 
 
 @dataclass
@@ -81,17 +84,10 @@ class ValueResidualRouter(nn.Module):
 
 @dataclass(frozen=True)
 class ValueResidualOptions(KindOptions):
-    value_lambda: float = 0.5  # lambda: the weight of layer 1's values (fixed, or the learned lambdas' start)
-    value_lambda_learned: bool = False  # one learned lambda per layer n >= 2 (modded-nanogpt) instead of fixed
+    """`value_residual: {value_lambda: 0.5, value_lambda_learned: true}` (flat: the same names)."""
 
-    def validate(self, where: str) -> None:
-        lam = self.value_lambda
-        if isinstance(lam, bool) or not isinstance(lam, int | float) or not math.isfinite(lam) or not 0 <= lam <= 1:
-            raise config_error(where, "value_lambda", f"must be a number in [0, 1] (0: the baseline, ResFormer: "
-                               f"0.5), got {lam!r}")
-        if not isinstance(self.value_lambda_learned, bool):
-            raise config_error(where, "value_lambda_learned", f"must be true or false, got "
-                               f"{self.value_lambda_learned!r}")
+    value_lambda: Lambda = 0.5  # lambda: the weight of layer 1's values (fixed, or the learned lambdas' start)
+    value_lambda_learned: bool = False  # one learned lambda per layer n >= 2 (modded-nanogpt) instead of fixed
 
 
 class ValueResidualKind(RoutingKind):

@@ -19,7 +19,6 @@ from typing import Any
 
 from torch import nn
 
-from lrattn_lightning.core.errors import config_error
 from lrattn_lightning.model.config import ModelConfig, SizeConfig
 from lrattn_lightning.model.routing.attnres import backends, paper
 from lrattn_lightning.model.routing.attnres.keys import key_source
@@ -40,13 +39,13 @@ class AttnResKind(RoutingKind):
         s, a = cfg.size, cfg.options
         d, m = s.d_model, s.n_sublayers
         if a.rank is not None and a.rank > d:
-            raise config_error(where, "rank", f"rank={a.rank} exceeds d_model={d}; choose rank <= {d}")
+            raise a.error(where, "rank", f"rank={a.rank} exceeds d_model={d}; choose rank <= {d}")
         if d % a.depth_heads:
-            raise config_error(where, "depth_heads", f"d_model={d} is not divisible by depth_heads={a.depth_heads}")
+            raise a.error(where, "depth_heads", f"d_model={d} is not divisible by depth_heads={a.depth_heads}")
         if a.blocks is not None and a.blocks > m:
-            raise config_error(where, "blocks", f"blocks={a.blocks} exceeds the {m} sublayers (2L); choose blocks <= {m}")
+            raise a.error(where, "blocks", f"blocks={a.blocks} exceeds the {m} sublayers (2L); choose blocks <= {m}")
         if a.block_size is not None and a.block_size > m:
-            raise config_error(where, "block_size", f"block_size={a.block_size} exceeds the {m} sublayers (2L)")
+            raise a.error(where, "block_size", f"block_size={a.block_size} exceeds the {m} sublayers (2L)")
 
     def extra_out(self, cfg: ModelConfig) -> int:
         """r key rows (P-LR), then r query rows (gated dynamic query)."""

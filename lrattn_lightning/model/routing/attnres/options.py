@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Literal
 
-from lrattn_lightning.core.errors import check_literal, config_error, finite_number
-from lrattn_lightning.model.routing.kind import KindOptions
+from lrattn_lightning.model.options import FiniteFloat, KindOptions, PositiveFloat, PositiveInt
 
 if TYPE_CHECKING:
     from lrattn_lightning.model.config import ModelConfig
@@ -57,22 +56,22 @@ _EMBEDDING_KEYS_FOR = {
 
 @dataclass(frozen=True)
 class AttnResOptions(KindOptions):
-    """What an AttnRes entry chooses (SPEC §2-3); written as plain fields of the registry entry."""
+    """What an AttnRes entry chooses (SPEC §2-3): `attnres: {key_source: sliced, rank: 64, ...}` in the registry."""
 
     key_source: KeySource = "value"
-    rank: int | None = None  # key width r; None means d (only for key_source=value)
-    depth_heads: int = 1  # m
+    rank: PositiveInt | None = None  # key width r; None means d (only for key_source=value)
+    depth_heads: PositiveInt = 1  # m
     depth_head_norm: DepthHeadNorm = "per_head"
     key_norm: KeyNorm = "rms"
     key_gain: bool = False  # a learned gain gamma_j (init 1) on site j's normalised keys: <q_j, gamma_j * k>
     query_norm: bool = False
     query_init: QueryInit = "zero"
     query: QueryKind = "static"
-    logit_scale: float | LogitScaleName = "none"
-    blocks: int | None = None  # block count N; None with block_size None means full routing
-    block_size: int | None = None  # sublayers per block, the alternative to `blocks`
+    logit_scale: PositiveFloat | LogitScaleName = "none"
+    blocks: PositiveInt | None = None  # block count N; None with block_size None means full routing
+    block_size: PositiveInt | None = None  # sublayers per block, the alternative to `blocks`
     block_summary: BlockSummary = "sum"
-    count_prior: float = 0.0  # beta in b = beta * log(count)
+    count_prior: FiniteFloat = 0.0  # beta in b = beta * log(count)
     embedding_key: EmbeddingKey = "value"
 
     @property
@@ -88,55 +87,35 @@ class AttnResOptions(KindOptions):
         """The slices of a key that the key norm normalises separately."""
         return self.depth_heads if self.depth_head_norm == "per_head" else 1
 
-    def validate(self, where: str) -> None:
+    def rules(self, where: str) -> None:
         a = self
-        for field, literal in (("key_source", KeySource), ("key_norm", KeyNorm), ("query_init", QueryInit),
-                               ("block_summary", BlockSummary), ("embedding_key", EmbeddingKey), ("query", QueryKind),
-                               ("depth_head_norm", DepthHeadNorm)):
-            check_literal(where, field, getattr(a, field), get_args(literal))
-        for field in ("query_norm", "key_gain"):
-            if not isinstance(getattr(a, field), bool):
-                raise config_error(where, field, f"must be true or false, got {getattr(a, field)!r}")
-        if isinstance(a.logit_scale, str):
-            check_literal(where, "logit_scale", a.logit_scale, get_args(LogitScaleName))
-        elif not finite_number(a.logit_scale) or a.logit_scale <= 0:
-            raise config_error(where, "logit_scale", f"must be 'none', 'inv_sqrt_head_dim' or a positive number, "
-                               f"got {a.logit_scale!r}")
-        for field in ("rank", "blocks", "block_size"):
-            value = getattr(a, field)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise config_error(where, field, f"must be a positive integer or null, got {value!r}")
-        if isinstance(a.depth_heads, bool) or not isinstance(a.depth_heads, int) or a.depth_heads < 1:
-            raise config_error(where, "depth_heads", f"must be a positive integer, got {a.depth_heads!r}")
-        if not finite_number(a.count_prior):
-            raise config_error(where, "count_prior", f"must be a finite number, got {a.count_prior!r}")
         if a.blocks is not None and a.block_size is not None:
-            raise config_error(where, "blocks", "give either 'blocks' (a count) or 'block_size' (sublayers per block), not both")
+            raise a.error(where, "blocks", "give either 'blocks' (a count) or 'block_size' (sublayers per block), not both")
         if a.block_summary == "rms" and not a.is_block:
-            raise config_error(where, "block_summary", "'rms' normalises the outputs of completed blocks: give blocks "
-                               "or block_size, or use block_summary sum for full routing")
+            raise a.error(where, "block_summary", "'rms' normalises the outputs of completed blocks: give blocks "
+                          "or block_size, or use block_summary sum for full routing")
         if a.key_norm == "none":
             for field, value, default in (("depth_head_norm", "full", "per_head"), ("key_gain", True, "false")):
                 if getattr(a, field) == value:
-                    raise config_error(where, field, f"{str(value).lower()} shapes the key norm, but key_norm is none; "
-                                       f"set key_norm: rms or {field}: {default}")
+                    raise a.error(where, field, f"{str(value).lower()} shapes the key norm, but key_norm is none; "
+                                  f"set key_norm: rms or {field}: {default}")
         if a.key_source == "value":
             if a.rank is not None:
-                raise config_error(where, "rank", "key_source 'value' uses the full width d as key; leave rank null")
+                raise a.error(where, "rank", "key_source 'value' uses the full width d as key; leave rank null")
             if a.logit_scale != "none":
-                raise config_error(where, "logit_scale", f"standard AttnRes (key_source 'value') has no logit scale "
-                                   f"(s = 1, SPEC §2), got {a.logit_scale!r}; set logit_scale: none")
+                raise a.error(where, "logit_scale", f"standard AttnRes (key_source 'value') has no logit scale "
+                              f"(s = 1, SPEC §2), got {a.logit_scale!r}; set logit_scale: none")
             if a.query != "static":
-                raise config_error(where, "query", "the gated dynamic query needs low-rank keys; use key_source "
-                                   "projected, sliced or value_projected, or set query: static")
+                raise a.error(where, "query", "the gated dynamic query needs low-rank keys; use key_source "
+                              "projected, sliced or value_projected, or set query: static")
         elif a.rank is None:
-            raise config_error(where, "rank", f"key_source '{a.key_source}' needs a rank r")
+            raise a.error(where, "rank", f"key_source '{a.key_source}' needs a rank r")
         if a.rank is not None and a.rank % a.depth_heads:
-            raise config_error(where, "rank", f"rank={a.rank} is not divisible by depth_heads={a.depth_heads}")
+            raise a.error(where, "rank", f"rank={a.rank} is not divisible by depth_heads={a.depth_heads}")
         allowed = _EMBEDDING_KEYS_FOR[a.key_source]
         if a.embedding_key not in allowed:
-            raise config_error(where, "embedding_key", f"key_source '{a.key_source}' needs embedding_key in "
-                               f"{list(allowed)}, got '{a.embedding_key}'")
+            raise a.error(where, "embedding_key", f"key_source '{a.key_source}' needs embedding_key in "
+                          f"{list(allowed)}, got '{a.embedding_key}'")
 
 
 def key_dim(cfg: ModelConfig) -> int:
