@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import warm_cli
 import yaml
-from conftest import free_port, prepared_corpus
+from conftest import REPO_ROOT, free_port, prepared_corpus
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
@@ -25,7 +25,7 @@ from lrattn_lightning.model.accounting import added_flops_percent, count_params
 from lrattn_lightning.model.registry import load_registry
 from lrattn_lightning.tools.sweep.file import load_sweep
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = REPO_ROOT
 REGISTRY = str(REPO / "registry.yaml")
 ABLATIONS = ["baseline", "s-lr-grid-n4-r16"]
 PNG = b"\x89PNG\r\n\x1a\n"

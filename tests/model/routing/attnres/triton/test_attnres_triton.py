@@ -23,6 +23,7 @@ import pytest
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
+from conftest import GOLDEN_DIR, TESTS_DIR  # noqa: E402
 
 from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig, fit_to_size  # noqa: E402
 from lrattn_lightning.model.registry import load_registry  # noqa: E402
@@ -225,7 +226,7 @@ def _worker(path: str) -> None:
     canon = _canonical()
     computed = {n: _parity(n) for n in dict.fromkeys(canon.values())}
     # the paper's golden numbers through `lrattn fidelity`'s rows: its comparison, once for both tests
-    rows = fidelity_rows(str(Path(__file__).with_name("golden") / "reference.pt"), impl="triton", only=GOLDEN)
+    rows = fidelity_rows(str(GOLDEN_DIR / "reference.pt"), impl="triton", only=GOLDEN)
     results = {
         "registry": {n: {**computed[c], "computed_as": c} for n, c in canon.items()},
         "grid": {n: _parity(n) for n in GRID},
@@ -245,7 +246,7 @@ def _worker(path: str) -> None:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("triton") / "results.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(TESTS_DIR)}
     proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -351,7 +352,7 @@ def test_without_cuda_or_interpreter_it_is_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert lines[-1].startswith("lrattn: error: model.impl 'triton'") and "TRITON_INTERPRET=1" in lines[-1], lines
     assert list(work.iterdir()) == []  # nothing half-written
-    golden_file = str(Path(__file__).with_name("golden") / "reference.pt")
+    golden_file = str(GOLDEN_DIR / "reference.pt")
     for tool in (["bench", "--size", "tiny", "--fit", "--impl", "triton", "--steps", "1"],
                  ["fidelity", "--golden", golden_file, "--impl", "triton"]):
         proc = warm_cli.run(lrattn(*tool), cwd=work, env=env, timeout=300)
