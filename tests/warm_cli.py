@@ -19,7 +19,7 @@ A server is started for each environment the commands come with, compared on the
 read at import time (all but WARM_VARIES), at most MAX_SERVERS per test process. A command starts cold (a plain
 `subprocess.run`) beyond those, when a test needs a pre-exec hook, a new session or another interpreter (such
 tests call subprocess themselves), or everywhere with LRATTN_TESTS_COLD=1. The cold path is what an installed user's `lrattn` is, and
-tests/test_packaging.py runs it from an installed wheel outside the checkout.
+tests/e2e/test_packaging.py runs it from an installed wheel outside the checkout.
 """
 
 from __future__ import annotations

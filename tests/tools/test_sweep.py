@@ -486,7 +486,7 @@ def test_a_dry_run_writes_nothing(data_dir, tmp_path, monkeypatch, capsys):
 
 
 def test_a_diverged_run_is_not_resumed_again(finished_sweep, tmp_path, monkeypatch, capsys):
-    """A run that ended FAILED on a non-finite loss (what `lrattn fit` tags, tests/test_run_endings.py) would
+    """A run that ended FAILED on a non-finite loss (what `lrattn fit` tags, tests/e2e/test_run_endings.py) would
     diverge again at the same step if resumed: the sweep says so and leaves it, and its exit code is not 0."""
     uri, runs = _copy_with_failed(finished_sweep, tmp_path / "copy", "tiny-baseline-seed1")
     diverged = runs["tiny-baseline-seed1"]

@@ -3,8 +3,8 @@ the whole key once per source (`depth_head_norm: full`) with its per-site key ga
 
 The formulas in float64 against an independent implementation below (random queries and gains: at init every
 formula routes uniformly), every backend against `reference` (the triton one in Triton's CPU interpreter, one
-tiny case; the registry entries also run in tests/test_routing_triton.py's sweep), accounting, the optimizer
-split, causality and decoding, and the one-line errors.
+tiny case; the registry entries also run in the sweep of triton/test_attnres_triton.py), accounting, the
+optimizer split, causality and decoding, and the one-line errors.
 """
 
 from __future__ import annotations

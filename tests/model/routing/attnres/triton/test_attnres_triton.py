@@ -1,9 +1,9 @@
-"""The `triton` AttnRes backend (attnres_triton.py) against `reference`, run in Triton's CPU interpreter.
+"""The `triton` AttnRes backend (attnres/triton/) against `reference`, run in Triton's CPU interpreter.
 
 TRITON_INTERPRET=1 must be set before triton is imported, so the kernels run in one subprocess (this file
 run as a script: `_worker`) that measures everything once; the tests below assert on its numbers. Covered:
-every AttnRes registry entry at `tiny` (fitted to the size as tests/test_routing_fast.py does; entries
-whose fitted configs are identical are computed once) with random queries, forward logits, every gradient
+every AttnRes registry entry at `tiny` (fitted to the size as ../test_attnres_fast.py does; entries whose fitted
+configs are identical are computed once) with random queries, forward logits, every gradient
 and the routing weights; a grid at an odd size (D = 24, r = 12, depth heads 4: neither a power of two;
 three layers, so uneven blocks with partial reads) over every key source; bfloat16 autocast; KV-cache
 decoding; the golden numbers of the paper's code (tests/golden/reference.pt); torch.compile keeping the
@@ -268,8 +268,8 @@ def test_odd_sizes_uneven_blocks_every_key_source(measured, name):
 
 @pytest.mark.parametrize("name", BF16)
 def test_bfloat16_autocast_within_the_bound_of_the_other_backends(measured, name):
-    """As tests/test_routing_fast.py holds `fast` and `compiled`: about as close to the float32 truth as
-    the reference under the same autocast."""
+    """As ../test_attnres_fast.py holds `fast` and `compiled`: about as close to the float32 truth as the reference
+    under the same autocast."""
     ref, tri = measured["bf16"][name]["reference"], measured["bf16"][name]["triton"]
     assert tri["logits"] <= 2 * ref["logits"] + 2e-3
     for n, e in tri["grads"].items():
@@ -283,7 +283,7 @@ def test_kv_cache_decoding_equals_full_recomputation(measured, name):
 
 @pytest.mark.parametrize("name", GOLDEN)
 def test_golden_numbers_of_the_papers_code(measured, name):
-    r = measured["golden"][name]  # tests/test_golden.py's tolerances
+    r = measured["golden"][name]  # tests/model/test_golden.py's tolerances
     assert r["dlogit"] <= 2e-4 and r["dgrad"] <= 2e-4 and r["dloss"] <= 1e-5, r
 
 
