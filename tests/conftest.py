@@ -28,8 +28,22 @@ from lrattn_lightning.model.registry import Registry, load_registry
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+# Where things are, for every test module wherever its folder (tests/ mirrors lrattn_lightning/: tests/model/routing/
+# holds the routing kinds' tests, tests/e2e/ the tests whose point is real processes): a test module takes paths from
+# here, never from its own `__file__`.
+TESTS_DIR = Path(__file__).resolve().parent  # this file, warm_cli.py and run_hooks.py: what subprocesses import
+REPO_ROOT = TESTS_DIR.parent
+GOLDEN_DIR = TESTS_DIR / "golden"
 REGISTRY_PATH = REPO_ROOT / "registry.yaml"
+# Every folder holding test modules. Test modules import helpers from each other by basename (`from test_resilience
+# import fit_args`), as they did when the folder was flat: with pytest's default (prepend) import mode a module's own
+# folder is on sys.path only once pytest has imported it, so all of them are put there now, before collection
+# (basenames are unique across folders: tests/test_layers.py checks it). warm_cli.cli_env() hands the same folders to
+# the `lrattn` processes the tests start (a --config may name a test module's callback: test_tracking_faults.X).
+TEST_DIRS = sorted({p.parent for p in TESTS_DIR.rglob("test_*.py")})
+for _folder in TEST_DIRS:
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 # RMSNorm epsilon of float32 tensors: torch's default finfo(float32).eps, as in the paper's code
 EPS = torch.finfo(torch.float32).eps
 
@@ -50,22 +64,31 @@ GRAD = SizeConfig(name="grad", doc="tests: gradcheck", n_layers=3, d_model=8, n_
                   seq_len=8)
 
 
-# The modules that take longest (durations summed over a whole run on 2 cores, stop 38), started first (the
-# one-process triton interpreter run first of all): with `--dist loadfile` each module runs whole on one
-# worker, and a long one started last would run alone at the end.
-LONGEST_FIRST = (
-    "test_routing_triton.py", "test_resilience.py", "test_fsdp.py", "test_sweep.py", "test_signals.py",
-    "test_stops_named.py",
-    "test_comparable.py", "test_tracking_faults.py", "test_training.py", "test_triton_compile.py",
-    "test_data_interrupted.py", "test_data_s3.py", "test_first_hour.py", "test_no_stray_writes.py", "test_export.py",
-    "test_gpu_check.py", "test_run_endings.py", "test_upcycling.py", "test_eval.py", "test_packaging.py",
-    "test_external_router.py", "test_routing_fast.py", "test_optim.py", "test_doc_masking.py", "test_warm_cli.py",
-    "test_bench.py", "test_names_and_errors.py")
+# The order test modules start in. With `--dist loadfile` each module runs whole on one worker, so a long module
+# started last would run alone at the end: the long ones go first, by a rule rather than a list, so a new slow module
+# needs no edit here. Tiers (a module's tier is its lowest test's; collection order within a tier):
+#   0  a triton/ folder: the kernels in Triton's one-process CPU interpreter (the longest module of all)
+#   1  tests/e2e/: tests whose point is real processes (signals, resilience, FSDP ranks, servers, studies)
+#   2  a test marked `slow` (pyproject: multi-process or server tests), in any folder
+#   3  tests/tools/ and tests/train/: sweeps, exports, benchmarks and fits run as `lrattn` commands
+#   4  the rest (in-process tests of tiny models, data and the CLI)
+# A slow module elsewhere joins the front by marking its slow tests `@pytest.mark.slow` (or `pytestmark`).
+def start_tier(item) -> int:
+    folders = item.path.relative_to(TESTS_DIR).parts[:-1] if item.path.is_relative_to(TESTS_DIR) else ()
+    if "triton" in folders:
+        return 0
+    if folders[:1] == ("e2e",):
+        return 1
+    if item.get_closest_marker("slow") is not None:
+        return 2
+    return 3 if folders[:1] in (("tools",), ("train",)) else 4
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    tier: dict[Path, int] = {}
+    for item in items:
+        tier[item.path] = min(tier.get(item.path, 4), start_tier(item))
+    items.sort(key=lambda item: tier[item.path])  # stable: collection order within a tier
 
 
 def prepared_corpus(tmp_path_factory, documents: int, cloze_items: int = 0, perplexity_documents: int = 0) -> Path:

@@ -2,16 +2,25 @@
 lazily or not, and no chain of imports (lazy ones included) leads back to where it started.
 
 core (one-line errors, flags, names, files) <- model (no Lightning, no MLflow) <- data <- train <- eval <- tools <- cli.
+
+Each check is a function of a list of modules, run on the package by one test and, by another, on modules written to
+a temporary folder that break it (`..._would_catch_...`): a check that could never fail is caught there. The tests
+mirror the package (tests/model/routing/ holds the routing kinds' tests; tests/e2e/ those whose point is real
+processes), their module names unique across folders.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+import re
+import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import REPO_ROOT, TESTS_DIR
 
-PACKAGE = Path(__file__).resolve().parent.parent / "lrattn_lightning"
+PACKAGE = REPO_ROOT / "lrattn_lightning"
 LAYERS = ["core", "model", "data", "train", "eval", "tools", "cli"]
 # third-party frameworks the model layer must not need (its users import it without a training stack)
 MODEL_FORBIDDEN = ("lightning", "mlflow", "litdata", "lm_eval", "torchmetrics")
@@ -24,13 +33,24 @@ def layer_of(module: str) -> int:
     return LAYERS.index(parts[1])
 
 
-def modules() -> list[tuple[str, Path]]:
+@functools.cache
+def modules(package: Path = PACKAGE) -> list[tuple[str, Path]]:
+    """(dotted name, path) of every module of `package` (the package itself, or a stand-in written by a test)."""
     out = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package.parent).with_suffix("")
         name = ".".join(rel.parts).removesuffix(".__init__")
         out.append((name, path))
     return out
+
+
+def write_package(root: Path, files: dict[str, str]) -> Path:
+    """A stand-in package `lrattn_lightning` under `root`: {"core/a.py": source, ...} (sources dedented)."""
+    package = root / "lrattn_lightning"
+    for rel, text in files.items():
+        (package / rel).parent.mkdir(parents=True, exist_ok=True)
+        (package / rel).write_text(textwrap.dedent(text))
+    return package
 
 
 def _runtime_nodes(tree: ast.AST):
@@ -46,9 +66,10 @@ def _runtime_nodes(tree: ast.AST):
             stack.append(child)
 
 
-def imports_of(path: Path) -> list[str]:
-    """Every module `path` imports, at the top or inside a function; `from package import module` is that module."""
-    known = {name for name, _ in modules()}
+def imports_of(path: Path, known: set[str] | None = None) -> list[str]:
+    """Every module `path` imports, at the top or inside a function; `from package import module` is that module
+    (one of `known`: the package's modules unless given)."""
+    known = {name for name, _ in modules()} if known is None else known
     found = []
     for node in _runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -62,18 +83,30 @@ def imports_of(path: Path) -> list[str]:
     return found
 
 
+def layer_violations(name: str, path: Path, known: set[str] | None = None) -> list[str]:
+    """Imports of module `name` from a higher layer, and the frameworks core and model must not need."""
+    mine, out = layer_of(name), []
+    for target in imports_of(path, known):
+        if target.startswith("lrattn_lightning"):
+            if layer_of(target) > mine:
+                out.append(f"{name} ({LAYERS[mine]}) imports {target} ({LAYERS[layer_of(target)]})")
+        elif LAYERS[mine] in ("core", "model") and target.split(".")[0] in MODEL_FORBIDDEN:
+            out.append(f"{name} imports {target}")
+    return out
+
+
 @pytest.mark.parametrize("name,path", modules(), ids=[m for m, _ in modules()])
 def test_a_module_imports_only_its_layer_or_below(name, path):
-    mine = layer_of(name)
-    for target in imports_of(path):
-        if target.startswith("lrattn_lightning"):
-            assert layer_of(target) <= mine, f"{name} ({LAYERS[mine]}) imports {target} ({LAYERS[layer_of(target)]})"
-        elif LAYERS[mine] in ("core", "model"):
-            assert target.split(".")[0] not in MODEL_FORBIDDEN, f"{name} imports {target}"
+    assert layer_violations(name, path) == []
+
+
+def undocumented(mods: list[tuple[str, Path]]) -> list[str]:
+    """Modules with code but no opening docstring."""
+    return [n for n, p in mods if p.read_text().strip() and not ast.get_docstring(ast.parse(p.read_text()))]
 
 
 def test_every_module_says_what_it_holds():
-    missing = [n for n, p in modules() if p.read_text().strip() and not ast.get_docstring(ast.parse(p.read_text()))]
+    missing = undocumented(modules())
     assert not missing, f"modules without an opening docstring: {missing}"
 
 
@@ -84,11 +117,16 @@ def test_every_subcommand_resolves_to_a_function():
         assert callable(_function(spec)), name
 
 
-def test_errors_about_input_derive_from_input_error():
-    """`lrattn` prints InputError as one line and lets anything else trace: the package raises no bare ValueError."""
-    bare = [f"{n}:{node.lineno}" for n, p in modules() for node in ast.walk(ast.parse(p.read_text()))
+def bare_value_errors(mods: list[tuple[str, Path]]) -> list[str]:
+    """`module:line` of every `raise ValueError(...)`."""
+    return [f"{n}:{node.lineno}" for n, p in mods for node in ast.walk(ast.parse(p.read_text()))
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
             and getattr(node.exc.func, "id", None) == "ValueError"]
+
+
+def test_errors_about_input_derive_from_input_error():
+    """`lrattn` prints InputError as one line and lets anything else trace: the package raises no bare ValueError."""
+    bare = bare_value_errors(modules())
     assert not bare, f"raise InputError (lrattn_lightning.core.errors) instead of ValueError at {bare}"
 
 
@@ -96,45 +134,49 @@ def test_errors_about_input_derive_from_input_error():
 SWITCH = r"routing\s*(==|!=|\bin\b|\bnot in\b)\s*[\"'(\[]"
 
 
-def _kind_modules() -> set[Path]:
+def _kind_modules(package: Path = PACKAGE) -> set[Path]:
     """A routing kind's own files: a module of model/routing/ defining `KIND = `, the files of its folder (attnres/),
     and the table of kinds."""
-    folder = PACKAGE / "model" / "routing"
+    folder = package / "model" / "routing"
     own = {p for p in folder.glob("*.py") if "\nKIND = " in p.read_text()}
     return own | set((folder / "attnres").rglob("*.py")) | {folder / "kinds.py"}
+
+
+def routing_switches(mods: list[tuple[str, Path]], exempt: set[Path]) -> list[str]:
+    """`module:line: text` of every line outside `exempt` that switches on `routing`."""
+    switch = re.compile(SWITCH)
+    return [f"{name}:{number}: {line.strip()}" for name, path in mods if path not in exempt
+            for number, line in enumerate(path.read_text().splitlines(), 1) if switch.search(line)]
 
 
 def test_only_a_routing_kinds_own_files_name_routing_kinds():
     """Everything about a routing kind lives in its module (model/routing/kinds.py): no other module switches on
     `routing` or compares it with a kind's name."""
-    import re
-
-    switch = re.compile(SWITCH)
-    offenders = []
-    for name, path in modules():
-        if path in _kind_modules():
-            continue
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if switch.search(line):
-                offenders.append(f"{name}:{number}: {line.strip()}")
+    offenders = routing_switches(modules(), _kind_modules())
     assert not offenders, offenders
     from lrattn_lightning.model.routing.kinds import known_kinds
 
     assert set(known_kinds()) >= {"residual", "attnres", "gated", "external"}
 
 
-def test_the_switch_check_would_catch_one():
-    import re
-
+def test_the_switch_check_would_catch_one(tmp_path):
+    """The pattern, and the scan over a stand-in package: a switch outside a kind's files is named, one inside is not."""
     switch = re.compile(SWITCH)
     assert switch.search('if cfg.ablation.routing == "gated":') and switch.search("a.routing in ('x', 'y')")
     assert not switch.search("kind = kind_of(self.routing, where)")
+    package = write_package(tmp_path, {
+        "train/step.py": '"""s"""\ndef f(cfg):\n    if cfg.routing != "attnres":\n        return 1\n',
+        "model/routing/mine.py": '"""m"""\nKIND = "mine"\nSAME = "x".routing == "mine"\n',
+        "model/routing/kinds.py": '"""k"""\nALL = [k for k in ("a",) if k.routing in ("a", "b")]\n'})
+    assert routing_switches(modules(package), _kind_modules(package)) == [
+        'lrattn_lightning.train.step:3: if cfg.routing != "attnres":']
 
 
-def test_no_import_cycle_lazy_imports_included():
-    """The drawn house: modules as nodes, their imports (top-level and inside functions) as edges; no cycle."""
-    known = {name for name, _ in modules()}
-    graph = {name: sorted({t for t in imports_of(path) if t in known and t != name}) for name, path in modules()}
+def import_cycles(mods: list[tuple[str, Path]]) -> list[list[str]]:
+    """Modules as nodes, their imports (top-level and inside functions) as edges: every cycle a depth-first walk
+    meets, as the path that closes it (its first module repeated at the end)."""
+    known = {name for name, _ in mods}
+    graph = {name: sorted({t for t in imports_of(path, known) if t in known and t != name}) for name, path in mods}
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     cycles: list[list[str]] = []
 
@@ -150,15 +192,79 @@ def test_no_import_cycle_lazy_imports_included():
     for name in graph:
         if name not in state:
             visit(name, [name])
+    return cycles
+
+
+def test_no_import_cycle_lazy_imports_included():
+    """The drawn house: modules as nodes, their imports (top-level and inside functions) as edges; no cycle."""
+    cycles = import_cycles(modules())
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles[:5])
 
 
 def test_the_cycle_check_would_catch_one(tmp_path):
-    """Two modules importing each other (one of them inside a function) are a cycle to the check's graph walk."""
-    a, b = tmp_path / "a.py", tmp_path / "b.py"
-    a.write_text('"""a"""\nfrom lrattn_lightning.core import names\n')
-    b.write_text('"""b"""\ndef f():\n    from lrattn_lightning.core.errors import InputError\n')
-    assert "lrattn_lightning.core.names" in imports_of(a) and "lrattn_lightning.core.errors" in imports_of(b)
+    """A stand-in package: a imports b at the top, b imports a inside a function (the lazy import that dodges the
+    cycle at run time), c -> d -> e -> c through `from package import module`; the walk names both cycles. The same
+    modules without the lazy import, or with it under `if TYPE_CHECKING:`, have none."""
+    files = {
+        "core/__init__.py": '"""p"""\n',
+        "core/a.py": '"""a"""\nfrom lrattn_lightning.core import b\n',
+        "core/b.py": '"""b"""\ndef f():\n    from lrattn_lightning.core.a import g\n',
+        "model/c.py": '"""c"""\nimport lrattn_lightning.model.d\n',
+        "model/d.py": '"""d"""\nfrom lrattn_lightning.model import e\n',
+        "model/e.py": '"""e"""\ndef f():\n    import lrattn_lightning.model.c\n',
+        "model/f.py": '"""f, imported by nothing; imports c"""\nfrom lrattn_lightning.model.c import x\n',
+    }
+    cycles = import_cycles(modules(write_package(tmp_path / "cyclic", files)))
+    assert sorted(" -> ".join(c).replace("lrattn_lightning.", "") for c in cycles) == [
+        "core.a -> core.b -> core.a", "model.c -> model.d -> model.e -> model.c"]
+    files["core/b.py"] = '"""b"""\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lrattn_lightning.core.a import g\n'
+    files["model/e.py"] = '"""e"""\ndef f():\n    import lrattn_lightning.core.a\n'
+    assert import_cycles(modules(write_package(tmp_path / "acyclic", files))) == []
+
+
+def test_the_import_reader_would_catch_what_it_claims(tmp_path):
+    """Imports at the top and inside functions, `from package import module` as the module, names from a module as
+    the module, not what `if TYPE_CHECKING:` guards; a relative import is refused."""
+    package = write_package(tmp_path, {
+        "core/__init__.py": '"""p"""\n',
+        "core/errors.py": '"""e"""\n',
+        "core/x.py": '''\
+            """x"""
+            import os
+            from typing import TYPE_CHECKING
+            from lrattn_lightning.core import errors
+            if TYPE_CHECKING:
+                from lrattn_lightning.train import lit_module
+            def f():
+                from lrattn_lightning.core.errors import InputError
+            ''',
+        "core/y.py": '"""y"""\nfrom . import errors\n'})
+    known = {name for name, _ in modules(package)}
+    assert sorted(imports_of(package / "core" / "x.py", known)) == [
+        "lrattn_lightning.core.errors", "lrattn_lightning.core.errors", "os", "typing"]
+    with pytest.raises(AssertionError, match="y.py: a relative import"):
+        imports_of(package / "core" / "y.py", known)
+
+
+def test_the_layer_docstring_and_error_checks_would_catch_one(tmp_path):
+    """A model module importing training (lazily) and Lightning, a core module importing the CLI, a module without a
+    docstring and a bare `raise ValueError(...)` are each named; a module importing downwards is not."""
+    package = write_package(tmp_path, {
+        "model/bad.py": '"""b"""\nimport lightning\ndef f():\n    from lrattn_lightning.train import lit_module\n',
+        "core/worse.py": '"""w"""\nimport lrattn_lightning.cli\n',
+        "train/fine.py": '"""f"""\nfrom lrattn_lightning.model import bad\nimport lightning\n',
+        "data/quiet.py": "X = 1\n",
+        "data/raises.py": '"""r"""\ndef f(x):\n    if x:\n        raise ValueError("x")\n    raise TypeError("y")\n'})
+    mods = modules(package)
+    known = {name for name, _ in mods}
+    found = {name.removeprefix("lrattn_lightning."): sorted(layer_violations(name, path, known)) for name, path in mods}
+    assert found == {
+        "model.bad": ["lrattn_lightning.model.bad (model) imports lrattn_lightning.train (train)",
+                      "lrattn_lightning.model.bad imports lightning"],
+        "core.worse": ["lrattn_lightning.core.worse (core) imports lrattn_lightning.cli (cli)"],
+        "train.fine": [], "data.quiet": [], "data.raises": []}
+    assert undocumented(mods) == ["lrattn_lightning.data.quiet"]
+    assert bare_value_errors(mods) == ["lrattn_lightning.data.raises:4"]
 
 
 # the modules that use the kernels (model/routing/attnres/triton/): the kernels never import them (STYLE: Liger's
@@ -231,20 +337,54 @@ def test_the_moved_specs_command_says_what_it_became():
         "python -m lrattn_lightning.tools.kernels.specs with the same flags"]
 
 
+# modules past the limits below, each with why it is longer
+LONG_ALLOWED = {
+    "lrattn_lightning.cli.lightning": "LightningCLI's hooks in the order Lightning calls them",
+    "lrattn_lightning.train.tracking": "the MLflow logger that survives an outage, one class",
+    "lrattn_lightning.eval.run": "the Fabric launcher and its MLflow logging",
+    "lrattn_lightning.train.callbacks": "the callbacks every run installs",
+}
+MODULE_LINES, CLASS_LINES = 420, 220
+
+
+def too_long(mods: list[tuple[str, Path]], allowed=LONG_ALLOWED) -> tuple[list[str], list[str]]:
+    """(modules over MODULE_LINES lines, `module.Class` over CLASS_LINES lines), outside `allowed`."""
+    long_modules = sorted(n for n, p in mods if len(p.read_text().splitlines()) > MODULE_LINES and n not in allowed)
+    long_classes = [f"{name}.{node.name}" for name, path in mods if name not in allowed
+                    for node in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno > CLASS_LINES]
+    return long_modules, long_classes
+
+
 def test_files_and_classes_stay_small():
     """A module past ~400 lines or a class past ~200 is a signal to split (STYLE); the few that are past it are
-    named here with their reason, so a new one is a decision, not drift."""
-    allowed = {  # module -> why it is longer
-        "lrattn_lightning.cli.lightning": "LightningCLI's hooks in the order Lightning calls them",
-        "lrattn_lightning.train.tracking": "the MLflow logger that survives an outage, one class",
-        "lrattn_lightning.eval.run": "the Fabric launcher and its MLflow logging",
-        "lrattn_lightning.train.callbacks": "the callbacks every run installs",
-    }
-    long_modules = {n for n, p in modules() if len(p.read_text().splitlines()) > 420} - set(allowed)
-    assert not long_modules, f"modules over ~400 lines: {sorted(long_modules)}"
-    long_classes = []
-    for name, path in modules():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno > 220 and name not in allowed:
-                long_classes.append(f"{name}.{node.name}")
+    named in LONG_ALLOWED with their reason, so a new one is a decision, not drift."""
+    long_modules, long_classes = too_long(modules())
+    assert not long_modules, f"modules over ~400 lines: {long_modules}"
     assert not long_classes, f"classes over ~200 lines: {long_classes}"
+
+
+def test_the_size_check_would_catch_one(tmp_path):
+    """A module one line over, a class one line over (in a short module) are named; at the limits, or allowed, not."""
+    body = "".join(f"    x{i} = {i}\n" for i in range(CLASS_LINES))  # class line + CLASS_LINES: end - start = limit
+    package = write_package(tmp_path, {
+        "core/long.py": '"""l"""\n' + "X = 1\n" * MODULE_LINES,
+        "core/edge.py": '"""e"""\n' + "X = 1\n" * (MODULE_LINES - 1),
+        "core/wide.py": '"""w"""\nclass Wide:\n' + body + "    y = 0\n",
+        "core/fits.py": '"""f"""\nclass Fits:\n' + body,
+        "core/allowed.py": '"""a"""\n' + "X = 1\n" * MODULE_LINES})
+    assert too_long(modules(package), {"lrattn_lightning.core.allowed": "a test"}) == (
+        ["lrattn_lightning.core.long"], ["lrattn_lightning.core.wide.Wide"])
+
+
+def test_the_tests_mirror_the_package():
+    """Every folder of tests names a folder of the package (tests/e2e/: real processes; tests/golden/: data), and a
+    test module's name is unique across folders (pytest's default import mode imports it by that name)."""
+    names: dict[str, list[str]] = {}
+    for path in sorted(TESTS_DIR.rglob("test_*.py")):
+        names.setdefault(path.name, []).append(str(path.relative_to(TESTS_DIR)))
+        folder = path.parent.relative_to(TESTS_DIR)
+        if folder.parts and folder.parts[0] not in ("e2e", "golden"):
+            assert (PACKAGE / folder).is_dir(), f"tests/{folder} mirrors no folder of lrattn_lightning/"
+    assert {n: p for n, p in names.items() if len(p) > 1} == {}
+    assert not list(TESTS_DIR.rglob("__init__.py")), "tests/ holds no __init__.py (rootdir-relative imports)"

@@ -19,7 +19,7 @@ A server is started for each environment the commands come with, compared on the
 read at import time (all but WARM_VARIES), at most MAX_SERVERS per test process. A command starts cold (a plain
 `subprocess.run`) beyond those, when a test needs a pre-exec hook, a new session or another interpreter (such
 tests call subprocess themselves), or everywhere with LRATTN_TESTS_COLD=1. The cold path is what an installed user's `lrattn` is, and
-tests/test_packaging.py runs it from an installed wheel outside the checkout.
+tests/e2e/test_packaging.py runs it from an installed wheel outside the checkout.
 """
 
 from __future__ import annotations
@@ -54,13 +54,16 @@ PRELOAD = ("lightning.pytorch", "torchmetrics", "mlflow", "mlflow.tracking", "li
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
+# the folders of test modules (tests/e2e/, tests/model/routing/, ...: conftest.TEST_DIRS), for a --config naming a
+# test module's callback (test_tracking_faults.X)
+TEST_DIRS = sorted({p.parent for p in TESTS.rglob("test_*.py")} - {TESTS})
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    """The environment of an `lrattn` process in the tests: the checkout and tests/ (run_hooks) importable, one
-    OpenMP thread, no MLflow store inherited from the shell."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", **extra}
+    """The environment of an `lrattn` process in the tests: the checkout, tests/ (run_hooks) and the folders of the
+    test modules importable, one OpenMP thread, no MLflow store inherited from the shell."""
+    path = [str(REPO), str(TESTS), *map(str, TEST_DIRS), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1", **extra}
     env.pop("MLFLOW_TRACKING_URI", None)
     return env
 

@@ -165,7 +165,7 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any) -> Tensor:
     reference (no warning per call). Inside a compiled region (--model.compile true) the call is its own
     frame (`_flex_outside`): traced inline, Dynamo (torch 2.13) drops the routers' state mutations that
     follow it (a dataclass attribute set after a flex_attention call keeps its old value: wrong results,
-    silently; tests/test_doc_masking.py), so it costs a graph break per attention instead."""
+    silently; tests/model/test_doc_masking.py), so it costs a graph break per attention instead."""
     if torch.compiler.is_compiling():
         return _flex_outside(q, k, v, block_mask)
     return _flex_eager(q, k, v, block_mask)

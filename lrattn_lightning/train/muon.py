@@ -49,7 +49,7 @@ MuonDtype = Literal["auto", "bfloat16", "float32"]  # the setting: auto resolves
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 # (a, b, c) per Polar Express iteration: the paper's composition for l = 1e-3, cushion 0.02, safety 1.02
-# (tests/test_optim.py derives them again from the minimax conditions).
+# (tests/train/test_optim.py derives them again from the minimax conditions).
 POLAR_EXPRESS_COEFFS = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
     (4.042929935166739, -2.808917465908714, 0.5000178451051316),

@@ -26,7 +26,7 @@ Under FSDP2 (`--trainer.strategy fsdp`) parameters, gradients and optimiser stat
 (DTensors): AdamW updates each rank's rows; Muon gathers each matrix's momentum direction whole (in the
 orthogonaliser's dtype, so exactly what one process orthogonalises: bfloat16 moves half the bytes of float32),
 every rank orthogonalises it and keeps its own rows of O; the neuron-wise second moment is kept whole on every
-rank. One process and FSDP agree to rounding (tests/test_fsdp.py).
+rank. One process and FSDP agree to rounding (tests/e2e/test_fsdp.py).
 
 The learning-rate and momentum schedule that drives both groups: train/schedule.py.
 """

@@ -1,5 +1,5 @@
 """Compile recorded kernel launches (specs.py) for GPU targets on a machine without a GPU, and read what
-each compiled kernel needs: the compile check of the `triton` backend (tests/test_triton_compile.py).
+each compiled kernel needs: the compile check of the `triton` backend (tests/tools/test_triton_compile.py).
 
 Needs only triton (no torch, nothing of this package: the kernel files are loaded by path, kernels()): run
 as a script by any python with triton, e.g. a separate environment holding the GPU machine's triton 3.6

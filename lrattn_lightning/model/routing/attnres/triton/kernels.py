@@ -28,7 +28,7 @@ walks the row in chunks of CH columns (two passes per source: the row's reductio
 no tile in it is wider than BLOCK_N x CH at any width. Accumulation (ACC) in float32, or float64 for float64
 models. BLOCK_N, CH and num_warps (launch.geometry) keep a tile at 4 elements per thread (8 in the
 4096-element tiles), and every launch passes maxnreg = 128: the register budget of docs/benchmarks.md,
-checked by tests/test_triton_compile.py. Token counts, head counts, loop bounds and the runtime flags (N,
+checked by tests/tools/test_triton_compile.py. Token counts, head counts, loop bounds and the runtime flags (N,
 heads, S_t, G, key_norm, write_alpha, ...) are not constexprs and the counts are not specialised on (a value
 of 1 or a multiple of 16 would otherwise compile a kernel of its own: decoding's N = 1, the first block's
 S_t = 1); widths and strides are.

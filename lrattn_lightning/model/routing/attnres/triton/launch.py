@@ -77,7 +77,7 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-# Launch geometry (the register budget: <= 128 registers per thread, no spills; tests/test_triton_compile.py,
+# Launch geometry (the register budget: <= 128 registers per thread, no spills; tests/tools/test_triton_compile.py,
 # docs/benchmarks.md). A forward program holds a tile of BLOCK_N tokens x BLOCK_G sites x one head's row
 # (the online softmax's accumulator); rows are whole (any D, r: masked), so BLOCK_N is what shrinks:
 # PROGRAM_TILE elements (one token where a row is wider) at 4 elements per thread, num_warps = tile / 128

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import REPO_ROOT
 from test_training import cli_subprocess, fit_args, four_window_corpus, losses_by_step, only_run
 
 
@@ -115,7 +116,7 @@ def test_the_slurm_emission_of_the_fsdp_recipe_names_its_strategy(tmp_path, monk
     from lrattn_lightning.cli import main
 
     monkeypatch.chdir(tmp_path)
-    recipe = Path(__file__).resolve().parent.parent / "experiments" / "fsdp-7b-multinode.yaml"
+    recipe = REPO_ROOT / "experiments" / "fsdp-7b-multinode.yaml"
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump({
         "name": "seven", "doc": "one 7B run", "recipe": str(recipe), "sizes": ["d4096-7b"],
         "ablations": ["p-lr-block-n8-r32"], "seeds": [0]}))

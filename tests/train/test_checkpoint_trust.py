@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import warm_cli
+from conftest import GOLDEN_DIR
 from mlflow.tracking import MlflowClient
 from test_resilience import REGISTRY, child_env, fit_args
 
@@ -213,7 +214,7 @@ def test_validate_refuses_data_of_another_tokenizer_and_a_resume_another_folder(
 
 
 # ---- checkpoints written before typed kind options still load -------------------------------------------
-OLD = Path(__file__).with_name("golden") / "checkpoints-v0"
+OLD = GOLDEN_DIR / "checkpoints-v0"
 
 
 @pytest.mark.parametrize("name", ["p-lr-block-n4-r32", "denseformer", "gated-residual"])

@@ -17,13 +17,14 @@ import pytest
 import torch
 import warm_cli
 import yaml
+from conftest import REPO_ROOT
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.core.files import MAX_ALIAS_NODES, MAX_YAML_DEPTH, check_yaml_limits, load_yaml_strict
 from lrattn_lightning.model.accounting import MAX_LAYERS, MAX_PARAMS, count_params
 from lrattn_lightning.model.registry import load_registry
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = REPO_ROOT
 REGISTRY = str(REPO / "registry.yaml")
 TINY = "{doc: t, n_layers: 2, d_model: 32, n_heads: 2, d_mlp: 64, vocab_size: 512, seq_len: 32}"
 DEEP = 10_000

@@ -11,8 +11,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import REPO_ROOT
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = REPO_ROOT
 
 
 def _site_packages(python: Path) -> str:

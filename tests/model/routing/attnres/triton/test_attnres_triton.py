@@ -1,9 +1,9 @@
-"""The `triton` AttnRes backend (attnres_triton.py) against `reference`, run in Triton's CPU interpreter.
+"""The `triton` AttnRes backend (attnres/triton/) against `reference`, run in Triton's CPU interpreter.
 
 TRITON_INTERPRET=1 must be set before triton is imported, so the kernels run in one subprocess (this file
 run as a script: `_worker`) that measures everything once; the tests below assert on its numbers. Covered:
-every AttnRes registry entry at `tiny` (fitted to the size as tests/test_routing_fast.py does; entries
-whose fitted configs are identical are computed once) with random queries, forward logits, every gradient
+every AttnRes registry entry at `tiny` (fitted to the size as ../test_attnres_fast.py does; entries whose fitted
+configs are identical are computed once) with random queries, forward logits, every gradient
 and the routing weights; a grid at an odd size (D = 24, r = 12, depth heads 4: neither a power of two;
 three layers, so uneven blocks with partial reads) over every key source; bfloat16 autocast; KV-cache
 decoding; the golden numbers of the paper's code (tests/golden/reference.pt); torch.compile keeping the
@@ -23,6 +23,7 @@ import pytest
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
+from conftest import GOLDEN_DIR, TESTS_DIR  # noqa: E402
 
 from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig, fit_to_size  # noqa: E402
 from lrattn_lightning.model.registry import load_registry  # noqa: E402
@@ -225,7 +226,7 @@ def _worker(path: str) -> None:
     canon = _canonical()
     computed = {n: _parity(n) for n in dict.fromkeys(canon.values())}
     # the paper's golden numbers through `lrattn fidelity`'s rows: its comparison, once for both tests
-    rows = fidelity_rows(str(Path(__file__).with_name("golden") / "reference.pt"), impl="triton", only=GOLDEN)
+    rows = fidelity_rows(str(GOLDEN_DIR / "reference.pt"), impl="triton", only=GOLDEN)
     results = {
         "registry": {n: {**computed[c], "computed_as": c} for n, c in canon.items()},
         "grid": {n: _parity(n) for n in GRID},
@@ -245,7 +246,7 @@ def _worker(path: str) -> None:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("triton") / "results.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(TESTS_DIR)}
     proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -267,8 +268,8 @@ def test_odd_sizes_uneven_blocks_every_key_source(measured, name):
 
 @pytest.mark.parametrize("name", BF16)
 def test_bfloat16_autocast_within_the_bound_of_the_other_backends(measured, name):
-    """As tests/test_routing_fast.py holds `fast` and `compiled`: about as close to the float32 truth as
-    the reference under the same autocast."""
+    """As ../test_attnres_fast.py holds `fast` and `compiled`: about as close to the float32 truth as the reference
+    under the same autocast."""
     ref, tri = measured["bf16"][name]["reference"], measured["bf16"][name]["triton"]
     assert tri["logits"] <= 2 * ref["logits"] + 2e-3
     for n, e in tri["grads"].items():
@@ -282,7 +283,7 @@ def test_kv_cache_decoding_equals_full_recomputation(measured, name):
 
 @pytest.mark.parametrize("name", GOLDEN)
 def test_golden_numbers_of_the_papers_code(measured, name):
-    r = measured["golden"][name]  # tests/test_golden.py's tolerances
+    r = measured["golden"][name]  # tests/model/test_golden.py's tolerances
     assert r["dlogit"] <= 2e-4 and r["dgrad"] <= 2e-4 and r["dloss"] <= 1e-5, r
 
 
@@ -351,7 +352,7 @@ def test_without_cuda_or_interpreter_it_is_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert lines[-1].startswith("lrattn: error: model.impl 'triton'") and "TRITON_INTERPRET=1" in lines[-1], lines
     assert list(work.iterdir()) == []  # nothing half-written
-    golden_file = str(Path(__file__).with_name("golden") / "reference.pt")
+    golden_file = str(GOLDEN_DIR / "reference.pt")
     for tool in (["bench", "--size", "tiny", "--fit", "--impl", "triton", "--steps", "1"],
                  ["fidelity", "--golden", golden_file, "--impl", "triton"]):
         proc = warm_cli.run(lrattn(*tool), cwd=work, env=env, timeout=300)

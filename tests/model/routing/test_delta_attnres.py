@@ -1,5 +1,8 @@
-"""Delta AttnRes' block mode (routing: delta_attnres, delta_mode: delta_block): the formula in float64 for both
-block sources, where they part, accounting, diagnostics, errors and the registry entries."""
+"""Delta Attention Residuals (routing: delta_attnres), both modes.
+
+`delta_mode: delta`: the formula in float64, the plain final read, accounting. `delta_mode: delta_block` (below): the
+formula in float64 for both block sources, where they part, accounting, diagnostics, errors and the registry entries.
+"""
 
 from __future__ import annotations
 
@@ -29,13 +32,13 @@ from lrattn_lightning.model.registry import model_config_from_dict, parse_regist
 from lrattn_lightning.train.diagnostics import weights_table
 from lrattn_lightning.train.optim import split_parameters
 
-FIVE = dataclasses.replace(DEEPER, name="tiny-l5", n_layers=5)  # five layers: P = 1 gives b_0 .. b_4
+SIZE = DEEPER  # three layers, d = 32
 
 
-def config(size=FIVE, null=False, **block) -> ModelConfig:
-    entry = {"doc": "d", "control": None, "routing": "delta_attnres", "null_source": null, "delta_mode": "delta_block",
-             **block}
-    return ModelConfig(size, parse_registry({"sizes": {}, "ablations": {"x": entry}}).ablation("x"))
+def config(null_source=False, size=SIZE) -> ModelConfig:
+    raw = {"sizes": {}, "ablations": {"delta": {"doc": "d", "control": None, "routing": "delta_attnres",
+                                                "null_source": null_source}}}
+    return ModelConfig(size, parse_registry(raw).ablation("delta"))
 
 
 def randomized(cfg, seed=0):
@@ -47,6 +50,104 @@ def randomized(cfg, seed=0):
     return model
 
 
+def reads_float64(model, trace, null):
+    """What each sublayer reads, by the formula written out: the stream plus the softmax over the deltas."""
+    r = model.router
+    deltas, stream, reads = [], trace.emb.double(), []
+    for j in range(2 * SIZE.n_layers):
+        sources = list(deltas)
+        site = j if null else j - 1
+        if null:
+            sources.insert(0, r.null_sources[site].detach().double().expand_as(stream))
+        if sources:
+            logits = torch.stack([(q * k).sum(-1) for q, k in [(r.queries[site].detach().double(),
+                                 F.rms_norm(v, (SIZE.d_model,), eps=1e-6) * r.key_norm_weight[site].detach().double())
+                                 for v in sources]])
+            weights = logits.softmax(0)
+            reads.append(stream + sum(w.unsqueeze(-1) * v for w, v in zip(weights, sources, strict=True)))
+        else:
+            reads.append(stream)
+        out = trace.outputs[j][..., : SIZE.d_model].double()
+        if not deltas:
+            deltas.append(stream)
+        deltas.append(out)
+        stream = stream + out
+    return reads, stream
+
+
+@pytest.mark.parametrize("null", [False, True])
+def test_every_read_is_the_stream_plus_the_formulas_delta_read(null):
+    model = randomized(config(null))
+    trace = capture(model, tokens(SIZE.vocab_size, batch=2, length=10))
+    reads, final = reads_float64(model, trace, null)
+    for j, h in enumerate(reads):
+        torch.testing.assert_close(trace.inputs[j], ref_rms_norm(h), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(trace.final, ref_rms_norm(final), rtol=1e-12, atol=1e-12)  # the plain stream
+    if not null:  # the first sublayer reads the embedding itself, as in the baseline
+        torch.testing.assert_close(trace.inputs[0], ref_rms_norm(trace.emb.double()), rtol=0, atol=0)
+
+
+def test_the_added_reads_matter():
+    cfg = config()
+    model, base = randomized(cfg), build_decoder(ModelConfig(SIZE, parse_registry(
+        {"sizes": {}, "ablations": {"b": {"doc": "b", "control": None}}}).ablation("b"))).double().eval()
+    base.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("router.")})
+    idx = tokens(SIZE.vocab_size, batch=2, length=10)
+    with torch.no_grad():
+        assert (model(idx) - base(idx)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("null", [False, True])
+def test_parameters_and_flops_are_counted(null):
+    cfg = config(null)
+    model = build_decoder(cfg)
+    M, d = 2 * SIZE.n_layers, SIZE.d_model
+    sites = M if null else M - 1
+    assert sum(p.numel() for p in model.router.parameters()) == routing_params(cfg) == sites * d * (3 if null else 2)
+    assert count_params(cfg) == sum(p.numel() for p in model.parameters())
+    sources = [(j + 1 if j else 0) + int(null) for j in range(0 if null else 1, M)]
+    assert added_flops(cfg) == sum(5 * d * n + d for n in sources)
+
+
+def test_causal_and_decodes_with_the_kv_cache():
+    model = randomized(config(True)).float()
+    assert_causal_and_decodes_with_the_kv_cache(model)
+
+
+def test_float64_gradients_of_the_router():
+    model = randomized(config(True, size=GRAD))
+    idx = tokens(GRAD.vocab_size, batch=1, length=5)
+    assert_router_gradcheck(model, idx)
+
+
+def test_bf16_autocast_reads_in_float32():
+    model = randomized(config()).float()
+    idx = tokens(SIZE.vocab_size, batch=2, length=10)
+    assert_bf16_autocast_close(model, idx)
+
+
+def test_adamw_takes_every_router_parameter():
+    model = build_decoder(config(True))
+    muon, _ = split_parameters(model)
+    assert not any(p is q for p in model.router.parameters() for q in muon)
+
+
+def test_a_bad_option_is_one_line():
+    raw = {"sizes": {}, "ablations": {"x": {"doc": "d", "control": None, "routing": "delta_attnres", "null_source": 1}}}
+    with pytest.raises(InputError, match="field 'null_source': must be true or false, got 1"):
+        parse_registry(raw)
+
+
+# ---- delta_mode: delta_block (sources: a block's summed outputs, recursive or true deltas) ----------------------
+FIVE = dataclasses.replace(DEEPER, name="tiny-l5", n_layers=5)  # five layers: P = 1 gives b_0 .. b_4
+
+
+def block_config(size=FIVE, null=False, **block) -> ModelConfig:
+    entry = {"doc": "d", "control": None, "routing": "delta_attnres", "null_source": null, "delta_mode": "delta_block",
+             **block}
+    return ModelConfig(size, parse_registry({"sizes": {}, "ablations": {"x": entry}}).ablation("x"))
+
+
 def block_sources(emb, outputs, P, recursive):
     """b_0 .. b_{K-1} in closed form: D_k sums block k's outputs; recursive b_k = D_k + D_{k-2} + ... (+ x0)."""
     L = len(outputs) // 2
@@ -54,7 +155,7 @@ def block_sources(emb, outputs, P, recursive):
     return [sum(D[k::-2]) if recursive else D[k] for k in range(len(D))]
 
 
-def reads_float64(model, trace, P, recursive, null):
+def block_reads_float64(model, trace, P, recursive, null):
     """What each sublayer reads, written out: the plain stream plus the softmax over the sources it may see."""
     r, d = model.router, model.cfg.size.d_model
     outputs = [o[..., :d].double() for o in trace.outputs]
@@ -79,9 +180,9 @@ def reads_float64(model, trace, P, recursive, null):
 @pytest.mark.parametrize("P, sources, null", [(2, "recursive", False), (2, "true_delta", True),
                                               (1, "recursive", True), (1, "true_delta", False)])
 def test_every_read_is_the_formula_with_block_sources(P, sources, null):
-    model = randomized(config(null=null, delta_block_layers=P, delta_block_sources=sources))
+    model = randomized(block_config(null=null, delta_block_layers=P, delta_block_sources=sources))
     trace = capture(model, tokens(FIVE.vocab_size, batch=2, length=10))
-    reads, final = reads_float64(model, trace, P, sources == "recursive", null)
+    reads, final = block_reads_float64(model, trace, P, sources == "recursive", null)
     for j, h in enumerate(reads):
         torch.testing.assert_close(trace.inputs[j], ref_rms_norm(h), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(trace.final, ref_rms_norm(final), rtol=1e-12, atol=1e-12)  # the plain stream
@@ -93,7 +194,7 @@ def test_every_read_is_the_formula_with_block_sources(P, sources, null):
 
 def router_sources(sources, outputs, emb):
     """The router's sources after a pass over given sublayer outputs, in the decoder's read/write order."""
-    router = build_decoder(config(delta_block_layers=1, delta_block_sources=sources)).router.double()
+    router = build_decoder(block_config(delta_block_layers=1, delta_block_sources=sources)).router.double()
     state = router.start(emb)
     for i, out in enumerate(outputs, start=1):
         router.read(state, i - 1)
@@ -119,7 +220,7 @@ def test_the_recursive_sources_part_from_the_block_delta_at_b2():
 
 @pytest.mark.parametrize("P, null", [(1, False), (2, True), (None, False)])
 def test_parameters_flops_and_recorded_sources_are_counted(P, null):
-    cfg = config(null=null, delta_block_layers=P)
+    cfg = block_config(null=null, delta_block_layers=P)
     model = build_decoder(cfg)
     M, d, L = 2 * FIVE.n_layers, FIVE.d_model, FIVE.n_layers
     sites = M if null else M - 1
@@ -135,19 +236,19 @@ def test_parameters_flops_and_recorded_sources_are_counted(P, null):
 
 
 @pytest.mark.parametrize("sources", ["recursive", "true_delta"])
-def test_causal_and_decodes_with_the_kv_cache(sources):
-    model = randomized(config(DEEPER, null=True, delta_block_layers=1, delta_block_sources=sources)).float()
+def test_block_causal_and_decodes_with_the_kv_cache(sources):
+    model = randomized(block_config(DEEPER, null=True, delta_block_layers=1, delta_block_sources=sources)).float()
     assert_causal_and_decodes_with_the_kv_cache(model)
 
 
-def test_float64_gradients_of_the_router():
-    model = randomized(config(GRAD, null=True, delta_block_layers=1))
+def test_block_float64_gradients_of_the_router():
+    model = randomized(block_config(GRAD, null=True, delta_block_layers=1))
     idx = tokens(GRAD.vocab_size, batch=1, length=5)
     assert_router_gradcheck(model, idx)
 
 
-def test_bf16_autocast_reads_in_float32():
-    model = randomized(config(delta_block_layers=2)).float()
+def test_block_bf16_autocast_reads_in_float32():
+    model = randomized(block_config(delta_block_layers=2)).float()
     idx = tokens(FIVE.vocab_size, batch=2, length=10)
     assert_bf16_autocast_close(model, idx)
 
@@ -157,7 +258,7 @@ def test_bf16_autocast_reads_in_float32():
     ("true_delta", ["null", "x0", "B1 (L0)", "B2 (L1)", "B3 (L2)", "B4 (L3)"]),
 ])
 def test_diagnostics_name_every_block_source(sources, labels):
-    cfg = config(null=True, delta_block_layers=1, delta_block_sources=sources)
+    cfg = block_config(null=True, delta_block_layers=1, delta_block_sources=sources)
     axes = cfg.kind.diagnostic_axes(cfg)
     assert axes["source_labels"] == labels and axes["embedding_column"] == 1
     with torch.no_grad():
@@ -167,12 +268,12 @@ def test_diagnostics_name_every_block_source(sources, labels):
     assert [len(row) for row in table["sites_by_sources"]] == [1, 2, 2, 3, 3, 4, 4, 5, 5, 6]
     for w in out.routing:
         torch.testing.assert_close(w.sum(0), torch.ones_like(w[0]))
-    two = config(delta_block_layers=2)  # blocks of two layers: b_1 holds layers 0-1
+    two = block_config(delta_block_layers=2)  # blocks of two layers: b_1 holds layers 0-1
     assert two.kind.diagnostic_axes(two)["source_labels"] == ["x0", "B1 (L0-1)", "B2 (L2-3) + x0"]
 
 
-def test_adamw_takes_every_router_parameter():
-    model = build_decoder(config(null=True))
+def test_block_adamw_takes_every_router_parameter():
+    model = build_decoder(block_config(null=True))
     muon, _ = split_parameters(model)
     assert not any(p is q for p in model.router.parameters() for q in muon)
 
@@ -195,8 +296,8 @@ def test_bad_options_are_one_line(fields, says):
 def test_a_block_size_that_does_not_fit_is_one_line():
     with pytest.raises(InputError, match=r"field 'delta_block_layers': 5 layers per block leave no block after the "
                                          r"first in 5 layers; choose 1\.\.4 \(or null\)$"):
-        config(delta_block_layers=5)
-    config(delta_block_layers=3)  # a shorter last block is allowed, as in the public code
+        block_config(delta_block_layers=5)
+    block_config(delta_block_layers=3)  # a shorter last block is allowed, as in the public code
 
 
 def test_registry_entries_and_mlflow_params(registry):

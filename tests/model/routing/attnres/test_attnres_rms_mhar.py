@@ -3,8 +3,8 @@ the whole key once per source (`depth_head_norm: full`) with its per-site key ga
 
 The formulas in float64 against an independent implementation below (random queries and gains: at init every
 formula routes uniformly), every backend against `reference` (the triton one in Triton's CPU interpreter, one
-tiny case; the registry entries also run in tests/test_routing_triton.py's sweep), accounting, the optimizer
-split, causality and decoding, and the one-line errors.
+tiny case; the registry entries also run in the sweep of triton/test_attnres_triton.py), accounting, the
+optimizer split, causality and decoding, and the one-line errors.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import (
     DEEPER,
+    TESTS_DIR,
     assert_causal_and_decodes_with_the_kv_cache,
     assert_router_gradcheck,
     capture,
@@ -242,7 +242,7 @@ def test_the_triton_backend_agrees_in_its_interpreter():
     """P-LR keys, 4 depth heads, whole-key norm, key gains, rms summaries, a count prior: reads site by site,
     two-phase groups and partial merges (the keys reach the kernels normalised, the kernels' norm off)."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(TESTS_DIR)}
     out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

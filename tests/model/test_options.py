@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, ClassVar, Literal
 
 import pytest
 import yaml
-from conftest import DEEPER
+from conftest import DEEPER, GOLDEN_DIR
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.config import ModelConfig
@@ -31,7 +30,7 @@ from lrattn_lightning.model.registry import (
 from lrattn_lightning.model.routing.kinds import FLAT, KINDS
 from lrattn_lightning.train.checkpoint.compat import architecture_differences
 
-GOLDEN = Path(__file__).with_name("golden")
+GOLDEN = GOLDEN_DIR
 FLAT_REGISTRY = GOLDEN / "registry-flat.yaml"  # registry.yaml as it was before options nested (every option flat)
 STORED = GOLDEN / "model-configs-flat.json"  # ModelConfig.to_dict() of every entry then, at BIG, by that code
 BIG = "paper-0.5b"  # a size every entry fits

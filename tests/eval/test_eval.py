@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import warm_cli
+from conftest import REPO_ROOT
 from lm_eval.api.instance import Instance
 from mlflow.tracking import MlflowClient
 
@@ -30,7 +31,7 @@ from lrattn_lightning.model.generate import generate
 from lrattn_lightning.train.checkpoint.load import load_checkpoint
 from lrattn_lightning.train.losses import token_losses
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = REPO_ROOT
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 os.environ.update(OFFLINE)  # nothing here may download; set before `datasets` reads it
 

@@ -17,18 +17,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
+
+from conftest import REPO_ROOT  # noqa: E402
 
 from lrattn_lightning.model.registry import load_registry  # noqa: E402
 from lrattn_lightning.model.routing.attnres.triton import ops as triton_ops  # noqa: E402
 from lrattn_lightning.tools.kernels import compile_check as triton_compile
 from lrattn_lightning.tools.kernels import specs as triton_specs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 TRITON36 = ROOT / ".venv" / "triton-3.6" / "bin" / "python"
 ARCHS = (80, 90, 100)
 KERNELS = {"read_fwd", "read_bwd", "group_fwd", "group_bwd", "merge_fwd", "merge_bwd"}

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import io
 import signal
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import GOLDEN_DIR, tiny_config
 from test_training import cli_subprocess, fit_args, losses_by_step, only_run, tiny_data  # noqa: F401
 
 from lrattn_lightning.model.decoder import build_decoder
@@ -19,7 +18,7 @@ from lrattn_lightning.train.muon import ORTHOGONALIZERS, POLAR_EXPRESS_COEFFS, n
 from lrattn_lightning.train.optim import MUON_VARIANTS, MuonWithAuxAdamW, build_optimizer, split_parameters
 from lrattn_lightning.train.schedule import MomentumSchedule, WarmupStableDecay
 
-GOLDEN = torch.load(Path(__file__).parent / "golden" / "muon_reference.pt", weights_only=True)
+GOLDEN = torch.load(GOLDEN_DIR / "muon_reference.pt", weights_only=True)
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:

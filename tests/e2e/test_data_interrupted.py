@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REPO_ROOT
 
 from lrattn_lightning.data import pipeline
 from lrattn_lightning.data.corpora import iter_documents
@@ -28,7 +29,7 @@ from lrattn_lightning.data.shards import read_meta, validate_data_dir
 from lrattn_lightning.data.tokenizer import train_bpe
 from lrattn_lightning.model.registry import load_registry
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = REPO_ROOT
 PART_BYTES = 200_000
 # `lrattn prepare` with small parts (the only change): a kill lands between parts of a 4 MB corpus
 RUN = ("import sys; from lrattn_lightning.data import pipeline; pipeline.PART_BYTES = int(sys.argv[1]); "

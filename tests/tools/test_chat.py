@@ -8,16 +8,16 @@ import select
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
+from conftest import TESTS_DIR
 from test_export import make_checkpoint
 
 from lrattn_lightning.data.tokenizer import ByteTokenizer
 from lrattn_lightning.model.generate import generate
 from lrattn_lightning.tools.generate import TextStream, chat_main, generate_main
 
-TESTS = Path(__file__).resolve().parent
+TESTS = TESTS_DIR
 
 
 def test_text_stream_waits_for_whole_characters():

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REPO_ROOT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -39,7 +40,7 @@ from lrattn_lightning.data.prepare import prepare
 from lrattn_lightning.data.shards import read_meta
 from lrattn_lightning.train.fingerprint import data_checksum
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = REPO_ROOT
 SMALL = {"LONG_CHARS": 64, "BLOCK_CHARS": 48, "BLOCK_BYTES": 50, "LONG_LINE": 80, "CHECK_LINE_BYTES": 100,
          "PIECE_CHARS": 128, "WINDOW": 16, "_REGIONS": (32, 64, 128), "BATCH_BYTES": 200, "BATCH_DOCUMENTS": 5,
          "PART_BYTES": 1000, "BLOCK_DOCUMENTS": 7, "ITEM_TOKENS": 50, "ARROW_BATCH_BYTES": 100}

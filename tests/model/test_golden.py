@@ -8,10 +8,10 @@ and gradients, with both routing backends. Plus the golden loss file any refacto
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import GOLDEN_DIR
 
 from lrattn_lightning.model.accounting import count_params
 from lrattn_lightning.model.config import ModelConfig, fit_to_size
@@ -25,7 +25,6 @@ from lrattn_lightning.tools.fidelity.interface import (
     reference_flags,
 )
 
-GOLDEN_DIR = Path(__file__).with_name("golden")
 REGISTRY = load_registry()
 DATA = golden.load(str(GOLDEN_DIR / "reference.pt"))
 ENTRIES = DATA["entries"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import warm_cli
-from conftest import free_port, mlflow_server, prepared_corpus
+from conftest import REPO_ROOT, TESTS_DIR, free_port, mlflow_server, prepared_corpus
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
@@ -24,8 +24,8 @@ from lrattn_lightning.model.accounting import added_flops_percent, count_params
 from lrattn_lightning.model.registry import load_registry
 from lrattn_lightning.train.muon import resolve_muon_dtype
 
-REPO = Path(__file__).resolve().parent.parent
-TESTS = Path(__file__).resolve().parent
+REPO = REPO_ROOT
+TESTS = TESTS_DIR
 REGISTRY = str(REPO / "registry.yaml")
 
 

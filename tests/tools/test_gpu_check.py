@@ -12,16 +12,16 @@ import json
 import subprocess
 import sys
 from importlib.machinery import SourceFileLoader
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO_ROOT
 
 from lrattn_lightning.model.config import ModelConfig, SizeConfig, fit_to_size
 from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.model.registry import load_registry
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu-check"
+SCRIPT = REPO_ROOT / "benchmarks" / "gpu-check"
 REGISTRY = load_registry()
 SIZE = SizeConfig(name="tiny-l3", doc="tests", n_layers=3, d_model=32, n_heads=2, d_mlp=48, vocab_size=97, seq_len=16)
 

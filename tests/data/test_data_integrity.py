@@ -19,12 +19,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import warm_cli
+from conftest import REPO_ROOT
 
 from lrattn_lightning.data import shards
 from lrattn_lightning.data.shards import read_meta, validate_data_dir
 from lrattn_lightning.model.registry import load_registry
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = REPO_ROOT
 REGISTRY = str(REPO / "registry.yaml")
 
 

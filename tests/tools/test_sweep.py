@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import warm_cli
 import yaml
-from conftest import free_port, prepared_corpus
+from conftest import REPO_ROOT, free_port, prepared_corpus
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
@@ -25,7 +25,7 @@ from lrattn_lightning.model.accounting import added_flops_percent, count_params
 from lrattn_lightning.model.registry import load_registry
 from lrattn_lightning.tools.sweep.file import load_sweep
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = REPO_ROOT
 REGISTRY = str(REPO / "registry.yaml")
 ABLATIONS = ["baseline", "s-lr-grid-n4-r16"]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -486,7 +486,7 @@ def test_a_dry_run_writes_nothing(data_dir, tmp_path, monkeypatch, capsys):
 
 
 def test_a_diverged_run_is_not_resumed_again(finished_sweep, tmp_path, monkeypatch, capsys):
-    """A run that ended FAILED on a non-finite loss (what `lrattn fit` tags, tests/test_run_endings.py) would
+    """A run that ended FAILED on a non-finite loss (what `lrattn fit` tags, tests/e2e/test_run_endings.py) would
     diverge again at the same step if resumed: the sweep says so and leaves it, and its exit code is not 0."""
     uri, runs = _copy_with_failed(finished_sweep, tmp_path / "copy", "tiny-baseline-seed1")
     diverged = runs["tiny-baseline-seed1"]

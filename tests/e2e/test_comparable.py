@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import prepared_corpus
+from conftest import REPO_ROOT, prepared_corpus
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
@@ -31,7 +31,7 @@ from lrattn_lightning.model.accounting import added_flops_percent, core_flops, c
 from lrattn_lightning.model.registry import load_registry, parse_registry
 from lrattn_lightning.tools.sweep.file import SweepRun, load_sweep
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = REPO_ROOT
 EXTENDING = REPO / "docs" / "extending.md"
 LRATTN = str(Path(sys.executable).with_name("lrattn"))
 KINDS = ["denseformer", "mhc-n4", "delta-attnres-null", "gated-residual", "s-lr-grid-n4-r16"]  # fitted in process

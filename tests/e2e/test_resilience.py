@@ -22,13 +22,13 @@ import pytest
 import torch
 import warm_cli
 import yaml
-from conftest import mlflow_server
+from conftest import REPO_ROOT, TESTS_DIR, mlflow_server
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
 
-REPO = Path(__file__).resolve().parent.parent
-TESTS = Path(__file__).resolve().parent
+REPO = REPO_ROOT
+TESTS = TESTS_DIR
 REGISTRY = str(REPO / "registry.yaml")
 RUN = "tiny-baseline-seed0"
 
