@@ -1,4 +1,4 @@
-"""Analytic parameter counts and the paper's cost axis: added forward FLOPs per token (SPEC §4).
+"""Analytic parameter counts and the paper's cost axis: added forward FLOPs per token (docs/method.md §4).
 
     core  = 2 L (4 d^2 + 3 d h)          2 x non-embedding matmul parameters
     added = the routing kind's           AttnRes: the reads and key rows (routing/attnres/kind.py); the gated

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SizeConfig:
-    """Transformer core dimensions (SPEC §5)."""
+    """Transformer core dimensions (docs/method.md §5)."""
 
     name: str
     doc: str
@@ -134,7 +134,7 @@ class ModelConfig:
         return self.kind.extra_out(self)
 
     def block_ends(self) -> list[int]:
-        """Sublayer indices (1-based) after which a block ends; [] for full routing (SPEC §2)."""
+        """Sublayer indices (1-based) after which a block ends; [] for full routing (docs/method.md §2)."""
         return self.kind.block_ends(self)
 
     def validate(self) -> ModelConfig:

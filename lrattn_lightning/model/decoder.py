@@ -1,6 +1,6 @@
 """The decoder: embedding -> L x (attention, MLP) with pluggable depth routing -> final norm -> head.
 
-SPEC §5: pre-norm, parameter-free RMSNorm, multi-head attention with QK-norm and interleaved RoPE,
+docs/method.md §5: pre-norm, parameter-free RMSNorm, multi-head attention with QK-norm and interleaved RoPE,
 SwiGLU MLP, no biases, untied head, N(0, 0.02) init. What normally is `h = h + sublayer(norm(h))`
 becomes `router.write(i, sublayer(norm(router.read(i-1))))`; with `routing: residual` it is exactly
 the standard residual stream.

@@ -1,4 +1,4 @@
-"""The paper's optimiser split and training schedule (SPEC §5).
+"""The paper's optimiser split and training schedule (docs/method.md §5).
 
 Muon for the >= 2-D hidden matrices (attention, MLP, key projections, gates); AdamW for the embedding,
 the LM head, the pseudo-queries and every 1-D parameter (the reference's split). Both are param groups

@@ -1,4 +1,4 @@
-"""Analytic parameter counts equal the built models; the FLOPs axis reproduces SPEC §4 and §6."""
+"""Analytic parameter counts equal the built models; the FLOPs axis reproduces docs/method.md §4 and §6."""
 
 from __future__ import annotations
 
@@ -58,11 +58,11 @@ def spec_baseline_params(L: int, d: int, h: int, V: int) -> int:
     "name, extra",
     [
         ("baseline", lambda L, d, h, r: 0),
-        ("attnres-full", lambda L, d, h, r: 2 * L * d),  # SPEC §3: 2L d (the queries)
+        ("attnres-full", lambda L, d, h, r: 2 * L * d),  # docs/method.md §3: 2L d (the queries)
         ("attnres-block-n8", lambda L, d, h, r: 2 * L * d),
-        ("s-lr-full-r64", lambda L, d, h, r: 2 * L * r),  # SPEC §3: 2L r
+        ("s-lr-full-r64", lambda L, d, h, r: 2 * L * r),  # docs/method.md §3: 2L r
         ("s-lr-block-n8-r64", lambda L, d, h, r: 2 * L * r),
-        ("p-lr-full-r32", lambda L, d, h, r: L * r * (d + h) + r * d + 2 * L * r),  # SPEC §3
+        ("p-lr-full-r32", lambda L, d, h, r: L * r * (d + h) + r * d + 2 * L * r),  # docs/method.md §3
         ("p-lr-block-n8-r32", lambda L, d, h, r: L * r * (d + h) + r * d + 2 * L * r),
         ("p-lr-block-n8-r32-static-embkey", lambda L, d, h, r: L * r * (d + h) + r + 2 * L * r),
         ("gated-residual", lambda L, d, h, r: 2 * L * 2 * d * d),  # W_q, W_k per sublayer
@@ -146,7 +146,7 @@ def test_sources_per_site_matches_the_forward_pass(registry, name, changes):
 
 
 def spec_added_percent(L: int, d: int, h: int, k: int, sites: list[int], p_lr: bool) -> float:
-    """SPEC §4 written out: read = sum |S_j| (2k + 2d); proj = 2 (L r (d+h) + r d) for P-LR."""
+    """docs/method.md §4 written out: read = sum |S_j| (2k + 2d); proj = 2 (L r (d+h) + r d) for P-LR."""
     core = 2 * L * (4 * d * d + 3 * d * h)
     read = sum(sites) * (2 * k + 2 * d)
     proj = 2 * (L * k * (d + h) + k * d) if p_lr else 0

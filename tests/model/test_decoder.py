@@ -104,7 +104,7 @@ def test_residual_stream_is_the_sum_of_outputs(registry):
 
 
 def test_gated_residual_follows_its_formula(registry):
-    """SPEC §7: y = g x + (1 - g) F(x), g = sigmoid(<W_q cummean(x), W_k cummean(F(x))> / sqrt(d)) per token."""
+    """docs/method.md §7: y = g x + (1 - g) F(x), g = sigmoid(<W_q cummean(x), W_k cummean(F(x))> / sqrt(d)) per token."""
     model = build_decoder(ModelConfig(DEEPER, registry.ablation("gated-residual")))
     trace = capture(model, tokens(DEEPER.vocab_size, 2, 6))
     T, D = trace.emb.shape[1], DEEPER.d_model

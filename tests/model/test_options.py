@@ -3,6 +3,7 @@ in the registry, and the older forms (flat registry entries, stored configs) res
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Literal
@@ -97,6 +98,19 @@ def test_an_error_names_the_option_as_written():
     assert nested == Demo(rank=0)  # how it was written is no part of the value
 
 
+def undocumented(x):
+    """x without its `doc` texts (sizes, ablations, model configs and their stored dicts): the docs may cite other
+    documents than when the golden data was written; everything else must be equal."""
+    if isinstance(x, dict):
+        return {k: undocumented(v) for k, v in x.items() if k != "doc"}
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        fields = {f.name for f in dataclasses.fields(x)}
+        if "doc" in fields:
+            x = dataclasses.replace(x, doc="")
+        return dataclasses.replace(x, **{f: undocumented(getattr(x, f)) for f in ("size", "ablation") if f in fields})
+    return x
+
+
 # ---- the registry: nested, flat, and the two resolving alike ------------------------------------------------------
 
 
@@ -115,11 +129,11 @@ def test_the_shipped_registry_writes_every_option_nested():
 def test_every_entry_of_the_flat_registry_resolves_as_before(shipped):
     """registry.yaml as it was before nesting (every option a plain field) loads, every entry equal to today's."""
     old = load_registry(FLAT_REGISTRY)
-    assert old.sizes == {name: shipped.sizes[name] for name in old.sizes}
+    assert undocumented(old.sizes) == {name: undocumented(shipped.sizes[name]) for name in old.sizes}
     assert len(old.ablations) > 60
     for name, ablation in old.ablations.items():
-        assert shipped.ablation(name) == ablation, name
-        assert shipped.model(BIG, name).to_dict() == old.model(BIG, name).to_dict(), name
+        assert undocumented(shipped.ablation(name)) == undocumented(ablation), name
+        assert undocumented(shipped.model(BIG, name).to_dict()) == undocumented(old.model(BIG, name).to_dict()), name
 
 
 def test_every_entry_written_nested_or_flat_is_the_same(shipped):
@@ -160,9 +174,9 @@ def test_stored_configs_of_every_entry_load_as_the_same_architecture(shipped):
     assert len(stored) > 60
     for name, old in stored.items():
         cfg = shipped.model(BIG, name)
-        assert model_config_from_dict(old) == cfg, name
+        assert undocumented(model_config_from_dict(old)) == undocumented(cfg), name
         assert architecture_differences(old, cfg) == [], name
-        assert cfg.to_dict() == old, name  # the stored form did not change
+        assert undocumented(cfg.to_dict()) == undocumented(old), name  # the stored form did not change
 
 
 def test_a_stored_config_with_nested_options_is_the_same_architecture(shipped):

@@ -1,4 +1,4 @@
-"""The routing math every AttnRes backend calls: key norm, logits, block summaries (SPEC §2-3).
+"""The routing math every AttnRes backend calls: key norm, logits, block summaries (docs/method.md §2-3).
 
     rstd(x)          = 1 / sqrt(mean(x^2) + eps)            per depth head; eps = finfo(compute dtype).eps
     logit_{j,s}      = scale * rstd(x_s) * <x_s, q_j> + beta * log(c_s)
@@ -9,7 +9,7 @@ summary's key read from its *value*: a sliced key is the slice of the raw sum c^
 value), and RMSNorm(c^a y) = y * rstd(y) with eps / c^(2a), so that key's rstd takes `summary_eps_factor`.
 
 Routing computes in `compute_dtype`: float32 for bf16 and float32 models, float64 for float64 ones.
-Shape legend (SPEC letters): N = B*T tokens, r = key width (the rank), m = depth heads, k = r/m,
+Shape legend (docs/method.md letters): N = B*T tokens, r = key width (the rank), m = depth heads, k = r/m,
 J = 2L read sites.
 """
 

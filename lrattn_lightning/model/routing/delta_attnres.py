@@ -1,4 +1,4 @@
-"""Delta Attention Residuals (Luo, Cai, Hu 2026, SPEC §9-10; `routing: delta_attnres`).
+"""Delta Attention Residuals (Luo, Cai, Hu 2026, docs/method.md §9-10; `routing: delta_attnres`).
 
 The plain residual stream is kept, and a softmax read over *deltas* is added to what each sublayer sees:
 

@@ -1,4 +1,4 @@
-"""DenseFormer's depth-weighted average (DWA; Pagliardini et al. 2024, SPEC §9; `routing: denseformer`).
+"""DenseFormer's depth-weighted average (DWA; Pagliardini et al. 2024, docs/method.md §9; `routing: denseformer`).
 
 Inside each layer the residual stream is the plain one (h = x' + o_attn, then x_t = h + o_mlp). After layer t
 (1..L) its output x_t is kept, and the next layer (and the head, after the last) reads

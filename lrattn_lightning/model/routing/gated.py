@@ -1,4 +1,4 @@
-"""The gated residual (SPEC §7; `routing: gated`): its router, state and decoding cache.
+"""The gated residual (docs/method.md §7; `routing: gated`): its router, state and decoding cache.
 
 Sublayer i (1..2L) mixes the stream x it read with what it wrote, F(x), by one gate per token:
 
@@ -229,7 +229,7 @@ class GatedRouter(nn.Module):
         return mean_x, mean_fx
 
 
-# The gated residual's learned per-sublayer gate bias b_i (SPEC §7, docs/gated-residual.md):
+# The gated residual's learned per-sublayer gate bias b_i (docs/method.md §7, docs/gated-residual.md):
 #   g_i = sigmoid(<W_q cummean(x), W_k cummean(F(x))> / sqrt(d) + b_i), with b_i initialised to logit(alpha0_i)
 #   none          no bias parameter: alpha starts at sigmoid(~0) = 0.5 everywhere (the blog seed's formula)
 #   constant      every sublayer starts at alpha0 = gate_alpha
@@ -342,7 +342,7 @@ class GatedKind(RoutingKind):
         return M * (2 * 2 * d * d + 2 * d + 3 * d + (1 if cfg.options.gate_bias != "none" else 0))
 
     def reference_flags(self, cfg: ModelConfig) -> dict:
-        raise NotExpressible("the gated residual (SPEC §7) is not part of the reference")
+        raise NotExpressible("the gated residual (docs/method.md §7) is not part of the reference")
 
 
 KIND = GatedKind()

@@ -1,5 +1,5 @@
 """Hyper-Connections, mHC and Frac-Connections (Zhu et al. 2025; manifold-constrained HC; Zhu et al., arXiv
-2503.14125; SPEC §9-10; `routing: hyper_connections`).
+2503.14125; docs/method.md §9-10; `routing: hyper_connections`).
 
 The residual stream becomes n streams H [n, d] per token, each starting as the embedding. Sublayer i reads a
 mix of the streams, and every stream takes back a weighted copy of what it wrote:
@@ -30,7 +30,7 @@ A = [Y | A_r] is [N, m + N] and beta [N]:
     H'_b = sum_a A_r[a, b] H_a + beta_b y_k(b)     y = F(x) split alike; slot b = (s, k) takes fraction k of y
     Y    = one at (slot k of stream (i - 1) mod n, k), A_r = I, beta = 1, and the dynamic terms per slot as HC's
            (N(H_a) over e channels; g, W_A [e, m + N], w_beta [e] shared by the slots; scales s_A, s_beta)
-With n = 1 this is FracConnection of wdlctc/hyper-connection-factory (`hyper.py`, SPEC §10's code), whose defaults
+With n = 1 this is FracConnection of wdlctc/hyper-connection-factory (`hyper.py`, docs/method.md §10's code), whose defaults
 the registry's `frac-connections-m2` takes: m = 2, dynamic, N = LayerNorm with gain and bias (eps 1e-5;
 `norm: layer`, flat `hc_norm`; `rms`, the default, keeps HC's RMSNorm * g), scalar scales 0.01, Y = A_r = I: the baseline
 exactly at init. The factory has no streams x fractions; lucidrains' `num_fracs` has, and that generalisation is

@@ -2,7 +2,7 @@
 
     routing: residual            residual.py           the plain residual stream
     routing: attnres             attnres/              AttnRes, P-LR / S-LR-AttnRes (backends: attnres/backends.py)
-    routing: gated               gated.py              the gated residual of the blog seed (SPEC §7)
+    routing: gated               gated.py              the gated residual of the blog seed (docs/method.md §7)
     routing: external            external.py           a user's router class named by import path
     routing: denseformer         denseformer.py        DenseFormer's depth-weighted averages
     routing: delta_attnres       delta_attnres.py      Delta Attention Residuals

@@ -1,4 +1,4 @@
-"""LAuReL, the learned augmented residual layer (Menghani et al., arXiv 2411.07501; SPEC §10; `routing: laurel`).
+"""LAuReL, the learned augmented residual layer (Menghani et al., arXiv 2411.07501; docs/method.md §10; `routing: laurel`).
 
 Every sublayer i = 1..2L (attention and MLP alike) writes back through its own learned residual. With x the
 stream entering the sublayer and f = o_i what it computes from RMSNorm(x):
@@ -22,7 +22,7 @@ off; the factory runs x A B in the autocast dtype and (a, b) in the parameters' 
     FLOPs/token      the module computes per sublayer x A (2 d r), (x A) B (2 d r), x + x A B (d), a f + b s (3 d);
                      the baseline's own add x + f (d, outside the core count) is not added, so per sublayer
                      rw 2 d          lr 4 d r + d       rw_lr 4 d r + 3 d          (times 2L)
-                     (SPEC's ~4 d r + 5 d counts a f + b s as two multiply-adds, 4 d, and keeps the baseline's add)
+                     (docs/method.md's ~4 d r + 5 d counts a f + b s as two multiply-adds, 4 d, and keeps the baseline's add)
 
 Depth routing is per token: KV-cache decoding needs no cache of its own. AdamW takes every parameter under
 muon_adamw, A and B too: the factory trains them so (its recipe has no Muon; the connection's parameters get

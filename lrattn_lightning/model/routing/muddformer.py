@@ -1,4 +1,4 @@
-"""MUDDFormer's multiway dynamic dense connections (Xiao et al., ICML 2025; SPEC §10; `routing: muddformer`).
+"""MUDDFormer's multiway dynamic dense connections (Xiao et al., ICML 2025; docs/method.md §10; `routing: muddformer`).
 
 Per layer (attention + MLP) the next layer reads four streams Q, K, V, R, all x_0 for layer 1. The attention takes
 three separate inputs (the router protocol's `read_attention` extension, router.py), each through the decoder's
@@ -25,7 +25,7 @@ move). This follows hyper-connection-factory's
 `hcfactory/connections/dense.py` (and, through it, the JAX reference `layers/mudd.py`): the depth-varying FFN width
 of the paper is left out, as there. `dynamic: false` keeps only the static a_i; `multiway: false` makes
 one R stream that the attention also reads (a dynamic DenseFormer), as the factory's two ablations. The decoder's
-norms are weight-free for every kind (SPEC §5), so MUDDFormer's separate Q/K/V norms are too (the factory gives
+norms are weight-free for every kind (docs/method.md §5), so MUDDFormer's separate Q/K/V norms are too (the factory gives
 every norm, the baseline's included, a gain): the runs compared differ in the connection only.
 
     params = sum_i C_i (i + 1) [+ dynamic: K_i (d + C_i (i + 1))] [+ ppn: (L + 1) d + L d]

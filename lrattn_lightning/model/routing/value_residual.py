@@ -1,4 +1,4 @@
-"""Value residual learning (ResFormer; Zhou et al., arXiv 2410.17897; SPEC §10; `routing: value_residual`).
+"""Value residual learning (ResFormer; Zhou et al., arXiv 2410.17897; docs/method.md §10; `routing: value_residual`).
 
 The residual stream stays the plain one; what changes is the token attention's values. Layer 1 keeps its values
 V_1 = W_V^1 RMSNorm(h) (per token and head, before attention), and every later layer n mixes them into its own:

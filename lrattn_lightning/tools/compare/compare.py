@@ -116,7 +116,7 @@ def _report_text(experiment: str, rows: list[Row], table_md: str, records: list[
              "of different recipe fingerprints: the lines under the table say which recipes there are and why a Δ "
              "is —); p is Welch's two-sided t-test across "
              "seeds (— below two seeds a side). Added FLOPs % is the analytic forward cost of routing relative to "
-             "the non-embedding core (SPEC §4); tokens/s is the median training throughput of each run, averaged "
+             "the non-embedding core (docs/method.md §4); tokens/s is the median training throughput of each run, averaged "
              "over seeds. Seeds needed: per arm, for 80 % power at two-sided α = 0.05 if the observed Δ and spread were "
              "the true ones. **Bold**: on the Pareto front of (added FLOPs %, mean val loss), a front of means: "
              "the pairwise tests say which of its differences are resolved.\n",

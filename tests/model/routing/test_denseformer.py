@@ -40,7 +40,7 @@ def randomized(cfg, seed=0):
 
 
 def dwa_inputs_float64(model, trace, dilation, period):
-    """The read of every sublayer from the trace's outputs, by the formula of SPEC §9 written out."""
+    """The read of every sublayer from the trace's outputs, by the formula of docs/method.md §9 written out."""
     L = model.cfg.size.n_layers
     kept, stream, reads = [trace.emb.double()], trace.emb.double(), []
     for t in range(1, L + 1):

@@ -201,7 +201,7 @@ def norm_float64(H, r, i):
 
 def frac_reads_float64(model, trace):
     """Every sublayer's read, the head's input and each site's coefficients [Y | A_r | beta] from the trace, by the
-    SPEC §10 formulas, one slot (stream s, fraction k; width e = d/m) at a time."""
+    docs/method.md §10 formulas, one slot (stream s, fraction k; width e = d/m) at a time."""
     r, d = model.router, SIZE.d_model
     n, m = r.n, r.m
     e, N = d // m, n * m

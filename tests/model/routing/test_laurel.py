@@ -54,7 +54,7 @@ def randomized(cfg: ModelConfig, seed: int = 1) -> torch.nn.Module:
 
 
 def streams_float64(model, trace, mode):
-    """The stream before every sublayer and the head's, by the SPEC's formula, written out from the trace."""
+    """The stream before every sublayer and the head's, by docs/method.md's formula, written out from the trace."""
     r = model.router
     x, reads = trace.emb.double(), []
     for i, f in enumerate(trace.outputs):

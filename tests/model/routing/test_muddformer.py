@@ -54,7 +54,7 @@ def rms(x):
 
 
 def logits_float64(model, idx, options):
-    """The model written out from SPEC §10, the routing by hand; the sublayers are the model's own modules."""
+    """The model written out from docs/method.md §10, the routing by hand; the sublayers are the model's own modules."""
     r, L, d = model.router, SIZE.n_layers, SIZE.d_model
     ppn, dynamic, multi = (options.get("mudd_prepost_norm", False), options.get("mudd_dynamic", True),
                            options.get("mudd_multiway", True))

@@ -11,7 +11,7 @@ keeps its raw key and rstd, and the read takes the dot products with that site's
 No autograd Functions and no buffers, so Dynamo traces it into one graph; it also runs eagerly (the parity
 tests check it so). A key taken from a summary's value uses the summary eps rule (_math.py).
 
-Shape legend (SPEC letters): S sources, J = 2L read sites, B batch, T tokens, N = B*T, D = d_model,
+Shape legend (docs/method.md letters): S sources, J = 2L read sites, B batch, T tokens, N = B*T, D = d_model,
 r = key width (the rank; d for key_source value), m = depth heads, k = r/m, e = D/m.
 """
 

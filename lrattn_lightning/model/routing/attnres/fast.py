@@ -47,7 +47,7 @@ RMSNorm(c^a x) = x rstd with eps / c^(2a), so such a source's key norm uses that
 Repeated backward (retain_graph=True): the accumulators are reset when the embedding's store runs its
 backward, which autograd always runs last (every read depends on it).
 
-Shape legend (SPEC letters): S sources, J = 2L read sites, G sites of a group, B batch, T tokens,
+Shape legend (docs/method.md letters): S sources, J = 2L read sites, G sites of a group, B batch, T tokens,
 N = B*T, D = d_model, r = key width (the rank; d for key_source value), m = depth heads, k = r/m,
 e = D/m.
 """

@@ -3,7 +3,7 @@ that write sources (`_StoreSource`), read a group of sites (`_GroupRead`) and me
 (`_PartialRead`). What they compute and why: fast.py. The logits, rstd and the priors come from
 _math.py; the keys from the router's key source.
 
-Shape legend (SPEC letters): S sources, J = 2L read sites with queries (site j is column j-1), G sites of
+Shape legend (docs/method.md letters): S sources, J = 2L read sites with queries (site j is column j-1), G sites of
 a group, B batch, T tokens, N = B*T, D = d_model, r = key width (the rank; d for key_source value),
 m = depth heads, k = r/m, e = D/m.
 """

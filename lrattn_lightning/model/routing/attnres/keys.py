@@ -1,4 +1,4 @@
-"""Key sources (SPEC §3): where a source's routing key comes from, with its parameters and costs.
+"""Key sources (docs/method.md §3): where a source's routing key comes from, with its parameters and costs.
 
 The key of a source summarising c outputs o_i (a single output: c = 1), as the paper's code forms it:
     value                  key = the summary value                       (standard AttnRes, r = d)
@@ -20,7 +20,7 @@ asks these). The parameters are registered on the router under flat names (`embe
 `embedding_key_static`, `value_key_proj.N`): the checkpoint names, which the reference mapping
 (tools/fidelity/) also uses. Every key parameter is initialised N(0, std) by the router.
 
-Shape legend (SPEC letters): B batch, T tokens, D = d_model, r = key width (the rank).
+Shape legend (docs/method.md letters): B batch, T tokens, D = d_model, r = key width (the rank).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""The AttnRes routing kind (`routing: attnres`): its options, their checks, accounting and backends (SPEC §2-4).
+"""The AttnRes routing kind (`routing: attnres`): its options, their checks, accounting and backends (docs/method.md §2-4).
 
     read  = sum_{j=1..2L} |S_j| (2 k + 2 d)      added forward FLOPs per token; k = d for AttnRes, r for LR
     proj  = KeySource.flops()                    forming the keys (keys.py): P-LR's key rows, value_projected's
           + 2 L r (d + h) + 2L 2r                gated dynamic query: the query rows, the gating
-Elementwise work per source is outside SPEC §4's count, as the key norm is: block_summary rms adds about
+Elementwise work per source is outside docs/method.md §4's count, as the key norm is: block_summary rms adds about
 2L 4 d of it (RMS(o_i): squares 2d, scaling d; the normalised running sum d), 0.03 % of paper-0.5b's core.
 Parameters: the 2L pseudo-queries, what the key source declares (KeySource.num_params: with key_gain MHAR's
 gains, 2L r), the dynamic query's rows and gates. depth_head_norm full costs what the per-head norm does,

@@ -1,4 +1,4 @@
-"""AttnRes's options (SPEC §2-3): what a registry entry with `routing: attnres` chooses, checked, and the two
+"""AttnRes's options (docs/method.md §2-3): what a registry entry with `routing: attnres` chooses, checked, and the two
 numbers derived from them that every backend reads (the key width r and the logit scale s)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from lrattn_lightning.model.options import FiniteFloat, KindOptions, PositiveFlo
 if TYPE_CHECKING:
     from lrattn_lightning.model.config import ModelConfig
 
-# Where a source's routing key comes from (SPEC §3):
+# Where a source's routing key comes from (docs/method.md §3):
 #   value                  the value itself (standard AttnRes, k = d)
 #   projected              P-LR: extra r output rows of each sublayer's output projection
 #   sliced                 S-LR: the last r dimensions of the value
@@ -36,7 +36,7 @@ KeyNorm = Literal["rms", "none"]
 DepthHeadNorm = Literal["per_head", "full"]
 QueryInit = Literal["zero", "normal"]
 LogitScaleName = Literal["none", "inv_sqrt_head_dim"]
-# The pseudo-query of a read site (SPEC §3):
+# The pseudo-query of a read site (docs/method.md §3):
 #   static          a learned vector q_j per site (the paper's recipe)
 #   gated_dynamic   q_j + g_j * q_dyn: q_dyn is emitted as r extra output rows by the most recent
 #                   sublayer (the one just written before site j), g_j a zero-initialised gate per
@@ -56,7 +56,7 @@ _EMBEDDING_KEYS_FOR = {
 
 @dataclass(frozen=True)
 class AttnResOptions(KindOptions):
-    """What an AttnRes entry chooses (SPEC §2-3): `attnres: {key_source: sliced, rank: 64, ...}` in the registry."""
+    """What an AttnRes entry chooses (docs/method.md §2-3): `attnres: {key_source: sliced, rank: 64, ...}` in the registry."""
 
     key_source: KeySource = "value"
     rank: PositiveInt | None = None  # key width r; None means d (only for key_source=value)
@@ -104,7 +104,7 @@ class AttnResOptions(KindOptions):
                 raise a.error(where, "rank", "key_source 'value' uses the full width d as key; leave rank null")
             if a.logit_scale != "none":
                 raise a.error(where, "logit_scale", f"standard AttnRes (key_source 'value') has no logit scale "
-                              f"(s = 1, SPEC §2), got {a.logit_scale!r}; set logit_scale: none")
+                              f"(s = 1, docs/method.md §2), got {a.logit_scale!r}; set logit_scale: none")
             if a.query != "static":
                 raise a.error(where, "query", "the gated dynamic query needs low-rank keys; use key_source "
                               "projected, sliced or value_projected, or set query: static")
@@ -125,7 +125,7 @@ def key_dim(cfg: ModelConfig) -> int:
 
 
 def logit_scale(cfg: ModelConfig) -> float:
-    """s of the logits s <q_j, k_i> (SPEC §3)."""
+    """s of the logits s <q_j, k_i> (docs/method.md §3)."""
     s = cfg.options.logit_scale
     if s == "none":
         return 1.0

@@ -1,4 +1,4 @@
-"""Attention residuals (AttnRes, LR-AttnRes; SPEC §2-3): the parameters, and the readable `reference` backend.
+"""Attention residuals (AttnRes, LR-AttnRes; docs/method.md §2-3): the parameters, and the readable `reference` backend.
 
 A decoder with L layers has M = 2L residual-writing sublayers. o_0 is the embedding, o_i what sublayer i
 writes. Read site j (0..2L) forms the hidden state that feeds sublayer j+1 (site 2L feeds the final
@@ -24,7 +24,7 @@ gate per depth head; RMS-normalised per depth head with query_norm; then times g
 (`reference` here, `fast` in fast.py, `compiled` in compiled.py) subclass it with their
 own state and read/write code, and give the same results.
 
-Shape legend (SPEC letters): M = 2L sublayers, S sources, B batch, T tokens, D = d_model,
+Shape legend (docs/method.md letters): M = 2L sublayers, S sources, B batch, T tokens, D = d_model,
 r = key width (the rank; d for key_source value), m = depth heads, k = r/m, e = D/m.
 """
 
@@ -77,7 +77,7 @@ class AttnResRouter(nn.Module):
         self.key_source.register(self)
 
     def reset_parameters(self) -> None:
-        """SPEC init: queries zero (or N(0, std)), query gates zero, key gains one, every other key-source
+        """docs/method.md init: queries zero (or N(0, std)), query gates zero, key gains one, every other key-source
         parameter N(0, std)."""
         if self.query_init == "zero":
             nn.init.zeros_(self.queries)

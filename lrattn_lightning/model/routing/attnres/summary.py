@@ -1,4 +1,4 @@
-"""RMS Block AttnRes (`block_summary: rms`; SPEC §10): a completed block summarises its outputs normalised.
+"""RMS Block AttnRes (`block_summary: rms`; docs/method.md §10): a completed block summarises its outputs normalised.
 
 kimmichtank/rms-block-attnres (`small/pretrain_core.py`, `HiddenNormalizedSum` and its backbone) forms the
 sources of a read as [embedding, completed summaries, raw sum of the pending outputs], where a block that

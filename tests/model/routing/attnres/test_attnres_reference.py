@@ -209,7 +209,7 @@ def test_p_lr_keys_are_not_the_value_tails(registry, monkeypatch):
     assert not torch.allclose(effective_keys(keys, kwargs, 1), ref_rms_norm(values[..., -8:]), atol=1e-3)
 
 
-# ---- the whole routing rule against an independent reference (SPEC §2-3) ----------------------
+# ---- the whole routing rule against an independent reference (docs/method.md §2-3) ----------------------
 
 
 def ref_sources(j: int, ends: list[int]) -> list[list[int]]:
@@ -228,7 +228,7 @@ def ref_sources(j: int, ends: list[int]) -> list[list[int]]:
 
 
 def ref_read(cfg, params, emb, outputs, j):
-    """h_j and alpha_j in float64, from SPEC §2-3 (RMSNorm eps of the float32 model: EPS)."""
+    """h_j and alpha_j in float64, from docs/method.md §2-3 (RMSNorm eps of the float32 model: EPS)."""
     a, D = cfg.ablation, cfg.size.d_model
     r, heads = a.options.rank or cfg.size.d_model, a.options.depth_heads
     exponent = {"sum": 0.0, "mean": 1.0, "sqrt_mean": 0.5}[a.options.block_summary]

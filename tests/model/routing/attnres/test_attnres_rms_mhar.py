@@ -1,4 +1,4 @@
-"""Two AttnRes options of the field (SPEC §10): RMS Block AttnRes (`block_summary: rms`) and MHAR's key norm over
+"""Two AttnRes options of the field (docs/method.md §10): RMS Block AttnRes (`block_summary: rms`) and MHAR's key norm over
 the whole key once per source (`depth_head_norm: full`) with its per-site key gain (`key_gain`).
 
 The formulas in float64 against an independent implementation below (random queries and gains: at init every
@@ -84,7 +84,7 @@ def model_for(case: str, impl: str = "reference", dtype=torch.float64) -> torch.
     return randomize(build_decoder(config(case), impl=impl)).to(dtype)
 
 
-# ---- the formula, written out (SPEC §10; rms-block-attnres HiddenNormalizedSum; hcfactory depth_attention) ----
+# ---- the formula, written out (docs/method.md §10; rms-block-attnres HiddenNormalizedSum; hcfactory depth_attention) ----
 def formula_reads(cfg: ModelConfig, params: dict, trace) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """h_j and alpha_j [S, B, T, m] for j = 1..2L from the emitted outputs, in float64."""
     o = cfg.options
@@ -254,7 +254,7 @@ def test_the_triton_backend_agrees_in_its_interpreter():
     ("mhar-h4", 2 * M * D),  # the queries and the key gains, [2L, d] each
     ("rms-value", M * D),  # rms summaries add no parameter
     ("mhar-sliced-block", 2 * M * 16),
-    ("rms-projected-h2", M * 16 + SIZE.n_layers * 16 * (D + SIZE.d_mlp) + 16 * D),  # SPEC §3's P-LR count
+    ("rms-projected-h2", M * 16 + SIZE.n_layers * 16 * (D + SIZE.d_mlp) + 16 * D),  # docs/method.md §3's P-LR count
 ])
 def test_parameter_counts(case, expected):
     """Analytic count = the router's parameters (+ P-LR's key rows, in the output projections) = accounting's."""

@@ -33,7 +33,7 @@ GROUP_TILE_MAX (the register budget, launch.py) is split into even sub-groups th
 `attnres_group` kernel (paper-0.5b, 8 blocks: the 6 sites of a block as 3 + 3; at d = 4096 with one depth
 head no two sites fit, so those reads are site by site). Nothing has run on a GPU yet (docs/benchmarks.md).
 
-Shape legend (SPEC letters): B batch, T tokens, N = B*T, D = d_model, r = key width, m = depth heads.
+Shape legend (docs/method.md letters): B batch, T tokens, N = B*T, D = d_model, r = key width, m = depth heads.
 """
 
 from __future__ import annotations
