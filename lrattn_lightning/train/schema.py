@@ -98,7 +98,7 @@ class Param:
                       "gate_grad_normalize")
     MUON_DTYPE_RESOLVED = "train_muon_dtype_resolved"  # what muon_dtype `auto` became on this machine, `none`
     SCHEDULE_STEPS = "train_schedule_steps"  # the steps the learning-rate schedule spans
-    # the recipe (train/callbacks/description.py recipe_params)
+    # the recipe (train/callbacks/run_params.py recipe_params)
     MAX_STEPS = "train_max_steps"  # --trainer.max_steps
     BATCH_SIZE = "train_batch_size"  # sequences per device and micro-batch
     SEQ_LEN = "train_seq_len"  # the training window
@@ -112,7 +112,7 @@ class Param:
     STRATEGY = "train_strategy"  # single, ddp, fsdp or the strategy's class name
     ACCUMULATE = "train_accumulate_grad_batches"  # gradient accumulation
     GRADIENT_CLIP = "train_gradient_clip_val"  # gradient clipping
-    # a resume that changes them: KEY + FROM_STEP + the step it resumed at (train/callbacks/description.py latest)
+    # a resume that changes them: KEY + FROM_STEP + the step it resumed at (train/callbacks/run_params.py latest)
     FROM_STEP = "_from_step_"
     RESUMABLE = (MAX_STEPS, SCHEDULE_STEPS)
     # upcycling (`lrattn fit --init_from`, cli/lightning.py before_fit)
@@ -139,6 +139,7 @@ class Metric:
     EPOCH = "epoch"  # Lightning's epoch counter (only with --log_counters true)
     # each validation, at the step of the weights scored; `lrattn validate` / `test` of a checkpoint prefix
     # REPORT_PREFIXES (`validate/val/loss`), never over the fit's own
+    VAL = "val/"  # + loss, bpb: a validation's results
     VAL_LOSS = "val/loss"  # token-weighted validation loss
     VAL_BPB = "val/bpb"  # bits per byte
     ROUTING_MEAN = "routing/mean/"  # + statistic: the routing's mean over read sites (train/diagnostics.py)
@@ -198,11 +199,11 @@ def names(kind: str) -> frozenset[str]:
 
 def model_param_keys() -> frozenset[str]:
     """The params of the resolved size and ablation: every field of the size, of an ablation and of every routing
-    kind's options (train/callbacks/description.py flat_run_params)."""
+    kind's options (train/callbacks/run_params.py flat_run_params)."""
     import dataclasses
 
     from lrattn_lightning.model.config import SizeConfig
-    from lrattn_lightning.model.routing.kinds import known_kinds, kind_of
+    from lrattn_lightning.model.routing.kinds import kind_of, known_kinds
 
     size = {f.name for f in dataclasses.fields(SizeConfig)} - {"name", "doc"}
     ablation = {"control", "routing"}  # AblationConfig.to_dict without name, doc and tags
