@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lrattn_lightning.core.errors import first_line
 from lrattn_lightning.train.checkpoint.lock import launched_as_rank_zero
+from lrattn_lightning.train.schema import Metric
 from lrattn_lightning.train.store import (  # noqa: F401 (the store's names, also imported from here)
     DIVERGED_TAG,
     GAP_TAG,
@@ -234,7 +235,7 @@ class TrackingLogger(MLFlowLogger):
         """One value per metric and step, steps increasing: what a resumed run already holds is not logged
         again, nor a step's value twice (monitors that run per micro-batch under gradient accumulation)."""
         if not self.log_epoch:  # Lightning adds its epoch counter to every logged dict: a counter, asked for or not
-            metrics = {k: v for k, v in metrics.items() if k != "epoch"}
+            metrics = {k: v for k, v in metrics.items() if k != Metric.EPOCH}
         self._step = step if step is not None else self._step
         self._max_step = max(self._max_step, self._step)
         if step is not None:
