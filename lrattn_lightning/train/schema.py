@@ -199,7 +199,8 @@ def names(kind: str) -> frozenset[str]:
 
 def model_param_keys() -> frozenset[str]:
     """The params of the resolved size and ablation: every field of the size, of an ablation and of every routing
-    kind's options (train/callbacks/run_params.py flat_run_params)."""
+    kind's options (train/callbacks/run_params.py flat_run_params). Imported here, not at the top: the store and a
+    sweep file read this module's names without building the model's classes (torch)."""
     import dataclasses
 
     from lrattn_lightning.model.config import SizeConfig
