@@ -32,6 +32,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lrattn_lightning.cli import checks
+from lrattn_lightning.cli.outcome import fit_lines, scoring_lines
 from lrattn_lightning.core.errors import UsageError
 from lrattn_lightning.core.malloc import keep_freed_memory
 from lrattn_lightning.core.names import check_name
@@ -43,7 +44,7 @@ from lrattn_lightning.train.checkpoint.compat import architecture_differences
 from lrattn_lightning.train.checkpoint.save import AtomicCheckpointIO, LastCheckpoint
 from lrattn_lightning.train.checkpoint.stop import NonFiniteLossError
 from lrattn_lightning.train.lit_module import LRAttnModule
-from lrattn_lightning.train.summary import fit_summary, scoring_summary
+from lrattn_lightning.train.schema import Artifact, Param
 from lrattn_lightning.train.tracking import (
     RUN_DIR_TAG,
     TrackingLogger,
@@ -65,7 +66,7 @@ class MLflowSaveConfig(SaveConfigCallback):
     def save_config(self, trainer, pl_module, stage: str) -> None:
         if isinstance(trainer.logger, MLFlowLogger):
             text = self.parser.dump(self.config, skip_none=False)
-            trainer.logger.experiment.log_text(trainer.logger.run_id, text, "config.yaml")
+            trainer.logger.experiment.log_text(trainer.logger.run_id, text, Artifact.CONFIG)
 
 
 class LRAttnCLI(LightningCLI):
@@ -197,9 +198,9 @@ class LRAttnCLI(LightningCLI):
         if up is None:
             return
         self.model.model.load_state_dict(up.loaded, strict=False)
-        self.model.init_from_params = {"init_from": str(up.path.resolve()), "init_from_step": up.step,
-                                       "init_from_source": up.source, "init_from_run": up.mlflow_run or "none",
-                                       "init_from_new_tensors": len(up.new)}
+        self.model.init_from_params = {Param.INIT_FROM: str(up.path.resolve()), Param.INIT_FROM_STEP: up.step,
+                                       Param.INIT_FROM_SOURCE: up.source, Param.INIT_FROM_RUN: up.mlflow_run or "none",
+                                       Param.INIT_FROM_NEW: len(up.new)}
         if lock.launched_as_rank_zero():
             for line in up.summary():
                 print(f"[lrattn fit] {line}", flush=True)
@@ -461,9 +462,9 @@ def run_with_stops(start: Callable[[], LRAttnCLI], *, fit: bool, prefix: str = "
         with stop.stop_signals_noted() if fit else contextlib.nullcontext():
             cli = start()
             if cli.subcommand == "fit" and cli.trainer.is_global_zero:
-                print("\n".join(fit_summary(cli, prefix)))
+                print("\n".join(fit_lines(cli, prefix)))
             elif cli.subcommand in ("validate", "test") and cli.trainer.is_global_zero:
-                print("\n".join(scoring_summary(cli)))
+                print("\n".join(scoring_lines(cli)))
             late = stop.NOTED_SIGNAL if fit else 0
         if late:  # the run had ended (validated, FINISHED, checkpoint written): nothing was cut short
             print(f"[lrattn] {signal.Signals(late).name} came after the run finished; nothing was lost", file=sys.stderr)

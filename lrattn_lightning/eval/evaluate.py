@@ -27,6 +27,7 @@ from lrattn_lightning.eval.tasks import (
 )
 from lrattn_lightning.model.decoder import Decoder
 from lrattn_lightning.train.losses import token_losses
+from lrattn_lightning.train.schema import Artifact, Metric
 
 if TYPE_CHECKING:
     from lrattn_lightning.eval.lm import LRAttnLM
@@ -114,9 +115,9 @@ def eval_metrics(results: dict[str, Any] | None, val: dict[str, float] | None = 
                 continue
             metric, _, filt = key.partition(",")
             name = metric if filt in ("", "none") else f"{metric}_{filt}"
-            out[MLFLOW_UNSAFE.sub("_", f"eval/{task}/{name}")] = float(value)
+            out[MLFLOW_UNSAFE.sub("_", f"{Metric.EVAL}{task}/{name}")] = float(value)
     for key, value in (val or {}).items():
-        out[f"eval/val/{key}"] = float(value)
+        out[f"{Metric.EVAL_VAL}{key}"] = float(value)
     return out
 
 
@@ -143,7 +144,7 @@ def log_eval(client: Any, run_id: str, step: int, results: dict[str, Any] | None
     text = json.dumps(payload, indent=2, default=handle_non_serializable, ensure_ascii=False)
     # two evaluations of one checkpoint within a second must not overwrite each other's file
     stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
-    client.log_text(run_id, text, f"eval/results-step{step:06d}-{stamp}.json")
+    client.log_text(run_id, text, f"{Artifact.EVAL_RESULTS}step{step:06d}-{stamp}.json")
     return metrics
 
 

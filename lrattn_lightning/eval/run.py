@@ -51,6 +51,7 @@ from lrattn_lightning.train.checkpoint.load import (
     load_checkpoint,
     trust_routers,
 )
+from lrattn_lightning.train.schema import Param, Tag
 from lrattn_lightning.train.summary import ui_pointer
 
 if TYPE_CHECKING:
@@ -76,8 +77,8 @@ def open_eval_run(ckpt: LoadedCheckpoint, tracking_uri: str, experiment: str = "
             params = run.data.params
             if run.info.lifecycle_stage != "active":
                 why = f"is deleted in {tracking_uri}"
-            elif (params.get("size"), params.get("ablation")) != (cfg.size.name, cfg.ablation.name):
-                why = (f"in {tracking_uri} trained {params.get('size')}/{params.get('ablation')}, not "
+            elif (params.get(Param.SIZE), params.get(Param.ABLATION)) != (cfg.size.name, cfg.ablation.name):
+                why = (f"in {tracking_uri} trained {params.get(Param.SIZE)}/{params.get(Param.ABLATION)}, not "
                        f"{cfg.size.name}/{cfg.ablation.name}")  # a checkpoint names no other run to write into
             else:
                 return client, run.info.run_id, False
@@ -88,8 +89,8 @@ def open_eval_run(ckpt: LoadedCheckpoint, tracking_uri: str, experiment: str = "
     exp = client.get_experiment_by_name(experiment)
     exp_id = exp.experiment_id if exp else client.create_experiment(experiment, artifact_location(tracking_uri))
     run = client.create_run(exp_id, run_name=f"eval-{cfg.size.name}-{cfg.ablation.name}", tags={
-        "checkpoint": str(ckpt.path.resolve()), "eval_only": "true", "ablation": cfg.ablation.name,
-        "size": cfg.size.name, "training_run_id": run_id or "none", "global_step": str(ckpt.global_step)})
+        Tag.CHECKPOINT: str(ckpt.path.resolve()), Tag.EVAL_ONLY: "true", Tag.ABLATION: cfg.ablation.name,
+        Tag.SIZE: cfg.size.name, Tag.TRAINING_RUN: run_id or "none", Tag.GLOBAL_STEP: str(ckpt.global_step)})
     client.log_batch(run.info.run_id, params=[_param(k, v) for k, v in flat_run_params(cfg).items()])
     return client, run.info.run_id, True
 

@@ -35,6 +35,7 @@ import yaml
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.core.files import load_yaml_strict, read_yaml_text
 from lrattn_lightning.core.names import closest_names
+from lrattn_lightning.train.schema import Tag
 
 TASKS_DIR = Path(__file__).resolve().parent / "task_configs"
 # local task name -> the key of its data file in the prepared folder's meta.json["tasks"]
@@ -274,7 +275,7 @@ def _dataset_path(manager: Any, name: str) -> str | None:
 # ---- what a score was measured under --------------------------------------------------------------
 MLFLOW_UNSAFE = re.compile(r"[^A-Za-z0-9_\-. /]")  # what MLflow refuses in metric and tag names
 # + task (as in its metrics' names): the configuration the run's eval/<task>/* metrics were last measured under
-CONFIG_TAG = "lrattn.eval_config/"
+CONFIG_TAG = Tag.EVAL_CONFIG
 
 
 def config_tags(results: dict[str, Any] | None, val: dict[str, float] | None,

@@ -46,9 +46,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-FINGERPRINT_TAG = "lrattn.recipe"
-PARTS_TAG = "lrattn.recipe_parts"
-METHOD_TAG = "lrattn.method"
+from lrattn_lightning.train.schema import Param, Tag
+
+FINGERPRINT_TAG, PARTS_TAG, METHOD_TAG = Tag.RECIPE, Tag.RECIPE_PARTS, Tag.METHOD  # (train/schema.py)
 LEGACY = "legacy-"  # prefix of a fingerprint rebuilt from params
 
 # the module's settings that shape the optimiser's steps (LRAttnModule's arguments)
@@ -76,12 +76,12 @@ def data_checksum(data_dir: str | Path, meta: dict[str, Any] | None) -> str:
 
 def init_from_part(params: dict[str, Any]) -> str:
     """`none`, or the source of an upcycled run from its init_from* params (as fit records them)."""
-    if not params.get("init_from"):
+    if not params.get(Param.INIT_FROM):
         return "none"
-    run, step = params.get("init_from_run"), params.get("init_from_step")
+    run, step = params.get(Param.INIT_FROM_RUN), params.get(Param.INIT_FROM_STEP)
     if run and run != "none":
         return f"run {run} step {step}"
-    return f"file {Path(str(params['init_from'])).name} step {step}"
+    return f"file {Path(str(params[Param.INIT_FROM])).name} step {step}"
 
 
 def recipe_parts(*, size: str, max_steps: int, tokens_per_step: int | None, seq_len: int | None, data: str,
@@ -103,11 +103,11 @@ def legacy_parts(params: dict[str, str]) -> dict[str, Any]:
     def get(key: str) -> Any:
         return params.get(key)
 
-    optimizer = {k: get(f"train_{k}") for k in OPTIMIZER_SETTINGS}
-    optimizer["gradient_clip_val"] = get("train_gradient_clip_val")
-    return {"size": get("size"), "max_steps": get("train_max_steps"), "tokens_per_step": get("train_tokens_per_step"),
-            "seq_len": get("train_seq_len"), "data": f"folder {get('train_data_dir')}", "optimizer": optimizer,
-            "precision": get("train_precision"), "document_masking": get("train_document_masking"),
+    optimizer = {k: get(Param.TRAIN_PREFIX + k) for k in OPTIMIZER_SETTINGS}
+    optimizer["gradient_clip_val"] = get(Param.GRADIENT_CLIP)
+    return {"size": get(Param.SIZE), "max_steps": get(Param.MAX_STEPS), "tokens_per_step": get(Param.TOKENS_PER_STEP),
+            "seq_len": get(Param.SEQ_LEN), "data": f"folder {get(Param.DATA_DIR)}", "optimizer": optimizer,
+            "precision": get(Param.PRECISION), "document_masking": get(Param.TRAIN_PREFIX + "document_masking"),
             "init_from": init_from_part(params)}
 
 

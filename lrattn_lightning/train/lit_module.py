@@ -2,7 +2,7 @@
 
 Checkpoints describe themselves with plain values: the resolved size and ablation as dicts, the
 registry hash and the git commit sit in `hyper_parameters` (so `torch.load(weights_only=True)`
-works); the tokenizer, data folder and MLflow run are added by train/callbacks.py, which the module
+works); the tokenizer, data folder and MLflow run are added by train/callbacks/, which the module
 installs itself (`configure_callbacks`) with the MLflow params, tags and routing figures. Resuming or
 loading a checkpoint into a module built for a different size/ablation is an error.
 """
@@ -40,6 +40,7 @@ from lrattn_lightning.train.muon import MuonDtype
 from lrattn_lightning.train.optim import MUON_VARIANTS, MuonVariant, sharded_grad_norm
 from lrattn_lightning.train.optimization import Optimization
 from lrattn_lightning.train.schedule import MomentumSchedule
+from lrattn_lightning.train.schema import Metric
 from lrattn_lightning.train.validation import Validation
 
 
@@ -229,15 +230,15 @@ class LRAttnModule(Validation, Optimization, L.LightningModule):
         if self._step_losses:
             loss, ce = (torch.stack(column).mean() for column in zip(*self._step_losses, strict=True))
             self._step_losses.clear()
-            self.log("train/loss", loss, prog_bar=True, sync_dist=True)
-            self.log("train/ce", ce, sync_dist=True)
+            self.log(Metric.TRAIN_LOSS, loss, prog_bar=True, sync_dist=True)
+            self.log(Metric.TRAIN_CE, ce, sync_dist=True)
         per_step = tokens_per_step(self._trainer) if self._trainer is not None else None
         if per_step:  # tokens trained on once this step is taken
-            self.log("train/tokens_seen", float((self.global_step + 1) * per_step))
+            self.log(Metric.TOKENS_SEEN, float((self.global_step + 1) * per_step))
         if getattr(self, "_sharded", False):  # FSDP: the total over every rank's shards
-            self.log("train/grad_norm", sharded_grad_norm(self.model))
+            self.log(Metric.GRAD_NORM, sharded_grad_norm(self.model))
             return
-        self.log("train/grad_norm", self.gradient_norm())  # before clipping; clipping reuses it (optimization.py)
+        self.log(Metric.GRAD_NORM, self.gradient_norm())  # before clipping; clipping reuses it (optimization.py)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.routing_control is not None:
@@ -246,7 +247,7 @@ class LRAttnModule(Validation, Optimization, L.LightningModule):
     @property
     def flops_per_batch(self) -> int | None:
         """Model FLOPs of one batch on one device (training: x3), from the data's batch_size and seq_len:
-        ThroughputMonitor's FLOP/s and MFU (train/callbacks.py TokenThroughput)."""
+        ThroughputMonitor's FLOP/s and MFU (train/callbacks/monitors.py TokenThroughput)."""
         dm = self.trainer.datamodule if self._trainer is not None else None
         batch, seq = getattr(dm, "batch_size", None), getattr(dm, "seq_len", None)
         if not batch or not seq:
@@ -255,7 +256,7 @@ class LRAttnModule(Validation, Optimization, L.LightningModule):
         return model_flops_per_token(cfg, training=self.trainer.training) * int(batch) * int(seq)
 
     def configure_callbacks(self) -> list[Callback]:
-        """What every run records besides metrics (train/callbacks.py): MLflow params, tags and routing
+        """What every run records besides metrics (train/callbacks/): MLflow params, tags and routing
         figures, and the tokenizer / data / MLflow run in checkpoints; also for a Trainer built in Python."""
         return [RunDescription(), RoutingArtifacts(), CheckpointContents()]
 

@@ -8,6 +8,7 @@ import torch
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.train.optim import build_optimizer
 from lrattn_lightning.train.schedule import WarmupStableDecay
+from lrattn_lightning.train.schema import Metric
 
 
 class Optimization:
@@ -33,7 +34,8 @@ class Optimization:
         # its name is LearningRateMonitor's metric prefix: train/lr/muon, train/lr/adamw
         schedule = WarmupStableDecay(opt, total, hp.warmup_steps, hp.decay_fraction, hp.final_lr_fraction,
                                      self.momentum_schedule)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step", "name": "train/lr"}}
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step",
+                                                      "name": Metric.LR.removesuffix("/")}}
 
     def gradient_norm(self) -> torch.Tensor:
         """The total L2 norm of the model's gradients in one foreach pass, kept for clipping by norm (below)."""

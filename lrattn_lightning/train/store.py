@@ -7,6 +7,10 @@ builds on it).
     open_store            creates a new sqlite store and the experiment under a file lock, so two fits
                           starting together on a new store both succeed
     end_orphaned_runs     a fresh start of a run folder ends the RUNNING runs a killed fit of it left
+
+What the logger (train/tracking.py) shares: quiet_store (MLflow's per-call tracebacks off), call_fault (a call's
+own fault, not the store's), error_chain and disk_full (what a failure was), retry_seconds, store_error, and the
+calls it holds through an outage (REPLAYABLE) or answers None to (READS). Tag names: train/schema.py.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.train.checkpoint.lock import FileLock
+from lrattn_lightning.train.schema import Tag
 
 LOCAL_TRACKING_URI = "sqlite:///mlflow.db"
 # The user's own setting, read once: mlflow.set_tracking_uri() (called by every MLFlowLogger) writes
@@ -38,15 +43,15 @@ HTTP_LIMITS = {
     "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
 }
-# Tags this module writes on a training run.
-GAP_TAG, LAST_STEP_TAG, RUN_DIR_TAG = "lrattn.tracking_gap", "lrattn.last_step", "lrattn.run_dir"
-DIVERGED_TAG = "lrattn.diverged"
+# Tags this module and the logger (train/tracking.py) write on a training run (train/schema.py Tag).
+GAP_TAG, LAST_STEP_TAG, RUN_DIR_TAG = Tag.TRACKING_GAP, Tag.LAST_STEP, Tag.RUN_DIR
+DIVERGED_TAG = Tag.DIVERGED
 RETRY_ENV = "LRATTN_TRACKING_RETRY_S"
 HOLD_VALUES = 100_000  # metric values (plus one per other call) held during a gap: ~30 MB at most
 # Held during a gap and replayed in order when the store is back; other calls (figures, files whose
 # temp copy is gone by then) are counted as not recovered; reads answer None.
-_REPLAYABLE = frozenset({"log_batch", "log_metric", "log_param", "set_tag", "log_dict", "log_text"})
-_READS = ("get_", "search_", "list_")
+REPLAYABLE = frozenset({"log_batch", "log_metric", "log_param", "set_tag", "log_dict", "log_text"})
+READS = ("get_", "search_", "list_")
 # Errors that are the call's own fault, not the store's: retrying them cannot help.
 _CALL_FAULTS = frozenset({"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS",
                           "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE"})
@@ -76,7 +81,7 @@ def resolve_tracking_uri(flag: str | None, fallback_local: bool) -> str:
     """--tracking_uri, else $MLFLOW_TRACKING_URI, else the local sqlite store; servers are probed first."""
     uri = flag or _USER_TRACKING_URI or LOCAL_TRACKING_URI
     check_uri(uri)
-    _retry_seconds()  # a bad $LRATTN_TRACKING_RETRY_S fails here, before the store or the run folder exist
+    retry_seconds()  # a bad $LRATTN_TRACKING_RETRY_S fails here, before the store or the run folder exist
     uri = absolute_sqlite(uri)
     if uri.startswith(("http://", "https://")):
         bound_http_retries()
@@ -143,7 +148,7 @@ def store_lock(uri: str) -> Iterator[None]:
         lock.release()
 
 
-def _store_error(uri: str, err: BaseException) -> TrackingError:
+def store_error(uri: str, err: BaseException) -> TrackingError:
     cause = " ".join(str(err).split())[:600] or type(err).__name__
     return TrackingError(f"MLflow store {uri} cannot be used: {cause} -- fix the store (writable? not full?) "
                          "or pass another --tracking_uri")
@@ -168,7 +173,7 @@ def open_store(uri: str, experiment: str) -> str:
         except TrackingError:
             raise
         except Exception as err:  # MlflowException, sqlalchemy and OS errors: all mean the store is unusable
-            raise _store_error(uri, err) from err
+            raise store_error(uri, err) from err
     if exp.lifecycle_stage == "deleted":
         raise TrackingError(f"MLflow experiment '{experiment}' in {uri} is deleted; restore it "
                             f"(`mlflow experiments restore --experiment-id {exp.experiment_id}`) or pick another --experiment")
@@ -208,7 +213,7 @@ def end_orphaned_runs(uri: str, experiment_id: str, run_dir: Path, keep: str | N
         runs = client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=1000)
         orphans = [r for r in runs if r.data.tags.get(RUN_DIR_TAG) == mine and r.info.run_id != keep]
         for run in orphans:
-            client.set_tag(run.info.run_id, "lrattn.killed_reason",
+            client.set_tag(run.info.run_id, Tag.KILLED_REASON,
                            f"its fit died without ending it (SIGKILL, out of memory, power loss); found RUNNING by "
                            f"the next start of {mine} (pid {os.getpid()}) on {time.strftime('%Y-%m-%d %H:%M:%S')}")
             client.set_terminated(run.info.run_id, "KILLED")
@@ -224,7 +229,7 @@ def run_dir_tag(run_dir: Path) -> str:
     return f"{socket.gethostname()}:{Path(run_dir).resolve()}"
 
 
-def _chain(err: BaseException | None) -> list[BaseException]:
+def error_chain(err: BaseException | None) -> list[BaseException]:
     """An error and its causes, outermost first (sqlalchemy's wrapped DB-API error included)."""
     seen: list[BaseException] = []
     while err is not None and all(err is not e for e in seen):
@@ -233,7 +238,7 @@ def _chain(err: BaseException | None) -> list[BaseException]:
     return seen
 
 
-def _disk_full(errors: list[BaseException]) -> OSError | bool:
+def disk_full(errors: list[BaseException]) -> OSError | bool:
     """The OSError (or True) when any cause is a full disk: ENOSPC, sqlite's 'database or disk is full'."""
     for e in errors:
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
@@ -241,12 +246,12 @@ def _disk_full(errors: list[BaseException]) -> OSError | bool:
     return any("disk is full" in str(e) or "No space left" in str(e) for e in errors)
 
 
-def _call_fault(err: BaseException) -> bool:
+def call_fault(err: BaseException) -> bool:
     return getattr(err, "error_code", None) in _CALL_FAULTS
 
 
 @contextlib.contextmanager
-def _quiet_store() -> Iterator[None]:
+def quiet_store() -> Iterator[None]:
     loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
     before = [lg.disabled for lg in loggers]
     for lg in loggers:
@@ -258,7 +263,7 @@ def _quiet_store() -> Iterator[None]:
             lg.disabled = was
 
 
-def _retry_seconds() -> float:
+def retry_seconds() -> float:
     value = os.environ.get(RETRY_ENV, "30")
     try:
         seconds = float(value)

@@ -8,6 +8,9 @@
                  for a local store and the page to open then
     fit_summary  the closing lines of `lrattn fit` / `lrattn demo`: final validation, run, checkpoint, next steps
     scoring_summary  those of `lrattn validate` / `lrattn test`: the figures, the step and the run they went to
+
+Both take plain values (RunEnd: the step, the results, the MLflow run), not the LightningCLI: cli/outcome.py
+reads them off a finished command.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ import shlex
 import shutil
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from lrattn_lightning.data.remote import is_remote
+from lrattn_lightning.train.schema import Metric
 
 LOCAL_UI = "http://127.0.0.1:5000"
 
@@ -58,53 +62,61 @@ def ui_pointer(uri: str, experiment_id: str | None, run_id: str | None) -> list[
             f"then browse {run_page(LOCAL_UI, experiment_id, run_id)}"]
 
 
-def fit_summary(cli: Any, prefix: str = "[lrattn fit]") -> list[str]:
-    """The closing lines of a fit (rank zero): what it reached, where it is logged and saved, what next."""
-    trainer, cfg = cli.trainer, cli.config[cli.subcommand]
-    figures = _figures(trainer, lambda k: k in ("val/loss", "val/bpb", "val/ppl")) or "no validation"
-    lines = [f"finished at step {trainer.global_step}: {figures}"]
-    run = _logged_run(trainer.logger)
+@dataclass(frozen=True)
+class RunEnd:
+    """What a finished fit, validate or test reached, as plain values (cli/outcome.py reads them off the CLI)."""
+
+    step: int  # the step its results belong to (a checkpoint's own for validate / test)
+    metrics: dict[str, float]  # the results of its last validation, by metric name
+    run_id: str | None = None  # the MLflow run it logged to (None: none)
+    tracking_uri: str | None = None
+    experiment_id: str | None = None
+
+    @property
+    def run(self) -> tuple[str, str, str | None] | None:
+        """(run id, tracking URI, experiment id) of the MLflow run it logged to, None without one."""
+        return (self.run_id, self.tracking_uri, self.experiment_id) if self.run_id and self.tracking_uri else None
+
+
+def fit_summary(end: RunEnd, *, run_name: str, experiment: str, checkpoint: Path, data_dir: str, size_name: str,
+                vocab_size: int, prefix: str = "[lrattn fit]") -> list[str]:
+    """The closing lines of a fit (rank zero): what it reached, where it is logged and saved, what next.
+    `checkpoint`: where its last.ckpt is (named only if it exists); size_name, vocab_size: the model's size."""
+    figures = _figures(end.metrics, lambda k: k in (Metric.VAL_LOSS, Metric.VAL_BPB)) or "no validation"
+    lines = [f"finished at step {end.step}: {figures}"]
+    run = end.run
     if run:
         run_id, uri, experiment_id = run
-        lines.append(f"MLflow run {run_id} ('{cfg.run_name}') in experiment '{cfg.experiment}' at {uri}")
+        lines.append(f"MLflow run {run_id} ('{run_name}') in experiment '{experiment}' at {uri}")
         lines += ui_pointer(uri, experiment_id, run_id)
-    lines += _unused_rows(cli.model.cfg.size, cfg.data.data_dir)
-    ckpt = Path(cfg.runs_dir) / cfg.experiment / cfg.run_name / "checkpoints" / "last.ckpt"
-    if ckpt.exists():
-        shown = _shown(ckpt)
+    lines += _unused_rows(size_name, vocab_size, data_dir)
+    if checkpoint.exists():
+        shown = _shown(checkpoint)
         lines.append(f"checkpoint {shown}")
         # eval logs into this run where it finds it: in this store (a default store elsewhere would not have it);
         # it reads the local data folder the checkpoint records, object storage only when named
         score = ["eval", "--checkpoint", shown, "--tasks", "local", *(store_flags(run[1]) if run else [])]
-        if is_remote(str(cfg.data.data_dir)):
-            score += ["--data_dir", str(cfg.data.data_dir)]
+        if is_remote(str(data_dir)):
+            score += ["--data_dir", str(data_dir)]
         lines.append(f"score it:  {command('lrattn')} {shlex.join(score)}")
     return [f"{prefix} {line}" for line in lines]
 
 
-def scoring_summary(cli: Any) -> list[str]:
-    """What `lrattn validate` / `lrattn test` of a checkpoint found, and where it was logged."""
-    trainer, sub = cli.trainer, cli.subcommand
-    step = getattr(cli.model, "report_step", trainer.global_step)
-    figures = _figures(trainer, lambda k: k.startswith(f"{sub}/val/")) or "nothing scored"
-    lines = [f"step {step}: {figures}"]
-    run = _logged_run(trainer.logger)
+def scoring_summary(end: RunEnd, subcommand: str) -> list[str]:
+    """What `lrattn validate` / `lrattn test` (`subcommand`) of a checkpoint found, and where it was logged."""
+    figures = _figures(end.metrics, lambda k: k.startswith(f"{subcommand}/{Metric.VAL}"))
+    lines = [f"step {end.step}: {figures or 'nothing scored'}"]
+    run = end.run
     if run:
         run_id, uri, experiment_id = run
-        lines.append(f"logged at step {step} to MLflow run {run_id} in {uri} (the fit's own val/* are unchanged)")
+        lines.append(f"logged at step {end.step} to MLflow run {run_id} in {uri} (the fit's own val/* are unchanged)")
         lines += ui_pointer(uri, experiment_id, run_id)
-    return [f"[lrattn {sub}] {line}" for line in lines]
+    return [f"[lrattn {subcommand}] {line}" for line in lines]
 
 
-def _figures(trainer: Any, wanted: Callable[[str], bool]) -> str:
-    """The wanted results of the last validation as `name value` pairs, sorted by name ('' if none)."""
-    return ", ".join(f"{k} {float(v):.4f}" for k, v in sorted(trainer.callback_metrics.items()) if wanted(k))
-
-
-def _logged_run(logger: Any) -> tuple[str, str, str | None] | None:
-    """(run id, tracking URI, experiment id) of the MLflow run the logger writes to, None without one."""
-    run_id, uri = getattr(logger, "run_id", None), getattr(logger, "_tracking_uri", None)
-    return (run_id, uri, getattr(logger, "experiment_id", None)) if run_id and uri else None
+def _figures(metrics: dict[str, float], wanted: Callable[[str], bool]) -> str:
+    """The wanted results as `name value` pairs, sorted by name ('' if none)."""
+    return ", ".join(f"{k} {float(v):.4f}" for k, v in sorted(metrics.items()) if wanted(k))
 
 
 def _shown(path: Path) -> str:
@@ -115,7 +127,7 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
-def _unused_rows(size: Any, data_dir: str) -> list[str]:
+def _unused_rows(size_name: str, vocab_size: int, data_dir: str) -> list[str]:
     """A size whose vocabulary is larger than the data's tokenizer trains only some of its token rows."""
     from lrattn_lightning.data.shards import read_meta
 
@@ -123,9 +135,9 @@ def _unused_rows(size: Any, data_dir: str) -> list[str]:
         meta = read_meta(data_dir)
     except Exception:  # noqa: BLE001 - a note only; the data was checked before training
         return []
-    unused = size.vocab_size - meta["vocab_size"]
+    unused = vocab_size - meta["vocab_size"]
     if unused <= 0:
         return []
-    return [f"note: size '{size.name}' has {size.vocab_size} token ids, the data's {meta['tokenizer'].get('kind')} "
+    return [f"note: size '{size_name}' has {vocab_size} token ids, the data's {meta['tokenizer'].get('kind')} "
             f"tokenizer uses {meta['vocab_size']}: {unused} embedding and output rows were never trained "
-            f"(prepare --tokenizer bpe:{size.vocab_size} uses them all)"]
+            f"(prepare --tokenizer bpe:{vocab_size} uses them all)"]

@@ -33,33 +33,34 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lrattn_lightning.core.errors import first_line
 from lrattn_lightning.train.checkpoint.lock import launched_as_rank_zero
+from lrattn_lightning.train.schema import Metric
 from lrattn_lightning.train.store import (  # noqa: F401 (the store's names, also imported from here)
-    _READS,
-    _REPLAYABLE,
     DIVERGED_TAG,
     GAP_TAG,
     HOLD_VALUES,
     LAST_STEP_TAG,
     LOCAL_TRACKING_URI,
+    READS,
+    REPLAYABLE,
     RETRY_ENV,
     RUN_DIR_TAG,
     TrackingError,
-    _call_fault,
-    _chain,
-    _disk_full,
-    _quiet_store,
-    _retry_seconds,
-    _store_error,
     absolute_sqlite,
     artifact_location,
+    call_fault,
     default_tracking_uri,
+    disk_full,
     end_orphaned_runs,
+    error_chain,
     open_store,
+    quiet_store,
     resolve_tracking_uri,
+    retry_seconds,
     run_dir_tag,
     run_in_store,
     server_alive,
     sqlite_file,
+    store_error,
     store_lock,
     uri_source,
 )
@@ -100,7 +101,7 @@ class TrackingLogger(MLFlowLogger):
         # validate/test into a training run: its status stays the fit's (KILLED, RUNNING, ...), not FINISHED
         self.keep_status = False
         # an outage: the calls held for replay ([name, fn, args, kwargs, values]), the steps it spanned
-        self._retry_s, self.hold_limit = _retry_seconds(), HOLD_VALUES
+        self._retry_s, self.hold_limit = retry_seconds(), HOLD_VALUES
         self._offline, self._next_retry = False, 0.0
         self._held: deque[list] = deque()
         self._held_values = self._recovered = self._lost_values = 0
@@ -123,7 +124,7 @@ class TrackingLogger(MLFlowLogger):
         try:
             MLFlowLogger.experiment.fget(self)
         except Exception as err:
-            raise _store_error(self._tracking_uri, err) from err
+            raise store_error(self._tracking_uri, err) from err
 
     def skip_logged_steps(self) -> None:
         """A resumed fit: remember the last step of every metric the run holds; log only later steps."""
@@ -133,13 +134,13 @@ class TrackingLogger(MLFlowLogger):
 
     # ---- the guard ---------------------------------------------------------------------------
     def _guarded(self, name: str, fn: Any, args: tuple, kwargs: dict) -> Any:
-        if self._offline and (name.startswith(_READS) or not self._reconnect()):
+        if self._offline and (name.startswith(READS) or not self._reconnect()):
             return self._hold(name, fn, args, kwargs)
         try:
-            with _quiet_store():
+            with quiet_store():
                 return fn(*args, **kwargs)
         except Exception as err:
-            if _call_fault(err):  # this call's own fault (a bad value): dropped, the store is fine
+            if call_fault(err):  # this call's own fault (a bad value): dropped, the store is fine
                 self._lost[name] += 1
                 if not self._warned_fault:
                     self._warned_fault = True
@@ -153,8 +154,8 @@ class TrackingLogger(MLFlowLogger):
         """One warning per outage; from here on calls are held, and retried at most every `_retry_s`."""
         self._offline, self._next_retry = True, time.monotonic() + self._retry_s
         self._gaps.append([self._step, None])
-        errors = _chain(err)
-        full, cause = _disk_full(errors), first_line(errors[-1])
+        errors = error_chain(err)
+        full, cause = disk_full(errors), first_line(errors[-1])
         every = f"checked at most once every {self._retry_s:g} s" if self._retry_s else "checked at each logging call"
         if full and not self._remote:
             where = getattr(full, "filename", None) or self._tracking_uri.removeprefix("sqlite:///")
@@ -170,9 +171,9 @@ class TrackingLogger(MLFlowLogger):
     def _hold(self, name: str, fn: Any, args: tuple, kwargs: dict) -> None:
         """Keep a call for replay (metric batches merged up to MLflow's 1000 per call); the oldest go first
         past `hold_limit` values: the last validation, the run's result, matters most."""
-        if name.startswith(_READS):
+        if name.startswith(READS):
             return None
-        if name not in _REPLAYABLE:
+        if name not in REPLAYABLE:
             self._lost[name] += 1
             return None
         values = sum(len(kwargs.get(k) or ()) for k in ("metrics", "params", "tags")) or 1
@@ -204,10 +205,10 @@ class TrackingLogger(MLFlowLogger):
         while self._held:
             name, fn, args, kwargs, values = self._held[0]
             try:
-                with _quiet_store():
+                with quiet_store():
                     fn(*args, **kwargs)
             except Exception as err:
-                if not _call_fault(err):
+                if not call_fault(err):
                     return False  # still down (or down again): keep the rest, try again later
                 self._lost[name] += 1
             self._held.popleft()
@@ -234,7 +235,7 @@ class TrackingLogger(MLFlowLogger):
         """One value per metric and step, steps increasing: what a resumed run already holds is not logged
         again, nor a step's value twice (monitors that run per micro-batch under gradient accumulation)."""
         if not self.log_epoch:  # Lightning adds its epoch counter to every logged dict: a counter, asked for or not
-            metrics = {k: v for k, v in metrics.items() if k != "epoch"}
+            metrics = {k: v for k, v in metrics.items() if k != Metric.EPOCH}
         self._step = step if step is not None else self._step
         self._max_step = max(self._max_step, self._step)
         if step is not None:

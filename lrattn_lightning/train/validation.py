@@ -13,6 +13,7 @@ from lrattn_lightning.data.shards import bits_per_byte
 from lrattn_lightning.train import diagnostics
 from lrattn_lightning.train.checkpoint.stop import NonFiniteLossError
 from lrattn_lightning.train.losses import token_losses
+from lrattn_lightning.train.schema import Metric
 
 
 class Validation:
@@ -62,12 +63,12 @@ class Validation:
             raise NonFiniteLossError(f"non-finite validation loss ({float(loss)}) {whose}")
         if not self.trainer.sanity_checking:
             self.last_validated_step = self.report_step
-        self._report("val/loss", loss, prog_bar=True, sync_dist=False)
+        self._report(Metric.VAL_LOSS, loss, prog_bar=True, sync_dist=False)
         bytes_per_token = getattr(self.trainer.datamodule, "bytes_per_token", None) if self.trainer.datamodule else None
         if callable(bytes_per_token):
             bpt = bytes_per_token("val")
             if bpt:
-                self._report("val/bpb", bits_per_byte(loss, bpt))
+                self._report(Metric.VAL_BPB, bits_per_byte(loss, bpt))
         if self.routing_weights is not None:  # RoutingArtifacts logged the figures before this hook
             self._report_routing(self.routing_weights)
             self.routing_weights = None
@@ -76,7 +77,7 @@ class Validation:
         """The mean over read sites as metrics routing/mean/<stat> (the gated residual: over sublayers,
         routing/mean/alpha and saturated; mixing weights: none); per site they are artifacts (RoutingArtifacts)."""
         for stat, value in diagnostics.mean_stats(self.cfg, weights).items():
-            self._report(f"routing/mean/{stat}", value)
+            self._report(Metric.ROUTING_MEAN + stat, value)
 
     test_step = validation_step
     on_test_epoch_end = on_validation_epoch_end

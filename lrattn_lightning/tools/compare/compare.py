@@ -67,6 +67,7 @@ from lrattn_lightning.tools.compare.table import (
     read_runs,
     summarise,
 )
+from lrattn_lightning.train.schema import Artifact, ExperimentTag, Tag
 
 
 # ---- the report ------------------------------------------------------------------------------------
@@ -140,7 +141,7 @@ def _report_text(experiment: str, rows: list[Row], table_md: str, records: list[
     return "\n".join(p for p in parts if p is not None) + "\n"
 
 
-REPORTS_SUFFIX, REPORT_OF_TAG = "-reports", "lrattn.report_of"
+REPORTS_SUFFIX, REPORT_OF_TAG = "-reports", Tag.REPORT_OF
 
 
 def reports_experiment(client: Any, experiment: str) -> str:
@@ -150,7 +151,7 @@ def reports_experiment(client: Any, experiment: str) -> str:
     name = experiment + REPORTS_SUFFIX
     exp = client.get_experiment_by_name(name)
     if exp is None:
-        return client.create_experiment(name, artifact_location(client.tracking_uri), tags={REPORT_OF_TAG: experiment})
+        return client.create_experiment(name, artifact_location(client.tracking_uri), tags={ExperimentTag.REPORT_OF: experiment})
     if exp.lifecycle_stage == "deleted":
         client.restore_experiment(exp.experiment_id)
     return exp.experiment_id
@@ -161,17 +162,17 @@ def log_summary_run(client: Any, experiment: str, files: list[Path], table_md: s
     reused: the run tagged with this experiment, and this sweep if one was named)."""
     exp_id = reports_experiment(client, experiment)
     found = [r for r in search_all(client, exp_id, f"tags.`{SUMMARY_TAG}` = 'true'")  # names compared here: any quote
-             if r.data.tags.get(REPORT_OF_TAG) == experiment and r.data.tags.get("sweep_summary") == sweep]
+             if r.data.tags.get(REPORT_OF_TAG) == experiment and r.data.tags.get(Tag.SWEEP_SUMMARY) == sweep]
     if found:
         run_id = max(found, key=lambda r: r.info.start_time).info.run_id
     else:
-        tags = {SUMMARY_TAG: "true", REPORT_OF_TAG: experiment, "mlflow.runName": f"compare-{sweep or experiment}"}
+        tags = {SUMMARY_TAG: "true", REPORT_OF_TAG: experiment, Tag.RUN_NAME: f"compare-{sweep or experiment}"}
         if sweep:
-            tags["sweep_summary"] = sweep
+            tags[Tag.SWEEP_SUMMARY] = sweep
         run_id = client.create_run(exp_id, tags=tags).info.run_id
     for path in files:
-        client.log_artifact(run_id, str(path), "compare")
-    client.set_tag(run_id, "mlflow.note.content", table_md)  # the run's description in the UI
+        client.log_artifact(run_id, str(path), Artifact.COMPARE.removesuffix("/"))
+    client.set_tag(run_id, Tag.NOTE, table_md)  # the run's description in the UI
     client.set_terminated(run_id, "FINISHED")
     return run_id
 

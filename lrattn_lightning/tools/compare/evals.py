@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lrattn_lightning.eval.tasks import CONFIG_TAG, LOCAL_TASKS
+from lrattn_lightning.train.schema import Metric
 
 if TYPE_CHECKING:
     from lrattn_lightning.tools.compare.table import Row
@@ -42,13 +43,13 @@ UNRECORDED = "not recorded"
 
 def task_of(key: str) -> str:
     """'eval/<task>/<metric>' -> task."""
-    return key[len("eval/"):].rsplit("/", 1)[0]
+    return key.removeprefix(Metric.EVAL).rsplit("/", 1)[0]
 
 
 def in_appendix(key: str) -> bool:
     """A bookkeeping number (a bootstrap stderr, a sample count), not a score compared across seeds."""
     metric = key.rsplit("/", 1)[-1]
-    return bool(STDERR.search(metric)) or metric in COUNTS or key[len("eval/"):] in COUNTS
+    return bool(STDERR.search(metric)) or metric in COUNTS or key.removeprefix(Metric.EVAL) in COUNTS
 
 
 def canonical(config: dict[str, Any] | None) -> str | None:
@@ -64,7 +65,7 @@ def canonical(config: dict[str, Any] | None) -> str | None:
 def run_configs(client: Any, run: Any) -> dict[str, str | None]:
     """task -> canonical configuration of the run's latest evaluation of it (None: unknown), for every task the
     run has eval/ metrics of."""
-    tasks = {task_of(k) for k in run.data.metrics if k.startswith("eval/")}
+    tasks = {task_of(k) for k in run.data.metrics if k.startswith(Metric.EVAL)}
     out: dict[str, str | None] = {}
     for task in tasks:
         text = run.data.tags.get(CONFIG_TAG + task)
@@ -146,12 +147,12 @@ def eval_columns(rows: list[Row]) -> list[EvalColumn]:
     for row in rows:
         for run in row.runs:
             for key in run.metrics:
-                if key.startswith("eval/"):
+                if key.startswith(Metric.EVAL):
                     configs.setdefault(key, set()).add(run.eval_configs.get(task_of(key)))
     columns = []
     for key in sorted(configs):
         found = sorted(configs[key], key=lambda c: (c is None, c or ""))
-        name = key[len("eval/"):]
+        name = key.removeprefix(Metric.EVAL)
         if len(found) == 1:
             columns.append(EvalColumn(key, found[0], name, in_appendix(key)))
             continue
@@ -176,7 +177,7 @@ def pooling_note(rows: list[Row]) -> str:
     split: dict[str, list[str]] = {}
     for column in columns:
         if "[" in column.label and not column.appendix:
-            split.setdefault(column.key[len("eval/"):], []).append(column.label)
+            split.setdefault(column.key.removeprefix(Metric.EVAL), []).append(column.label)
     lines = []
     if split:
         lines.append("Downstream scores pool only runs whose evaluation shared one configuration (limit, few-shot, "

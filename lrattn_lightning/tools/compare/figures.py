@@ -27,6 +27,7 @@ from typing import Any
 
 from lrattn_lightning.tools.compare import labels as labels_mod
 from lrattn_lightning.tools.compare.table import Row
+from lrattn_lightning.train.schema import Artifact, Metric
 
 
 def _plt():
@@ -206,7 +207,7 @@ def routing_matrices(client: Any, rows: list[Row]) -> dict[str, tuple[dict, int,
     found, names = {}, _names(rows)
     with tempfile.TemporaryDirectory() as tmp:
         for row in rows:
-            datas, step = _run_artifacts(client, row, "routing/weights.json", tmp)
+            datas, step = _run_artifacts(client, row, Artifact.ROUTING_WEIGHTS, tmp)
             mats = [d["sites_by_sources"] for d in datas]
             if not mats or not mats[0]:
                 continue
@@ -227,7 +228,7 @@ def gate_curves(client: Any, rows: list[Row]) -> dict[str, tuple[list[list[float
     found, names = {}, _names(rows)
     with tempfile.TemporaryDirectory() as tmp:
         for row in rows:
-            datas, step = _run_artifacts(client, row, "routing/gates.json", tmp)
+            datas, step = _run_artifacts(client, row, Artifact.GATES_JSON, tmp)
             curves = [d["alpha"] for d in datas]
             if curves and all(len(c) == len(curves[0]) for c in curves):
                 found[names[id(row)]] = (curves, step)
@@ -350,17 +351,17 @@ def curves_figure(rows: list[Row], title: str) -> Any:
     names, colors = _names(rows), _colors(rows)
     fig, (ax_t, ax_z, ax_v) = plt.subplots(1, 3, figsize=(16.5, 4.6))
     handles = {}  # label -> a line of it, for the shared legend
-    last = max([s for r in rows for run in r.runs for key in ("train/loss", "val/loss") for s, _ in run.curves.get(key, [])]
+    last = max([s for r in rows for run in r.runs for key in (Metric.TRAIN_LOSS, Metric.VAL_LOSS) for s, _ in run.curves.get(key, [])]
                + [run.final_step or 0 for r in rows for run in r.runs] + [1])
     zoom_from = last // 2
     for i, row in enumerate(sorted(rows, key=lambda r: names[id(r)])):
         style = {"color": colors[names[id(row)]], "ls": LINE_STYLES[i % len(LINE_STYLES)],
                  "marker": MARKERS[i % len(MARKERS)], "lw": 1.5, "ms": 8 - 1.5 * (i % 4), "label": names[id(row)]}
-        for key in ("train/loss", "val/loss"):
+        for key in (Metric.TRAIN_LOSS, Metric.VAL_LOSS):
             steps, mean, lo, hi = _seed_mean(row, key)
             if not steps:
                 continue
-            if key == "val/loss":
+            if key == Metric.VAL_LOSS:
                 handles[style["label"]] = ax_v.plot(steps, mean, **style)[0]
                 continue
             mean, lo, hi = _smooth(mean), _smooth(lo), _smooth(hi)
@@ -404,7 +405,7 @@ def _zoom(ax: Any, rows: list[Row], start: int, end: int) -> None:
     """The zoom panel's limits: steps start..end and the (smoothed) losses there."""
     values = []
     for row in rows:
-        steps, mean, lo, hi = _seed_mean(row, "train/loss")
+        steps, mean, lo, hi = _seed_mean(row, Metric.TRAIN_LOSS)
         smooth_lo, smooth_hi = _smooth(lo), _smooth(hi)
         values += [v for s, a, b in zip(steps, smooth_lo, smooth_hi, strict=True) if s >= start for v in (a, b)]
     ax.set_xlim(start, max(end, start + 1))

@@ -27,6 +27,7 @@ from lrattn_lightning.model.config import SizeConfig
 from lrattn_lightning.tools.compare.scaling import LEVEL, POOR_FIT, RESAMPLES, Point, Scaling, analyse
 from lrattn_lightning.tools.compare.scaling_figure import plot_scaling
 from lrattn_lightning.tools.compare.table import Row, RunRecord
+from lrattn_lightning.train.schema import Metric, Param
 
 _SIZE_FIELDS = ("n_layers", "d_model", "n_heads", "d_mlp", "vocab_size", "seq_len")
 
@@ -34,10 +35,10 @@ _SIZE_FIELDS = ("n_layers", "d_model", "n_heads", "d_mlp", "vocab_size", "seq_le
 def training_compute(params: dict[str, str], record: RunRecord) -> float | None:
     """3 x (core + routing) forward FLOPs per token x tokens trained; None where the run does not say."""
     try:
-        size = SizeConfig(name=params.get("size", record.size), doc="", **{f: int(params[f]) for f in _SIZE_FIELDS})
+        size = SizeConfig(name=params.get(Param.SIZE, record.size), doc="", **{f: int(params[f]) for f in _SIZE_FIELDS})
         per_step = record.parts.get("tokens_per_step")
         tokens = (float(per_step) * record.final_step if per_step not in (None, "None") and record.final_step
-                  else record.metrics.get("train/tokens_seen"))
+                  else record.metrics.get(Metric.TOKENS_SEEN))
     except (KeyError, ValueError, TypeError):
         return None
     pct = record.added_flops_pct

@@ -36,10 +36,11 @@ from lrattn_lightning.tools.compare.power import need_text, pooled_std, seeds_ne
 from lrattn_lightning.tools.compare.runs import search_all
 from lrattn_lightning.tools.compare.significance import welch
 from lrattn_lightning.train import fingerprint as fp
+from lrattn_lightning.train.schema import Metric, Param, Tag
 
-SUMMARY_TAG = "lrattn.summary"  # the tag of compare's own summary run, which is not a training run
+SUMMARY_TAG = Tag.SUMMARY  # the tag of compare's own summary run, which is not a training run
 # written by train/tracking.py when a fit ends: the last step it logged; what a store outage dropped
-LAST_STEP_TAG, GAP_TAG = "lrattn.last_step", "lrattn.tracking_gap"
+LAST_STEP_TAG, GAP_TAG = Tag.LAST_STEP, Tag.TRACKING_GAP
 
 
 @dataclass
@@ -140,29 +141,29 @@ def read_runs(client: Any, experiment: str, sweep: str | None = None, curves: bo
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         raise InputError(f"no MLflow experiment '{experiment}' at {client.tracking_uri}; check --experiment/--tracking_uri")
-    query = "attributes.status = 'FINISHED'" + (f" and tags.sweep = '{sweep}'" if sweep else "")
+    query = "attributes.status = 'FINISHED'" + (f" and tags.{Tag.SWEEP} = '{sweep}'" if sweep else "")
     same: dict[tuple, list[RunRecord]] = defaultdict(list)
     runs = search_all(client, exp.experiment_id, query)
     print(f"[lrattn compare] read {len(runs)} runs", file=sys.stderr, flush=True)
     names = {run.info.run_id: run.info.run_name for run in runs}
     for run in runs:
         tags, params, metrics = run.data.tags, run.data.params, run.data.metrics
-        if tags.get(SUMMARY_TAG) == "true" or "ablation" not in params or "val/loss" not in metrics:
+        if tags.get(SUMMARY_TAG) == "true" or Param.ABLATION not in params or Metric.VAL_LOSS not in metrics:
             continue
         # a sweep tags its seed; any fit records the one it trained with as the train_seed param
-        given = tags.get("seed") or params.get("train_seed") or ""
+        given = tags.get(Tag.SEED) or params.get(Param.SEED) or ""
         seed = int(given) if given.lstrip("-").isdigit() else None
-        control = None if tags.get("control") in (None, "none") else tags["control"]
-        ablation = params["ablation"]
-        if tags.get("variant"):  # a training-time variant of the entry: its own row, compared with the entry
-            ablation, control = f"{ablation}+{tags['variant']}", ablation
+        control = None if tags.get(Tag.CONTROL) in (None, "none") else tags[Tag.CONTROL]
+        ablation = params[Param.ABLATION]
+        if tags.get(Tag.VARIANT):  # a training-time variant of the entry: its own row, compared with the entry
+            ablation, control = f"{ablation}+{tags[Tag.VARIANT]}", ablation
         record = RunRecord(
-            run_id=run.info.run_id, name=run.info.run_name or run.info.run_id, size=params.get("size", "?"),
+            run_id=run.info.run_id, name=run.info.run_name or run.info.run_id, size=params.get(Param.SIZE, "?"),
             ablation=ablation, control=control,
-            seed=seed, start_time=run.info.start_time or 0, val_loss=float(metrics["val/loss"]),
-            params=int(float(params.get("params", 0))), added_flops_pct=_flops_pct(params.get("added_flops_pct")),
+            seed=seed, start_time=run.info.start_time or 0, val_loss=float(metrics[Metric.VAL_LOSS]),
+            params=int(float(params.get(Param.PARAMS, 0))), added_flops_pct=_flops_pct(params.get(Param.ADDED_FLOPS)),
             metrics=dict(metrics), final_step=declared_end(params, tags), gap=tags.get(GAP_TAG),
-            method=tags.get(fp.METHOD_TAG, ""), upcycled_from=_source(client, params, names),
+            method=tags.get(Tag.METHOD, ""), upcycled_from=_source(client, params, names),
             eval_configs=run_configs(client, run), **_recipe(tags, params),
         )
         key = (record.size, record.ablation, seed if seed is not None else record.run_id, record.recipe, record.method)
@@ -173,15 +174,16 @@ def read_runs(client: Any, experiment: str, sweep: str | None = None, curves: bo
     records = sorted((group[-1] for group in same.values()),
                      key=lambda r: (r.size, r.ablation, r.seed if r.seed is not None else -1, r.recipe))
     for record in records:
-        speed = [m.value for m in client.get_metric_history(record.run_id, "train/device/items_per_sec")]
+        speed = [m.value for m in client.get_metric_history(record.run_id, Metric.TOKENS_PER_SEC)]
         record.tokens_per_s = statistics.median(speed) if speed else None
         history = {}
-        for key in ("train/loss", "val/loss"):
+        for key in (Metric.TRAIN_LOSS, Metric.VAL_LOSS):
             values = sorted(client.get_metric_history(record.run_id, key), key=lambda m: (m.step, m.timestamp))
             history[key] = sorted({m.step: m.value for m in values}.items())  # a resumed run's later values win
-        record.last_val_step = history["val/loss"][-1][0] if history["val/loss"] else None
-        if record.final_step is None and history["train/loss"]:  # train/loss at step s, validation after it: s + 1
-            record.final_step = history["train/loss"][-1][0] + 1
+        val, train = history[Metric.VAL_LOSS], history[Metric.TRAIN_LOSS]
+        record.last_val_step = val[-1][0] if val else None
+        if record.final_step is None and train:  # train/loss at step s, validation after it: s + 1
+            record.final_step = train[-1][0] + 1
         if curves:
             record.curves = history
     return records
@@ -189,10 +191,10 @@ def read_runs(client: Any, experiment: str, sweep: str | None = None, curves: bo
 
 def _recipe(tags: dict[str, str], params: dict[str, str]) -> dict[str, Any]:
     """The run's recipe fingerprint and parts: from its tags, else rebuilt from its params (train/fingerprint.py)."""
-    text = tags.get(fp.PARTS_TAG)
-    if tags.get(fp.FINGERPRINT_TAG) and text:
+    text = tags.get(Tag.RECIPE_PARTS)
+    if tags.get(Tag.RECIPE) and text:
         try:
-            return {"recipe": tags[fp.FINGERPRINT_TAG], "parts": json.loads(text)}
+            return {"recipe": tags[Tag.RECIPE], "parts": json.loads(text)}
         except json.JSONDecodeError:
             pass
     parts = fp.legacy_parts(params)
@@ -201,23 +203,23 @@ def _recipe(tags: dict[str, str], params: dict[str, str]) -> dict[str, Any]:
 
 def _source(client: Any, params: dict[str, str], names: dict[str, str]) -> str | None:
     """An upcycled run's source as 'RUN_NAME, step N' (its MLflow run's name where the store has it)."""
-    if not params.get("init_from"):
+    if not params.get(Param.INIT_FROM):
         return None
-    run_id, step = params.get("init_from_run", "none"), params.get("init_from_step", "?")
+    run_id, step = params.get(Param.INIT_FROM_RUN, "none"), params.get(Param.INIT_FROM_STEP, "?")
     name = names.get(run_id)
     if name is None and run_id != "none":
         try:
             name = client.get_run(run_id).info.run_name
         except Exception:  # noqa: BLE001 - a run in another store, or deleted: the source's entry names it
             name = None
-    return f"{name or params.get('init_from_source') or Path(params['init_from']).name}, step {step}"
+    return f"{name or params.get(Param.INIT_FROM_SOURCE) or Path(params[Param.INIT_FROM]).name}, step {step}"
 
 
 def declared_end(params: dict[str, str], tags: dict[str, str]) -> int | None:
     """The step a run's last validation belongs at, as the run says: the last step its fit logged (tag
     lrattn.last_step, exact also when max_time or an early stop ended it), else its max_steps (param
     train_max_steps, when positive); None: neither (read_runs then takes its last train/loss step + 1)."""
-    for value in (tags.get(LAST_STEP_TAG), params.get("train_max_steps")):
+    for value in (tags.get(LAST_STEP_TAG), params.get(Param.MAX_STEPS)):
         if value is not None and value.lstrip("-").isdigit() and int(value) > 0:
             return int(value)
     return None
@@ -358,7 +360,7 @@ def markdown_table(rows: list[Row], reference: str = "baseline") -> str:
             _num(row.delta_baseline, sign=True), _p(row.p_baseline), need_text(row.need_baseline),
             "unknown" if math.isnan(row.added_flops_pct) else f"{row.added_flops_pct:.3f}", f"{row.params:,}",
             "—" if row.tokens_per_s is None else f"{row.tokens_per_s:,.0f}",
-            _mean_std(*row.metric("val/bpb"), len(row.runs)),
+            _mean_std(*row.metric(Metric.VAL_BPB), len(row.runs)),
             *[cell_text(c, row) for c in evals]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -379,7 +381,7 @@ def csv_table(rows: list[Row], reference: str = "baseline") -> str:
                          "" if row.std is None else row.std, ";".join(f"{v:.6f}" for v in row.losses),
                          row.control or "", _blank(row.delta_control), _blank(row.p_control),
                          _blank(row.delta_baseline), _blank(row.p_baseline), row.added_flops_pct, row.params,
-                         _blank(row.tokens_per_s), _blank(row.metric("val/bpb")[0]), row.pareto,
+                         _blank(row.tokens_per_s), _blank(row.metric(Metric.VAL_BPB)[0]), row.pareto,
                          ";".join(r.run_id for r in row.runs), row.label, row.group, row.recipe,
                          row.runs[0].upcycled_from or "", _blank(row.need_control), _blank(row.need_baseline),
                          *[_blank(c.cell(row)[i]) for i in range(3) for c in evals]])

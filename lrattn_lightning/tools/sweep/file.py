@@ -38,6 +38,7 @@ from lrattn_lightning.core.errors import InputError, UsageError
 from lrattn_lightning.core.files import load_yaml_strict, read_yaml_text
 from lrattn_lightning.core.names import check_name, closest_names
 from lrattn_lightning.model.registry import Registry, UnknownNameError, load_registry
+from lrattn_lightning.train.schema import Tag
 
 _FIELDS = ("name", "doc", "recipe", "experiment", "registry", "sizes", "ablations", "seeds", "runs", "args",
            "size_args", "env", "slurm")
@@ -96,7 +97,7 @@ class Sweep:
 
     def fit_args(self, run: SweepRun, tracking_uri: str | None = None) -> list[str]:
         """The `lrattn fit` arguments of one run (without --ckpt_path)."""
-        tags = {"sweep": self.name, "seed": str(run.seed), **({"variant": run.variant} if run.variant else {})}
+        tags = {Tag.SWEEP: self.name, Tag.SEED: str(run.seed), **({Tag.VARIANT: run.variant} if run.variant else {})}
         args = ["fit", "--config", self.recipe, "--size", run.size, "--ablation", run.ablation,
                 "--seed_everything", str(run.seed), "--experiment", self.experiment, "--run_name", run.name,
                 "--run_tags", json.dumps(tags)]

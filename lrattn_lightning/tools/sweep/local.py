@@ -30,6 +30,7 @@ from lrattn_lightning.core.files import PACKAGE_ROOT
 from lrattn_lightning.model.registry import load_registry
 from lrattn_lightning.tools.sweep.file import Sweep, SweepError, SweepRun
 from lrattn_lightning.train.checkpoint.stop import STOP_SIGNALS, detach_hung_up_terminal
+from lrattn_lightning.train.schema import Tag
 
 
 # ---- state -----------------------------------------------------------------------------------------
@@ -53,9 +54,9 @@ def finished_runs(sweep: Sweep, tracking_uri: str) -> set[SweepRun]:
     done = set()
     for run in search_all(client, exp.experiment_id, "attributes.status = 'FINISHED'"):
         tags = run.data.tags
-        if run.info.status == "FINISHED" and {"size", "ablation", "seed"} <= set(tags):
+        if run.info.status == "FINISHED" and {Tag.SIZE, Tag.ABLATION, Tag.SEED} <= set(tags):
             with contextlib.suppress(ValueError):
-                found = SweepRun(tags["size"], tags["ablation"], int(tags["seed"]), tags.get("variant", ""))
+                found = SweepRun(tags[Tag.SIZE], tags[Tag.ABLATION], int(tags[Tag.SEED]), tags.get(Tag.VARIANT, ""))
                 if found.name == run.info.run_name:
                     done.add(found)
     return done
@@ -80,7 +81,7 @@ def diverged_runs(sweep: Sweep, tracking_uri: str) -> dict[SweepRun, str]:
     for run in search_all(client, exp.experiment_id, f"attributes.status = 'FAILED' and tags.`{DIVERGED_TAG}` != ''"):
         tags = run.data.tags
         with contextlib.suppress(ValueError, KeyError):
-            found = SweepRun(tags["size"], tags["ablation"], int(tags["seed"]), tags.get("variant", ""))
+            found = SweepRun(tags[Tag.SIZE], tags[Tag.ABLATION], int(tags[Tag.SEED]), tags.get(Tag.VARIANT, ""))
             if found.name == run.info.run_name and DIVERGED_TAG in tags:
                 out[found] = tags[DIVERGED_TAG]
     return out

@@ -1,6 +1,6 @@
 """A trained checkpoint, rebuilt for inference: the Decoder, its tokenizer and where it came from.
 
-Checkpoints written by `lrattn fit` describe themselves with plain values (lit_module.py, callbacks.py):
+Checkpoints written by `lrattn fit` describe themselves with plain values (lit_module.py, callbacks/contents.py):
 `hyper_parameters.model_config` (size + ablation), `state_dict` (`model.*` is the Decoder),
 `tokenizer` (the spec, with a file-backed tokenizer's text under `content`), `data` (the prepared
 folder) and `mlflow` (the training run). Errors name the file and the fix.
