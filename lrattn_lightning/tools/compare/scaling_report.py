@@ -26,6 +26,7 @@ from lrattn_lightning.model.accounting import core_flops
 from lrattn_lightning.model.config import SizeConfig
 from lrattn_lightning.tools.compare.scaling import LEVEL, POOR_FIT, RESAMPLES, Point, Scaling, analyse
 from lrattn_lightning.tools.compare.scaling_figure import plot_scaling
+from lrattn_lightning.tools.compare.scaling_local import LocalMultiplier, local_multipliers
 from lrattn_lightning.tools.compare.table import Row, RunRecord
 from lrattn_lightning.train.schema import Metric, Param
 
@@ -79,11 +80,13 @@ def write_scaling(client: Any, rows: list[Row], out: Path, title: str, reference
     points, notes = ladder_points(client, rows)
     result = analyse(points, reference, shared=not per_method_exponents, resamples=resamples)
     result.notes[:0] = notes
-    text = section(result)
-    files = [out / "scaling.md", out / "scaling.csv", out / "scaling_points.csv"]
+    local, local_notes = local_multipliers(points, reference, resamples=resamples)
+    text = section(result) + "\n" + local_section(local, local_notes, reference)
+    files = [out / "scaling.md", out / "scaling.csv", out / "scaling_points.csv", out / "scaling_local.csv"]
     files[0].write_text(text)
     files[1].write_text(method_csv(result))
     files[2].write_text(points_csv(result))
+    files[3].write_text(local_csv(local))
     files += plot_scaling(result, out, title + " — validation loss against training compute")
     return files, text + "\n![loss against training compute](scaling.png)\n"
 
@@ -158,6 +161,43 @@ def _residuals(result: Scaling) -> str:
         values = [cell.get((m, s)) for s in sizes]
         lines.append(f"| {m} | " + " | ".join("—" if not v else f"{sum(v) / len(v):+.4f}" for v in values) + " |")
     return "\n".join(lines) + "\n"
+
+
+def local_section(rows: list[LocalMultiplier], notes: list[str], reference: str) -> str:
+    """The per-size multipliers (scaling_local.py): methods x sizes, k and its interval, Δ beside it."""
+    lines = ["### Per-size multipliers, the reference's ladder read directly\n",
+             f"At each size, the compute at which `{reference}`'s seed-mean losses (linear in log compute between its "
+             "sizes) reach the method's mean loss, over the method's own compute there: no law assumed, so a ladder "
+             "that bends away from one power law still reads size by size. Interval: percentile bootstrap over the "
+             f"seeds of both, expanded to Student's t ({100 * LEVEL:g} %). `*`: beyond `{reference}`'s ladder, read "
+             "off the line through its two end sizes. Δ: the method's mean loss minus the reference's at that size.\n"]
+    if rows:
+        sizes = list(dict.fromkeys(r.size for r in rows))  # rows come by the ladder's order
+        cell = {(r.method, r.size): r for r in rows}
+        lines += ["| method | " + " | ".join(sizes) + " |", "|---|" + "---:|" * len(sizes)]
+        for m in sorted({r.method for r in rows}):
+            lines.append(f"| {m} | " + " | ".join(_local_cell(cell.get((m, s))) for s in sizes) + " |")
+        lines.append("")
+    lines += [f"{note}\n" for note in notes]
+    return "\n".join(lines)
+
+
+def _local_cell(r: LocalMultiplier | None) -> str:
+    if r is None:
+        return "—"
+    k = "—" if r.k is None else f"{r.k:.2f}{'*' if r.extrapolated else ''}"
+    interval = f" ({r.low:.2f}–{r.high:.2f})" if r.low is not None else ""
+    return f"{k}{interval}, Δ {r.delta:+.3f} (n {r.seeds})"
+
+
+def local_csv(rows: list[LocalMultiplier]) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["method", "size", "seeds", "delta", "multiplier", "low", "high", "extrapolated"])
+    for r in rows:
+        writer.writerow([r.method, r.size, r.seeds, r.delta, "" if r.k is None else r.k, "" if r.low is None else r.low,
+                         "" if r.high is None else r.high, r.extrapolated])
+    return out.getvalue()
 
 
 def method_csv(result: Scaling) -> str:
