@@ -143,6 +143,9 @@ def _quality(result: Scaling) -> str:
         text += (f", against a seed standard deviation of {result.seed_std:.4f} (ratio "
                  f"{result.cell_rms / result.seed_std:.2f}; above {POOR_FIT:g} the fit is called poor, and not "
                  "reported)")
+    if fit.E <= 1e-6:
+        text += (". E sits at its lower bound 0: these losses show no floor within the ladder (a pure power law "
+                 "fits as well as any saturating one), so E is not estimated")
     if result.failed:
         text += f". {result.failed} of {result.resamples} resamples failed to fit (no convergence, or a bound) and are left out of the interval"
     return text + ".\n"
