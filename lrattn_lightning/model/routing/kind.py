@@ -135,8 +135,8 @@ class RoutingKind:
 
     def training_control(self, router: nn.Module, flags: dict[str, Any]) -> TrainingControl | None:
         """What training does for this kind beyond the loss (the gated residual's gate hold), given the values of
-        its `training_options`; None: nothing."""
-        return None
+        its `training_options` (default: its training_class built with them); None: nothing."""
+        return None if self.training_class is None else self.training_class(router, **flags)
 
     def reference_weights(self, ref: dict[str, Any], cfg: ModelConfig, stack) -> tuple[str, dict[str, Any]]:
         """(suffix of the reference's output-projection weight names, its router weights under our names)."""
