@@ -54,7 +54,7 @@ from lrattn_lightning.train.settings import (
 )
 from lrattn_lightning.train.validation import Validation
 
-__all__ = ["LRAttnModule", "current_git_commit"]  # (current_git_commit: imported from here before settings.py)
+__all__ = ["LRAttnModule", "current_git_commit"]  # current_git_commit lives in settings.py, still importable here
 
 
 class LRAttnModule(Validation, Optimization, L.LightningModule):

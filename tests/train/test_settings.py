@@ -11,7 +11,6 @@ import subprocess
 
 import pytest
 import torch
-from conftest import prepared_corpus
 
 from lrattn_lightning.cli import main
 from lrattn_lightning.model import registry as registry_module
@@ -111,11 +110,6 @@ def test_a_kind_declares_its_training_options_by_its_control_class(monkeypatch):
     assert [p.name for p in sig.parameters.values()] == list(settings.FLAGS)
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return prepared_corpus(tmp_path_factory, 60)
-
-
 def _counting(monkeypatch) -> dict[str, int]:
     """Counts registry reads (every load_registry parses) and `git rev-parse` runs."""
     counts = {"registry": 0, "git": 0}
@@ -163,3 +157,5 @@ def test_fit_and_validate_read_the_registry_once_and_old_checkpoints_still_load(
     assert counts == {"registry": 1, "git": 1}
     assert main(["fit", *fit, "--trainer.max_steps", "3", "--ckpt_path", str(old)]) == 0  # resumed to step 3
     assert torch.load(path, weights_only=True)["global_step"] == 3
+    loaded = LRAttnModule.load_from_checkpoint(old, map_location="cpu")  # Lightning's way (docs/cpu-study.md)
+    assert loaded.cfg.ablation.name == "gated-residual" and loaded.routing_control.freeze_steps == 1
