@@ -1,6 +1,7 @@
 """What `lrattn fit|validate|test` checks before any work, as plain functions of the parsed config: numbers Lightning
-would take apart with a traceback (or accept with a meaning nobody wants), a train split smaller than one batch, a
-checkpoint's data and schedule against this run, jsonargparse's errors as one line, FSDP's strategy.
+would take apart with a traceback (or accept with a meaning nobody wants), a train split smaller than one batch, the
+architecture's names, a checkpoint's architecture, data and schedule against this run, --init_from, FlexAttention on
+CPU, jsonargparse's errors as one line, FSDP's strategy.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def parse_error(message: str, parser, subcommand: str | None) -> str:
         keys_known = [f[2:] for f in flags]
         return (f"unknown key{'s' if len(keys) > 1 else ''} in a --config file: " +
                 "; ".join(with_closest(k, keys_known) for k in keys) + f"; {help_}")
-    linked = re.search(r"resolved_by_the_module\(registry\) --> (model\.\w+)", message)
+    linked = re.search(r"resolved_by_lrattn\(registry\) --> (model\.\w+)", message)
     if linked:  # a link target: provenance comes from the registry and git
         return f"--{linked.group(1)} is recorded by lrattn from the registry and git, not set by a flag; drop it"
     # e.g. 'Parser key "config": File does not exist: ...' -> '--config: File does not exist: ...'
@@ -206,3 +207,92 @@ def read_checkpoint_head(path: str) -> dict:
         raise UsageError(f"--ckpt_path {path}: not an lrattn_lightning checkpoint (no model_config hyper-parameter)")
     return {"model_config": stored, "mlflow": ckpt.get("mlflow") or {}, "schedule": ckpt.get("schedule") or {},
             "global_step": ckpt.get("global_step"), "data": ckpt.get("data") or {}, "tokenizer": ckpt.get("tokenizer")}
+
+
+# ---- the architecture and the checkpoint of a run (LRAttnCLI.before_instantiate_classes) ------------------------
+
+def name_architecture(subcommand: str, cfg, ckpt_head: dict | None) -> bool:
+    """--size and --ablation are required; validate/test may take them (and the data folder) from their checkpoint.
+    Returns whether the ablation's name came from the checkpoint."""
+    if subcommand != "fit" and not cfg.get("ckpt_path"):
+        raise UsageError(f"{subcommand} needs --ckpt_path: a checkpoint of `lrattn fit` (a file, or 'last' "
+                         "with the run's --size/--ablation/--run_name); without one it would score random weights")
+    from_ckpt = False
+    if ckpt_head is not None and subcommand != "fit":
+        import inspect
+
+        from lrattn_lightning.data.datamodule import TokenDataModule
+
+        from_ckpt = not cfg.ablation
+        cfg.size = cfg.size or ckpt_head["model_config"]["size"]["name"]
+        cfg.ablation = cfg.ablation or ckpt_head["model_config"]["ablation"]["name"]
+        trained_on = ckpt_head["data"].get("data_dir")
+        default = inspect.signature(TokenDataModule).parameters["data_dir"].default
+        if trained_on and cfg.data.data_dir == default and Path(trained_on, "meta.json").is_file():
+            cfg.data.data_dir = trained_on  # no --data.data_dir: the held-out split the checkpoint trained with
+    missing = [f"--{k}" for k in ("size", "ablation") if not cfg.get(k)]
+    if missing:
+        raise UsageError(f"{subcommand} needs {' and '.join(missing)}: name the architecture from the registry "
+                         "(`lrattn list` shows them), e.g. --size small --ablation s-lr-block-n8-r64")
+    return from_ckpt
+
+
+def check_attention(subcommand: str, cfg) -> None:
+    """FlexAttention has no backward on CPU: a CPU fit with --model.attention flex would fail at its first step."""
+    if subcommand != "fit" or cfg.model.get("attention") != "flex":
+        return
+    import torch
+
+    accelerator = str(cfg.trainer.get("accelerator") or "auto")
+    if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
+        raise UsageError(f"--model.attention flex: FlexAttention has no backward on CPU (torch {torch.__version__}); "
+                         "train with --model.attention sdpa here (same results), flex on CUDA")
+
+
+def check_init_from(subcommand: str, cfg, model_cfg):
+    """--init_from: which tensors the source checkpoint gives (a shape conflict is one line, now); None without."""
+    source = cfg.get("init_from")
+    if source is None:
+        return None
+    if subcommand != "fit":
+        raise UsageError(f"--init_from is for fit (upcycling a new run); {subcommand} reads --ckpt_path")
+    if cfg.get("ckpt_path"):  # a resume: its checkpoint holds this run's weights already
+        print(f"[lrattn fit] --init_from {source} is not applied: resuming from --ckpt_path {cfg.ckpt_path}",
+              file=sys.stderr)
+        return None
+    from lrattn_lightning.train.checkpoint.load import init_weights_from
+
+    return init_weights_from(source, model_cfg)  # its InputError is one line, as every bad input
+
+
+def check_checkpoint(subcommand: str, cfg, model_cfg, run_dir: Path, ckpt_head: dict | None) -> str | None:
+    """Resolve --ckpt_path (`last`), refuse another architecture; the MLflow run it trained, if any."""
+    from lrattn_lightning.train.checkpoint import save
+    from lrattn_lightning.train.checkpoint.compat import architecture_differences
+
+    ckpt_dir = run_dir / "checkpoints"
+    ckpt_path, stored = cfg.get("ckpt_path"), ckpt_head
+    if subcommand == "fit" and ckpt_path is None and ckpt_dir.exists() and any(ckpt_dir.glob("*.ckpt")):
+        raise UsageError(f"{ckpt_dir} already holds checkpoints of run '{cfg.run_name}'; resume with "
+                         "--ckpt_path last, or start a new run with --run_name NAME")
+    if ckpt_path == "last":
+        newest = save.newest_last(ckpt_dir)
+        if newest is None:
+            raise UsageError(f"--ckpt_path last: no {ckpt_dir / 'last.ckpt'}; check --run_name/--experiment")
+        if newest.name != "last.ckpt":
+            print(f"[lrattn] --ckpt_path last: {newest} is newer than last.ckpt (a folder from before one "
+                  "last.ckpt); resuming from it", file=sys.stderr)
+        ckpt_path = cfg.ckpt_path = str(newest)
+        stored = read_checkpoint_head(ckpt_path)
+    if stored is None:
+        return None
+    config = stored["model_config"]  # against the architecture the registry resolves now
+    diffs = architecture_differences(config, model_cfg)
+    if diffs:
+        raise UsageError(
+            f"--ckpt_path {ckpt_path} was trained with a different architecture (size '{config['size']['name']}', "
+            f"ablation '{config['ablation']['name']}'); pass those names. Differences: " + "; ".join(diffs[:6]))
+    check_checkpoint_data(subcommand, cfg, ckpt_path, stored)
+    if subcommand == "fit":
+        check_schedule(cfg, stored, ckpt_path)
+    return stored["mlflow"].get("run_id")  # validating, testing or resuming logs into the run that trained it

@@ -3,18 +3,19 @@
 The architecture comes only from the registry (`--size`, `--ablation`, on the command line or in the
 recipe); recipes in experiments/ hold the training knobs. Everything is checked before the first step:
 names (closest names on a typo), numbers, the data folder, a checkpoint's architecture; then the run
-folder is claimed (a lock), the MLflow store opened (under a lock), and training starts. The provenance
-of a run (resolved config, registry hash, git commit) is the module's to resolve, not a flag. Only
-LightningCLI's public hooks are overridden; the trainer gets the MLflow logger, atomic checkpoint
-writes, last.ckpt and the step monitors of train/callbacks.py as `instantiate_trainer` arguments.
-`cli.py` is the `lrattn` dispatcher that imports this module only for these subcommands.
+folder is claimed (a lock), the MLflow store opened (under a lock), and training starts (cli/outputs.py: what a
+run writes). The registry is read once, here: (--size, --ablation) resolve to one ModelConfig, which the checks
+use and LRAttnModule is built from, with the run's provenance (the config as plain values, the registry's hash,
+the git commit: link targets, never flags). Only LightningCLI's public hooks are overridden; the trainer gets the
+MLflow logger, atomic checkpoint writes, last.ckpt and the step monitors of train/callbacks.py as
+`instantiate_trainer` arguments. `cli/__init__.py` is the `lrattn` dispatcher that imports this module only for
+these subcommands.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import logging
 import signal
 import sys
@@ -24,37 +25,26 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lrattn_lightning.cli import checks
 from lrattn_lightning.cli.outcome import fit_lines, scoring_lines
+from lrattn_lightning.cli.outputs import RunOutputs
 from lrattn_lightning.core.errors import UsageError
 from lrattn_lightning.core.malloc import keep_freed_memory
 from lrattn_lightning.core.names import check_name
 from lrattn_lightning.data.datamodule import TokenDataModule
 from lrattn_lightning.data.shards import validate_data_dir
-from lrattn_lightning.train.callbacks import StepProgressLog, step_progress_bar, training_monitors
-from lrattn_lightning.train.checkpoint import lock, save, stop
-from lrattn_lightning.train.checkpoint.compat import architecture_differences
-from lrattn_lightning.train.checkpoint.save import AtomicCheckpointIO, LastCheckpoint
+from lrattn_lightning.model.registry import load_registry
+from lrattn_lightning.train.checkpoint import lock, stop
 from lrattn_lightning.train.checkpoint.stop import NonFiniteLossError
 from lrattn_lightning.train.lit_module import LRAttnModule
 from lrattn_lightning.train.schema import Artifact, Param
-from lrattn_lightning.train.tracking import (
-    RUN_DIR_TAG,
-    TrackingLogger,
-    artifact_location,
-    end_orphaned_runs,
-    open_store,
-    resolve_tracking_uri,
-    run_dir_tag,
-    run_in_store,
-)
+from lrattn_lightning.train.settings import Provenance, current_git_commit
+from lrattn_lightning.train.tracking import resolve_tracking_uri
 
 
 class MLflowSaveConfig(SaveConfigCallback):
@@ -69,7 +59,7 @@ class MLflowSaveConfig(SaveConfigCallback):
             trainer.logger.experiment.log_text(trainer.logger.run_id, text, Artifact.CONFIG)
 
 
-class LRAttnCLI(LightningCLI):
+class LRAttnCLI(RunOutputs, LightningCLI):
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         return {"fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"},
@@ -99,10 +89,10 @@ class LRAttnCLI(LightningCLI):
         parser.link_arguments("size", "model.size", compute_fn=lambda name: name or "")
         parser.link_arguments("ablation", "model.ablation", compute_fn=lambda name: name or "")
         parser.link_arguments("registry", "model.registry")
-        # Provenance is resolved by the module (registry, git), never given: as link targets these fields
-        # are off the command line and out of config.yaml, and a checkpoint's stored values are replaced.
+        # Provenance is resolved here (registry, git), never given: as link targets these fields are off the command
+        # line and out of config.yaml, and a checkpoint's stored values are replaced (before_instantiate_classes).
         for field in PROVENANCE:
-            parser.link_arguments("registry", f"model.{field}", compute_fn=resolved_by_the_module)
+            parser.link_arguments("registry", f"model.{field}", compute_fn=resolved_by_lrattn)
 
     # ---- checks before any work ----------------------------------------------------------------
     def parse_arguments(self, parser, args) -> None:
@@ -133,7 +123,6 @@ class LRAttnCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         from lrattn_lightning.core.files import load_yaml_strict, read_yaml_text
-        from lrattn_lightning.model.registry import load_registry
 
         cfg = self.config[self.subcommand]
         if self._given_model is not None:
@@ -141,9 +130,9 @@ class LRAttnCLI(LightningCLI):
         for recipe in cfg.get("config") or []:  # jsonargparse keeps the last of a duplicated key; we refuse it
             load_yaml_strict(read_yaml_text(Path(recipe.absolute), "recipe"), recipe.relative)
         checks.check_numbers(self.subcommand, cfg)
-        self._name_architecture(cfg)
-        registry = load_registry(cfg.registry)
-        if self._ablation_from_ckpt and cfg.ablation not in registry.ablations:
+        from_ckpt = checks.name_architecture(self.subcommand, cfg, self._ckpt_head)
+        self.registry = registry = load_registry(cfg.registry)  # the one read of the registry in this command
+        if from_ckpt and cfg.ablation not in registry.ablations:
             ablation = self._ckpt_head["model_config"]["ablation"]
             router = f" (routing external, router {ablation.get('router')})" if ablation.get("routing") == "external" else ""
             raise UsageError(f"ablation '{cfg.ablation}'{router} of --ckpt_path {cfg.ckpt_path} is not in registry "
@@ -163,34 +152,26 @@ class LRAttnCLI(LightningCLI):
 
             if (error := availability(cfg.model.get("impl") or DEFAULT_IMPL)) is not None:
                 raise UsageError(error)
-        self._check_attention(cfg)
+        checks.check_attention(self.subcommand, cfg)
         if cfg.trainer.get("strategy") == "fsdp":  # checked now: instantiate_trainer builds it after the run folder
             checks.fsdp_strategy(cfg.trainer)
-        self.upcycling = self._check_init_from(cfg, model_cfg)
+        self.upcycling = checks.check_init_from(self.subcommand, cfg, model_cfg)
         seed = cfg.seed_everything if isinstance(cfg.seed_everything, int) else 0
         if cfg.run_name is None:  # (the registry's names could still make one too long)
             cfg.run_name = check_name(f"{cfg.size}-{cfg.ablation}-seed{seed}", "the default run name SIZE-ABLATION-seedN")
         self.run_dir = Path(cfg.runs_dir) / cfg.experiment / cfg.run_name
-        self.resume_run_id = self._check_checkpoint(cfg, model_cfg)
+        self.resume_run_id = checks.check_checkpoint(self.subcommand, cfg, model_cfg, self.run_dir, self._ckpt_head)
         self.tracking_uri = self.experiment_id = None
         if cfg.trainer.logger is None:
             self.tracking_uri = resolve_tracking_uri(cfg.tracking_uri, cfg.mlflow_fallback_local)
+        # the module is built from this ModelConfig: it reads no registry and runs no git itself
+        provenance = Provenance.of(model_cfg, registry.sha256, current_git_commit())
+        for field in PROVENANCE:
+            setattr(cfg.model, field, getattr(provenance, field))
         self._claim_run(cfg)
 
-    def _check_init_from(self, cfg, model_cfg):
-        """--init_from: which tensors the source checkpoint gives (a shape conflict is one line, now)."""
-        source = cfg.get("init_from")
-        if source is None:
-            return None
-        if self.subcommand != "fit":
-            raise UsageError(f"--init_from is for fit (upcycling a new run); {self.subcommand} reads --ckpt_path")
-        if cfg.get("ckpt_path"):  # a resume: its checkpoint holds this run's weights already
-            print(f"[lrattn fit] --init_from {source} is not applied: resuming from --ckpt_path {cfg.ckpt_path}",
-                  file=sys.stderr)
-            return None
-        from lrattn_lightning.train.checkpoint.load import init_weights_from
-
-        return init_weights_from(source, model_cfg)  # its InputError is one line, as every bad input
+    def after_instantiate_classes(self) -> None:
+        self.model.resolved_from = self.registry  # (the run's description quotes the paper size's FLOPs from it)
 
     def before_fit(self) -> None:
         """Upcycling (--init_from): this run's initialisation, then the source's tensors where they match."""
@@ -205,177 +186,13 @@ class LRAttnCLI(LightningCLI):
             for line in up.summary():
                 print(f"[lrattn fit] {line}", flush=True)
 
-    def _check_attention(self, cfg) -> None:
-        """FlexAttention has no backward on CPU: a CPU fit with --model.attention flex would fail at its first step."""
-        if self.subcommand != "fit" or cfg.model.get("attention") != "flex":
-            return
-        import torch
-
-        accelerator = str(cfg.trainer.get("accelerator") or "auto")
-        if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
-            raise UsageError(f"--model.attention flex: FlexAttention has no backward on CPU (torch {torch.__version__}); "
-                             "train with --model.attention sdpa here (same results), flex on CUDA")
-
-    def _name_architecture(self, cfg) -> None:
-        """--size and --ablation are required; validate/test may take them from their checkpoint."""
-        if self.subcommand != "fit" and not cfg.get("ckpt_path"):
-            raise UsageError(f"{self.subcommand} needs --ckpt_path: a checkpoint of `lrattn fit` (a file, or 'last' "
-                             "with the run's --size/--ablation/--run_name); without one it would score random weights")
-        self._ablation_from_ckpt = False
-        if self._ckpt_head is not None and self.subcommand != "fit":
-            self._ablation_from_ckpt = not cfg.ablation
-            cfg.size = cfg.size or self._ckpt_head["model_config"]["size"]["name"]
-            cfg.ablation = cfg.ablation or self._ckpt_head["model_config"]["ablation"]["name"]
-            trained_on = self._ckpt_head["data"].get("data_dir")
-            default = inspect.signature(TokenDataModule).parameters["data_dir"].default
-            if trained_on and cfg.data.data_dir == default and Path(trained_on, "meta.json").is_file():
-                cfg.data.data_dir = trained_on  # no --data.data_dir: the held-out split the checkpoint trained with
-        missing = [f"--{k}" for k in ("size", "ablation") if not cfg.get(k)]
-        if missing:
-            raise UsageError(f"{self.subcommand} needs {' and '.join(missing)}: name the architecture from the registry "
-                             "(`lrattn list` shows them), e.g. --size small --ablation s-lr-block-n8-r64")
-
-    def _check_checkpoint(self, cfg, model_cfg) -> str | None:
-        """Resolve --ckpt_path (`last`), refuse another architecture; the MLflow run it trained, if any."""
-        ckpt_dir = self.run_dir / "checkpoints"
-        ckpt_path, stored = cfg.get("ckpt_path"), self._ckpt_head
-        if self.subcommand == "fit" and ckpt_path is None and ckpt_dir.exists() and any(ckpt_dir.glob("*.ckpt")):
-            raise UsageError(f"{ckpt_dir} already holds checkpoints of run '{cfg.run_name}'; resume with "
-                             "--ckpt_path last, or start a new run with --run_name NAME")
-        if ckpt_path == "last":
-            newest = save.newest_last(ckpt_dir)
-            if newest is None:
-                raise UsageError(f"--ckpt_path last: no {ckpt_dir / 'last.ckpt'}; check --run_name/--experiment")
-            if newest.name != "last.ckpt":
-                print(f"[lrattn] --ckpt_path last: {newest} is newer than last.ckpt (a folder from before one "
-                      "last.ckpt); resuming from it", file=sys.stderr)
-            ckpt_path = cfg.ckpt_path = str(newest)
-            stored = checks.read_checkpoint_head(ckpt_path)
-        if stored is None:
-            return None
-        # the architecture is re-resolved from the registry (provenance links) and checked equal here
-        config = stored["model_config"]
-        diffs = architecture_differences(config, model_cfg)
-        if diffs:
-            raise UsageError(
-                f"--ckpt_path {ckpt_path} was trained with a different architecture (size '{config['size']['name']}', "
-                f"ablation '{config['ablation']['name']}'); pass those names. Differences: " + "; ".join(diffs[:6]))
-        checks.check_checkpoint_data(self.subcommand, cfg, ckpt_path, stored)
-        # resuming, validating or testing a checkpoint logs into the MLflow run that trained it
-        if self.subcommand == "fit":
-            checks.check_schedule(cfg, stored, ckpt_path)
-        return stored["mlflow"].get("run_id")
-
-    def _claim_run(self, cfg) -> None:
-        """The checks passed: from here on this process owns the run folder and writes."""
-        if self.subcommand == "fit" and lock.launched_as_rank_zero():
-            lock.lock_run_folder(self.run_dir)
-            for orphan in save.remove_orphans(self.run_dir / "checkpoints"):
-                print(f"[lrattn] removed {orphan}, left by a checkpoint save that never finished", file=sys.stderr)
-        if self.tracking_uri is not None:
-            self.experiment_id = open_store(self.tracking_uri, cfg.experiment)
-            if self.resume_run_id and not run_in_store(self.tracking_uri, self.resume_run_id):
-                print(f"[lrattn] MLflow run {self.resume_run_id} of {cfg.ckpt_path} is not in {self.tracking_uri}; "
-                      "logging to a new run", file=sys.stderr)
-                self.resume_run_id = None
-            if self.subcommand == "fit" and lock.launched_as_rank_zero():  # we hold the folder's lock
-                end_orphaned_runs(self.tracking_uri, self.experiment_id, self.run_dir, keep=self.resume_run_id)
-
-    def after_fit(self) -> None:
-        """A fit always ends with a validation of its final weights (val/loss, routing, heatmap at the last
-        step), also when max_steps is not a multiple of val_check_interval, and also when it is resumed at its
-        end; the MLflow run is FINISHED only after it. A stop signal that came after the last step stops the run
-        before that validation (KILLED, exit 128 + N): the resume then runs it."""
-        trainer, model = self.trainer, self.model
-        logger = trainer.logger if isinstance(trainer.logger, TrackingLogger) else None
-        if trainer.interrupted:
-            return
-        last = next((c for c in trainer.callbacks if isinstance(c, LastCheckpoint)), None)
-        if logger is not None:
-            logger.final_validation_pending = False
-        if trainer.limit_val_batches == 0 or getattr(model, "last_validated_step", None) == trainer.global_step:
-            if logger is not None:  # validated at its last step already: the run is complete
-                logger.finalize("success")
-            if last is not None:
-                last.drop_previous(trainer)
-            return
-        signum = _agreed(trainer, stop.NOTED_SIGNAL)
-        if signum:
-            saved = last is not None and last._last_global_step_saved == trainer.global_step > 0
-            how = stop.Stop(signum, trainer.global_step, last.path) if saved else stop.Stop(signum)
-            stop.LAST_STOP = how
-            if logger is not None:
-                logger.stopped_by = how.name
-                logger.finalize("failed")
-            raise SIGTERMException()
-        model._loaded_step = None  # the fit's own weights (a fit resumed at its end loaded them): val/*, not validate/*
-        trainer.validate(model, datamodule=self.datamodule, verbose=False)
-        if last is not None:
-            last.drop_previous(trainer)
-
-    def instantiate_trainer(self, **kwargs: Any):
-        """Lightning's trainer with this run's defaults where the command line gives none: the MLflow
-        logger, atomic checkpoint writes, the run folder; `fit` adds last.ckpt and the step monitors
-        (learning rate, Muon momentum, tokens/s: train/callbacks.py)."""
-        cfg, given = self.config[self.subcommand], self.config_init[self.subcommand].trainer
-        if given.logger is None:
-            kwargs["logger"] = self._tracking_logger(cfg)
-        plugins = _as_list(given.plugins)
-        if not any(isinstance(p, CheckpointIO) for p in plugins):
-            kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
-        if given.default_root_dir is None:
-            kwargs["default_root_dir"] = str(self.run_dir)
-        if given.strategy == "fsdp":  # FSDP2 through ModelParallelStrategy: CPU (gloo) ranks run it too
-            kwargs["strategy"] = checks.fsdp_strategy(given)
-        if self.subcommand == "fit":
-            last = LastCheckpoint(self.run_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every)
-            kwargs["callbacks"] = [*_as_list(given.callbacks), last, *training_monitors(cfg.log_counters)]
-        bar = step_progress_bar() if given.enable_progress_bar is not False else None
-        if bar is not None and not any(isinstance(c, ProgressBar) for c in _as_list(given.callbacks)):
-            kwargs["callbacks"] = [*kwargs.get("callbacks", _as_list(given.callbacks)), bar]
-        every = cfg.get("progress_every")
-        every = max(1, (given.max_steps or 0) // 10) if every is None else every
-        if self.subcommand == "fit" and given.enable_progress_bar is False and every > 0:  # progress lines instead
-            kwargs["callbacks"] = [*kwargs.get("callbacks", _as_list(given.callbacks)), StepProgressLog(every)]
-        return super().instantiate_trainer(**kwargs)
-
-    def _tracking_logger(self, cfg) -> TrackingLogger:
-        logger = TrackingLogger(
-            experiment_name=cfg.experiment, experiment_id=self.experiment_id, run_name=cfg.run_name,
-            tracking_uri=self.tracking_uri, run_id=self.resume_run_id,
-            artifact_location=artifact_location(self.tracking_uri),
-            tags={**(cfg.run_tags or {}),  # applied when the run is created; a resumed run keeps its own
-                  **({RUN_DIR_TAG: run_dir_tag(self.run_dir)} if self.subcommand == "fit" else {})},
-        )
-        logger.keep_status = self.subcommand != "fit" and bool(self.resume_run_id)
-        logger.final_validation_pending = self.subcommand == "fit"
-        logger.log_epoch = bool(cfg.get("log_counters"))
-        logger.open_run()
-        if self.subcommand == "fit" and self.resume_run_id and lock.launched_as_rank_zero():
-            logger.skip_logged_steps()
-        return logger
-
 
 PROVENANCE = ("model_config", "registry_sha256", "git_commit")
 
 
-def _agreed(trainer, signum: int) -> int:
-    """The highest stop signal any rank noted (every rank calls this at the same point)."""
-    if trainer.world_size == 1:
-        return signum
-    import torch
-
-    flag = torch.tensor(float(signum), device=trainer.strategy.root_device)
-    return int(trainer.strategy.reduce(flag, reduce_op="max"))
-
-
-def resolved_by_the_module(registry: str | None) -> None:
-    """The value of a provenance field on the command line: none (LRAttnModule resolves it)."""
+def resolved_by_lrattn(registry: str | None) -> None:
+    """The value of a provenance field on the command line: none (before_instantiate_classes sets it)."""
     return None
-
-
-def _as_list(value: Any) -> list:
-    return [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
 
 
 # What Lightning prints that does not concern the run: cloud tips, the seed (it is in config.yaml and the

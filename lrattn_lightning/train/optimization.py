@@ -12,11 +12,11 @@ from lrattn_lightning.train.schema import Metric
 
 
 class Optimization:
-    """The module holds `model`, `hparams` and `momentum_schedule`."""
+    """The module holds `model`, `optimiser` (train/settings.py OptimiserSettings) and `momentum_schedule`."""
 
     def make_optimizer(self) -> torch.optim.Optimizer:
         """The optimiser of `configure_optimizers`, without its schedule (`lrattn bench`'s train step)."""
-        hp = self.hparams
+        hp = self.optimiser
         return build_optimizer(
             self.model, kind=hp.optimizer, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
             muon_lr=hp.muon_lr, muon_weight_decay=hp.muon_weight_decay, muon_momentum=hp.muon_momentum,
@@ -24,12 +24,12 @@ class Optimization:
         )
 
     def configure_optimizers(self) -> dict:
-        hp = self.hparams
+        hp = self.optimiser
         if hp.optimizer == "muon_adamw" and "FSDP" in type(self.trainer.strategy).__name__:
             raise InputError("model.optimizer: Muon under Lightning's FSDPStrategy (FSDP1) is not supported; use "
                              "--trainer.strategy fsdp (FSDP2, which Muon gathers whole matrices under), or ddp")
         opt = self.make_optimizer()
-        total = schedule_length(hp.get("schedule_steps"), self.trainer)
+        total = schedule_length(hp.schedule_steps, self.trainer)
         # one scheduler: the learning rate of every group and the momentum of the Muon group, per step;
         # its name is LearningRateMonitor's metric prefix: train/lr/muon, train/lr/adamw
         schedule = WarmupStableDecay(opt, total, hp.warmup_steps, hp.decay_fraction, hp.final_lr_fraction,

@@ -17,12 +17,12 @@ from lrattn_lightning.train.schema import Metric
 
 
 class Validation:
-    """validation_step / test_step and what ends a validation; the module holds `model`, `cfg`, `val_loss`,
+    """validation_step / test_step and what ends a validation; the module holds `model`, `cfg`, `runtime`, `val_loss`,
     `routing_weights`, `_loaded_step` and `last_validated_step`."""
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        record = batch_idx == 0 and self.hparams.routing_diagnostics and self.cfg.kind.diagnostics is not None
+        record = batch_idx == 0 and self.runtime.routing_diagnostics and self.cfg.kind.diagnostics is not None
         out = self.model(inputs, return_routing=record)
         logits = out.logits if record else out
         if record:

@@ -308,6 +308,7 @@ class GatedKind(RoutingKind):
     name = "gated"
     Options = GatedOptions
     training_options = ("gate_freeze_steps", "gate_release_loss", "gate_grad_normalize")
+    training_class = GateHold
     owner_phrase = "only the gated residual (routing: gated) has gates"
     diagnostics = "gates"
 

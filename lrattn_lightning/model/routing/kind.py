@@ -4,7 +4,8 @@ the built-in ones). A registry entry's `routing: NAME` names a kind; everything 
     Options               its options, a frozen dataclass (`KindOptions`, model/options.py: checked from their
                           annotations, `rules` for the rest): a registry entry nests them under the kind's name
                           (`laurel: {rank: 8}`), checkpoints and MLflow params store them flat (`laurel_rank`)
-    training_options      the LightningModule's flags only it reads (`--model.gate_freeze_steps` ...), and
+    training_options      the LightningModule's flags only it reads (`--model.gate_freeze_steps` ...), typed by
+    training_class        the control's class, whose keyword parameters give their types and defaults, and
     training_control(router, flags)  what training does with them (the gated residual's gate hold)
     validate(options, where)  checks of its options that need no size; validate_model(cfg, where) the rest
     build(cfg, impl)      its router module (the Router protocol of router.py)
@@ -64,6 +65,8 @@ class RoutingKind:
     name = ""
     Options: type[KindOptions] = NoOptions  # its options, a frozen dataclass (model/options.py)
     training_options: tuple[str, ...] = ()  # the LightningModule's flags only it reads (`--model.gate_*`)
+    training_class: type | None = None  # what training_control builds, (router, **options): its keyword
+    # parameters named in training_options give their types and defaults (the module's flags: train/settings.py)
     owner_phrase = ""  # how an error says a foreign field belongs here (default: "only routing NAME reads it")
     diagnostics: str | None = None
     user_code = False
@@ -132,8 +135,8 @@ class RoutingKind:
 
     def training_control(self, router: nn.Module, flags: dict[str, Any]) -> TrainingControl | None:
         """What training does for this kind beyond the loss (the gated residual's gate hold), given the values of
-        its `training_options`; None: nothing."""
-        return None
+        its `training_options` (default: its training_class built with them); None: nothing."""
+        return None if self.training_class is None else self.training_class(router, **flags)
 
     def reference_weights(self, ref: dict[str, Any], cfg: ModelConfig, stack) -> tuple[str, dict[str, Any]]:
         """(suffix of the reference's output-projection weight names, its router weights under our names)."""

@@ -197,7 +197,7 @@ def _meta(args, reg, device, inductor_options: dict, memory: set[str], ceilings:
     """What the numbers were measured on and with: the run's settings, machine, versions and commit."""
     import torch
 
-    from lrattn_lightning.train.lit_module import current_git_commit
+    from lrattn_lightning.train.settings import current_git_commit
 
     train = args.phase == "train"
     generate = args.phase == "generate"

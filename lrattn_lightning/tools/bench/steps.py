@@ -63,10 +63,12 @@ def train_flops(cfg, batch: int, seq_len: int) -> float:
 
 
 def build_module(cfg, impl: str = "fast", optimizer: str = "adamw"):
-    """The LightningModule `lrattn fit` trains, for a resolved config (the module's defaults otherwise)."""
+    """The LightningModule `lrattn fit` trains, built from the resolved ModelConfig (the module's defaults
+    otherwise; nothing read from the registry or git)."""
     from lrattn_lightning.train.lit_module import LRAttnModule
+    from lrattn_lightning.train.settings import OptimiserSettings, RuntimeSettings
 
-    return LRAttnModule(model_config=cfg.to_dict(), impl=impl, optimizer=optimizer)
+    return LRAttnModule.from_config(cfg, OptimiserSettings(optimizer=optimizer), RuntimeSettings(impl=impl))
 
 
 def module_train_step(module, batch, dtype, mode: str = "eager",

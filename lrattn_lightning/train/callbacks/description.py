@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
@@ -115,7 +116,7 @@ def run_description(trainer: L.Trainer, pl_module: L.LightningModule) -> str:
         "",
         f"Control: `{cfg.ablation.control or 'none'}`. {count_params(cfg):,} parameters. Added FLOPs of this "
         f"run: {'unknown' if pct is None else f'{pct:.3f} %'} of its core (size {size.name}: L={size.n_layers}, "
-        f"d={size.d_model}).{paper_flops(cfg, hp.get('registry'), pct)}",
+        f"d={size.d_model}).{paper_flops(cfg, getattr(pl_module, 'resolved_from', None) or hp.get('registry'), pct)}",
         "",
         f"Recipe: {max_steps} steps of {recipe[Param.TOKENS_PER_STEP]} tokens{span} "
         f"(batch {recipe[Param.BATCH_SIZE]} x seq {recipe[Param.SEQ_LEN]}), optimizer {hp.get('optimizer')} "
@@ -125,15 +126,16 @@ def run_description(trainer: L.Trainer, pl_module: L.LightningModule) -> str:
     return "\n".join(lines)
 
 
-def paper_flops(cfg: ModelConfig, registry: str | None, this_run: float | None) -> str:
+def paper_flops(cfg: ModelConfig, registry: Any, this_run: float | None) -> str:
     """The entry's added FLOPs at the paper's model, the number its doc and the paper's table quote; '' at that
-    size, or where the registry has no such size or the cost is unknown."""
-    from lrattn_lightning.model.registry import load_registry
+    size, or where the registry has no such size or the cost is unknown. registry: the Registry the run was resolved
+    in (read by `lrattn fit`), else its path."""
+    from lrattn_lightning.model.registry import Registry, load_registry
 
     if cfg.size.name == PAPER_SIZE:
         return " This is the paper's model size: the figure compares with the paper's table."
     try:
-        paper = load_registry(registry).size(PAPER_SIZE)
+        paper = (registry if isinstance(registry, Registry) else load_registry(registry)).size(PAPER_SIZE)
         pct = added_flops_percent(paper, cfg.ablation)
     except (ValueError, OSError):  # a user's registry without the paper's size
         return ""
