@@ -122,7 +122,8 @@ def test_a_key_the_schema_lacks_is_reported(tmp_path):
     """The store check on a store holding one undeclared key of each kind, beside declared ones."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(uri)
-    exp_id = client.create_experiment("x", tags={"lrattn.new_experiment_tag": "1"})
+    exp_id = client.create_experiment("x", artifact_location=(tmp_path / "artifacts").as_uri(),  # not ./mlruns
+                                      tags={"lrattn.new_experiment_tag": "1"})
     run_id = client.create_run(exp_id, tags={Tag.RECIPE: "abc", "lrattn.new_tag": "1"}).info.run_id
     client.log_param(run_id, Param.MAX_STEPS, 3)
     client.log_param(run_id, "train_new_setting", 1)
