@@ -50,9 +50,3 @@ def config_error(entry: str, field: str, message: str) -> InputError:
 
 def finite_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def check_literal(where: str, field: str, value: Any, choices: tuple) -> None:
-    """`value` is one of `choices` (a Literal's get_args), else one line listing them."""
-    if isinstance(value, bool) or value not in choices:
-        raise config_error(where, field, f"{value!r} is not one of {list(choices)}")

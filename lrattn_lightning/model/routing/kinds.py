@@ -196,11 +196,6 @@ def entry_of(lineage: list[tuple[str, dict[str, Any]]], section: str = "ablation
     return entry
 
 
-def training_flags() -> tuple[str, ...]:
-    """Every module flag some kind reads (`--model.gate_freeze_steps` ...)."""
-    return tuple(option for kind in KINDS.values() for option in kind.training_options)
-
-
 def check_training_options(cfg: ModelConfig, given: dict[str, bool]) -> None:
     """Module flags (`--model.NAME`) set for a kind that does not read them: one line."""
     kind = cfg.kind
