@@ -104,6 +104,11 @@ def heatmap_figure(table: dict, title: str, ax=None):
     finite = grid[np.isfinite(grid)]
     unit = finite.size == 0 or (finite.min() >= 0 and finite.max() <= 1)
     limit = 1.0 if unit else max(float(np.abs(finite).max()), 1e-12)
+    clipped = False
+    if not unit and finite.size >= 8:  # a few huge coefficients would wash every other cell out to white
+        typical = float(np.quantile(np.abs(finite), 0.9))
+        if limit > 4 * typical > 0:
+            limit, clipped = typical, True
     im = ax.imshow(grid, cmap="viridis" if unit else "RdBu_r", vmin=0.0 if unit else -limit, vmax=limit,
                    aspect="auto", interpolation="nearest")
     sites = table.get("site_labels") or [str(j + 1) for j in range(n_sites)]
@@ -119,7 +124,10 @@ def heatmap_figure(table: dict, title: str, ax=None):
                 ax.text(i, j, f"{value:.2f}", ha="center", va="center", fontsize=5,
                         color=("black" if unit else "white") if dark else ("white" if unit else "black"))
     ax.set_title(title, fontsize=9)
-    (fig or ax.figure).colorbar(im, ax=ax, label=table.get("value") or "mean routing weight", shrink=0.85)
+    label = table.get("value") or "mean routing weight"
+    if clipped:  # the colours saturate at the 90th percentile of |value|; the printed numbers are exact
+        label += f" (colour clipped at ±{limit:.3g})"
+    (fig or ax.figure).colorbar(im, ax=ax, label=label, shrink=0.85, extend="both" if clipped else "neither")
     if fig is not None:
         fig.tight_layout()
     return fig or ax.figure

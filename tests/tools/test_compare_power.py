@@ -21,7 +21,7 @@ from scipy import stats
 
 from lrattn_lightning.cli import main
 from lrattn_lightning.tools.compare import labels
-from lrattn_lightning.tools.compare.figures import heatmaps_figure, loss_vs_flops_figure
+from lrattn_lightning.tools.compare.figures import heatmap_groups, heatmaps_figure, loss_vs_flops_figure
 from lrattn_lightning.tools.compare.power import MAX_SEEDS, holm, pooled_std, power, seeds_needed
 from lrattn_lightning.tools.compare.table import RunRecord, summarise
 
@@ -313,3 +313,40 @@ def test_heatmap_panels_are_sized_to_their_rows_and_titles_cover_nothing():
     suptitle = labels.box_of(fig._suptitle.get_window_extent(renderer))
     assert not any(labels.overlap(suptitle, labels.box_of(ax.get_tightbbox(renderer))) for ax in panels)
     assert _min_font(fig) >= 7
+
+
+def test_a_ladder_draws_one_heatmap_figure_per_size_the_largest_first():
+    from types import SimpleNamespace
+
+    rows = [SimpleNamespace(size=size, params=params) for size, params in
+            [("ladder-s", 300), ("ladder-l", 3000), ("ladder-m", 1000), ("ladder-l", 3001), ("ladder-s", 301)]]
+    groups = heatmap_groups(rows)
+    assert [(size, stem, len(members)) for size, stem, members in groups] == [
+        ("ladder-l", "routing_heatmaps", 2), ("ladder-m", "routing_heatmaps-ladder-m", 1),
+        ("ladder-s", "routing_heatmaps-ladder-s", 2)]
+    assert heatmap_groups(rows[:1]) == [("ladder-s", "routing_heatmaps", rows[:1])]  # one size: the one file
+
+
+def test_a_few_huge_coefficients_clip_the_diverging_scale_and_say_so():
+    from lrattn_lightning.train.diagnostics import heatmap_figure
+
+    rng = np.random.default_rng(0)
+    values = rng.uniform(-1.5, 1.5, size=(10, 6))
+    values[0, 0] = 230.0  # MUDDFormer's first dense aggregation, as the scaling study logged it
+    fig = heatmap_figure({"sites_by_sources": values.tolist(), "value": "mean DA weight"}, "t")
+    image = fig.axes[0].images[0]
+    typical = float(np.quantile(np.abs(values), 0.9))
+    assert image.get_clim() == pytest.approx((-typical, typical))  # the other cells keep their colours
+    bar = image.colorbar
+    assert bar.extend == "both" and f"clipped at ±{typical:.3g}" in bar.ax.get_ylabel()
+    assert "230.00" in [t.get_text() for t in fig.axes[0].texts]  # the number printed is the exact one
+    values[0, 0] = 1.4  # no outlier: the full range, nothing clipped
+    fig = heatmap_figure({"sites_by_sources": values.tolist()}, "t")
+    image = fig.axes[0].images[0]
+    assert image.get_clim() == pytest.approx((-np.abs(values).max(), np.abs(values).max()))
+    assert image.colorbar.extend == "neither" and "clipped" not in image.colorbar.ax.get_ylabel()
+    # in a study's figure the redrawn colour bar keeps the clipping
+    values[0, 0] = 230.0
+    fig = heatmaps_figure({"m": ({"sites_by_sources": values.tolist()}, 4, 3)}, "study")
+    panel = next(ax for ax in fig.axes if ax.images and ax.get_title())
+    assert panel.images[0].colorbar.extend == "both"

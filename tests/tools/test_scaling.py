@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import itertools
+import json
 import math
 
 import numpy as np
@@ -20,6 +21,7 @@ from lrattn_lightning.cli import main
 from lrattn_lightning.model.registry import load_registry
 from lrattn_lightning.tools.compare.scaling import Point, analyse, fit_law
 from lrattn_lightning.tools.sweep.file import SweepError, load_sweep
+from lrattn_lightning.train.schema import Artifact
 
 CPU_LADDER = ["ladder-xs", "ladder-s", "ladder-m", "ladder-l", "ladder-xl"]
 GPU_LADDER = ["d768", "ladder-d832", "ladder-d896", "paper-0.5b"]
@@ -155,9 +157,10 @@ def ladder_store(tmp_path_factory):
     baseline and block S-LR x three seeds; losses from the law with S-LR worth K_TRUE times the compute."""
     from lrattn_lightning.train.callbacks import flat_run_params
 
-    uri = f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
+    folder = tmp_path_factory.mktemp("store")
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
     client, reg, rng = MlflowClient(uri), load_registry(), np.random.default_rng(11)
-    exp = client.create_experiment("ladder")
+    exp = client.create_experiment("ladder", artifact_location=(folder / "artifacts").as_uri())
     computes = {}
     for (size, steps), ablation, seed in itertools.product(STEPS.items(), ["baseline", "s-lr-block-n8-r64"], range(3)):
         cfg = reg.model(size, ablation)
@@ -172,6 +175,9 @@ def ladder_store(tmp_path_factory):
                          tags=[RunTag(k, v) for k, v in tags.items()],
                          metrics=[Metric("train/loss", float(loss) + 0.05, 0, steps - 1),
                                   Metric("val/loss", float(loss), 0, steps)])
+        if ablation != "baseline":  # routing weights as fit logs them: one heatmap figure per size
+            weights = {"step": steps, "kind": "attnres", "sites_by_sources": [[1.0], [0.4, 0.6], [0.2, 0.3, 0.5]]}
+            client.log_text(run.info.run_id, json.dumps(weights), Artifact.ROUTING_WEIGHTS)
         client.set_terminated(run.info.run_id, "FINISHED")
         computes[(size, ablation, seed)] = compute
     return uri, computes
@@ -204,6 +210,12 @@ def test_compare_reports_the_planted_multiplier_from_a_store(ladder_store, tmp_p
         assert float(p["compute"]) == pytest.approx(computes[(p["size"], p["method"], int(p["seed"]))], rel=1e-9)
         assert float(p["residual"]) == pytest.approx(float(p["fitted"]) - float(p["val_loss"]))
     assert "| s-lr-block-n8-r64 | 4 | 12 | " in (out / "scaling.md").read_text()
+    # one heatmap figure per size, the largest in the report, the others linked under it
+    assert "![routing weights at size ladder-l](routing_heatmaps.png)" in report
+    assert ("Routing weights at the other sizes: [ladder-m](routing_heatmaps-ladder-m.png), "
+            "[ladder-s](routing_heatmaps-ladder-s.png), [ladder-xs](routing_heatmaps-ladder-xs.png).") in report
+    for stem in ("routing_heatmaps", "routing_heatmaps-ladder-m", "routing_heatmaps-ladder-s", "routing_heatmaps-ladder-xs"):
+        assert (out / f"{stem}.png").read_bytes().startswith(b"\x89PNG"), stem
 
     out2 = tmp_path / "per-method"
     assert main([*command, "--out", str(out2), "--per-method-exponents"]) == 0

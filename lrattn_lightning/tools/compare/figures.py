@@ -249,8 +249,19 @@ def plot_gate_curves(curves: dict, out: Path, title: str) -> list[Path]:
     return _save(fig, out, "gate_alphas")
 
 
-def plot_heatmaps(matrices: dict, out: Path, title: str) -> list[Path]:
-    return _save(heatmaps_figure(matrices, title), out, "routing_heatmaps")
+def heatmap_groups(rows: list[Row]) -> list[tuple[str, str, list[Row]]]:
+    """(size, file stem, its rows) per size, largest (most parameters) first: one heatmap figure per size, so a
+    ladder's panels stay apart and each figure stays readable; the largest size's is `routing_heatmaps`, the
+    others `routing_heatmaps-SIZE`."""
+    sizes: dict[str, list[Row]] = {}
+    for row in rows:
+        sizes.setdefault(row.size, []).append(row)
+    order = sorted(sizes, key=lambda s: (-max(r.params for r in sizes[s]), s))
+    return [(s, "routing_heatmaps" if i == 0 else f"routing_heatmaps-{s}", sizes[s]) for i, s in enumerate(order)]
+
+
+def plot_heatmaps(matrices: dict, out: Path, title: str, stem: str = "routing_heatmaps") -> list[Path]:
+    return _save(heatmaps_figure(matrices, title), out, stem)
 
 
 CELL_W, CELL_H = 0.36, 0.26  # inches a source column and a site row take: a 7-point weight, an 8-point tick label
@@ -265,7 +276,7 @@ def heatmaps_figure(matrices: dict, title: str) -> Any:
     from lrattn_lightning.train.diagnostics import heatmap_figure
 
     plt = _plt()
-    panels = list(matrices.items())
+    panels = sorted(matrices.items())  # by name: the same order in every size's figure
     sizes = [_panel_inches(table) for _, (table, _, _) in panels]
     n = len(panels)
     cols = min(n, 3)
@@ -322,9 +333,10 @@ def _readable(ax: Any, table: dict, width: float) -> None:
     ax.set_ylabel(textwrap.fill(ax.get_ylabel(), max(24, int(CELL_H * sites / CHAR))), fontsize=9)
     bar = ax.images[0].colorbar if ax.images else None
     if bar is not None:  # drawn again beside the axes' own box (the slot may be taller than the cells)
-        label = bar.ax.get_ylabel()
+        label, extend = bar.ax.get_ylabel(), bar.extend
         bar.remove()
-        bar = ax.figure.colorbar(ax.images[0], cax=ax.inset_axes((1.04, 0.0, max(0.04, 0.25 / (CELL_W * sources)), 1.0)))
+        bar = ax.figure.colorbar(ax.images[0], cax=ax.inset_axes((1.04, 0.0, max(0.04, 0.25 / (CELL_W * sources)), 1.0)),
+                                 extend=extend)
         bar.set_label(textwrap.fill(label, max(12, int(CELL_H * sites / CHAR))), fontsize=9)
         bar.ax.tick_params(labelsize=8)
     lines = ax.get_title().split("\n")
