@@ -8,7 +8,7 @@ orphans every run logged before it (compare would no longer read them).
 
     Tag, ExperimentTag   run and experiment tags
     Param                run params: the resolved size and ablation (`model_param_keys`), training settings
-                         (`train_*`), the upcycling source (`init_*`)
+                         (`train_*`: `train_settings`), the upcycling source (`init_*`)
     Metric               metric names: train/*, val/*, routing/mean/*, eval/<task>/<metric>, throughput rates
     Artifact             artifact paths of a run
     declared / undeclared  whether a key is one of the above (names, or a family's pattern)
@@ -89,13 +89,14 @@ class Param:
     PARAMS = "params"  # the parameter count
     ADDED_FLOPS = "added_flops_pct"  # the routing's FLOPs over the core's, in %; `unknown` for a silent router
     REGISTRY_SHA = Tag.REGISTRY_SHA  # the registry's hash
-    # the LightningModule's settings: TRAIN_PREFIX + each of TRAIN_SETTINGS (the values given, e.g. muon_dtype auto)
+    # the LightningModule's settings: TRAIN_PREFIX + each of train_settings() (the values given, e.g. muon_dtype
+    # auto): these of its optimiser and runtime, and every routing kind's training options (the gated residual's
+    # gate_*), which the kinds declare
     TRAIN_PREFIX = "train_"
-    TRAIN_SETTINGS = ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_decay", "muon_variant", "muon_dtype",
-                      "muon_momentum", "muon_momentum_min", "muon_momentum_warmup_steps",
-                      "muon_momentum_cooldown_steps", "warmup_steps", "decay_fraction", "final_lr_fraction", "z_loss",
-                      "compile", "document_masking", "attention", "impl", "gate_freeze_steps", "gate_release_loss",
-                      "gate_grad_normalize")
+    MODULE_SETTINGS = ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_decay", "muon_variant", "muon_dtype",
+                       "muon_momentum", "muon_momentum_min", "muon_momentum_warmup_steps",
+                       "muon_momentum_cooldown_steps", "warmup_steps", "decay_fraction", "final_lr_fraction",
+                       "z_loss", "compile", "document_masking", "attention", "impl")
     MUON_DTYPE_RESOLVED = "train_muon_dtype_resolved"  # what muon_dtype `auto` became on this machine, `none`
     SCHEDULE_STEPS = "train_schedule_steps"  # the steps the learning-rate schedule spans
     # the recipe (train/callbacks/run_params.py recipe_params)
@@ -192,9 +193,18 @@ def names(kind: str) -> frozenset[str]:
     if holder is Tag:
         out.update(Tag.MLFLOW_OWN)
     if holder is Param:
-        out.update(Param.TRAIN_PREFIX + s for s in Param.TRAIN_SETTINGS)
+        out.update(Param.TRAIN_PREFIX + s for s in train_settings())
         out.update(model_param_keys())
     return frozenset(out)
+
+
+def train_settings() -> tuple[str, ...]:
+    """The LightningModule's settings logged as `train_<name>` params: Param.MODULE_SETTINGS, then the training
+    options the routing kinds declare (model/routing/kinds.py training_option_names; imported here, as in
+    model_param_keys), so a kind with training controls of its own needs no edit here."""
+    from lrattn_lightning.model.routing.kinds import training_option_names
+
+    return Param.MODULE_SETTINGS + training_option_names()
 
 
 def model_param_keys() -> frozenset[str]:

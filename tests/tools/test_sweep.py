@@ -485,6 +485,28 @@ def test_a_dry_run_writes_nothing(data_dir, tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in folder.iterdir()) == before  # recipe.yaml, sweep.yaml only
 
 
+@pytest.mark.parametrize("argv, rc", [(["--dry-run"], 0), (["--emit", "commands", "--out", "-"], 0),
+                                      ([], 2)])  # []: the local runs, stopped by the missing data before any fit
+def test_one_command_reads_the_registry_once(tmp_path, monkeypatch, capsys, argv, rc):
+    """`lrattn sweep` reads its registry file once (load_sweep) and hands the Registry down to the router check
+    and the local runs: every read of a registry file ends in parse_registry, counted here as it runs."""
+    from lrattn_lightning.model import registry as registry_module
+
+    reads: list[str] = []
+    parse = registry_module.parse_registry
+
+    def counted(raw, **kwargs):
+        reads.append(kwargs.get("path", "<dict>"))
+        return parse(raw, **kwargs)
+
+    monkeypatch.setattr(registry_module, "parse_registry", counted)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    path = write_sweep(tmp_path, tmp_path / "no-data")
+    assert main(["sweep", str(path), "--tracking_uri", f"sqlite:///{tmp_path}/once.db", *argv]) == rc
+    assert reads == [REGISTRY], (reads, capsys.readouterr())
+
+
 def test_a_diverged_run_is_not_resumed_again(finished_sweep, tmp_path, monkeypatch, capsys):
     """A run that ended FAILED on a non-finite loss (what `lrattn fit` tags, tests/e2e/test_run_endings.py) would
     diverge again at the same step if resumed: the sweep says so and leaves it, and its exit code is not 0."""

@@ -66,6 +66,13 @@ def known_kinds() -> tuple[str, ...]:
     return tuple(KINDS)
 
 
+def training_option_names() -> tuple[str, ...]:
+    """Every module flag a kind reads at training time (its training_options, typed by the keyword parameters of
+    its training_class: the gated residual's gate_*), in KINDS order, each once."""
+    return tuple(dict.fromkeys(name for kind in KINDS.values() if kind.training_class is not None
+                               for name in kind.training_options))
+
+
 def kind_of(name: Any, where: str = "ablation") -> RoutingKind:
     """The kind `routing: name` names; unknown names list the closest ones."""
     if not isinstance(name, str) or name not in KINDS:

@@ -27,7 +27,7 @@ from typing import Any
 
 from lrattn_lightning.core.errors import one_line
 from lrattn_lightning.core.files import PACKAGE_ROOT
-from lrattn_lightning.model.registry import load_registry
+from lrattn_lightning.model.registry import Registry
 from lrattn_lightning.tools.sweep.file import Sweep, SweepError, SweepRun
 from lrattn_lightning.train.checkpoint.stop import STOP_SIGNALS, detach_hung_up_terminal
 from lrattn_lightning.train.schema import Tag
@@ -149,21 +149,21 @@ def _held_by(path: Path) -> str | None:
 
 
 # ---- running ---------------------------------------------------------------------------------------
-def run_local(sweep: Sweep, tracking_uri: str, stop_on_failure: bool = False, extra: list[str] | None = None,
-              again: str | None = None) -> int:
-    """Run the unfinished runs one after another, each as its own `lrattn fit` process (`extra`: flags for each).
+def run_local(sweep: Sweep, registry: Registry, tracking_uri: str, stop_on_failure: bool = False,
+              extra: list[str] | None = None, again: str | None = None) -> int:
+    """Run the unfinished runs one after another, each as its own `lrattn fit` process (`extra`: flags for each;
+    `registry`: the sweep's, as load_sweep read it: the command reads it once).
     SIGTERM, SIGINT or SIGHUP stops the sweep: the running fit gets the same signal (it saves and stops), no further
     run starts, and the sweep exits 128 + the signal's number, its last line naming the signal and `again` (the
     command that continues the sweep)."""
     with _StopSignals() as stops:
-        return _run_all(sweep, tracking_uri, stop_on_failure, extra or [], stops, again)
+        return _run_all(sweep, registry, tracking_uri, stop_on_failure, extra or [], stops, again)
 
 
-def _run_all(sweep: Sweep, tracking_uri: str, stop_on_failure: bool, extra: list[str], stops: _StopSignals,
-             again: str | None) -> int:
+def _run_all(sweep: Sweep, registry: Registry, tracking_uri: str, stop_on_failure: bool, extra: list[str],
+             stops: _StopSignals, again: str | None) -> int:
     from lrattn_lightning.data.shards import validate_data_dir
 
-    registry = load_registry(sweep.registry)
     data_dir = sweep.setting("data.data_dir", "data/stdlib-docs-byte")
     seq_len = sweep.setting("data.seq_len")
     for size in sorted({run.size for run in sweep.runs}):  # missing data fails once, before any run
@@ -311,7 +311,7 @@ sys.exit(2 if failed else 0)
 """
 
 
-def check_routers(sweep: Sweep, registry: Any, env: dict[str, str]) -> None:
+def check_routers(sweep: Sweep, registry: Registry, env: dict[str, str]) -> None:
     """Every external router of the sweep imported (and built on the meta device) in the runs' environment
     before the first run starts: a missing module is one line, not a failed run after the others trained."""
     pairs = sorted({(run.size, run.ablation) for run in sweep.runs

@@ -26,7 +26,6 @@ from lrattn_lightning.core.errors import InputError, one_line
 from lrattn_lightning.core.files import load_yaml_strict, read_yaml_text
 from lrattn_lightning.core.flags import Parser
 from lrattn_lightning.core.names import closest_names
-from lrattn_lightning.model.registry import load_registry
 from lrattn_lightning.tools.sweep.file import Sweep, SweepError, SweepRun, load_sweep
 from lrattn_lightning.tools.sweep.local import (  # noqa: F401  (finished_runs: part of this module's interface)
     DONE,
@@ -186,13 +185,13 @@ def main(argv: list[str] | None = None, fit_parser: Callable[[], Any] | None = N
     parser.add_argument("--stop-on-failure", action="store_true", help="stop at the first failed run")
     args = parser.parse_args(argv)
 
-    sweep, _ = load_sweep(args.file)
+    sweep, registry = load_sweep(args.file)  # the one read of the registry in this command
     extra = ["--mlflow_fallback_local", "true"] if args.mlflow_fallback_local else []
     if fit_parser is not None:  # every run's arguments, before any store is opened
         check_fit_args(sweep, args.tracking_uri, extra, fit_parser())
     uri = resolve_tracking_uri(args.tracking_uri, fallback_local=args.mlflow_fallback_local)
     if args.dry_run:
-        check_routers(sweep, load_registry(sweep.registry), run_env(sweep))
+        check_routers(sweep, registry, run_env(sweep))
         steps = plan(sweep, uri)
         print(f"sweep '{sweep.name}' ({sweep.path}): {len(steps)} runs, experiment '{sweep.experiment}', recipe {sweep.recipe}")
         for run, state in steps:
@@ -201,7 +200,7 @@ def main(argv: list[str] | None = None, fit_parser: Callable[[], Any] | None = N
     if args.emit:
         return _emit(sweep, plan(sweep, uri), args, extra)
     again = shlex.join([command("lrattn"), "sweep", *(sys.argv[2:] if argv is None else argv)])  # as it was typed
-    return run_local(sweep, uri, stop_on_failure=args.stop_on_failure, extra=extra, again=again)
+    return run_local(sweep, registry, uri, stop_on_failure=args.stop_on_failure, extra=extra, again=again)
 
 
 def _emit(sweep: Sweep, steps: list[tuple[SweepRun, str]], args: argparse.Namespace, extra: list[str]) -> int:

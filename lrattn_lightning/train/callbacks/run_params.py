@@ -17,10 +17,10 @@ from lightning.pytorch.loggers import MLFlowLogger
 
 from lrattn_lightning.model.accounting import added_flops_percent, count_params
 from lrattn_lightning.model.config import ModelConfig
-from lrattn_lightning.train.schema import Param
+from lrattn_lightning.train.schema import Param, train_settings
 
-# the module's settings logged as `train_<name>` params
-TRAIN_PARAMS = Param.TRAIN_SETTINGS
+# the module's settings logged as `train_<name>` params (the routing kinds' training options among them)
+TRAIN_PARAMS = train_settings()
 
 
 def flat_run_params(cfg: ModelConfig) -> dict[str, Any]:

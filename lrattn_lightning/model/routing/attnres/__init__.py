@@ -3,7 +3,8 @@
     options.py         AttnResOptions (what an entry chooses, checked), the key width r and logit scale s
     kind.py            KIND: its size checks, accounting, build by backend
     backends.py        the one table of backends: name, router class, compiled substitute, what it needs;
-                       availability(impl, device), resolve_impl(impl, compiled): what callers ask of it
+                       availability(impl, device), resolve_impl(impl, compiled), needs_parity_check(impl):
+                       what callers ask of it
     reference.py       the readable backend (nanoGPT-style): sources, block summaries, depth_read
     keys.py            key sources (value, projected, sliced, value_projected[_shared]) with their parameters
     summary.py         RMS Block AttnRes's summaries (block_summary rms): the normalised outputs' sum
@@ -21,10 +22,11 @@ from lrattn_lightning.model.routing.attnres.backends import (
            PORTABLE_IMPLS,
            availability,
            compile_impl,
+           needs_parity_check,
            resolve_impl,
 )
 from lrattn_lightning.model.routing.attnres.kind import KIND
 from lrattn_lightning.model.routing.attnres.options import AttnResOptions, key_dim, logit_scale
 
 __all__ = ["BACKENDS", "DEFAULT_IMPL", "IMPLS", "KIND", "PORTABLE_IMPLS", "AttnResOptions", "availability",
-           "compile_impl", "key_dim", "logit_scale", "resolve_impl"]
+           "compile_impl", "key_dim", "logit_scale", "needs_parity_check", "resolve_impl"]

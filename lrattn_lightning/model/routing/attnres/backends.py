@@ -18,7 +18,8 @@ over as carried keys with the kernels' norm off; triton/router.py).
 
 Callers ask the table, never a backend's name: `availability(impl, device)` (None: it runs there; else the
 one-line reason, from the backend's own check), `resolve_impl(impl, compiled)` (the backend that runs, under
-torch.compile its substitute; an unknown name is one line naming the closest).
+torch.compile its substitute; an unknown name is one line naming the closest), `needs_parity_check(impl)` (its
+own kernels: a benchmark checks them against `reference` before it times them).
 
 `fast` is not traceable by torch.compile (its compiled substitute is `compiled`) and does not fold per-token
 queries into write-time logits: for `query: gated_dynamic` the kind takes `compiled`, run eagerly. KV-cache
@@ -48,6 +49,9 @@ class Backend:
     # what says whether it runs on a device ("module:function" below PACKAGE, called with a device type or
     # None for this machine -> None, or why not); None: it runs anywhere
     check: str | None = None
+    # it launches kernels of its own (Triton), not PyTorch's: a benchmark checks their forward and backward
+    # against `reference` before it times them (benchmarks/gpu-check; the tests check every backend)
+    own_kernels: bool = False
 
     @property
     def portable(self) -> bool:
@@ -60,7 +64,7 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("compiled", "compiled", "CompiledAttnRes", under_compile="compiled"),
     Backend("triton", "triton.router", "TritonAttnRes", under_compile="triton",
             needs="a CUDA GPU, or TRITON_INTERPRET=1 for Triton's CPU interpreter",
-            check="triton.launch:availability_error"),
+            check="triton.launch:availability_error", own_kernels=True),
 )}
 DEFAULT_IMPL = "fast"
 IMPLS = tuple(BACKENDS)  # every backend
@@ -88,6 +92,12 @@ def availability(impl: str, device=None) -> str | None:
         return None
     module, function = b.check.split(":")
     return getattr(importlib.import_module(f"{PACKAGE}.{module}"), function)(getattr(device, "type", device))
+
+
+def needs_parity_check(impl: str) -> bool:
+    """Whether backend `impl` is a hand-written kernel path (its own kernels, not PyTorch's ops), whose forward
+    and backward a benchmark checks against `reference` before it times them."""
+    return backend(impl).own_kernels
 
 
 def resolve_impl(impl: str, compiled: bool = False) -> str:

@@ -203,9 +203,10 @@ def test_unsupported_cases_raise_one_line_naming_the_backend_that_can():
 
 def test_the_backend_table_answers_where_a_backend_runs_and_which_runs(monkeypatch):
     """Callers ask the table (backends.py), never a backend's name: the portable backends run on any device;
-    triton's answer is its own check's (CUDA, or TRITON_INTERPRET=1); an unknown name is one line."""
+    triton's answer is its own check's (CUDA, or TRITON_INTERPRET=1); only triton's own kernels need a parity check
+    before a benchmark times them; an unknown name is one line."""
     from lrattn_lightning.core.errors import InputError
-    from lrattn_lightning.model.routing.attnres import availability, resolve_impl
+    from lrattn_lightning.model.routing.attnres import availability, needs_parity_check, resolve_impl
 
     pytest.importorskip("triton")
     for impl in IMPLS:
@@ -221,7 +222,8 @@ def test_the_backend_table_answers_where_a_backend_runs_and_which_runs(monkeypat
     assert [resolve_impl(i) for i in (*IMPLS, "triton")] == [*IMPLS, "triton"]
     assert [resolve_impl(i, compiled=True) for i in (*IMPLS, "triton")] == ["compiled", "reference", "compiled",
                                                                              "triton"]
-    for ask in (lambda: availability("fsat", "cpu"), lambda: resolve_impl("fsat")):
+    assert [needs_parity_check(i) for i in (*IMPLS, "triton")] == [False, False, False, True]
+    for ask in (lambda: availability("fsat", "cpu"), lambda: resolve_impl("fsat"), lambda: needs_parity_check("fsat")):
         with pytest.raises(InputError, match=r"^impl: unknown AttnRes backend 'fsat' \(closest: fast"):
             ask()
 

@@ -10,12 +10,12 @@ import torch
 from torch import Tensor
 
 from lrattn_lightning.model.routing.attnres.triton.launch import (
-    _fold_keys,
-    _kernels,
-    _out_dtype,
-    _Read,
-    _rows,
-    _source_grads,
+    ReadLaunch,
+    as_rows,
+    fold_keys,
+    launch_kernels,
+    out_dtype,
+    source_grads,
 )
 
 
@@ -26,11 +26,11 @@ def attnres_group(emb_v: Tensor, emb_k: Tensor | None, values: list[Tensor], key
                   record: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Phase 1 of a group: its G static queries [G, r] over the completed sources -> out [G, N, D],
     lse [G, N, m] (compute dtype), alpha [1 + len(values), N, m, G] when `record` (else empty)."""
-    rd = _Read(emb_v, emb_k, values, keys, None, None, queries, consts, heads, key_offset, group=True)
-    out = torch.empty((rd.G, rd.N, rd.D), dtype=_out_dtype(emb_v, values, None), device=emb_v.device)
+    rd = ReadLaunch(emb_v, emb_k, values, keys, None, None, queries, consts, heads, key_offset, group=True)
+    out = torch.empty((rd.G, rd.N, rd.D), dtype=out_dtype(emb_v, values, None), device=emb_v.device)
     lse = torch.empty(rd.G, rd.N, heads, dtype=rd.cdtype, device=emb_v.device)
     alpha = torch.empty((1 + rd.S_t, rd.N, heads, rd.G) if record else (0,), dtype=rd.cdtype, device=emb_v.device)
-    _kernels().group_fwd[rd.grid](
+    launch_kernels().group_fwd[rd.grid](
         rd.ev, rd.sev, rd.ek, rd.sek, *rd.meta(), rd.query, out, lse, alpha if record else lse,
         rd.N, rd.D, rd.R, rd.key_offset, heads, rd.S_t, rd.G, scale, key_norm, record,
         BLOCK_G=rd.BLOCK_G, **rd.constexprs())
@@ -42,7 +42,7 @@ def _(emb_v, emb_k, values, keys, queries, consts, scale, heads, key_norm, key_o
     cdtype = torch.promote_types(emb_v.dtype, torch.float32)
     N, D, G = emb_v.numel() // emb_v.shape[-1], emb_v.shape[-1], queries.shape[0]
     alpha = emb_v.new_empty((1 + len(values), N, heads, G) if record else (0,), dtype=cdtype)
-    return (emb_v.new_empty((G, N, D), dtype=_out_dtype(emb_v, values, None)),
+    return (emb_v.new_empty((G, N, D), dtype=out_dtype(emb_v, values, None)),
             emb_v.new_empty((G, N, heads), dtype=cdtype), alpha)
 
 
@@ -52,15 +52,15 @@ def attnres_group_bwd(grad_out: Tensor, grad_lse: Tensor, out: Tensor, lse: Tens
                       consts: list[float], scale: float, heads: int, key_norm: bool,
                       key_offset: int) -> list[Tensor]:
     """[d emb_v, d values...] + [d emb_k, d keys...] (carried keys) + [d queries]."""
-    rd = _Read(emb_v, emb_k, values, keys, None, None, queries, consts, heads, key_offset, group=True)
-    dvs, dks = _source_grads(rd, [emb_v, *values], [emb_k, *keys] if rd.carried else [])
+    rd = ReadLaunch(emb_v, emb_k, values, keys, None, None, queries, consts, heads, key_offset, group=True)
+    dvs, dks = source_grads(rd, [emb_v, *values], [emb_k, *keys] if rd.carried else [])
     extra = [d.data_ptr() for d in dvs[1:]] + [d.data_ptr() for d in dks[1:]]
     dq = torch.empty((rd.grid[0], rd.G, rd.R), dtype=rd.cdtype, device=emb_v.device)
-    _kernels().group_bwd[rd.grid](
+    launch_kernels().group_bwd[rd.grid](
         rd.ev, rd.sev, rd.ek, rd.sek, *rd.meta(extra), rd.query, out, lse, grad_out.contiguous(),
         grad_lse.contiguous(), dvs[0], dks[0], dq, rd.N, rd.D, rd.R, rd.key_offset, heads, rd.S_t, rd.G, scale,
         key_norm, BLOCK_G=rd.BLOCK_G, **rd.constexprs())
-    dks = _fold_keys(rd, dvs, dks, key_offset)
+    dks = fold_keys(rd, dvs, dks, key_offset)
     return [*dvs, *dks, dq.sum(0).to(queries.dtype)]
 
 
@@ -97,9 +97,9 @@ attnres_group.register_autograd(_group_backward, setup_context=_group_setup)
 
 
 # ---- phase 2: a site's merge with its partial block (group_kernels.py: merge_fwd, merge_bwd) --------
-def _merge_read(part_v, part_k, query, heads, key_offset) -> _Read:
-    """The partial block as the only source of a _Read (its embedding slot)."""
-    return _Read(part_v, part_k, [], [], None, None, query, [0.0] * 4, heads, key_offset)
+def _merge_read(part_v, part_k, query, heads, key_offset) -> ReadLaunch:
+    """The partial block as the only source of a ReadLaunch (its embedding slot)."""
+    return ReadLaunch(part_v, part_k, [], [], None, None, query, [0.0] * 4, heads, key_offset)
 
 
 @torch.library.custom_op("lrattn::attnres_merge", mutates_args=())
@@ -113,7 +113,7 @@ def attnres_merge(out_c: Tensor, lse_c: Tensor, part_v: Tensor, part_k: Tensor |
     w = torch.empty(rd.N, heads, dtype=lse_c.dtype, device=part_v.device)
     fmeta = torch.tensor([prior, eps], dtype=torch.float64).to(part_v.device)
     cx = rd.constexprs()
-    _kernels().merge_fwd[rd.grid](
+    launch_kernels().merge_fwd[rd.grid](
         rd.ev, rd.sev, rd.ek, rd.sek, fmeta, rd.query, out_c.contiguous(), lse_c.contiguous(), out, w,
         rd.N, rd.D, rd.R, rd.key_offset, heads, scale, key_norm, KEY_MODE=cx["KEY_MODE"], ACC=cx["ACC"],
         BLOCK_N=rd.BLOCK_N, BLOCK_E=rd.BLOCK_E, **rd.options())
@@ -133,18 +133,18 @@ def attnres_merge_bwd(grad: Tensor, out_c: Tensor, w: Tensor, part_v: Tensor, pa
                       key_offset: int) -> list[Tensor]:
     """[d out_c, d lse_c, d part_v] + [d part_k] (carried keys) + [d query]."""
     rd = _merge_read(part_v, part_k, query, heads, key_offset)
-    (dv,), (dk,) = _source_grads(rd, [part_v], [part_k] if rd.carried else [])
+    (dv,), (dk,) = source_grads(rd, [part_v], [part_k] if rd.carried else [])
     d_out = torch.empty(out_c.shape, dtype=out_c.dtype, device=out_c.device)
     d_lse = torch.empty(w.shape, dtype=w.dtype, device=w.device)
     dq = torch.empty((rd.grid[0], rd.R), dtype=rd.cdtype, device=part_v.device)
     fmeta = torch.tensor([prior, eps], dtype=torch.float64).to(part_v.device)
     cx = rd.constexprs()
-    g, _ = _rows(grad.contiguous())
-    _kernels().merge_bwd[rd.grid](
+    g, _ = as_rows(grad.contiguous())
+    launch_kernels().merge_bwd[rd.grid](
         rd.ev, rd.sev, rd.ek, rd.sek, fmeta, rd.query, out_c.contiguous(), w, g, d_out, d_lse, dv, dk, dq,
         rd.N, rd.D, rd.R, rd.key_offset, heads, scale, key_norm, KEY_MODE=cx["KEY_MODE"], ACC=cx["ACC"],
         BLOCK_N=rd.BLOCK_N, BLOCK_E=rd.BLOCK_E, **rd.options())
-    dks = _fold_keys(rd, [dv], [dk], key_offset)
+    dks = fold_keys(rd, [dv], [dk], key_offset)
     return [d_out, d_lse, dv, *dks, dq.sum(0).to(query.dtype)]
 
 

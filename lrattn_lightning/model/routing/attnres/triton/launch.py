@@ -1,7 +1,8 @@
 """Where the `triton` backend's kernels run and how they are launched: whether they can run here
 (availability_error), where launches go (the kernels, or a recorder: set_launch_target), the launch geometry
-under the register budget, and `_Read`, what every kernel needs of one read (rows, key mode, the pointer
-table, the geometry). The custom ops that launch: ops.py (single reads), group_ops.py (two-phase block reads).
+under the register budget, and `ReadLaunch`, what every kernel needs of one read (rows, key mode, the pointer
+table, the geometry), and the helpers both custom ops share (launch_kernels, as_rows, out_dtype, source_grads,
+fold_keys). The custom ops that launch: ops.py (single reads), group_ops.py (two-phase block reads).
 Importing this module never needs triton: the kernels (kernels.py) are imported when a launch first asks.
 """
 
@@ -46,7 +47,8 @@ def availability_error(device_type: str | None = None) -> str | None:
             "interpreter, slow: for tests); on this machine use impl 'fast'")
 
 
-def _kernels():
+def launch_kernels():
+    """What a launch goes to: the kernels (kernels.py, imported on the first launch) or the recorder set."""
     if _launch_target is not None:
         return _launch_target
     from lrattn_lightning.model.routing.attnres.triton import kernels as triton_kernels
@@ -54,7 +56,7 @@ def _kernels():
     return triton_kernels
 
 
-def _rows(x: Tensor) -> tuple[Tensor, int]:
+def as_rows(x: Tensor) -> tuple[Tensor, int]:
     """x as [N, C] rows with unit column stride (a view where possible) and its row stride."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -119,7 +121,7 @@ def geometry(n_tokens: int, row: int, sites: int = 1) -> tuple[int, int]:
     return block_n, max(1, min(warps, _pow2_floor(block_n * row // 32)))
 
 
-class _Read:
+class ReadLaunch:
     """What both kernels need of one read: rows, key mode, the table and the launch geometry."""
 
     def __init__(self, emb_v, emb_k, values, keys, part_v, part_k, query, consts, heads, key_offset, group=False):
@@ -142,10 +144,10 @@ class _Read:
         else:  # key-in-value: views of the values' key columns
             key_of = [v[..., key_offset:] for v in values]
             ek = emb_v[..., key_offset:]
-        self.ev, self.sev = _rows(emb_v)
-        self.ek, self.sek = _rows(ek)
-        vt = [_rows(v) for v in values]
-        kt = [_rows(k) for k in key_of]
+        self.ev, self.sev = as_rows(emb_v)
+        self.ek, self.sek = as_rows(ek)
+        vt = [as_rows(v) for v in values]
+        kt = [as_rows(k) for k in key_of]
         self.vdtype = _dtype_name([v.dtype for v, _ in vt])
         self.kdtype = _dtype_name([k.dtype for k, _ in kt])
         self.values, self.keys = [v for v, _ in vt], [k for k, _ in kt]
@@ -172,7 +174,7 @@ class _Read:
         return meta, meta.view(torch.float64)
 
     def dtypes(self) -> dict:
-        dtypes = _kernels().DTYPES
+        dtypes = launch_kernels().DTYPES
         return dict(VDT=dtypes[self.vdtype], KDT=dtypes[self.kdtype], ACC=dtypes[str(self.cdtype).removeprefix("torch.")])
 
     def constexprs(self) -> dict:
@@ -187,14 +189,15 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _out_dtype(emb_v: Tensor, values: list[Tensor], part_v: Tensor | None) -> torch.dtype:
+def out_dtype(emb_v: Tensor, values: list[Tensor], part_v: Tensor | None) -> torch.dtype:
+    """A read's output dtype: its sources' promoted."""
     dtype = emb_v.dtype
     for v in [*values, *([part_v] if part_v is not None else [])]:
         dtype = torch.promote_types(dtype, v.dtype)
     return dtype
 
 
-def _source_grads(rd: _Read, sources: list[Tensor], carried_keys: list[Tensor]) -> tuple[list, list]:
+def source_grads(rd: ReadLaunch, sources: list[Tensor], carried_keys: list[Tensor]) -> tuple[list, list]:
     """Empty value gradients of `sources` and key gradients (carried keys; key mode 1's own buffers; key
     mode 0: the value gradients themselves, the kernels add the key's share there)."""
     dvs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in sources]
@@ -207,7 +210,7 @@ def _source_grads(rd: _Read, sources: list[Tensor], carried_keys: list[Tensor]) 
     return dvs, dks
 
 
-def _fold_keys(rd: _Read, dvs: list[Tensor], dks: list[Tensor], key_offset: int) -> list[Tensor]:
+def fold_keys(rd: ReadLaunch, dvs: list[Tensor], dks: list[Tensor], key_offset: int) -> list[Tensor]:
     """Key-in-value sources: key mode 1's key gradients added to their value columns; [] then (none apart)."""
     if rd.carried:
         return dks

@@ -31,18 +31,18 @@ from lrattn_lightning.model.routing.attnres.triton.group_ops import (
 from lrattn_lightning.model.routing.attnres.triton.launch import (
     GROUP_TILE_MAX,
     REG_BUDGET,
-    _fold_keys,
-    _kernels,
-    _out_dtype,
-    _Read,
-    _rows,
-    _source_grads,
+    ReadLaunch,
+    as_rows,
     availability_error,
     check_device,
+    fold_keys,
     geometry,
     group_limit,
     interpreting,
+    launch_kernels,
+    out_dtype,
     set_launch_target,
+    source_grads,
 )
 
 __all__ = ["GROUP_TILE_MAX", "REG_BUDGET", "attnres_group", "attnres_group_bwd", "attnres_merge",
@@ -58,12 +58,12 @@ def _n_used(values: list[Tensor], part_v: Tensor | None) -> int:
 def attnres_read(emb_v: Tensor, emb_k: Tensor | None, values: list[Tensor], keys: list[Tensor],
                  part_v: Tensor | None, part_k: Tensor | None, query: Tensor, consts: list[float], scale: float,
                  heads: int, key_norm: bool, key_offset: int, record: bool) -> tuple[Tensor, Tensor, Tensor]:
-    rd = _Read(emb_v, emb_k, values, keys, part_v, part_k, query, consts, heads, key_offset)
-    out = torch.empty(emb_v.shape, dtype=_out_dtype(emb_v, values, part_v), device=emb_v.device)
+    rd = ReadLaunch(emb_v, emb_k, values, keys, part_v, part_k, query, consts, heads, key_offset)
+    out = torch.empty(emb_v.shape, dtype=out_dtype(emb_v, values, part_v), device=emb_v.device)
     lse = torch.empty(rd.N, heads, dtype=rd.cdtype, device=emb_v.device)
     alpha = torch.empty((_n_used(values, part_v), rd.N, heads) if record else (0,), dtype=rd.cdtype,
                         device=emb_v.device)
-    _kernels().read_fwd[rd.grid](
+    launch_kernels().read_fwd[rd.grid](
         rd.ev, rd.sev, rd.ek, rd.sek, *rd.meta(), rd.query, rd.R if rd.query_per_token else 0, out, lse,
         alpha if record else lse, rd.N, rd.D, rd.R, rd.key_offset, heads, rd.S_t, scale, key_norm, record,
         **rd.constexprs())
@@ -74,7 +74,7 @@ def attnres_read(emb_v: Tensor, emb_k: Tensor | None, values: list[Tensor], keys
 def _(emb_v, emb_k, values, keys, part_v, part_k, query, consts, scale, heads, key_norm, key_offset, record):
     cdtype = torch.promote_types(emb_v.dtype, torch.float32)
     N = emb_v.numel() // emb_v.shape[-1]
-    out = emb_v.new_empty(emb_v.shape, dtype=_out_dtype(emb_v, values, part_v))
+    out = emb_v.new_empty(emb_v.shape, dtype=out_dtype(emb_v, values, part_v))
     alpha = emb_v.new_empty((_n_used(values, part_v), N, heads) if record else (0,), dtype=cdtype)
     return out, emb_v.new_empty((N, heads), dtype=cdtype), alpha
 
@@ -92,23 +92,23 @@ def attnres_read_bwd(grad: Tensor, out: Tensor, lse: Tensor, emb_v: Tensor, emb_
                      query: Tensor, consts: list[float], scale: float, heads: int, key_norm: bool,
                      key_offset: int) -> list[Tensor]:
     """[d emb_v, d values..., d part_v?] + [d emb_k, d keys..., d part_k?] (carried keys) + [d query]."""
-    rd = _Read(emb_v, emb_k, values, keys, part_v, part_k, query, consts, heads, key_offset)
+    rd = ReadLaunch(emb_v, emb_k, values, keys, part_v, part_k, query, consts, heads, key_offset)
     partial = [part_v] if rd.has_partial else []
-    dvs, dks = _source_grads(rd, [emb_v, *values, *partial],
+    dvs, dks = source_grads(rd, [emb_v, *values, *partial],
                              [emb_k, *keys, *([part_k] if rd.has_partial else [])] if rd.carried else [])
     # key mode 0: the key's gradient is the value's on its columns, written through views of dv there
     dkv = [d[..., key_offset:] for d in dvs] if rd.key_mode == 0 else dks
     extra = [d.data_ptr() for d in dvs[1:]] + [d.data_ptr() for d in dkv[1:]]
     tiles = rd.bwd_grid[0]
     dq = torch.empty((rd.N, rd.R) if rd.query_per_token else (tiles, rd.R), dtype=rd.cdtype, device=emb_v.device)
-    g, _ = _rows(grad.contiguous())
+    g, _ = as_rows(grad.contiguous())
     in_value = rd.key_mode == 0
-    _kernels().read_bwd[rd.bwd_grid](
+    launch_kernels().read_bwd[rd.bwd_grid](
         rd.ev, rd.sev, rd.ek, rd.sek, *rd.meta(extra), rd.query, rd.R if rd.query_per_token else 0, out, lse, g,
         dvs[0], dkv[0], rd.D if in_value else rd.R, dq, rd.N, rd.D, rd.R, rd.key_offset, heads, rd.S_t, rd.E,
         rd.E - rd.K if in_value else rd.E, rd.K, scale, key_norm, in_value, rd.query_per_token,
         **rd.dtypes(), BLOCK_N=rd.bwd_block_n, CH=rd.CH, **rd.options(rd.bwd_warps))
-    dks = _fold_keys(rd, dvs, dks, key_offset)
+    dks = fold_keys(rd, dvs, dks, key_offset)
     dq = dq.view(query.shape) if rd.query_per_token else dq.sum(0)
     return [*dvs, *dks, dq.to(query.dtype)]
 
