@@ -283,7 +283,7 @@ def test_compare_never_pools_or_pairs_runs_of_different_recipes(study, capsys):
     assert f"Δ vs control and vs baseline — where `baseline` ran only under recipe A, B, not C: `{upcycled}`" in table, table
     assert f"counted `{RERUN}`" in table and "not counted: `tiny-baseline-seed0`" in table, table
     # the figures: every kind's routing weights drawn, the upcycled row's too
-    from lrattn_lightning.tools.compare.figures import routing_matrices
+    from lrattn_lightning.tools.compare.heatmaps import routing_matrices
     from lrattn_lightning.tools.compare.table import read_runs, summarise
 
     drawn = routing_matrices(client, summarise(read_runs(client, "kinds")))

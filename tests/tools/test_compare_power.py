@@ -21,7 +21,8 @@ from scipy import stats
 
 from lrattn_lightning.cli import main
 from lrattn_lightning.tools.compare import labels
-from lrattn_lightning.tools.compare.figures import heatmap_groups, heatmaps_figure, loss_vs_flops_figure
+from lrattn_lightning.tools.compare.figures import loss_vs_flops_figure
+from lrattn_lightning.tools.compare.heatmaps import heatmap_groups, heatmaps_figure
 from lrattn_lightning.tools.compare.power import MAX_SEEDS, holm, pooled_std, power, seeds_needed
 from lrattn_lightning.tools.compare.table import RunRecord, summarise
 

@@ -53,11 +53,9 @@ from lrattn_lightning.tools.compare.figures import (
     gate_curves,
     plot_curves,
     plot_gate_curves,
-    heatmap_groups,
-    plot_heatmaps,
     plot_loss_vs_flops,
-    routing_matrices,
 )
+from lrattn_lightning.tools.compare.heatmaps import heatmap_groups, plot_heatmaps, routing_matrices
 from lrattn_lightning.tools.compare.notes import notes
 from lrattn_lightning.tools.compare.power import pairwise_section
 from lrattn_lightning.tools.compare.runs import search_all
