@@ -47,11 +47,13 @@ def test_divergence_sets_the_bad_state_apart_and_fails_the_run(data, tmp_path):
     done = run_cli(args(data, "--model.lr", "1e6", "--model.muon_lr", "1e6", "--trainer.max_steps", "40"), tmp_path)
     assert done.returncode == 3, done.stderr[-3000:]
     line = stop_line(done.stderr)
-    found = re.search(r"non-finite training loss \(\w+\) at step (\d+); its checkpoint is set apart as "
+    # where it shows first depends on the CPU's arithmetic (a Xeon: a training loss; an AMD EPYC with AVX2: the
+    # validation after a finite training step): either way that step is set apart
+    found = re.search(r"non-finite (training|validation) loss \(\w+\) at step (\d+); its checkpoint is set apart as "
                       r"diverged-step(\d{6})\.ckpt; the last finite state is step (\d+) \(", line)
     assert found, line
-    step, kept = int(found.group(1)), int(found.group(3))
-    assert int(found.group(2)) == step and kept == step - 1 and "lower learning rate" in line
+    which, step, kept = found.group(1), int(found.group(2)), int(found.group(4))
+    assert int(found.group(3)) == step and kept == step - 1 and "lower learning rate" in line
     folder = checkpoints(tmp_path)
     assert sorted(p.name for p in folder.iterdir()) == [f"diverged-step{step:06d}.ckpt", "last.ckpt"]
     last = torch.load(folder / "last.ckpt", weights_only=True)
@@ -59,7 +61,7 @@ def test_divergence_sets_the_bad_state_apart_and_fails_the_run(data, tmp_path):
     assert all(torch.isfinite(t).all() for t in last["state_dict"].values() if t.is_floating_point())
     client, run = the_run(tmp_path, "run")
     assert run.info.status == "FAILED"
-    assert re.fullmatch(rf"non-finite training loss \(\w+\) at step {step}", run.data.tags["lrattn.diverged"])
+    assert re.fullmatch(rf"non-finite {which} loss \(\w+\) at step {step}", run.data.tags["lrattn.diverged"])
     results = {k: v for k, v in run.data.metrics.items() if k.startswith(("val/", "train/loss", "train/ce"))}
     assert "val/loss" in results and all(v == v for v in results.values()), results  # no NaN logged as a result
 
