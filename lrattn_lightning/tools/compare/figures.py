@@ -27,7 +27,8 @@ from lrattn_lightning.tools.compare.table import Row
 from lrattn_lightning.train.schema import Artifact, Metric
 
 
-def _plt():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display), imported when a figure is first drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -36,7 +37,7 @@ def _plt():
     return plt
 
 
-def _names(rows: list[Row]) -> dict[int, str]:
+def row_names(rows: list[Row]) -> dict[int, str]:
     """id(row) -> its name in figures: size/ if several sizes, the label, [recipe] if several recipes."""
     multi_size, recipes = len({r.size for r in rows}) > 1, any(r.group != "A" for r in rows)
     return {id(r): (f"{r.size}/" if multi_size else "") + (r.label or r.ablation) + (f" [{r.group}]" if recipes else "")
@@ -44,8 +45,8 @@ def _names(rows: list[Row]) -> dict[int, str]:
 
 
 def _colors(rows: list[Row]) -> dict[str, Any]:
-    plt = _plt()
-    names = sorted(set(_names(rows).values()))
+    plt = pyplot()
+    names = sorted(set(row_names(rows).values()))
     cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
     return {name: cmap(i % cmap.N) for i, name in enumerate(names)}
 
@@ -53,27 +54,28 @@ def _colors(rows: list[Row]) -> dict[str, Any]:
 DPI = 150  # PNGs at 100 % zoom: 9-point labels are 19 pixels tall
 
 
-def _save(fig: Any, out: Path, stem: str) -> list[Path]:
+def save_figure(fig: Any, out: Path, stem: str) -> list[Path]:
+    """`fig` as out/STEM.png (at DPI) and out/STEM.svg, then closed."""
     paths = [out / f"{stem}.png", out / f"{stem}.svg"]
     fig.savefig(paths[0], dpi=DPI, bbox_inches="tight")
     fig.savefig(paths[1], bbox_inches="tight")
-    _plt().close(fig)
+    pyplot().close(fig)
     return paths
 
 
 def plot_loss_vs_flops(rows: list[Row], out: Path, title: str) -> list[Path]:
-    return _save(loss_vs_flops_figure(rows, title), out, "loss_vs_flops")
+    return save_figure(loss_vs_flops_figure(rows, title), out, "loss_vs_flops")
 
 
 def loss_vs_flops_figure(rows: list[Row], title: str) -> Any:
     """Figure 1: mean val loss against added FLOPs %, one point per row, each recipe's Pareto front marked
     (rows whose cost is unknown, NaN, are left out). Returns the figure, drawn."""
     rows = [r for r in rows if r.added_flops_pct == r.added_flops_pct]
-    plt = _plt()
+    plt = pyplot()
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter
 
-    names, colors = _names(rows), _colors(rows)
+    names, colors = row_names(rows), _colors(rows)
     fig, ax = plt.subplots(figsize=(8.0, 5.4), dpi=DPI)
     xs = [r.added_flops_pct for r in rows if r.added_flops_pct > 0]
     if xs and max(xs) / min(xs) > 5:  # costs over decades (the paper's 0.06 % .. 2.4 %): log beyond the smallest
@@ -183,7 +185,7 @@ def _clip_top(rows: list[Row]) -> float | None:
     return max(r.mean + (r.std or 0.0) for r in inside) + 0.6 * spread
 
 
-def _run_artifacts(client: Any, row: Row, path: str, tmp: str) -> tuple[list[dict], int]:
+def run_artifacts(client: Any, row: Row, path: str, tmp: str) -> tuple[list[dict], int]:
     """The JSON artifact `path` of each of the row's runs that has one, and the latest step among them."""
     found, step = [], 0
     for run in row.runs:
@@ -199,10 +201,10 @@ def _run_artifacts(client: Any, row: Row, path: str, tmp: str) -> tuple[list[dic
 
 def gate_curves(client: Any, rows: list[Row]) -> dict[str, tuple[list[list[float]], int]]:
     """row name -> (alpha per sublayer of each seed, step) from the gated runs' routing/gates.json."""
-    found, names = {}, _names(rows)
+    found, names = {}, row_names(rows)
     with tempfile.TemporaryDirectory() as tmp:
         for row in rows:
-            datas, step = _run_artifacts(client, row, Artifact.GATES_JSON, tmp)
+            datas, step = run_artifacts(client, row, Artifact.GATES_JSON, tmp)
             curves = [d["alpha"] for d in datas]
             if curves and all(len(c) == len(curves[0]) for c in curves):
                 found[names[id(row)]] = (curves, step)
@@ -220,7 +222,7 @@ def plot_gate_curves(curves: dict, out: Path, title: str) -> list[Path]:
         steps.add(step)
     step_text = "/".join(map(str, sorted(steps)))
     fig = gate_figure(means, f"{title}\nmean alpha per sublayer at step {step_text} (band: seed min-max)", spread=spread)
-    return _save(fig, out, "gate_alphas")
+    return save_figure(fig, out, "gate_alphas")
 
 
 # Curves of close variants lie on top of each other: besides its colour each gets a line style and a marker
@@ -231,7 +233,7 @@ MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
 
 
 def plot_curves(rows: list[Row], out: Path, title: str) -> list[Path]:
-    return _save(curves_figure(rows, title), out, "training_curves")
+    return save_figure(curves_figure(rows, title), out, "training_curves")
 
 
 def curves_figure(rows: list[Row], title: str) -> Any:
@@ -239,8 +241,8 @@ def curves_figure(rows: list[Row], title: str) -> Any:
     variants differ; the first steps' large losses flatten it in the whole view), and val loss over the whole
     run; mean over seeds, min-max band for train loss. One legend, under the panels: each row has the same
     colour, line style and marker in all three."""
-    plt = _plt()
-    names, colors = _names(rows), _colors(rows)
+    plt = pyplot()
+    names, colors = row_names(rows), _colors(rows)
     fig, (ax_t, ax_z, ax_v) = plt.subplots(1, 3, figsize=(16.5, 4.6))
     handles = {}  # label -> a line of it, for the shared legend
     last = max([s for r in rows for run in r.runs for key in (Metric.TRAIN_LOSS, Metric.VAL_LOSS) for s, _ in run.curves.get(key, [])]

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from lrattn_lightning.tools.compare.figures import DPI, _names, _plt, _run_artifacts, _save
+from lrattn_lightning.tools.compare.figures import DPI, pyplot, row_names, run_artifacts, save_figure
 from lrattn_lightning.tools.compare.table import Row
 from lrattn_lightning.train.schema import Artifact
 
@@ -19,10 +19,10 @@ def routing_matrices(client: Any, rows: list[Row]) -> dict[str, tuple[dict, int,
     """row name -> (its weights table with the seed-mean matrix, step, seeds) from each run's routing/weights.json
     (any routing kind; train/diagnostics.py). Seeds whose matrices differ in shape are not averaged: the row's
     first run's table is drawn alone."""
-    found, names = {}, _names(rows)
+    found, names = {}, row_names(rows)
     with tempfile.TemporaryDirectory() as tmp:
         for row in rows:
-            datas, step = _run_artifacts(client, row, Artifact.ROUTING_WEIGHTS, tmp)
+            datas, step = run_artifacts(client, row, Artifact.ROUTING_WEIGHTS, tmp)
             mats = [d["sites_by_sources"] for d in datas]
             if not mats or not mats[0]:
                 continue
@@ -50,7 +50,7 @@ def heatmap_groups(rows: list[Row]) -> list[tuple[str, str, list[Row]]]:
 
 
 def plot_heatmaps(matrices: dict, out: Path, title: str, stem: str = "routing_heatmaps") -> list[Path]:
-    return _save(heatmaps_figure(matrices, title), out, stem)
+    return save_figure(heatmaps_figure(matrices, title), out, stem)
 
 
 CELL_W, CELL_H = 0.36, 0.26  # inches a source column and a site row take: a 7-point weight, an 8-point tick label
@@ -64,7 +64,7 @@ def heatmaps_figure(matrices: dict, title: str) -> Any:
     colour bar): a table of 32 sites gets the height of 32 rows; constrained layout keeps titles off the axes."""
     from lrattn_lightning.train.diagnostics import heatmap_figure
 
-    plt = _plt()
+    plt = pyplot()
     panels = sorted(matrices.items())  # by name: the same order in every size's figure
     sizes = [_panel_inches(table) for _, (table, _, _) in panels]
     n = len(panels)
