@@ -200,7 +200,8 @@ def run(cmd: list[str], *, cwd: Path | str, env: dict[str, str], timeout: float 
 _SERVING: dict = {}  # in the server and the processes forked from it: its socket and its fixed environment
 
 
-def _serve(path: str) -> None:
+def _serve(path: str) -> tuple[dict, list[int]]:
+    """The server's loop; in a command's own process it returns that command's request and standard streams."""
     import importlib
 
     _SERVING.update(path=path, env=_fixed(dict(os.environ)))
@@ -224,7 +225,7 @@ def _serve(path: str) -> None:
             if os.fork() == 0:  # the waiter: starts the command, reports its pid and its wait status
                 listener.close()
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                _wait_for_command(conn)
+                return _wait_for_command(conn)  # (returns only in the command's own process)
             conn.close()
 
 
@@ -237,13 +238,18 @@ def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(body), fds
 
 
-def _wait_for_command(conn: socket.socket) -> None:
+def _wait_for_command(conn: socket.socket) -> tuple[dict, list[int]]:
+    """In the waiter: fork the command's process (which returns the request, to run it at the script's top level)
+    and report its pid and wait status; the waiter itself ends here."""
     try:
         request, fds = _recv_request(conn)
         pid = os.fork()
-        if pid == 0:
-            conn.close()
-            _command(request, fds)
+    except BaseException:
+        os._exit(1)
+    if pid == 0:
+        conn.close()
+        return request, fds
+    try:
         for fd in fds:
             os.close(fd)
         conn.sendall(f"{pid}\n".encode())
@@ -253,54 +259,19 @@ def _wait_for_command(conn: socket.socket) -> None:
         os._exit(0)
 
 
-def _command(request: dict, fds: list[int]) -> None:
-    """In the forked process: become `python -m lrattn_lightning.cli ARGV` in CWD with ENV, then exit."""
-    import runpy
-    import threading
-    import traceback
-
-    code = 1
-    try:
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-            os.close(fd)
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        tempfile.tempdir = None  # TMPDIR of this command, not the server's
-        sys.path[0] = request["cwd"]  # as `python -m` puts the working folder first
-        sys.argv = ["-m", *request["argv"]]
-        _as_imported_here()
-        try:
-            runpy._run_module_as_main(request["module"], alter_argv=True)
-            code = 0
-        except SystemExit as stop:
-            if stop.code is None:
-                code = 0
-            elif isinstance(stop.code, int):
-                code = stop.code
-            else:
-                print(stop.code, file=sys.stderr)
-                code = 1
-        except KeyboardInterrupt:
-            traceback.print_exc()
-            code = -signal.SIGINT
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        threading._shutdown()  # as the interpreter does at exit: non-daemon threads first, then atexit
-        import atexit as _atexit
-
-        _atexit._run_exitfuncs()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-        with contextlib.suppress(Exception):
-            sys.stderr.flush()
-        if code == -signal.SIGINT:  # an uncaught KeyboardInterrupt ends Python killed by SIGINT
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
-        os._exit(code & 0xFF)
+def _become(request: dict, fds: list[int]) -> None:
+    """In the command's own process: take its standard streams, working folder, environment and argv, as
+    `python -m MODULE ARGV` in CWD with ENV would have them."""
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    tempfile.tempdir = None  # TMPDIR of this command, not the server's
+    sys.path[0] = request["cwd"]  # as `python -m` puts the working folder first
+    sys.argv = [request["module"], *request["argv"]]  # (argv[0] becomes the module's file, as -m makes it)
+    _as_imported_here()
 
 
 def _as_imported_here() -> None:
@@ -433,4 +404,11 @@ class _Forked:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1])
+    # The server; in a command's process, the command, run as `python -m` runs it, and then the interpreter ends as
+    # it ends any program: non-daemon threads joined, atexit handlers run, streams flushed, SystemExit's status, a
+    # traceback and 1 for an uncaught exception, killed by SIGINT for an uncaught KeyboardInterrupt.
+    import runpy
+
+    command, streams = _serve(sys.argv[1])
+    _become(command, streams)
+    runpy.run_module(command["module"], run_name="__main__", alter_sys=True)
