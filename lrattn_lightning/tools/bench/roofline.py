@@ -141,10 +141,14 @@ def _sync(device) -> None:
 
 def measure_peak_flops(device, dtype, clock: Callable[[], float] = time.perf_counter) -> float:
     """FLOP/s of the best of a few large square matmuls in `dtype` on `device`, timed with `clock` (the
-    clock the steps are timed with: with --clock cpu, FLOP per CPU-second, like the steps)."""
+    clock the steps are timed with: with --clock cpu, FLOP per CPU-second, like the steps).
+
+    Side 4096 on CUDA, 1024 on CPU; on a CPU where one such product takes over 0.1 s (a dtype it emulates:
+    bfloat16 without AVX-512 BF16 or AMX took 2.4 s, so 85 s for the measurement) the largest power of two from
+    256 up whose product fits in 0.1 s, so a slow dtype is measured in about a second."""
     import torch
 
-    n = 4096 if device.type == "cuda" else 1024
+    n = 4096 if device.type == "cuda" else _cpu_side(dtype)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     best = float("inf")
@@ -157,6 +161,21 @@ def measure_peak_flops(device, dtype, clock: Callable[[], float] = time.perf_cou
         if i:  # the first call warms up
             best = min(best, (clock() - t0) / 4)
     return 2 * n**3 / max(best, 1e-12)
+
+
+def _cpu_side(dtype, limit_s: float = 0.1, largest: int = 1024) -> int:
+    import torch
+
+    n = 256
+    while n < largest:
+        a = torch.randn(2 * n, 2 * n, dtype=dtype)
+        a @ a  # warm
+        t0 = time.perf_counter()
+        a @ a
+        if time.perf_counter() - t0 > limit_s:
+            break
+        n *= 2
+    return n
 
 
 def measure_bandwidth(device, clock: Callable[[], float] = time.perf_counter, mib: int | None = None) -> float:
