@@ -123,6 +123,14 @@ def _seed() -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _store_template(tmp_path_factory) -> None:
+    """New MLflow sqlite stores opened in this pytest process are copies of one MLflow made (store_template.py)."""
+    import store_template
+
+    store_template.install(tmp_path_factory.mktemp("mlflow-template") / "template.db")
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _warm_sweep_runs() -> Iterator[None]:
     """A sweep run in this process starts its fits as processes forked from the pre-imported server
     (tests/warm_cli.py), as `lrattn` commands the tests run do."""

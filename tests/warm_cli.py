@@ -4,7 +4,9 @@ A command run by the tests is a real process: its own pid, exit status, signals,
 handlers, and its DDP ranks are processes it starts. What is saved is the ~7 s an `lrattn` process spends
 importing torch, Lightning (which imports torchmetrics, hence transformers, scipy, matplotlib) and MLflow
 before its first line of work: a server process per pytest process imports them once, then forks for each
-command. The forked process sets the command's working folder, environment, argv and standard streams, runs
+command. A new sqlite MLflow store a forked command opens is a copy of one MLflow built in the server
+(tests/store_template.py: MLflow's ~60 migrations, 2-3 s, once per server instead of once per store). The
+forked process sets the command's working folder, environment, argv and standard streams, runs
 `lrattn_lightning.cli` as `python -m` does (runpy, as `__main__`), then ends as the interpreter would: non-daemon
 threads joined, atexit handlers run, streams flushed, the exit status of SystemExit, 1 with a traceback for an
 uncaught exception, killed by SIGINT for an uncaught KeyboardInterrupt.
@@ -48,8 +50,9 @@ WARM_VARIES = ("TMPDIR", "PYTEST_CURRENT_TEST", "COLUMNS", "LINES",
                "MLFLOW_DISABLE_TELEMETRY", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "TQDM_DISABLE",
                "HF_DATASETS_DISABLE_PROGRESS_BARS")
 WARM_VARIES_PREFIXES = ("AWS_", "LRATTN_CACHE_DIR", "MLFLOW_TRACKING_URI")
-PRELOAD = ("lightning.pytorch", "torchmetrics", "mlflow", "mlflow.tracking", "litdata", "lrattn_lightning.cli",
-           "lrattn_lightning.cli.lightning")
+# (MLflow's sqlite store and GitPython are imported when a command first opens its store: 2 s of a 7 s tiny fit)
+PRELOAD = ("lightning.pytorch", "torchmetrics", "mlflow", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store",
+           "git", "litdata", "lrattn_lightning.cli", "lrattn_lightning.cli.lightning")
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -212,6 +215,9 @@ def _serve(path: str) -> tuple[dict, list[int]]:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     for name in PRELOAD:
         importlib.import_module(name)
+    import store_template  # new sqlite stores copied from one MLflow made here (tests/store_template.py)
+
+    store_template.install(store_template.make_template(Path(path).parent / "mlflow-template.db"))
     import threading
 
     assert threading.active_count() == 1, threading.enumerate()  # forking is safe only without threads
