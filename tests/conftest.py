@@ -124,10 +124,15 @@ def _seed() -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _store_template(tmp_path_factory) -> None:
-    """New MLflow sqlite stores opened in this pytest process are copies of one MLflow made (store_template.py)."""
+    """New MLflow sqlite stores opened in this pytest process, and in the warm servers it starts, are copies of one
+    MLflow made once for the whole run (store_template.py; the xdist workers share their base folder's parent)."""
     import store_template
 
-    store_template.install(tmp_path_factory.mktemp("mlflow-template") / "template.db")
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    template = store_template.make_template(shared / "mlflow-template.db", keep=True)
+    os.environ[store_template.ENV] = str(template)
+    store_template.install(template)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -26,10 +26,17 @@ def _database(engine) -> str | None:
     return None if not name or name == ":memory:" or name.startswith("file:") else name
 
 
-def make_template(path: Path, initialize=None) -> Path:
-    """A store MLflow initialised itself (its own `_initialize_tables` on an empty file) at `path`."""
+ENV = "LRATTN_TESTS_STORE_TEMPLATE"  # the template conftest.py made, for the warm servers of that pytest process
+
+
+def make_template(path: Path, initialize=None, keep: bool = False) -> Path:
+    """A store MLflow initialised itself (its own `_initialize_tables` on an empty file) at `path` (with keep, a
+    template already there is kept: xdist workers share one)."""
     import sqlalchemy
     from mlflow.store.db import utils
+
+    if keep and path.exists():
+        return path
 
     initialize = initialize or getattr(utils._initialize_tables, "mlflow_own", utils._initialize_tables)
     partial = path.with_name(path.name + f".{os.getpid()}.part")

@@ -59,7 +59,7 @@ def test_a_store_that_is_not_empty_goes_to_mlflows_own_upgrade(tmp_path):
 
 
 def test_the_warm_server_holds_a_template_and_a_cold_process_builds_as_mlflow_does(tmp_path):
-    """The warm server made its template before it forks commands (so each command's new store is a copy of it);
+    """The warm server installs conftest.py's template before it forks commands (each new store a copy of it);
     a cold process (an installed user's `lrattn`) runs MLflow's own initialisation."""
     probe = textwrap.dedent("""
         from mlflow.store.db import utils
@@ -70,7 +70,8 @@ def test_the_warm_server_holds_a_template_and_a_cold_process_builds_as_mlflow_do
     assert cold.stdout.split() == ["False"], cold.stderr[-2000:]
     server = warm_cli._server(env)
     assert server is not None
-    template = os.path.join(server.folder, "mlflow-template.db")
+    template = os.environ[store_template.ENV]  # conftest.py's, which the server was given
+    assert server.env[store_template.ENV] == template
     fresh = tmp_path / "fresh.db"
     MlflowClient(f"sqlite:///{fresh}").search_experiments()
     assert shape(template)[:2] == shape(fresh)[:2]
