@@ -115,3 +115,51 @@ def test_a_forked_handle_communicates_as_popen_does(streams, popen_answers, tmp_
     assert warm.returncode == code == 0
     splits = [json.loads(path.read_text())["splits"] for path in (tmp_path / "d/meta.json", meta)]
     assert splits[0] == splits[1] and splits[0]["train"]["tokens"] > 0
+
+
+PROBE = '''
+import atexit, sys, threading, time
+
+atexit.register(lambda: print("atexit ran", flush=True))
+def late():
+    time.sleep(0.3)
+    print("thread joined", flush=True)
+threading.Thread(target=late).start()  # non-daemon: Python joins it before the atexit handlers
+how = sys.argv[1]
+print("start", sys.argv[1:], flush=True)
+if how == "exit":
+    sys.exit(int(sys.argv[2]))
+if how == "message":
+    sys.exit("a message instead of a status")
+if how == "raise":
+    raise ValueError("uncaught")
+if how == "interrupt":
+    raise KeyboardInterrupt
+'''
+
+
+@pytest.mark.parametrize("how", [["normal"], ["exit", "0"], ["exit", "3"], ["exit", "300"], ["message"], ["raise"],
+                                 ["interrupt"]])
+def test_a_forked_process_ends_as_python_ends_a_program(how, tmp_path):
+    """Joined non-daemon threads, atexit handlers, the exit status (SystemExit's code modulo 256, 1 for a message
+    or an uncaught exception, killed by SIGINT for KeyboardInterrupt) and what Python prints, as a fresh
+    interpreter ends, although the forked process skips the modules' teardown."""
+    (tmp_path / f"{warm_cli.PROBE}_ending.py").write_text(PROBE)
+    cmd = [sys.executable, "-m", f"{warm_cli.PROBE}_ending", *how]
+    env = warm_cli.cli_env()
+    assert warm_cli._server(env) is not None
+    warm = warm_cli.run(cmd, cwd=tmp_path, env=env, timeout=120)
+    cold = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert warm.returncode == cold.returncode, (warm, cold)
+    assert warm.stdout == cold.stdout and "thread joined\natexit ran\n" in warm.stdout, (warm.stdout, cold.stdout)
+    assert own_lines(warm.stderr) == own_lines(cold.stderr) and (how[0] != "raise" or own_lines(warm.stderr))
+    expected = {"normal": 0, "message": 1, "raise": 1, "interrupt": -signal.SIGINT}
+    assert warm.returncode == (int(how[1]) % 256 if how[0] == "exit" else expected[how[0]])
+
+
+def own_lines(stderr: str) -> list[str]:
+    """What Python printed, from the probe's own frames on (the frames that ran it differ: <frozen runpy> when
+    cold, warm_cli's and runpy's when forked)."""
+    lines = stderr.splitlines()
+    mine = [i for i, line in enumerate(lines) if f"{warm_cli.PROBE}_ending.py" in line]
+    return lines[mine[0]:] if mine else lines
