@@ -65,7 +65,6 @@ def install(template: Path) -> None:
         engine.dispose()  # no pooled connection holds the empty file while its pages are written
         with sqlite3.connect(template) as source, sqlite3.connect(target) as copy:
             source.backup(copy)
-        engine.dispose()
 
     initialize.mlflow_own = own
     utils._initialize_tables = initialize

@@ -4,12 +4,13 @@ A command run by the tests is a real process: its own pid, exit status, signals,
 handlers, and its DDP ranks are processes it starts. What is saved is the ~7 s an `lrattn` process spends
 importing torch, Lightning (which imports torchmetrics, hence transformers, scipy, matplotlib) and MLflow
 before its first line of work: a server process per pytest process imports them once, then forks for each
-command. A new sqlite MLflow store a forked command opens is a copy of one MLflow built in the server
-(tests/store_template.py: MLflow's ~60 migrations, 2-3 s, once per server instead of once per store). The
-forked process sets the command's working folder, environment, argv and standard streams, runs
-`lrattn_lightning.cli` as `python -m` does (runpy, as `__main__`), then ends as the interpreter would: non-daemon
-threads joined, atexit handlers run, streams flushed, the exit status of SystemExit, 1 with a traceback for an
-uncaught exception, killed by SIGINT for an uncaught KeyboardInterrupt.
+command. A new sqlite MLflow store a forked command opens is a copy of one MLflow built once per test run
+(tests/store_template.py: MLflow's ~60 migrations, 2-3 s, once instead of once per store). The forked process
+sets the command's working folder, environment, argv and standard streams, runs `lrattn_lightning.cli` as
+`python -m` does (runpy, as `__main__`), then ends as the interpreter would: non-daemon threads joined, atexit
+handlers run (its own and those of the modules the server preloaded), streams flushed, the exit status of
+SystemExit, 1 with a traceback for an uncaught exception, killed by SIGINT for an uncaught KeyboardInterrupt;
+only the modules' teardown is skipped (_end_without_teardown).
 
 The ranks a command's DDP/FSDP launch starts (Lightning's and Fabric's subprocess launchers, which re-run the
 command with LOCAL_RANK set) and the fits a sweep starts (tools/sweep/local.py, also when the sweep runs in the
@@ -209,6 +210,7 @@ def _serve(path: str) -> tuple[dict, list[int]]:
     import importlib
 
     _SERVING.update(path=path, env=_fixed(dict(os.environ)))
+    atexit.register(_end_without_teardown)  # first registered, so in a command's process it runs last
 
     if sys.platform.startswith("linux"):  # the server ends with the pytest process that started it
         import ctypes
@@ -411,15 +413,18 @@ class _Forked:
         self.send_signal(signal.SIGKILL)
 
 
-_ENDING = {"status": 0}  # in a command's process: the status it ends with
+_ENDING: dict = {}  # in a command's process: {"status": the status it ends with}; empty in the server
 
 
 def _end_without_teardown() -> None:
-    """The last atexit handler of a command's process (registered first): after Python joined the non-daemon
-    threads, ran the command's own atexit handlers and printed any uncaught exception, end with the status Python
-    would end with, skipping the interpreter's teardown. Tearing down the modules of a process forked from the
-    server writes to nearly every page it shares with the server (reference counts): ~3 s a command on a slow
-    CPU, 0.3 s `lrattn list` took 3.1 s."""
+    """The last atexit handler of a command's process (the server registers it before it imports anything, so the
+    handlers of the modules it preloads and the command's own run before it): after Python joined the non-daemon
+    threads, ran those handlers and printed any uncaught exception, end with the status Python would end with,
+    skipping the interpreter's teardown. Tearing down the modules of a process forked from the server writes to
+    nearly every page it shares with the server (reference counts): ~3 s a command on a slow CPU, 0.3 s `lrattn
+    list` took 3.1 s. In the server itself it does nothing."""
+    if "status" not in _ENDING:
+        return
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -434,7 +439,7 @@ def _run_command(module: str) -> None:
     an uncaught exception or a non-integer code, SIGINT for KeyboardInterrupt); the exception goes on to Python."""
     import runpy
 
-    atexit.register(_end_without_teardown)  # first registered, so it runs last
+    _ENDING["status"] = 0
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as stop:

@@ -118,8 +118,17 @@ def test_a_forked_handle_communicates_as_popen_does(streams, popen_answers, tmp_
 
 
 PROBE = '''
-import atexit, sys, threading, time
+import atexit, logging, sys, threading, time  # (logging registers its shutdown first, as the server's preloads did)
 
+class Closing(logging.Handler):
+    def emit(self, record):
+        pass
+
+    def close(self):  # logging.shutdown, an atexit handler registered before the probe's
+        print("logging shut down", flush=True)
+        super().close()
+
+logging.getLogger("probe").addHandler(Closing())
 atexit.register(lambda: print("atexit ran", flush=True))
 def late():
     time.sleep(0.3)
@@ -141,7 +150,8 @@ if how == "interrupt":
 @pytest.mark.parametrize("how", [["normal"], ["exit", "0"], ["exit", "3"], ["exit", "300"], ["message"], ["raise"],
                                  ["interrupt"]])
 def test_a_forked_process_ends_as_python_ends_a_program(how, tmp_path):
-    """Joined non-daemon threads, atexit handlers, the exit status (SystemExit's code modulo 256, 1 for a message
+    """Joined non-daemon threads, atexit handlers (also one registered before the command ran: logging's, which the
+    server's preloads registered), the exit status (SystemExit's code modulo 256, 1 for a message
     or an uncaught exception, killed by SIGINT for KeyboardInterrupt) and what Python prints, as a fresh
     interpreter ends, although the forked process skips the modules' teardown."""
     (tmp_path / f"{warm_cli.PROBE}_ending.py").write_text(PROBE)
@@ -151,7 +161,8 @@ def test_a_forked_process_ends_as_python_ends_a_program(how, tmp_path):
     warm = warm_cli.run(cmd, cwd=tmp_path, env=env, timeout=120)
     cold = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert warm.returncode == cold.returncode, (warm, cold)
-    assert warm.stdout == cold.stdout and "thread joined\natexit ran\n" in warm.stdout, (warm.stdout, cold.stdout)
+    ending = "thread joined\natexit ran\nlogging shut down\n"  # the handlers registered before the command's too
+    assert warm.stdout == cold.stdout and ending in warm.stdout, (warm.stdout, cold.stdout)
     assert own_lines(warm.stderr) == own_lines(cold.stderr) and (how[0] != "raise" or own_lines(warm.stderr))
     expected = {"normal": 0, "message": 1, "raise": 1, "interrupt": -signal.SIGINT}
     assert warm.returncode == (int(how[1]) % 256 if how[0] == "exit" else expected[how[0]])
