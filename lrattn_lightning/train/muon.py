@@ -22,10 +22,21 @@ normalised so that its spectral norm is at most 1; on singular values p acts as 
 The dtype of the iteration (`dtype`, the optimiser's `orthogonalizer_dtype`, LRAttnModule's `muon_dtype`):
   * bfloat16: the originals' rounding, exactly (the recipe parity tests run it); the result is bfloat16 and the
     normalisation statistics are taken of that bfloat16 O;
-  * float32: the same polynomials with every step in float32 (no rounding to bfloat16 anywhere), Polar Express as
-    three GEMMs an iteration: the faster one without native bfloat16, and for Polar Express everywhere (its
-    bfloat16 path multiplies in float32 too); O differs from bfloat16's by a median 10 % on real directions
-    (docs/benchmarks.md "Muon in float32 and batched").
+  * float32: the same polynomials with every step in float32 (no rounding to bfloat16 anywhere), in the Gram
+    form (below) where that takes fewer flops: the faster one without native bfloat16, and for Polar Express
+    everywhere (its bfloat16 path multiplies in float32 too); O differs from bfloat16's by a median 10 % on real
+    directions, from a float64 evaluation by 1e-5..1e-4 of its largest element (docs/benchmarks.md "Muon in
+    float32 and batched").
+
+The Gram form (float32 only). Each iteration is X_{k+1} = P_k X_k with P_k = a I + b A_k + c A_k^2 a polynomial
+in A_k = X_k X_k^T, so P_k commutes with A_k and A_{k+1} = P_k A_k P_k: the iteration runs on the small (m, m)
+Gram matrix, accumulating Q = P_{k-1} ... P_0, and touches the wide X (m, n) only to form a Gram matrix and to
+apply Q. In exact arithmetic that is the same polynomial of X_0. In float32, Q's rounding grows with its norm (up
+to ~1000 after five iterations: the product of the a's), to 2e-4..2e-3 of the result's largest element on
+gradient-like spectra, so the form restarts once: X_2 = Q X_0 after two iterations, then three on X_2's Gram,
+which keeps it within ~3x of the direct float32 evaluation (1e-5..1e-4; bfloat16's rounding: 1e-2..1). Five
+iterations cost 28 m^3 + 8 m^2 n flops against 10 m^3 + 20 m^2 n, fewer where n > 1.5 m: 0.60-0.77x on the
+(128, 352..704) matrices of `small` (a square one keeps the direct form, where the Gram form would cost 1.2x).
 `resolve_muon_dtype` turns `auto` into one of them for a device.
 
 Both orthogonalisers take a matrix (m, n) or a batch of same-shape matrices (B, m, n), each orthogonalised on its
@@ -35,7 +46,7 @@ own: the optimiser stacks a group's same-shape matrices into one call.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, get_args
 
 import torch
@@ -59,28 +70,56 @@ POLAR_EXPRESS_COEFFS = (
 )
 NEWTON_SCHULZ_COEFFS = (3.4445, -4.7750, 2.0315)
 NEWTON_SCHULZ_STEPS = 5
+GRAM_RESTART = 2  # the Gram form forms X again after this many iterations (module docstring)
+GRAM_MIN_ASPECT = 1.5  # float32 takes the Gram form for a wide X (m, n) with n > 1.5 m: fewer flops there
 
 
 def polar_express(g: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Polar Express on a matrix (m, n) or a batch (B, m, n); a result of the same shape in `dtype`.
     bfloat16: the reference's sequence, rounded to bfloat16 between iterations and float32 inside each; float32:
-    float32 throughout, each iteration three GEMMs (A = X X^T; P = b A + c A A; X <- a X + P X, the sums inside the
-    GEMMs), so no pass over X outside them."""
+    float32 throughout (iterate_float32)."""
     x = g.to(dtype)
     tall = g.size(-2) > g.size(-1)
     wide = x.mT if tall else x  # iterate on the wide orientation: X X^T is the small Gram
     # ||X||_F bounds the spectral norm; the 2 % cushion keeps rounding from pushing it past 1
     x = wide / (wide.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
+    if dtype == torch.float32:
+        x = iterate_float32(x, POLAR_EXPRESS_COEFFS)
+        return x.mT if tall else x
     for a, b, c in POLAR_EXPRESS_COEFFS:
-        if dtype == torch.float32:
-            gram = x @ x.mT
-            x = _addmm(x, _addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-            continue
         xf = x.float()
         gram = xf @ xf.mT  # (B, m, m)
         poly = b * gram + c * (gram @ gram)
         x = (a * xf + poly @ xf).to(dtype)  # a X + (b A + c A^2) X
     return x.mT if tall else x
+
+
+def iterate_float32(x: torch.Tensor, coeffs: Sequence[tuple[float, float, float]]) -> torch.Tensor:
+    """X <- (a I + b A + c A^2) X with A = X X^T, once per (a, b, c), for a wide X (m <= n) in float32: in the Gram
+    form where it takes fewer flops (n > 1.5 m, module docstring), else three GEMMs an iteration with the sums
+    inside them (A = X X^T; P = b A + c A A; X <- a X + P X), so no pass over X outside them."""
+    if x.size(-1) > GRAM_MIN_ASPECT * x.size(-2):
+        return gram_iteration(x, coeffs)
+    for a, b, c in coeffs:
+        gram = x @ x.mT
+        x = _addmm(x, _addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x
+
+
+def gram_iteration(x: torch.Tensor, coeffs: Sequence[tuple[float, float, float]]) -> torch.Tensor:
+    """X <- (a I + b A + c A^2) X with A = X X^T, once per (a, b, c), for a wide X (m <= n), on the Gram matrix:
+    A_{k+1} = P_k A_k P_k and Q_{k+1} = P_k Q_k, then Q X; restarted from X_2 = Q_2 X_0 after the first two
+    iterations (module docstring)."""
+    for phase in (coeffs[:GRAM_RESTART], coeffs[GRAM_RESTART:]):
+        gram, q = x @ x.mT, None
+        for i, (a, b, c) in enumerate(phase):
+            poly = _addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A^2
+            poly.diagonal(dim1=-2, dim2=-1).add_(a)  # + a I
+            q = poly if q is None else poly @ q
+            if i < len(phase) - 1:
+                gram = poly @ (gram @ poly)
+        x = x if q is None else q @ x
+    return x
 
 
 def _addmm(bias: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, beta: float, alpha: float = 1.0) -> torch.Tensor:
@@ -90,12 +129,15 @@ def _addmm(bias: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, beta: float, 
 
 def newton_schulz(g: torch.Tensor, dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7) -> torch.Tensor:
     """torch.optim.Muon's quintic Newton-Schulz iteration on a matrix (m, n) or a batch (B, m, n), every step in
-    `dtype` (bfloat16: torch's); a result of the same shape in `dtype`."""
+    `dtype` (bfloat16: torch's sequence; float32: iterate_float32); a result of the same shape in `dtype`."""
     a, b, c = NEWTON_SCHULZ_COEFFS
     tall = g.size(-2) > g.size(-1)
     x = g.to(dtype)
     x = x.mT if tall else x
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    if dtype == torch.float32:
+        x = iterate_float32(x, (NEWTON_SCHULZ_COEFFS,) * NEWTON_SCHULZ_STEPS)
+        return x.mT if tall else x
     for _ in range(NEWTON_SCHULZ_STEPS):
         gram = x @ x.mT
         poly = _addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A^2

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import tiny_config
 from test_optim import BF16_BOUND, polar_express_float64, rel_err
+from torch.utils.flop_counter import FlopCounterMode
 
 from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.train import fingerprint as fingerprints
@@ -17,6 +18,7 @@ from lrattn_lightning.train.lit_module import LRAttnModule
 from lrattn_lightning.train.muon import (
     NEWTON_SCHULZ_COEFFS,
     ORTHOGONALIZERS,
+    iterate_float32,
     native_bfloat16,
     newton_schulz,
     polar_express,
@@ -59,17 +61,31 @@ SHAPES = [(48, 16), (16, 40), (32, 32)]
 @pytest.mark.parametrize("orth, float64", [(polar_express, polar_express_float64),
                                            (newton_schulz, newton_schulz_float64)])
 def test_float32_orthogonalisers_follow_the_float64_iteration(orth, float64):
-    """In float32 both orthogonalisers are their polynomial iteration up to float32 rounding (measured <= 7e-6 of
-    the largest element, also on (384, 128) and (128, 352)); the bfloat16 path, rounded between iterations, is
-    1e-2 to 1e-1 away on the same inputs: the bound tells the two apart."""
+    """In float32 both orthogonalisers are their polynomial iteration up to float32 rounding (measured <= 3e-5 of
+    the largest element, also on (384, 128) and (128, 704)), in the direct form (square) and the Gram form (the
+    others), also where the spectrum spans six decades (the Gram form without its restart: 4e-4..2e-3 there); the
+    bfloat16 path, rounded between iterations, is 1e-2 to 1 away on the same inputs: the bound tells them apart."""
     gen = torch.Generator().manual_seed(11)
     inputs = [torch.randn(s, generator=gen) for s in SHAPES] + [gradient_like(gen, *s) for s in SHAPES]
     inputs.append(torch.stack([gradient_like(gen, 24, 56) for _ in range(3)]))  # a batch (3, 24, 56)
+    inputs += [gradient_like(gen, 16, 112, decades=6), gradient_like(gen, 112, 16, decades=6)]
     for g in inputs:
         out, ref = orth(g, torch.float32), float64(g)
         assert out.dtype == torch.float32 and out.shape == g.shape
         assert rel_err(out, ref) <= 5e-5, (tuple(g.shape), rel_err(out, ref))
         assert rel_err(orth(g, torch.bfloat16), ref) >= 1e-3  # the rounding the float32 path leaves out
+
+
+@pytest.mark.parametrize("shape", [(16, 16), (16, 24), (16, 25), (16, 112), (3, 16, 112)])
+def test_float32_takes_the_form_with_fewer_flops(shape):
+    """Five float32 iterations cost 10 m^3 + 20 m^2 n flops directly and 28 m^3 + 8 m^2 n in the Gram form with its
+    restart (two Gram matrices, two applications of Q, m^3 products between): the one taken is the cheaper, the
+    direct form at a tie (n = 1.5 m). Counted by torch's own flop counter, per matrix of a batch."""
+    batch, m, n = (1, *shape) if len(shape) == 2 else shape
+    x = torch.randn(shape)
+    with FlopCounterMode(display=False) as counter:
+        iterate_float32(x / x.norm(), (NEWTON_SCHULZ_COEFFS,) * 5)
+    assert counter.get_total_flops() == batch * min(10 * m**3 + 20 * m * m * n, 28 * m**3 + 8 * m * m * n)
 
 
 # ---- batched == one matrix at a time -------------------------------------------------------------------------
