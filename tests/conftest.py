@@ -27,6 +27,13 @@ from lrattn_lightning.model.registry import Registry, load_registry
 # (the tests of a signal ignored at launch ignore it themselves).
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+# A suite started under `nohup` inherits SIGHUP ignored, and every `lrattn` it starts would keep it ignored (as a
+# user's nohup'd run must): the hangup tests need the default a terminal gives. A handler that does nothing keeps the
+# suite itself (and its xdist workers, told by the variable) alive through a hangup, as nohup meant, and is reset to
+# the default in every process the tests exec (a handler, unlike SIG_IGN, does not survive exec).
+if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN or os.environ.get("LRATTN_TESTS_NOHUP"):
+    os.environ["LRATTN_TESTS_NOHUP"] = "1"
+    signal.signal(signal.SIGHUP, lambda signum, frame: None)
 
 # Where things are, for every test module wherever its folder (tests/ mirrors lrattn_lightning/: tests/model/routing/
 # holds the routing kinds' tests, tests/e2e/ the tests whose point is real processes): a test module takes paths from
