@@ -78,7 +78,12 @@ def _varies(name: str) -> bool:
 
 
 def _fixed(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if not _varies(k)}
+    """The variables a library may read at import, PYTHONPATH as the sys.path it makes: a folder named again
+    further on changes no import (the sweep puts the package's folder first, where the tests' path has it too)."""
+    fixed = {k: v for k, v in env.items() if not _varies(k)}
+    if "PYTHONPATH" in fixed:
+        fixed["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(fixed["PYTHONPATH"].split(os.pathsep)))
+    return fixed
 
 
 class _Server:
@@ -323,7 +328,9 @@ class Launches:
                 path = server.path if server is not None else None
         if path is None:
             if os.environ.get("LRATTN_TESTS_WARM_DEBUG"):
-                print("warm_cli: cold:", command[:4], file=sys.stderr)
+                fixed, served = _fixed(env), _SERVING.get("env", {})
+                print("warm_cli: cold:", command[:4], {k: (served.get(k), fixed.get(k)) for k in set(fixed) | set(served)
+                                                       if served.get(k) != fixed.get(k)}, file=sys.stderr)
             return subprocess.Popen(command, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
                                     errors=errors, **kwargs)
         return _Forked(path, command, env, cwd or os.getcwd(), stdin, stdout, stderr, text, errors)
