@@ -86,6 +86,22 @@ def _fixed(env: dict[str, str]) -> dict[str, str]:
     return fixed
 
 
+def _say_cold(command: list[str], env: dict[str, str]) -> None:
+    """With LRATTN_TESTS_WARM_DEBUG set, a command started cold is one line: on stderr, or appended to the file
+    the variable names (a path: the whole suite's cold starts, with the test and the variables that kept it cold)."""
+    where = os.environ.get("LRATTN_TESTS_WARM_DEBUG")
+    if not where:
+        return
+    fixed, served = _fixed(env), _SERVING.get("env") or _fixed(cli_env())
+    differ = {k: (served.get(k), fixed.get(k)) for k in sorted(set(fixed) | set(served)) if served.get(k) != fixed.get(k)}
+    line = f"warm_cli: cold: {command[:4]} {os.environ.get('PYTEST_CURRENT_TEST', '')} {differ}"
+    if os.sep not in where:
+        print(line, file=sys.stderr)
+        return
+    with open(where, "a") as f:
+        f.write(line[:2000] + "\n")
+
+
 class _Server:
     def __init__(self, env: dict[str, str]) -> None:
         self.env = _fixed(env)
@@ -179,6 +195,7 @@ def run(cmd: list[str], *, cwd: Path | str, env: dict[str, str], timeout: float 
     if cmd[:2] == [sys.executable, "-m"] and len(cmd) > 2 and (cmd[2] == MODULE or cmd[2].startswith(PROBE)):
         server = _server(env)
     if server is None:
+        _say_cold(cmd, env)
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, input=input)
     with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         if input is not None:
@@ -327,10 +344,7 @@ class Launches:
                 server = _server(env)
                 path = server.path if server is not None else None
         if path is None:
-            if os.environ.get("LRATTN_TESTS_WARM_DEBUG"):
-                fixed, served = _fixed(env), _SERVING.get("env", {})
-                print("warm_cli: cold:", command[:4], {k: (served.get(k), fixed.get(k)) for k in set(fixed) | set(served)
-                                                       if served.get(k) != fixed.get(k)}, file=sys.stderr)
+            _say_cold(command, env)
             return subprocess.Popen(command, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
                                     errors=errors, **kwargs)
         return _Forked(path, command, env, cwd or os.getcwd(), stdin, stdout, stderr, text, errors)
