@@ -96,10 +96,15 @@ def polar_express(g: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch
 
 def iterate_float32(x: torch.Tensor, coeffs: Sequence[tuple[float, float, float]]) -> torch.Tensor:
     """X <- (a I + b A + c A^2) X with A = X X^T, once per (a, b, c), for a wide X (m <= n) in float32: in the Gram
-    form where it takes fewer flops (n > 1.5 m, module docstring), else three GEMMs an iteration with the sums
-    inside them (A = X X^T; P = b A + c A A; X <- a X + P X), so no pass over X outside them."""
+    form where it takes fewer flops (n > 1.5 m, module docstring), else directly (direct_iteration)."""
     if x.size(-1) > GRAM_MIN_ASPECT * x.size(-2):
         return gram_iteration(x, coeffs)
+    return direct_iteration(x, coeffs)
+
+
+def direct_iteration(x: torch.Tensor, coeffs: Sequence[tuple[float, float, float]]) -> torch.Tensor:
+    """X <- a X + (b A + c A^2) X with A = X X^T, once per (a, b, c), in X's dtype: three GEMMs an iteration with the
+    sums inside them (torch.optim.Muon's sequence)."""
     for a, b, c in coeffs:
         gram = x @ x.mT
         x = _addmm(x, _addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
@@ -111,6 +116,8 @@ def gram_iteration(x: torch.Tensor, coeffs: Sequence[tuple[float, float, float]]
     A_{k+1} = P_k A_k P_k and Q_{k+1} = P_k Q_k, then Q X; restarted from X_2 = Q_2 X_0 after the first two
     iterations (module docstring)."""
     for phase in (coeffs[:GRAM_RESTART], coeffs[GRAM_RESTART:]):
+        if not phase:
+            continue
         gram, q = x @ x.mT, None
         for i, (a, b, c) in enumerate(phase):
             poly = _addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A^2
@@ -118,7 +125,7 @@ def gram_iteration(x: torch.Tensor, coeffs: Sequence[tuple[float, float, float]]
             q = poly if q is None else poly @ q
             if i < len(phase) - 1:
                 gram = poly @ (gram @ poly)
-        x = x if q is None else q @ x
+        x = q @ x
     return x
 
 
@@ -130,18 +137,12 @@ def _addmm(bias: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, beta: float, 
 def newton_schulz(g: torch.Tensor, dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7) -> torch.Tensor:
     """torch.optim.Muon's quintic Newton-Schulz iteration on a matrix (m, n) or a batch (B, m, n), every step in
     `dtype` (bfloat16: torch's sequence; float32: iterate_float32); a result of the same shape in `dtype`."""
-    a, b, c = NEWTON_SCHULZ_COEFFS
     tall = g.size(-2) > g.size(-1)
     x = g.to(dtype)
     x = x.mT if tall else x
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
-    if dtype == torch.float32:
-        x = iterate_float32(x, (NEWTON_SCHULZ_COEFFS,) * NEWTON_SCHULZ_STEPS)
-        return x.mT if tall else x
-    for _ in range(NEWTON_SCHULZ_STEPS):
-        gram = x @ x.mT
-        poly = _addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A^2
-        x = _addmm(x, poly, x, beta=a)  # a X + (b A + c A^2) X
+    iterate = iterate_float32 if dtype == torch.float32 else direct_iteration
+    x = iterate(x, (NEWTON_SCHULZ_COEFFS,) * NEWTON_SCHULZ_STEPS)
     return x.mT if tall else x
 
 
