@@ -224,6 +224,17 @@ def test_the_summary_run_lives_in_its_own_experiment_and_is_reused(store):
                  str(store["root"] / "none")]) == 2  # no training runs there: refused, not read as one
 
 
+def test_an_unknown_experiment_is_one_line_naming_the_closest(store, capsys):
+    """A typo'd --experiment names the store's closest experiments; with none close, what the store holds."""
+    for name, hint in (("claer", "(closest: clear, close, c"),
+                       ("zzz", "(it holds: Default, clear, clear-reports, close, close-reports)")):
+        assert main(["compare", "--experiment", name, "--tracking_uri", store["uri"], "--out",
+                     str(store["root"] / name)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"no MLflow experiment '{name}'" in err[0] and hint in err[0], err
+        assert not (store["root"] / name).exists()  # refused before any work
+
+
 # ---- figures ------------------------------------------------------------------------------------------
 def _rows(n_methods: int, names: str = "method-{}") -> list:
     records = [RunRecord(run_id=f"b{s}", name=f"b{s}", size="tiny", ablation="baseline", control=None, seed=s,

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from lrattn_lightning.core.errors import InputError
+from lrattn_lightning.core.names import closest_names
 from lrattn_lightning.tools.compare.evals import cell_text, eval_columns, run_configs
 from lrattn_lightning.tools.compare.power import need_text, pooled_std, seeds_needed
 from lrattn_lightning.tools.compare.runs import search_all
@@ -135,12 +136,25 @@ class Row:
 
 
 # ---- reading MLflow --------------------------------------------------------------------------------
+def experiments_hint(client: Any, experiment: str) -> str:
+    """What the store holds instead of `experiment`: " (closest: a, b)", " (it holds: a, b, c, ...)" when
+    nothing is close, " (it holds no experiments)" for an empty store."""
+    names = [e.name for e in client.search_experiments(max_results=1000)]
+    close = closest_names(experiment, names, fill=False)
+    if close:
+        return f" (closest: {', '.join(close)})"
+    if not names:
+        return " (it holds no experiments)"
+    return f" (it holds: {', '.join(sorted(names)[:5])}{', ...' if len(names) > 5 else ''})"
+
+
 def read_runs(client: Any, experiment: str, sweep: str | None = None, curves: bool = True) -> list[RunRecord]:
     """The experiment's finished training runs, one per size, ablation, seed and recipe (the latest; the
     earlier ones in its `superseded`)."""
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
-        raise InputError(f"no MLflow experiment '{experiment}' at {client.tracking_uri}; check --experiment/--tracking_uri")
+        raise InputError(f"no MLflow experiment '{experiment}' at {client.tracking_uri}{experiments_hint(client, experiment)}; "
+                         "check --experiment/--tracking_uri")
     query = "attributes.status = 'FINISHED'" + (f" and tags.{Tag.SWEEP} = '{sweep}'" if sweep else "")
     same: dict[tuple, list[RunRecord]] = defaultdict(list)
     runs = search_all(client, exp.experiment_id, query)
