@@ -13,18 +13,12 @@ from typing import Any
 
 import numpy as np
 
+from lrattn_lightning.tools.compare.figures import save_figure
 from lrattn_lightning.tools.compare.scaling import LEVEL, Scaling
 
 
 def plot_scaling(result: Scaling, out: Path, title: str) -> list[Path]:
-    fig = scaling_figure(result, title)
-    paths = [out / "scaling.png", out / "scaling.svg"]
-    fig.savefig(paths[0], dpi=130, bbox_inches="tight")
-    fig.savefig(paths[1], bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return paths
+    return save_figure(scaling_figure(result, title), out, "scaling")
 
 
 def scaling_figure(result: Scaling, title: str) -> Any:
