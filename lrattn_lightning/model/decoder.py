@@ -61,15 +61,16 @@ def positions_rope(start: int, length: int, head_dim: int, theta: float, device:
     inline, Inductor fused the angles' cos and sin into every rotation that reads them, computing them again for
     every element of every layer forward and backward (140 ms of a 1.6 s step at `small` on an AVX2 CPU); as an op
     they are computed once a forward, with the same code."""
-    if torch.compiler.is_compiling():
-        return _rope_tables_op(start, length, head_dim, theta, device)
+    return (_rope_tables_op if torch.compiler.is_compiling() else _positions_tables)(start, length, head_dim, theta,
+                                                                                    device)
+
+
+def _positions_tables(start: int, length: int, head_dim: int, theta: float, device: torch.device
+                      ) -> tuple[Tensor, Tensor]:
     return rope_tables(*rope_angles(torch.arange(start, start + length, device=device), head_dim, theta))
 
 
-@torch.library.custom_op("lrattn::rope_tables", mutates_args=())
-def _rope_tables_op(start: int, length: int, head_dim: int, theta: float, device: torch.device
-                    ) -> tuple[Tensor, Tensor]:
-    return rope_tables(*rope_angles(torch.arange(start, start + length, device=device), head_dim, theta))
+_rope_tables_op = torch.library.custom_op("lrattn::rope_tables", _positions_tables, mutates_args=())
 
 
 @_rope_tables_op.register_fake

@@ -139,7 +139,10 @@ class Row:
 def experiments_hint(client: Any, experiment: str) -> str:
     """What the store holds instead of `experiment`: " (closest: a, b)", " (it holds: a, b, c, ...)" when
     nothing is close, " (it holds no experiments)" for an empty store."""
-    names = [e.name for e in client.search_experiments(max_results=1000)]
+    try:
+        names = [e.name for e in client.search_experiments(max_results=1000)]
+    except Exception:  # noqa: BLE001 (a hint only: the error it belongs to is raised either way)
+        return ""
     close = closest_names(experiment, names, fill=False)
     if close:
         return f" (closest: {', '.join(close)})"
