@@ -61,8 +61,9 @@ def positions_rope(start: int, length: int, head_dim: int, theta: float, device:
     inline, Inductor fused the angles' cos and sin into every rotation that reads them, computing them again for
     every element of every layer forward and backward (140 ms of a 1.6 s step at `small` on an AVX2 CPU); as an op
     they are computed once a forward, with the same code."""
-    return (_rope_tables_op if torch.compiler.is_compiling() else _positions_tables)(start, length, head_dim, theta,
-                                                                                    device)
+    if torch.compiler.is_compiling():
+        return _rope_tables_op(start, length, head_dim, theta, device)
+    return _positions_tables(start, length, head_dim, theta, device)
 
 
 def _positions_tables(start: int, length: int, head_dim: int, theta: float, device: torch.device

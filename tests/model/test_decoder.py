@@ -276,7 +276,6 @@ def test_rope_rotates_each_pair_bit_for_bit(dtype):
     assert not torch.equal(apply_rope(x, cos, -sin), expected)  # the sign of the rotation matters
 
 
-
 def test_a_compiled_forward_computes_the_rope_tables_once_through_their_op(registry):
     """Compiling, the decoder takes RoPE's tables from the opaque op `lrattn::rope_tables` (Inductor, tracing the
     angles inline, fused their cos and sin into every rotation: 140 ms of a 1.6 s step at `small` on an AVX2 CPU):
