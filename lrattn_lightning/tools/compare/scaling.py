@@ -15,10 +15,11 @@ best of a grid of E (each a linear fit of ln(L - E) against ln C).
 The interval is a percentile bootstrap over seeds: every resample draws each (method, size) cell's seeds with
 replacement, their deviations from the cell's mean scaled by sqrt(n / (n - 1)) so a resampled cell spreads as much
 as its seeds do (plain resampling of n = 3 seeds shrinks the variance by a third, the intervals with it), refits from
-the point fit and recomputes k; a seeded RNG makes a report reproducible. Its ends are expanded percentiles (as in
-Hesterberg's expanded percentile interval): at Phi(-t) and Phi(t), t Student's quantile for the seeds' pooled
-degrees of freedom, instead of 2.5 % and 97.5 %. On simulated ladders (4 sizes, 2 methods, 3 seeds,
-tests/tools/test_scaling.py) the nominal 95 % interval covers the true multiplier in about 92-94 % of studies.
+the point fit (every resample at once: _refits) and recomputes k; a seeded RNG makes a report reproducible. Its
+ends are expanded percentiles (as in Hesterberg's expanded percentile interval): at Phi(-t) and Phi(t), t
+Student's quantile for the seeds' pooled degrees of freedom, instead of 2.5 % and 97.5 %. On simulated ladders (4
+sizes, 2 methods, 3 seeds, tests/tools/test_scaling.py) the nominal 95 % interval covers the true multiplier in
+about 94-95 % of studies.
 
 No multiplier (one line saying why, and no fitted curve in the figure) when: the reference or every other method
 has fewer than MIN_POINTS distinct computes (E, A, alpha need three), the fit fails or runs into a bound of alpha
