@@ -55,6 +55,9 @@ for _folder in TEST_DIRS:
 EPS = torch.finfo(torch.float32).eps
 
 torch.set_num_threads(1)  # the test machine is small and shared; tiny models gain nothing from threads
+# ... and so for every process the tests start (an installed `lrattn`, lm-eval's CLI, scripts, servers): on two shared
+# cores a second intra-op thread only spin-waits (warm_cli's commands and the tests' sweep files set it already)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 _REGISTRY = load_registry(REGISTRY_PATH)
 ALL_ABLATIONS = list(_REGISTRY.ablations)
