@@ -19,7 +19,7 @@ from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
 from lrattn_lightning.model.registry import load_registry
-from lrattn_lightning.tools.compare.scaling import Point, _Data, _fit, _refits, analyse, fit_law
+from lrattn_lightning.tools.compare.scaling import Point, _Data, _fit, _refits, _solve, analyse, fit_law
 from lrattn_lightning.tools.sweep.file import SweepError, load_sweep
 from lrattn_lightning.train.schema import Artifact
 
@@ -124,6 +124,16 @@ def test_the_batched_refits_agree_with_scipys_least_squares(shared):
                 assert law_cost(data, shared, mine) <= law_cost(data, shared, theirs) * (1 + 1e-9)
                 assert np.allclose(mine, theirs, rtol=2e-3, atol=2e-4), (mine, theirs)
     assert agree >= 0.99 * total and both >= 0.6 * total, (agree, both, total)
+    # a row whose losses are not numbers is refused, and leaves the others as they were
+    losses[3] = np.nan
+    again, ok_again = _refits(data, losses, shared, theta)
+    assert not ok_again[3] and np.array_equal(ok_again[4:], ok[4:]) and np.allclose(again[ok_again], thetas[ok_again])
+
+
+def test_a_singular_step_is_the_least_squares_one_and_the_other_rows_are_solved():
+    a = np.array([np.eye(2), [[1.0, 1.0], [1.0, 1.0]]])  # the second row's system is singular
+    x = _solve(a, np.array([[1.0, 2.0], [2.0, 2.0]]))
+    assert np.allclose(x[0], [1.0, 2.0]) and np.allclose(x[1], [1.0, 1.0])  # the minimum-norm solution
 
 
 def test_the_bootstrap_is_reproducible():

@@ -348,8 +348,7 @@ def _refits(data: _Data, losses: np.ndarray, shared: bool, theta0: np.ndarray, i
         done |= (cosine.max(axis=1) <= 1e-10) | (damping > 1e14)
         if done.all():
             break
-        step = np.linalg.solve(jtj + damping[:, None, None] * np.einsum("rp,pq->rpq", scale, np.eye(jtj.shape[1])),
-                               -jtr[..., None])[..., 0]
+        step = _solve(jtj + damping[:, None, None] * np.einsum("rp,pq->rpq", scale, np.eye(jtj.shape[1])), -jtr)
         trial = np.clip(theta + step, lower, upper)
         r_new, g_new = residuals(trial)
         cost_new = np.sum(r_new * r_new, axis=1)
@@ -358,5 +357,14 @@ def _refits(data: _Data, losses: np.ndarray, shared: bool, theta0: np.ndarray, i
         damping = np.where(better, damping / 3, damping * 4)
     alphas = theta[:, 1:1 + na]
     at_bound = np.any((alphas <= ALPHA_BOUNDS[0] * 1.001) | (alphas >= ALPHA_BOUNDS[1] * 0.999), axis=1)
-    ok = done & np.all(np.isfinite(theta), axis=1) & ~at_bound & (theta[:, 0] < top - 1e-6 * np.abs(top))
-    return theta, ok
+    ok = done & np.isfinite(cost) & np.all(np.isfinite(theta), axis=1) & ~at_bound
+    return theta, ok & (theta[:, 0] < top - 1e-6 * np.abs(top))
+
+
+def _solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """x with a x = b for each row; where a row's system is singular or not finite, its least-squares x (or 0)."""
+    try:
+        return np.linalg.solve(a, b[..., None])[..., 0]
+    except np.linalg.LinAlgError:
+        return np.stack([np.linalg.pinv(x) @ y if np.all(np.isfinite(x)) else np.zeros_like(y)
+                         for x, y in zip(a, b, strict=True)])
