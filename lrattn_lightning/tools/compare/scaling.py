@@ -149,25 +149,13 @@ def _fit(data: _Data, shared: bool, start: np.ndarray | None = None
         return None, "no starting point: every grid value of E left a loss at or below it", None
     lower = np.r_[0.0, [ALPHA_BOUNDS[0]] * na, [-np.inf] * M]
     upper = np.r_[top, [ALPHA_BOUNDS[1]] * na, [np.inf] * M]
-    theta0 = np.array(theta0, dtype=float)  # strictly inside the bounds (a resample's smallest loss may be lower)
-    theta0[0] = min(max(theta0[0], 0.0), top * (1 - 1e-6))
-    theta0[1:1 + na] = np.clip(theta0[1:1 + na], ALPHA_BOUNDS[0] * 1.01, ALPHA_BOUNDS[1] * 0.99)
-    a_of = data.index if not shared else np.zeros_like(data.index)
-
-    def model(theta: np.ndarray) -> np.ndarray:
-        return np.exp(theta[1 + na + data.index] - theta[1 + a_of] * data.lx)
+    theta0 = _inside(np.asarray(theta0, dtype=float)[None], np.array([top]), na)[0]
 
     def residuals(theta: np.ndarray) -> np.ndarray:
-        return theta[0] + model(theta) - data.y
+        return theta[0] + _terms(data, na, theta[None])[0] - data.y
 
     def jacobian(theta: np.ndarray) -> np.ndarray:
-        g = model(theta)
-        jac = np.zeros((len(data.y), 1 + na + M))
-        rows = np.arange(len(data.y))
-        jac[:, 0] = 1.0
-        jac[rows, 1 + a_of] = -g * data.lx
-        jac[rows, 1 + na + data.index] = g
-        return jac
+        return _jacobian(data, na, _terms(data, na, theta[None]))[0]
 
     try:
         result = least_squares(residuals, theta0, jac=jacobian, bounds=(lower, upper), x_scale="jac")
@@ -177,11 +165,11 @@ def _fit(data: _Data, shared: bool, start: np.ndarray | None = None
     if not result.success or not np.all(np.isfinite(theta)):
         return None, f"the fit did not converge ({result.message})", None
     alphas = theta[1:1 + na]
-    at_bound = alphas[(alphas <= ALPHA_BOUNDS[0] * 1.001) | (alphas >= ALPHA_BOUNDS[1] * 0.999)]
-    if at_bound.size:
-        return None, (f"the fit ran into its bound alpha = {at_bound[0]:.3g} (allowed {ALPHA_BOUNDS[0]:g}-"
-                      f"{ALPHA_BOUNDS[1]:g}): the losses do not follow the law"), None
-    if theta[0] >= top - 1e-6 * abs(top):
+    alpha_at_bound, e_at_top = _at_bounds(theta[None], np.array([top]), na)
+    if alpha_at_bound.any():
+        return None, (f"the fit ran into its bound alpha = {alphas[alpha_at_bound[0]][0]:.3g} (allowed "
+                      f"{ALPHA_BOUNDS[0]:g}-{ALPHA_BOUNDS[1]:g}): the losses do not follow the law"), None
+    if e_at_top[0]:
         return None, f"the fit ran into its bound E = {theta[0]:.4f} (the smallest loss): no saturating law fits", None
     fit = LawFit(E=float(theta[0]), alpha={m: float(alphas[0 if shared else i]) for i, m in enumerate(methods)},
                  log_a={m: float(theta[1 + na + i]) for i, m in enumerate(methods)}, c0=data.c0,
@@ -201,11 +189,45 @@ def _start(data: _Data, na: int, top: float) -> np.ndarray | None:
         coef, *_ = np.linalg.lstsq(design, z, rcond=None)
         alphas = np.clip(coef[:na], ALPHA_BOUNDS[0] * 2, ALPHA_BOUNDS[1] / 2)
         theta = np.r_[E, alphas, coef[na:]]
-        a_of = data.index if na > 1 else np.zeros_like(data.index)
-        sse = float(np.sum((E + np.exp(theta[1 + na + data.index] - theta[1 + a_of] * data.lx) - data.y) ** 2))
+        sse = float(np.sum((E + _terms(data, na, theta[None])[0] - data.y) ** 2))
         if sse < best_sse:
             best, best_sse = theta, sse
     return best
+
+
+# The law's pieces for R parameter vectors at once, theta (R, 1 + na + M) = [E, alpha(s), ln A_m...] (na: 1 with a
+# shared alpha, else one per method): _fit (R = 1), _start and _refits.
+def _terms(data: _Data, na: int, theta: np.ndarray) -> np.ndarray:
+    """exp(ln A_m - alpha_m ln x) at every point: (R, n); the law is E + this."""
+    a_of = data.index if na > 1 else np.zeros_like(data.index)
+    return np.exp(theta[:, 1 + na + data.index] - theta[:, 1 + a_of] * data.lx)
+
+
+def _jacobian(data: _Data, na: int, terms: np.ndarray) -> np.ndarray:
+    """d(E + terms) / d theta: (R, n, 1 + na + M)."""
+    a_of = data.index if na > 1 else np.zeros_like(data.index)
+    R, n = terms.shape
+    jac = np.zeros((R, n, 1 + na + len(data.methods)))
+    rows = np.arange(n)
+    jac[:, :, 0] = 1.0
+    jac[:, rows, 1 + a_of] = -terms * data.lx
+    jac[:, rows, 1 + na + data.index] = terms
+    return jac
+
+
+def _inside(theta: np.ndarray, top: np.ndarray, na: int) -> np.ndarray:
+    """A copy strictly inside the bounds, E below each row's `top` (a resample's smallest loss may be lower)."""
+    theta = np.array(theta, dtype=float)
+    theta[:, 0] = np.clip(theta[:, 0], 0.0, top * (1 - 1e-6))
+    theta[:, 1:1 + na] = np.clip(theta[:, 1:1 + na], ALPHA_BOUNDS[0] * 1.01, ALPHA_BOUNDS[1] * 0.99)
+    return theta
+
+
+def _at_bounds(theta: np.ndarray, top: np.ndarray, na: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where a fit is refused: each alpha at a bound (R, na), E at the smallest loss (R,)."""
+    alphas = theta[:, 1:1 + na]
+    return ((alphas <= ALPHA_BOUNDS[0] * 1.001) | (alphas >= ALPHA_BOUNDS[1] * 0.999),
+            theta[:, 0] >= top - 1e-6 * np.abs(top))
 
 
 # ---- the analysis ----------------------------------------------------------------------------------
@@ -315,30 +337,23 @@ def _refits(data: _Data, losses: np.ndarray, shared: bool, theta0: np.ndarray, i
     a fit did not converge or ended where _fit refuses one (alpha at a bound, E at the smallest loss). Against _fit
     one resample at a time (scipy's least squares; tests/tools/test_scaling.py): the same resamples refused, a cost
     never higher, parameters equal to scipy's own tolerance; 150 resamples in ~0.05 s instead of ~0.7 s."""
-    M, (R, n) = len(data.methods), losses.shape
+    M, R = len(data.methods), len(losses)
     na = 1 if shared else M
-    a_of = data.index if not shared else np.zeros_like(data.index)
-    rows, lx = np.arange(n), data.lx
     top = losses.min(axis=1) * (1 - 1e-9)
     lower = np.r_[0.0, [ALPHA_BOUNDS[0]] * na, [-np.inf] * M]
     upper = np.tile(np.r_[np.inf, [ALPHA_BOUNDS[1]] * na, [np.inf] * M], (R, 1))
     upper[:, 0] = top
-    theta = np.tile(np.asarray(theta0, dtype=float), (R, 1))
-    theta[:, 0] = np.clip(theta[:, 0], 0.0, top * (1 - 1e-6))
-    theta[:, 1:1 + na] = np.clip(theta[:, 1:1 + na], ALPHA_BOUNDS[0] * 1.01, ALPHA_BOUNDS[1] * 0.99)
+    theta = _inside(np.tile(np.asarray(theta0, dtype=float), (R, 1)), top, na)
 
     def residuals(th: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        g = np.exp(th[:, 1 + na + data.index] - th[:, 1 + a_of] * lx)
+        g = _terms(data, na, th)
         return th[:, :1] + g - losses, g
 
     r, g = residuals(theta)
     cost, damping = np.sum(r * r, axis=1), np.full(R, 1e-3)
     done = np.zeros(R, dtype=bool)
     for _ in range(iterations):
-        jac = np.zeros((R, n, 1 + na + M))
-        jac[:, :, 0] = 1.0
-        jac[:, rows, 1 + a_of] = -g * lx
-        jac[:, rows, 1 + na + data.index] = g
+        jac = _jacobian(data, na, g)
         jtj, jtr = np.einsum("rnp,rnq->rpq", jac, jac), np.einsum("rnp,rn->rp", jac, r)
         scale = np.einsum("rpp->rp", jtj)
         # converged: the residuals orthogonal to every column of the Jacobian (MINPACK's gtol test) but those of
@@ -355,10 +370,8 @@ def _refits(data: _Data, losses: np.ndarray, shared: bool, theta0: np.ndarray, i
         better = (cost_new < cost) & ~done
         theta[better], r[better], g[better], cost[better] = trial[better], r_new[better], g_new[better], cost_new[better]
         damping = np.where(better, damping / 3, damping * 4)
-    alphas = theta[:, 1:1 + na]
-    at_bound = np.any((alphas <= ALPHA_BOUNDS[0] * 1.001) | (alphas >= ALPHA_BOUNDS[1] * 0.999), axis=1)
-    ok = done & np.isfinite(cost) & np.all(np.isfinite(theta), axis=1) & ~at_bound
-    return theta, ok & (theta[:, 0] < top - 1e-6 * np.abs(top))
+    alpha_at_bound, e_at_top = _at_bounds(theta, top, na)
+    return theta, done & np.isfinite(cost) & np.all(np.isfinite(theta), axis=1) & ~alpha_at_bound.any(axis=1) & ~e_at_top
 
 
 def _solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
