@@ -49,6 +49,18 @@ class SigtermAtStep(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class SlowRankZeroOnStop(Callback):
+    """Rank 0 takes `seconds` longer than the other ranks to end after a stop (a slow store or a large checkpoint):
+    they exit first, a while before it does."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_exception(self, trainer, pl_module, exception):
+        if trainer.global_rank == 0:
+            time.sleep(self.seconds)
+
+
 class BallastAtStep(Callback):
     """Make the checkpoint of step `step` large (`mb` tensors of 1 MiB), so writing it takes a while; touch
     `marker` first, so that a test can SIGKILL the process while the file is being written."""

@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"lrattn: error: {one_line(err)}", file=sys.stderr)
         return 2
+    finally:
+        stop.await_ranks()  # ranks this process launched and took out of Lightning's watch on a stop end first
 
 
 # ---- the small subcommands ----------------------------------------------------------------------

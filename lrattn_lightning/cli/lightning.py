@@ -301,4 +301,5 @@ def run_with_stops(start: Callable[[], LRAttnCLI], *, fit: bool, prefix: str = "
             print(f"lrattn: stopped by {how.name}{where}", file=sys.stderr)
         return how.exit_code
     finally:
+        stop.await_ranks()  # the ranks it launched and took out of Lightning's watch on a stop
         lock.release_run_locks()

@@ -175,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     fabric = Fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy)
     _LOADED[args.checkpoint] = ckpt  # rank 0 of a subprocess launch reuses it; spawned ranks load their own
     launcher = getattr(fabric.strategy, "launcher", None)
-    if getattr(launcher, "procs", None) is not None:  # a stop signal to this process goes on to the ranks it started
-        stop.PASS_ON.append(lambda signum: [p.send_signal(signum) for p in launcher.procs if p.poll() is None])
+    if getattr(launcher, "procs", None) is not None:  # a stop signal to this process goes on to the ranks it started,
+        stop.PASS_ON.append(lambda signum: _pass_on(launcher, signum))  # which it then awaits (stop.adopt_ranks)
     fabric.launch(_evaluate, args, data_dir)
     if stop.HELD_SIGNAL and fabric.global_rank == 0:  # it came while the results were being logged: they are whole
         print(f"[lrattn eval] {signal.Signals(stop.HELD_SIGNAL).name} came after the results were logged; nothing "
@@ -185,6 +185,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _LOADED: dict[str, LoadedCheckpoint] = {}
+
+
+def _pass_on(launcher: Any, signum: int) -> None:
+    for proc in launcher.procs:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+    stop.adopt_ranks(launcher)
 
 
 def eval_store(flag: str | None, ckpt: LoadedCheckpoint) -> str:

@@ -205,10 +205,13 @@ def ddp_uninterrupted(data, tmp_path_factory) -> list[tuple[int, float]]:
 def test_ddp_ranks_stop_together_on_a_sigterm_to_one_or_all_of_them(data, tmp_path, rank, ddp_uninterrupted):
     """2 gloo ranks; SIGTERM to rank 1 only, or to every rank (a process-group kill). The ranks agree on it
     at the end of the step in progress, save it and exit 143 (Lightning's handler broadcast from inside the
-    signal handler and could hang the ranks). The checkpoint resumes to the uninterrupted run's losses."""
+    signal handler and could hang the ranks). Rank 0 ends 6 s after rank 1 (SlowRankZeroOnStop): Lightning's
+    watch over the ranks it launched (a 5-s poll) would see rank 1's 143 first and SIGKILL rank 0 (exit -9).
+    The checkpoint resumes to the uninterrupted run's losses."""
     ddp = DDP
     stopped = run_cli(fit_args(data, *ddp, "--experiment", "stopped", "--config",
-                               hooks(tmp_path, "term.yaml", ("SigtermAtStep", {"step": 3, "rank": rank})),
+                               hooks(tmp_path, "term.yaml", ("SigtermAtStep", {"step": 3, "rank": rank}),
+                                     ("SlowRankZeroOnStop", {"seconds": 6})),
                                steps=6, every=4), tmp_path, timeout=400)
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     assert "lrattn: stopped by SIGTERM at step 4" in stopped.stderr

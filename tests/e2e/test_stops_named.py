@@ -241,15 +241,23 @@ def test_ctrl_c_stops_prepare_as_sigint(corpus, tmp_path, group):  # noqa: F811
 
 
 # ---- eval ---------------------------------------------------------------------------------------------------
-# `lrattn eval` with a pause before it scores (in every rank: `paused-RANK`), as a script: its ranks re-run it
+# `lrattn eval` with a pause before it scores (in every rank: `paused-RANK`), as a script: its ranks re-run it.
+# Stopped there, rank 0 of two ends 6 s after rank 1: Lightning's watch over the ranks it launched (a 5-s poll)
+# would see rank 1's exit first and SIGKILL rank 0.
 EVAL_PAUSED = """import os, sys, time
 from lrattn_lightning.eval import lm
 scoring = lm._Progress.__init__
 def paused(self, *args, **kwargs):
     folder = os.path.dirname(os.path.abspath(__file__))
-    open(os.path.join(folder, "paused-" + os.environ.get("LOCAL_RANK", "0")), "w").close()
-    while not os.path.exists(os.path.join(folder, "go")):
-        time.sleep(0.05)
+    rank = os.environ.get("LOCAL_RANK", "0")
+    open(os.path.join(folder, "paused-" + rank), "w").close()
+    try:
+        while not os.path.exists(os.path.join(folder, "go")):
+            time.sleep(0.05)
+    except BaseException:
+        if rank == "0" and sys.argv[sys.argv.index("--devices") + 1] != "1":
+            time.sleep(6)
+        raise
     scoring(self, *args, **kwargs)
 lm._Progress.__init__ = paused
 from lrattn_lightning.cli import main

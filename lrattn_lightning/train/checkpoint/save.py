@@ -244,6 +244,7 @@ class LastCheckpoint(ModelCheckpoint):
         self._stopped_by = self._agreed_signal(trainer)
         if self._stopped_by:
             trainer._signal_connector.received_sigterm = True
+            stop.adopt_ranks(self._launcher)  # (every rank is still here: none has exited yet)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._step_at_batch_start = trainer.global_step
@@ -295,6 +296,7 @@ class LastCheckpoint(ModelCheckpoint):
             return
         if not isinstance(exception, SIGTERMException):
             return  # a crash (OOM, a bug) keeps the last checkpoint instead of saving a state of unknown worth
+        stop.adopt_ranks(self._launcher)  # (stopped by Lightning's own handler, before the ranks could agree)
         if self._unsaved(trainer) and trainer.global_step > 0:  # the signal came during validation: the
             self._save_now(trainer)                              # checkpoint resumes into it (on_save_checkpoint)
         signum = self._stopped_by or signal.SIGTERM  # (Lightning's own handler, before training started)

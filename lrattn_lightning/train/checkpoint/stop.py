@@ -7,6 +7,8 @@
     NonFiniteLossError, Divergence, LAST_DIVERGENCE   a non-finite loss, and which checkpoint is the last finite one
     stop_signals_raise  for a command with nothing to save (`lrattn eval`): inside, a stop signal raises StopSignal
                         (128 + its number, one line), except within `held()`, where it waits for the end (logging)
+    adopt_ranks, await_ranks   on a stop, rank 0 takes the ranks it launched out of Lightning's watch (which would
+                        SIGKILL it when one of them exits 128 + N first) and waits for them before it exits
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import contextlib
 import os
 import signal
 import stat
+import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,6 +157,36 @@ def held() -> Iterator[None]:
         yield
     finally:
         _HOLD = False
+
+
+# ---- the ranks this process launched --------------------------------------------------------------------
+# Lightning's launcher watches the ranks it started from a thread (a poll every 5 s) and SIGKILLs them and
+# itself as soon as one has exited non-zero. Meant for a crashed rank, it also ended a stop whenever rank 1
+# exited 143 while rank 0 still worked (a slow store, a large checkpoint): rank 0 died by SIGKILL (-9), with no
+# line, the MLflow run left RUNNING and no 143 for a scheduler's requeue.
+ADOPTED: list[subprocess.Popen] = []  # the ranks this process launched, out of Lightning's watch; awaited
+
+
+def adopt_ranks(launcher: Any) -> None:
+    """The ranks agreed to stop: take those `launcher` started out of its watch (the watcher reads the launcher's
+    own list, and an empty one reads as "all finished"); await_ranks() waits for them instead."""
+    procs = getattr(launcher, "procs", None)
+    if isinstance(procs, list) and procs:
+        ADOPTED.extend(procs)
+        procs.clear()
+
+
+def await_ranks(timeout: float = 120.0) -> None:
+    """Wait for the adopted ranks to end (they save and stop as this one does); SIGKILL any still running after
+    `timeout` seconds, as Lightning's watch would have."""
+    deadline = time.monotonic() + timeout
+    while ADOPTED:
+        proc = ADOPTED.pop()
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 class NonFiniteLossError(RuntimeError):
