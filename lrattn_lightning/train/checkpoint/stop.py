@@ -162,8 +162,8 @@ def held() -> Iterator[None]:
 # ---- the ranks this process launched --------------------------------------------------------------------
 # Lightning's launcher watches the ranks it started from a thread (a poll every 5 s) and SIGKILLs them and
 # itself as soon as one has exited non-zero. Meant for a crashed rank, it also ended a stop whenever rank 1
-# exited 143 while rank 0 still worked (a slow store, a large checkpoint): rank 0 died by SIGKILL (-9), with no
-# line, the MLflow run left RUNNING and no 143 for a scheduler's requeue.
+# exited 143 while rank 0 still worked (a slow store, a large checkpoint): rank 0 died by SIGKILL (-9) wherever
+# it was (before its line, or before it closed the MLflow run), and no 143 reached a scheduler's requeue.
 ADOPTED: list[subprocess.Popen] = []  # the ranks this process launched, out of Lightning's watch; awaited
 
 
