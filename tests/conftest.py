@@ -35,6 +35,11 @@ if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN or os.environ.get("LRATTN_T
     os.environ["LRATTN_TESTS_NOHUP"] = "1"
     signal.signal(signal.SIGHUP, lambda signum, frame: None)
 
+# lm-eval sets this (setdefault) when it is imported, and huggingface_hub reads it when it is imported: set from
+# the start, the environment the tests give their commands does not change once a test has imported lm-eval (which
+# made each warm server started after that one more, tests/warm_cli.py). No command here downloads anything.
+os.environ.setdefault("HF_XET_HIGH_PERFORMANCE", "1")
+
 # Where things are, for every test module wherever its folder (tests/ mirrors lrattn_lightning/: tests/model/routing/
 # holds the routing kinds' tests, tests/e2e/ the tests whose point is real processes): a test module takes paths from
 # here, never from its own `__file__`.

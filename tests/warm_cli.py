@@ -19,7 +19,8 @@ poll, wait, send_signal) for a process that is not its child. Lightning's rank-z
 environment when Lightning is imported, is computed again in each forked process.
 
 A server is started for each environment the commands come with, compared on the variables a library may
-read at import time (all but WARM_VARIES), at most MAX_SERVERS per test process. A command starts cold (a plain
+read at import time (all but WARM_VARIES; PYTHONPATH by where the preloaded packages are found under it, and a
+forked command gets the sys.path its own PYTHONPATH makes), at most MAX_SERVERS per test process. A command starts cold (a plain
 `subprocess.run`) beyond those, when a test needs a pre-exec hook, a new session or another interpreter (such
 tests call subprocess themselves), or everywhere with LRATTN_TESTS_COLD=1. The cold path is what an installed user's `lrattn` is, and
 tests/e2e/test_packaging.py runs it from an installed wheel outside the checkout.
@@ -50,7 +51,11 @@ WARM_VARIES = ("TMPDIR", "PYTEST_CURRENT_TEST", "COLUMNS", "LINES",
                # what a rank launch sets (Lightning's launcher) or a command sets for itself before it launches
                "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED", "PL_SEED_WORKERS",
                "MLFLOW_DISABLE_TELEMETRY", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "TQDM_DISABLE",
-               "HF_DATASETS_DISABLE_PROGRESS_BARS")
+               "HF_DATASETS_DISABLE_PROGRESS_BARS",
+               # read when a request is made or a logger starts; `lrattn` sets the first five (setdefault) in the
+               # process that runs it, the test process included, whose later commands then carry them
+               "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER",
+               "MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "LRATTN_TRACKING_RETRY_S")
 WARM_VARIES_PREFIXES = ("AWS_", "LRATTN_CACHE_DIR", "MLFLOW_TRACKING_URI")
 # (MLflow's sqlite store and GitPython are imported when a command first opens its store: 2 s of a 7 s tiny fit)
 PRELOAD = ("lightning.pytorch", "torchmetrics", "mlflow", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store",
@@ -77,22 +82,45 @@ def _varies(name: str) -> bool:
     return name in WARM_VARIES or name.startswith(WARM_VARIES_PREFIXES)
 
 
-def _fixed(env: dict[str, str]) -> dict[str, str]:
-    """The variables a library may read at import, PYTHONPATH as the sys.path it makes: a folder named again
-    further on changes no import (the sweep puts the package's folder first, where the tests' path has it too)."""
-    fixed = {k: v for k, v in env.items() if not _varies(k)}
-    if "PYTHONPATH" in fixed:
-        fixed["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(fixed["PYTHONPATH"].split(os.pathsep)))
+def _fixed(env: dict[str, str], cwd: str | Path | None = None) -> dict[str, str]:
+    """The variables a library may read at import, with PYTHONPATH as where the preloaded packages come from under
+    it (in `cwd`, which its relative folders name): a command whose PYTHONPATH differs otherwise (the sweep's fits
+    have the checkout alone, a test its own folder of modules) is served too, with its own sys.path (_become)."""
+    fixed = {k: v for k, v in env.items() if not _varies(k) and k != "PYTHONPATH"}
+    fixed["PYTHONPATH"] = json.dumps(_preloaded_from(env.get("PYTHONPATH"), str(cwd or os.getcwd())))
     return fixed
 
 
-def _say_cold(command: list[str], env: dict[str, str]) -> None:
-    """With LRATTN_TESTS_WARM_DEBUG set, a command started cold is one line: on stderr, or appended to the file
-    the variable names (a path: the whole suite's cold starts, with the test and the variables that kept it cold)."""
+def _path_entries(pythonpath: str | None, cwd: str) -> list[str]:
+    """The folders Python puts on sys.path for PYTHONPATH, started in `cwd`: absolute (an empty entry is cwd),
+    each once, in order."""
+    if not pythonpath:
+        return []
+    return list(dict.fromkeys(os.path.normpath(os.path.join(cwd, entry)) for entry in pythonpath.split(os.pathsep)))
+
+
+def _preloaded_from(pythonpath: str | None, cwd: str) -> dict[str, str | None]:
+    """Where each preloaded top-level package is found under PYTHONPATH: a folder on it that holds the package,
+    else where the interpreter finds it without PYTHONPATH (site-packages, the editable install)."""
+    import importlib.machinery
+    import importlib.util
+
+    entries = _path_entries(pythonpath, cwd)
+    found = {}
+    for name in dict.fromkeys(module.split(".")[0] for module in PRELOAD):
+        spec = importlib.machinery.PathFinder.find_spec(name, entries) or importlib.util.find_spec(name)
+        found[name] = spec.origin if spec is not None else None
+    return found
+
+
+def _say_cold(command: list[str], env: dict[str, str], cwd: str | Path | None = None) -> None:
+    """With LRATTN_TESTS_WARM_DEBUG set, a command started cold (or a server) is one line: on stderr, or appended to
+    the file the variable names (a path: the whole suite's cold starts, with the test and the variables that kept it
+    cold, or that the new server is for)."""
     where = os.environ.get("LRATTN_TESTS_WARM_DEBUG")
     if not where:
         return
-    fixed, served = _fixed(env), _SERVING.get("env") or _fixed(cli_env())
+    fixed, served = _fixed(env, cwd), _SERVING.get("env") or _fixed(cli_env())
     differ = {k: (served.get(k), fixed.get(k)) for k in sorted(set(fixed) | set(served)) if served.get(k) != fixed.get(k)}
     line = f"warm_cli: cold: {command[:4]} {os.environ.get('PYTEST_CURRENT_TEST', '')} {differ}"
     if os.sep not in where:
@@ -105,6 +133,7 @@ def _say_cold(command: list[str], env: dict[str, str]) -> None:
 class _Server:
     def __init__(self, env: dict[str, str]) -> None:
         self.env = _fixed(env)
+        _say_cold(["(a server starts)"], env)
         self.folder = tempfile.mkdtemp(prefix="lrattn-warm-")
         self.path = os.path.join(self.folder, "socket")
         self.proc = subprocess.Popen([sys.executable, __file__, self.path], env=env, stdin=subprocess.DEVNULL,
@@ -137,13 +166,13 @@ def _busy(server: _Server) -> bool:
         return False
 
 
-def _server(env: dict[str, str]) -> _Server | None:
+def _server(env: dict[str, str], cwd: str | Path | None = None) -> _Server | None:
     """A server of this test process whose import-time environment is `env`'s (started on first use). At
     MAX_SERVERS, the least recently used idle server but cli_env()'s is closed for it; None (cold) when all
     are busy."""
     if os.environ.get("LRATTN_TESTS_COLD") == "1":
         return None
-    key = json.dumps(_fixed(env), sort_keys=True)
+    key = json.dumps(_fixed(env, cwd), sort_keys=True)
     if key not in _SERVERS:
         canonical = json.dumps(_fixed(cli_env()), sort_keys=True)
         others = [k for k in _SERVERS if k != canonical]
@@ -193,9 +222,9 @@ def run(cmd: list[str], *, cwd: Path | str, env: dict[str, str], timeout: float 
     assert capture_output and text, "warm_cli.run captures text output, as the tests' helpers do"
     server = None
     if cmd[:2] == [sys.executable, "-m"] and len(cmd) > 2 and (cmd[2] == MODULE or cmd[2].startswith(PROBE)):
-        server = _server(env)
+        server = _server(env, cwd)
     if server is None:
-        _say_cold(cmd, env)
+        _say_cold(cmd, env, cwd)
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, input=input)
     with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         if input is not None:
@@ -232,6 +261,8 @@ def _serve(path: str) -> tuple[dict, list[int]]:
     import importlib
 
     _SERVING.update(path=path, env=_fixed(dict(os.environ)))
+    mine = _path_entries(os.environ.get("PYTHONPATH"), os.getcwd())  # (started in the test process's folder)
+    _SERVING["base"] = [entry for entry in sys.path[1:] if entry not in mine]  # sys.path without PYTHONPATH
     atexit.register(_end_without_teardown)  # first registered, so in a command's process it runs last
 
     if sys.platform.startswith("linux"):  # the server ends with the pytest process that started it
@@ -301,7 +332,8 @@ def _become(request: dict, fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     tempfile.tempdir = None  # TMPDIR of this command, not the server's
-    sys.path[0] = request["cwd"]  # as `python -m` puts the working folder first
+    entries = _path_entries(request["env"].get("PYTHONPATH"), request["cwd"])  # as `python -m` in cwd with ENV:
+    sys.path[:] = [request["cwd"], *entries, *(p for p in _SERVING["base"] if p not in entries)]  # cwd, PYTHONPATH
     sys.argv = [request["module"], *request["argv"]]  # (argv[0] becomes the module's file, as -m makes it)
     _as_imported_here()
 
@@ -339,12 +371,12 @@ class Launches:
                 stdin in (None, subprocess.DEVNULL) and stdout in (None, subprocess.PIPE, subprocess.DEVNULL) and \
                 stderr in (None, subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL):
             if _SERVING:  # in a command forked from the server
-                path = _SERVING["path"] if _fixed(env) == _SERVING["env"] else None
+                path = _SERVING["path"] if _fixed(env, cwd) == _SERVING["env"] else None
             else:  # in the test process
-                server = _server(env)
+                server = _server(env, cwd)
                 path = server.path if server is not None else None
         if path is None:
-            _say_cold(command, env)
+            _say_cold(command, env, cwd)
             return subprocess.Popen(command, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
                                     errors=errors, **kwargs)
         return _Forked(path, command, env, cwd or os.getcwd(), stdin, stdout, stderr, text, errors)

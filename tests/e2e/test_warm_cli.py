@@ -174,3 +174,44 @@ def own_lines(stderr: str) -> list[str]:
     lines = stderr.splitlines()
     mine = [i for i, line in enumerate(lines) if f"{warm_cli.PROBE}_ending.py" in line]
     return lines[mine[0]:] if mine else lines
+
+
+PATH_PROBE = """import json, sys
+import my_own_module
+print(json.dumps({"path": list(dict.fromkeys(sys.path)), "mine": my_own_module.__file__}))
+"""
+
+
+@pytest.mark.parametrize("pythonpath", ["mods", "mods:", "", None, "{repo}:mods"])
+def test_a_command_with_another_pythonpath_is_served_with_its_own_sys_path(pythonpath, tmp_path):
+    """The sweep's fits name the checkout alone, a test its own folder of modules: such a PYTHONPATH finds the
+    preloaded packages where cli_env()'s does, so the same server forks the command, with the sys.path (in order,
+    each folder once) and imports that a fresh `python -m` in that folder with that environment has."""
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "my_own_module.py").write_text("")
+    (tmp_path / "my_own_module.py").write_text("")  # what the command's folder (first on sys.path) gives
+    (tmp_path / f"{warm_cli.PROBE}_path.py").write_text(PATH_PROBE)
+    env = warm_cli.cli_env()
+    server = warm_cli._server(env)
+    if pythonpath is None:
+        env.pop("PYTHONPATH")
+    else:
+        env["PYTHONPATH"] = pythonpath.format(repo=warm_cli.REPO)
+    assert warm_cli._server(env, tmp_path) is server  # the same server, no other started
+    cmd = [sys.executable, "-m", f"{warm_cli.PROBE}_path"]
+    warm = warm_cli.run(cmd, cwd=tmp_path, env=env, timeout=120)
+    cold = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert warm.returncode == cold.returncode == 0, (warm.stderr[-2000:], cold.stderr[-2000:])
+    assert json.loads(warm.stdout) == json.loads(cold.stdout)
+    assert str(tmp_path / "mods") in json.loads(cold.stdout)["path"] or not pythonpath
+
+
+def test_a_pythonpath_that_moves_a_preloaded_package_gets_its_own_server(tmp_path):
+    """A folder on PYTHONPATH that holds a package the server imported (here `git`) would change that import:
+    such a command is not forked from cli_env()'s server."""
+    (tmp_path / "pkgs" / "git").mkdir(parents=True)
+    (tmp_path / "pkgs" / "git" / "__init__.py").write_text("")
+    env = warm_cli.cli_env()
+    moved = {**env, "PYTHONPATH": f"pkgs:{env['PYTHONPATH']}"}  # (relative: to the command's folder)
+    assert warm_cli._fixed(moved, tmp_path) != warm_cli._fixed(env, tmp_path)
+    assert warm_cli._fixed({**env, "PYTHONPATH": str(warm_cli.REPO)}, tmp_path) == warm_cli._fixed(env, tmp_path)
