@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -16,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import lightning  # noqa: F401  (its log handler binds sys.stderr at import: not a test's captured, later closed one)
+import numpy as np
 import pytest
 import torch
 
@@ -114,6 +117,21 @@ def prepared_corpus(tmp_path_factory, documents: int, cloze_items: int = 0, perp
     prepare(source="stdlib-docs", out_dir=out, tokenizer="byte", max_documents=documents, val_fraction=0.1,
             cloze_items=cloze_items, perplexity_documents=perplexity_documents)
     return out
+
+
+def read_back(out: Path) -> collections.Counter:
+    """The documents in the shards of both splits of a byte-tokenised `prepare` output, read from the chunk files
+    themselves (litdata's layout: a header, then uint16 ids; a document is its UTF-8 bytes, then EOS = 256)."""
+    found: collections.Counter = collections.Counter()
+    for side in ("train", "val"):
+        index = json.loads((out / side / "index.json").read_text())
+        parts = [np.fromfile(out / side / c["filename"], dtype=np.uint16)[(c["chunk_size"] + 2) * 2 :]
+                 for c in index["chunks"]]
+        stream = np.concatenate(parts) if parts else np.zeros(0, np.uint16)
+        assert stream.size == 0 or stream[-1] == 256, "a split ends with a document's EOS"
+        for ids in np.split(stream, np.flatnonzero(stream == 256) + 1)[:-1]:
+            found[bytes(ids[:-1].astype(np.uint8)).decode("utf-8")] += 1
+    return found
 
 
 @pytest.fixture(scope="module")
