@@ -7,6 +7,7 @@ query of each site) is checked against the reference router on CPU with non-zero
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
 import json
 import subprocess
@@ -33,7 +34,9 @@ def _load():
     return module
 
 
-gpu_check = _load()
+gpu_check = _load()  # (which puts benchmarks/ on sys.path: the script's parts lie beside it)
+gpu_check_arms = importlib.import_module("gpu_check_arms")
+gpu_check_report = importlib.import_module("gpu_check_report")
 
 
 def contract_op(sources, query, eps=2.0**-23, scale=1.0):
@@ -48,12 +51,12 @@ def contract_op(sources, query, eps=2.0**-23, scale=1.0):
 @pytest.mark.parametrize("name", ["s-lr-block-n8-r64", "attnres-block-n8", "attnres-full"])
 def test_package_router_matches_reference(name):
     cfg = ModelConfig(SIZE, fit_to_size(REGISTRY.ablation(name), SIZE))
-    assert gpu_check.contract_mismatch(cfg, "fast-attnres") is None
+    assert gpu_check_arms.contract_mismatch(cfg, "fast-attnres") is None
     torch.manual_seed(0)
     ref = build_decoder(cfg, impl="reference")
     with torch.no_grad():
         ref.router.queries.normal_(std=0.5)
-    arm = gpu_check.build_model(cfg, "fast", torch.device("cpu"), contract_op)
+    arm = gpu_check_arms.build_model(cfg, "fast", torch.device("cpu"), contract_op)
     arm.load_state_dict(ref.state_dict())
     idx = torch.randint(0, SIZE.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     out = {}
@@ -70,22 +73,22 @@ def test_contracts():
     def cfg(name):
         return REGISTRY.model("paper-0.5b", name)
 
-    assert gpu_check.contract_mismatch(cfg("s-lr-block-n8-r64"), "fast-attnres") is None
-    assert "key_source" in gpu_check.contract_mismatch(cfg("s-lr-block-n8-r64"), "liger")
+    assert gpu_check_arms.contract_mismatch(cfg("s-lr-block-n8-r64"), "fast-attnres") is None
+    assert "key_source" in gpu_check_arms.contract_mismatch(cfg("s-lr-block-n8-r64"), "liger")
     for name in ("attnres-block-n8", "attnres-full"):
-        assert gpu_check.contract_mismatch(cfg(name), "liger") is None
-        assert gpu_check.contract_mismatch(cfg(name), "fast-attnres") is None
+        assert gpu_check_arms.contract_mismatch(cfg(name), "liger") is None
+        assert gpu_check_arms.contract_mismatch(cfg(name), "fast-attnres") is None
     for package in ("flash-attn-res", "fla"):  # standard AttnRes only, like Liger's
-        assert "key_source" in gpu_check.contract_mismatch(cfg("s-lr-block-n8-r64"), package)
+        assert "key_source" in gpu_check_arms.contract_mismatch(cfg("s-lr-block-n8-r64"), package)
         for name in ("attnres-block-n8", "attnres-full"):
-            assert gpu_check.contract_mismatch(cfg(name), package) is None
+            assert gpu_check_arms.contract_mismatch(cfg(name), package) is None
     odd = dataclasses.replace(cfg("attnres-full"), size=dataclasses.replace(REGISTRY.size("paper-0.5b"), d_model=768))
-    assert "power of two" in gpu_check.contract_mismatch(odd, "flash-attn-res")  # its kernel has no D mask
-    assert gpu_check.contract_mismatch(odd, "fla") is None
+    assert "power of two" in gpu_check_arms.contract_mismatch(odd, "flash-attn-res")  # its kernel has no D mask
+    assert gpu_check_arms.contract_mismatch(odd, "fla") is None
     for package in gpu_check.PACKAGES:
-        assert "projected" in gpu_check.contract_mismatch(cfg("p-lr-block-n8-r32"), package)
-        assert gpu_check.contract_mismatch(cfg("s-lr-block-n8-r64-refdefault"), package) is not None  # means, prior
-        assert "depth_heads" in gpu_check.contract_mismatch(cfg("s-lr-block-n8-r64-h4"), package)
+        assert "projected" in gpu_check_arms.contract_mismatch(cfg("p-lr-block-n8-r32"), package)
+        assert gpu_check_arms.contract_mismatch(cfg("s-lr-block-n8-r64-refdefault"), package) is not None  # means, prior
+        assert "depth_heads" in gpu_check_arms.contract_mismatch(cfg("s-lr-block-n8-r64-h4"), package)
 
 
 def test_dry_run(tmp_path):
@@ -116,13 +119,13 @@ def test_parity_check_runs_and_flags_a_wrong_operator():
     """The on-device parity check, run on CPU with the contract stand-in (passes) and a wrong operator (fails)."""
     args = gpu_check.parse_args(["--dry-run"])
     cpu = torch.device("cpu")
-    good = gpu_check.parity(REGISTRY, args, cpu, "s-lr-block-n8-r64", contract_op)
+    good = gpu_check_arms.parity(REGISTRY, args, cpu, "s-lr-block-n8-r64", contract_op)
     assert good["ok"] and good["worst_rel_err_package"] < 0.1
 
     def uniform(sources, query):  # ignores the query: routing always uniform
         return torch.stack(sources).float().mean(0)
 
-    assert not gpu_check.parity(REGISTRY, args, cpu, "s-lr-block-n8-r64", uniform)["ok"]
+    assert not gpu_check_arms.parity(REGISTRY, args, cpu, "s-lr-block-n8-r64", uniform)["ok"]
 
 
 @pytest.mark.parametrize("flags, says", [(["--modes", "eagr"], "--modes: unknown 'eagr'"),
@@ -143,12 +146,12 @@ def test_compile_table_of_the_gpus_architecture():
     """The GPU run's compile table, here for sm_90 at size small and one entry: every kernel it launches (block
     reads two-phase) compiled, one row per (kernel, width, dtype), within the register budget."""
     pytest.importorskip("triton")
-    table = gpu_check.compile_table(REGISTRY, ["small"], torch.device("cpu"), 90, 1, entries=["s-lr-block-size4-r64"])
+    table = gpu_check_report.compile_table(REGISTRY, ["small"], torch.device("cpu"), 90, 1, entries=["s-lr-block-size4-r64"])
     assert table["unsupported"] is None and table["failures"] == [] and table["specs"] >= 6
     rows = {(r["kernel"], r["dtype"]) for r in table["summary"]}
     assert {k for k, _ in rows} == {"read_fwd", "read_bwd", "group_fwd", "group_bwd", "merge_fwd", "merge_bwd"}
     assert all(0 < r["regs"] <= 128 and r["programs_per_sm"] >= 1 for r in table["summary"])
-    md = gpu_check.compile_markdown({"triton_compile": table, "triton_jit": []})
+    md = gpu_check_report.compile_markdown({"triton_compile": table, "triton_jit": []})
     assert any(line.startswith("| group_bwd | 128 | bf16-autocast |") for line in md)
 
 
