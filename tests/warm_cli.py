@@ -137,8 +137,9 @@ class _Server:
         _say_cold(["(a server starts)"], env)
         self.folder = tempfile.mkdtemp(prefix="lrattn-warm-")
         self.path = os.path.join(self.folder, "socket")
-        self.proc = subprocess.Popen([sys.executable, str(TESTS / "warm_server.py"), self.path], env=env, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.folder, "log"), "w"))
+        self.proc = subprocess.Popen([sys.executable, str(TESTS / "warm_server.py"), self.path], env=env,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=open(os.path.join(self.folder, "log"), "w"))
         # its imports take ~15 s of CPU; on a 2-core machine loaded 4-fold (seen) more than 120 s of wall clock
         deadline = time.monotonic() + 600
         while not os.path.exists(self.path + ".ready"):
