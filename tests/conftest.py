@@ -119,19 +119,27 @@ def prepared_corpus(tmp_path_factory, documents: int, cloze_items: int = 0, perp
     return out
 
 
+def split_ids(out: Path, side: str) -> np.ndarray:
+    """The token ids of one split of a `prepare` output, read from the chunk files themselves (litdata's layout:
+    a header of chunk_size + 2 uint32, then the uint16 ids)."""
+    index = json.loads((out / side / "index.json").read_text())
+    parts = [np.fromfile(out / side / c["filename"], dtype=np.uint16)[(c["chunk_size"] + 2) * 2 :]
+             for c in index["chunks"]]
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint16)
+
+
+def split_documents(out: Path, side: str) -> list[str]:
+    """The documents of one split of a byte-tokenised `prepare` output, in order (a document is its UTF-8 bytes,
+    then EOS = 256)."""
+    stream = split_ids(out, side)
+    assert stream.size == 0 or stream[-1] == 256, "a split ends with a document's EOS"
+    documents = np.split(stream, np.flatnonzero(stream == 256) + 1)[:-1]
+    return [bytes(ids[:-1].astype(np.uint8)).decode("utf-8") for ids in documents]
+
+
 def read_back(out: Path) -> collections.Counter:
-    """The documents in the shards of both splits of a byte-tokenised `prepare` output, read from the chunk files
-    themselves (litdata's layout: a header, then uint16 ids; a document is its UTF-8 bytes, then EOS = 256)."""
-    found: collections.Counter = collections.Counter()
-    for side in ("train", "val"):
-        index = json.loads((out / side / "index.json").read_text())
-        parts = [np.fromfile(out / side / c["filename"], dtype=np.uint16)[(c["chunk_size"] + 2) * 2 :]
-                 for c in index["chunks"]]
-        stream = np.concatenate(parts) if parts else np.zeros(0, np.uint16)
-        assert stream.size == 0 or stream[-1] == 256, "a split ends with a document's EOS"
-        for ids in np.split(stream, np.flatnonzero(stream == 256) + 1)[:-1]:
-            found[bytes(ids[:-1].astype(np.uint8)).decode("utf-8")] += 1
-    return found
+    """The documents in the shards of both splits of a byte-tokenised `prepare` output."""
+    return collections.Counter(split_documents(out, "train") + split_documents(out, "val"))
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import split_documents
 
 from lrattn_lightning.cli import main as lrattn_main
 from lrattn_lightning.data.corpora import iter_documents
@@ -127,11 +128,7 @@ def test_shards_hold_exactly_the_documents(documents, reference):
     assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == len(documents)
     seen = []
     for split in ("train", "val"):
-        index = json.loads((reference / split / "index.json").read_text())
-        stream = np.concatenate([np.fromfile(reference / split / c["filename"], dtype=np.uint16)[(c["chunk_size"] + 2) * 2:]
-                                 for c in index["chunks"]])
-        pieces = np.split(stream, np.flatnonzero(stream == 256) + 1)[:-1]
-        seen += [bytes(p[:-1].astype(np.uint8)).decode("utf-8") for p in pieces]
+        seen += split_documents(reference, split)
     assert sorted(seen) == sorted(documents)
 
 
@@ -266,10 +263,7 @@ def test_rare_undecodable_bytes_are_a_warning_saying_how_many_and_where(tmp_path
 
 
 def _val_texts(out: Path) -> list[str]:
-    index = json.loads((out / "val" / "index.json").read_text())
-    stream = np.concatenate([np.fromfile(out / "val" / c["filename"], dtype=np.uint16)[(c["chunk_size"] + 2) * 2:]
-                             for c in index["chunks"]])
-    return [bytes(p[:-1].astype(np.uint8)).decode() for p in np.split(stream, np.flatnonzero(stream == 256) + 1)[:-1]]
+    return split_documents(out, "val")
 
 
 def test_the_split_is_by_document_whatever_the_file_layout(documents, tmp_path):

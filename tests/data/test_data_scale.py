@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO_ROOT, read_back
+from conftest import REPO_ROOT, read_back, split_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -316,9 +316,7 @@ def test_a_long_document_in_pieces_has_the_tokens_of_the_whole(small, tmp_path):
     prepare(write(texts, "jsonl", tmp_path / "in"), out, tokenizer=f"hf:{tok_path}",
             val_source=write(["held out"], "jsonl", tmp_path / "v"), **QUICK)
     tok = load_tokenizer(f"hf:{tok_path}")
-    index = json.loads((out / "train" / "index.json").read_text())
-    stream = np.concatenate([np.fromfile(out / "train" / c["filename"], dtype=np.uint16)[(c["chunk_size"] + 2) * 2 :]
-                             for c in index["chunks"]])
+    stream = split_ids(out, "train")
     want = np.concatenate([np.array([*tok.encode(t), tok.eos_id], dtype=np.uint16) for t in texts])
     assert np.array_equal(stream, want)  # 3000 characters: 24 pieces each, every cut harmless
 
