@@ -1,4 +1,12 @@
-"""Files the package reads: YAML (strictly: a duplicated key is an error) and what ships inside the wheel.
+"""Files the package reads: YAML (strictly: a duplicated key is an error) and what ships inside the wheel; and how
+it writes files without following a link planted where one of them goes.
+
+Every file `lrattn` creates or replaces (locks, temporaries, checkpoints, exports, prepared shards and metadata,
+reports) goes through the writers at the end of this module: a new file is opened O_CREAT|O_EXCL|O_NOFOLLOW (never
+an existing file, never a link's target; a hard link planted there is not written either), a replaced one is such
+a new temporary beside it renamed over it, and a path that is a symbolic link or not a regular file is refused in
+one line (`LinkError`) naming it and the fix. On a shared project folder, whoever can write into a run folder can
+plant `.lock -> ~victim/precious`; a plain open() would truncate precious.
 
 Every YAML `lrattn` reads (registries, recipes and `--config` files, sweep files, task files, YAML values on the
 command line: cli/lightning.py hands jsonargparse `check_yaml_limits`) is first composed into PyYAML's node
@@ -20,10 +28,15 @@ recursion limit.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import secrets
+import stat
 import sys
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import yaml
 
@@ -186,3 +199,138 @@ def check_yaml_limits(text: str, where: str | Path) -> None:
         return
     finally:
         loader.dispose()
+
+
+# ---- writing: never through a link ----------------------------------------------------------------------------
+class LinkError(InputError):
+    """A path `lrattn` would write is a symbolic link or not a regular file: refused, never followed."""
+
+
+_NO_FOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a named pipe", stat.S_IFSOCK: "a socket",
+          stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
+
+
+def _refusal(path: Path | str, what: str, mode: int) -> LinkError:
+    if stat.S_ISLNK(mode):
+        try:
+            to = f" to {os.readlink(path)}"
+        except OSError:
+            to = ""
+        return LinkError(f"{what} {path} is a symbolic link{to}; lrattn writes no file through a link: "
+                         "remove the link and run again")
+    kind = _KINDS.get(stat.S_IFMT(mode), "a regular file" if stat.S_ISREG(mode) else "not a regular file")
+    return LinkError(f"{what} {path} is {kind}, not what lrattn writes there: remove or move it and run again")
+
+
+def refuse_link(path: Path | str, what: str = "file", folder: bool = False) -> None:
+    """LinkError (one line) if `path` exists and is a symbolic link or anything but a regular file (`folder`: a
+    folder)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(mode) or not (stat.S_ISDIR(mode) if folder else stat.S_ISREG(mode)):
+        raise _refusal(path, what, mode)
+
+
+def open_new(path: Path | str, what: str = "file", perm: int = 0o666, stale: bool = False) -> int:
+    """A descriptor on a file created here (O_WRONLY|O_CREAT|O_EXCL|O_NOFOLLOW, `perm` less the umask). A link or
+    non-regular file at `path` is a LinkError; an existing regular file is FileExistsError, or with `stale` (this
+    process's own leftover name) unlinked first: unlinking a planted file, or a hard link, harms nobody's data."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW
+    try:
+        return os.open(path, flags, perm)
+    except FileExistsError:
+        refuse_link(path, what)
+        if not stale:
+            raise
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    try:
+        return os.open(path, flags, perm)
+    except FileExistsError:
+        refuse_link(path, what)
+        raise
+
+
+def open_own(path: Path | str, what: str = "file", perm: int = 0o644) -> int:
+    """A read-write descriptor on `path`, created if missing, never through a link (O_NOFOLLOW): for a file that is
+    kept and reused (a lock). A link, a non-regular file or a file with other hard links is a LinkError, refused
+    before a byte is written."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | _NO_FOLLOW, perm)
+    except OSError:
+        refuse_link(path, what)  # ELOOP: a link; anything else is the caller's OSError
+        raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+        os.close(fd)
+        if stat.S_ISREG(info.st_mode):
+            raise LinkError(f"{what} {path} has {info.st_nlink} hard links (another name for the same file); lrattn "
+                            "writes only a file of its own: remove it and run again")
+        raise _refusal(path, what, info.st_mode)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def temporary_beside(path: Path) -> Path:
+    """A hidden name in `path`'s folder for the bytes of `path` before they are renamed over it."""
+    return path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+@contextlib.contextmanager
+def replacing(path: Path | str, mode: str = "w", what: str = "file", perm: int = 0o666,
+              temporary: Path | None = None, durable: bool = False) -> Iterator[IO[Any]]:
+    """A file object ("w" text, UTF-8, or "wb") on a new temporary beside `path` (open_new), renamed over `path` when
+    the block ends (`durable`: fsynced first, and the folder after) and removed if it raises. `path` must not be a
+    link or a non-regular file (LinkError); the rename replaces a link itself, never its target, should one appear."""
+    path = Path(path)
+    refuse_link(path, what)
+    tmp = temporary or temporary_beside(path)
+    fd = open_new(tmp, what, perm, stale=temporary is not None)
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as file:
+            yield file
+            file.flush()
+            if durable:
+                os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        sync_folder(path.parent)
+
+
+def sync_folder(folder: Path) -> None:
+    """fsync a folder (making a rename in it durable), where the filesystem allows it."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_file(path: Path | str, data: str | bytes, what: str = "file") -> None:
+    """Write `path` whole (text as UTF-8) through `replacing`: never through a link, never half-written."""
+    with replacing(path, "wb" if isinstance(data, bytes) else "w", what) as file:
+        file.write(data)
+
+
+def append_file(path: Path | str, what: str = "file") -> IO[str]:
+    """A text file object appending to `path` (created if missing), opened O_NOFOLLOW: a link or a non-regular file
+    there is a LinkError."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | _NO_FOLLOW, 0o666)
+    except OSError:
+        refuse_link(path, what)
+        raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise _refusal(path, what, info.st_mode)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "a", encoding="utf-8")

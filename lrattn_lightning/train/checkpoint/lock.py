@@ -1,5 +1,7 @@
 """One live `lrattn fit` per run folder: a `.lock` file held with flock, naming its pid (the kernel drops it when the
-process dies, so a stale one is simply taken over); and which launched process is global rank 0.
+process dies, so a stale one is simply taken over); and which launched process is global rank 0. The lock file is
+opened without following a link (core/files.py's open_own): a link, a non-regular file or a hard-linked file planted
+at `.lock` is refused in one line, never truncated.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lrattn_lightning.core.errors import InputError
+from lrattn_lightning.core.files import open_own
 
 
 class RunFolderError(InputError):
@@ -27,14 +30,15 @@ class FileLock:
     still name the locked file (another process may have removed it meanwhile), else we retry.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, what: str = "lock file"):
         self.path = Path(path)
+        self.what = what
         self._fd: int | None = None
 
     def acquire(self, blocking: bool = True, describe: Callable[[str], str] | None = None) -> FileLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_own(self.path, self.what)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
             except BlockingIOError:
@@ -42,7 +46,7 @@ class FileLock:
                 os.close(fd)
                 raise RunFolderError(describe(holder) if describe else f"{self.path} is locked by {holder}") from None
             try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+                same = os.fstat(fd).st_ino == os.lstat(self.path).st_ino
             except FileNotFoundError:
                 same = False
             if same:
@@ -86,7 +90,7 @@ def lock_run_folder(run_dir: Path) -> FileLock:
     """Hold `run_dir/.lock` until `release_run_locks()`; RunFolderError if a live process holds it."""
     run_dir = Path(run_dir)
     created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
-    lock = FileLock(run_dir / ".lock")
+    lock = FileLock(run_dir / ".lock", "the run folder's lock file")
     try:
         lock.acquire(blocking=False, describe=lambda holder: (
             f"run folder {run_dir} is in use by {holder}: two processes would write the same checkpoints. "

@@ -35,6 +35,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lrattn_lightning.core.errors import CheckpointError, first_line
+from lrattn_lightning.core.files import refuse_link, replacing
 from lrattn_lightning.train.checkpoint import stop
 from lrattn_lightning.train.checkpoint.load import read_checkpoint_file
 
@@ -81,27 +82,17 @@ def _cause(err: BaseException) -> str:
 
 
 def atomic_torch_save(checkpoint: dict[str, Any], path: str | Path) -> None:
-    """torch.save to a temp file in the destination folder, fsync, rename over `path`, fsync the folder."""
+    """torch.save to a temp file in the destination folder, fsync, rename over `path`, fsync the folder. The temp is
+    created O_EXCL|O_NOFOLLOW and `path` may not be a link (core/files.py): a planted link is refused, not followed."""
     path = Path(path)
     tmp = temp_path(path)
     writer = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as file:
+        with replacing(path, "wb", "checkpoint", temporary=tmp, durable=True) as file:
             writer = _RecordingWriter(file)
             torch.save(checkpoint, writer)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-        with contextlib.suppress(OSError):  # make the rename itself durable (not every filesystem allows it)
-            fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    except BaseException as err:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+    except BaseException as err:  # `replacing` removed its temporary (a link planted in its place stays)
         if isinstance(err, OSError | RuntimeError):
             cause = _cause(writer.error if writer is not None and writer.error is not None else err)
             # a previous checkpoint is there to resume from; without one the run can only start again
@@ -170,9 +161,11 @@ class LastCheckpoint(ModelCheckpoint):
         """last.ckpt's state before this save stays as previous.ckpt (a hard link: no copy, and last.ckpt is never
         missing), the state to fall back to if the new one turns out to diverge."""
         if Path(filepath) == self.path and trainer.is_global_zero and self.path.is_file():
+            refuse_link(self.path, "checkpoint")
+            refuse_link(self.previous, "checkpoint")
             keep = temp_path(self.previous)
             try:
-                os.link(self.path, keep)
+                os.link(self.path, keep, follow_symlinks=False)
                 os.replace(keep, self.previous)
             except OSError:  # a filesystem without hard links: the previous state is not kept
                 with contextlib.suppress(OSError):
@@ -192,6 +185,7 @@ class LastCheckpoint(ModelCheckpoint):
         set_apart = None
         if trainer.is_global_zero and self._last_global_step_saved == step and self.path.is_file():
             set_apart = self.path.with_name(f"diverged-step{step:06d}.ckpt")
+            refuse_link(set_apart, "checkpoint")
             os.replace(self.path, set_apart)
             if self.previous.is_file():
                 os.replace(self.previous, self.path)
