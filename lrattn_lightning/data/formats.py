@@ -37,7 +37,7 @@ from typing import Any
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.data.arrow import check_parquet, parquet_documents
 from lrattn_lightning.data.documents import HEAD_BYTES, Document, Spool, TextBuilder, TextStats, Utf8Decoder
-from lrattn_lightning.data.jsonlines import LONG_LINE, line_text, long_line_text
+from lrattn_lightning.data.jsonlines import LONG_LINE, line_text, long_line_text, rest_of_line
 from lrattn_lightning.data.staging import check_stop
 
 KINDS = {".txt": "text", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
@@ -225,9 +225,11 @@ class FileInput:
         while line := stream.readline(LONG_LINE):
             lineno += 1
             self.consumed += len(line)
+            # a whole line (the last may have no newline): judged on what readline gave, before a BOM is taken off
+            whole = line.endswith(b"\n") or len(line) < LONG_LINE
             line = line.removeprefix(BOM) if lineno == 1 else line
             where = f"{self.path}:{lineno}"
-            if line.endswith(b"\n") or len(line) < LONG_LINE:  # a whole line (the last may have no newline)
+            if whole:
                 if line.strip():
                     text = line_text(stats.decode(line, f"on line {lineno}"), where, field)
                     if b"\\ud" in line or b"\\uD" in line:
@@ -241,16 +243,12 @@ class FileInput:
     def _long_line(self, stream: Any, first: bytes, lineno: int, stats: TextStats,
                    spool: Spool | None) -> TextBuilder | None:
         """A line longer than LONG_LINE, parsed as it streams (data/jsonlines.py), read LONG_LINE at a time."""
-        ended = False
+        rest = rest_of_line(stream)
 
         def more() -> bytes:
-            nonlocal ended
-            if ended:
-                return b""
             check_stop()
-            block = stream.readline(LONG_LINE)
+            block = rest(LONG_LINE)
             self.consumed += len(block)
-            ended = not block or block.endswith(b"\n")
             return block
 
         return long_line_text(first, more, self.path, lineno, self.options.text_field, stats, lambda: TextBuilder(spool))
@@ -316,19 +314,29 @@ def sample_ratio(path: Path, compression: str) -> float:
 def check_long_first_line(path: Path, field: str, content: bytes, stream: Any) -> None:
     """A first JSONL line longer than the head: its first CHECK_LINE_BYTES parsed as they stream (a refusal there
     is one line now; the rest is checked while it is read)."""
-    left = CHECK_LINE_BYTES - len(content)
+    left, rest = CHECK_LINE_BYTES - len(content), rest_of_line(stream)
 
     def more() -> bytes:
         nonlocal left
         if left <= 0:
             raise _Enough
-        block = stream.readline(min(left, BLOCK_BYTES))
+        block = rest(min(left, BLOCK_BYTES))
         left -= len(block)
         return block
 
     try:
-        long_line_text(content, more, path, 1, field, TextStats(path), lambda: TextBuilder(None))
+        long_line_text(content, more, path, 1, field, TextStats(path), _Unkept)
     except _Enough:
+        pass
+
+
+class _Unkept(TextBuilder):
+    """The text `check` parses in a long first line: checked, not kept (whatever CHECK_LINE_BYTES and LONG_CHARS)."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+
+    def add(self, text: str) -> None:
         pass
 
 

@@ -16,6 +16,7 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.data.documents import TextBuilder, TextStats, Utf8Decoder
@@ -244,6 +245,23 @@ class _Parser:
             match = _NUMBER.match(line.buf, line.pos)
         line.pos = match.end()
         return "float" if any(c in match.group() for c in b".eE") else "int"
+
+
+def rest_of_line(stream: Any) -> Callable[[int], bytes]:
+    """`read(size)`: the next at most `size` bytes of the line `stream` is in (readline), then b"" once that line
+    has ended (its newline read, or the stream's end): never a byte of the next line. Every `more` given to
+    `long_line_text` reads through it."""
+    ended = False
+
+    def read(size: int) -> bytes:
+        nonlocal ended
+        if ended:
+            return b""
+        block = stream.readline(size)
+        ended = not block or block.endswith(b"\n")
+        return block
+
+    return read
 
 
 def long_line_text(first: bytes, more: Callable[[], bytes], path: Path, lineno: int, field: str, stats: TextStats,
