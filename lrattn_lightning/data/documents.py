@@ -17,6 +17,7 @@ the rest of it waits on disk until the pipeline reads it back in pieces (data/pi
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import sys
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lrattn_lightning.core.errors import InputError
+from lrattn_lightning.core.files import open_new
 
 LONG_CHARS = 1 << 20  # a document longer than this (characters) is spooled to disk, and tokenised in pieces
 BLOCK_CHARS = 1 << 20  # what a spooled document is read back in
@@ -109,7 +111,7 @@ class TextBuilder:
             if self.spool is None:
                 raise RuntimeError("a document longer than LONG_CHARS needs a spool folder")
             self.path = self.spool.path()
-            self.file = open(self.path, "w", encoding="utf-8", newline="")  # noqa: SIM115  (closed in document())
+            self.file = os.fdopen(open_new(self.path, "spool file", stale=True), "w", encoding="utf-8", newline="")
             self.file.writelines(self.pieces)
             self.pieces = []
         self.file.write(text)

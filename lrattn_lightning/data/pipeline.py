@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from lrattn_lightning.core.files import open_new, refuse_link, replacing, write_file
 from lrattn_lightning.data.documents import Document
 from lrattn_lightning.data.pieces import Cutter
 from lrattn_lightning.data.shards import sha256_files
@@ -128,7 +129,7 @@ class Encoder:
 
 def encode_to_file(texts: list[str], ends: list[bool], path: str, **kwargs: str) -> str:
     """A worker's batch: encode_texts' three arrays written to `path`; returns `path` (all the pipe carries)."""
-    with open(path, "wb") as f:
+    with os.fdopen(open_new(path, "worker's answer", stale=True), "wb") as f:
         for array in encode_texts(texts, ends, **kwargs):
             np.save(f, array, allow_pickle=False)
     return path
@@ -172,6 +173,7 @@ class PartWriter:
 
             saved = os.environ.get("DATA_OPTIMIZER_GLOBAL_RANK")
             os.environ["DATA_OPTIMIZER_GLOBAL_RANK"] = str(self.part)  # chunk-PART-I.bin, PART.index.json
+            refuse_link(self.staging / split, "shard folder", folder=True)  # litdata opens its files itself
             try:
                 writer = BinaryWriter(str(self.staging / split), chunk_bytes=self.chunk_bytes, item_loader=TokensLoader())
                 assert writer.rank == self.part
@@ -210,9 +212,7 @@ class PartWriter:
 def write_json(path: Path, value: Any) -> None:
     """A whole JSON file or none: written beside, then renamed over."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_file(path, json.dumps(value, indent=2) + "\n")
 
 
 def finished_parts(staging: Path) -> list[dict[str, Any]]:
@@ -245,9 +245,8 @@ def merge_index(split_dir: Path, split: str, records: list[dict[str, Any]]) -> N
     split_dir.mkdir(parents=True, exist_ok=True)
     digests = sha256_files([split_dir / c["filename"] for c in chunks])
     content = hashlib.sha256(json.dumps([chunks, config, digests], sort_keys=True).encode()).hexdigest()[:16]
-    tmp = split_dir / ".index.json.tmp"  # written as litdata writes it (sorted keys, no indent)
-    tmp.write_text(json.dumps({"chunks": chunks, "config": config, "updated_at": content}, sort_keys=True))
-    os.replace(tmp, split_dir / "index.json")
+    with replacing(split_dir / "index.json", what="shard index") as file:  # as litdata writes it (sorted keys, no indent)
+        file.write(json.dumps({"chunks": chunks, "config": config, "updated_at": content}, sort_keys=True))
 
 
 def write_parts(stream: Iterable[tuple[Document, str]], staging: Path, encoder: Encoder, chunk_bytes: int | str,

@@ -16,6 +16,7 @@ Training reads fixed windows of seq_len + 1 tokens (inputs x[:-1], targets x[1:]
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from lrattn_lightning.core.errors import InputError, UsageError
+from lrattn_lightning.core.files import refuse_link, replacing, write_file
 from lrattn_lightning.core.flags import Parser
 from lrattn_lightning.data import pipeline, remote
 from lrattn_lightning.data.documents import Document, Spool
@@ -259,7 +261,7 @@ def _build(staging: Staging, corpora: dict[str, Corpus | None], recipe: dict[str
         # stdlib-docs is the running interpreter's documentation: it changes with the Python version.
         "created_with": {"python": platform.python_version(), "litdata": _litdata_version()},
     }
-    (root / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    write_file(root / "meta.json", json.dumps(meta, indent=2) + "\n", "prepared folder's meta.json")
     return meta
 
 
@@ -289,11 +291,15 @@ def _tokenizer(kind: str, arg: str | None, root: Path, train_texts: Any) -> Any:
         if (root / "tokenizer.json").is_file():
             return load_tokenizer({"kind": "bpe", "file": "tokenizer.json"}, base_dir=root)
         tmp = root / ".tokenizer.json.tmp"
+        refuse_link(root / "tokenizer.json", "tokenizer file")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # a leftover, or a link planted there: tokenizers' save opens the path itself
         train_bpe(train_texts(), int(arg), tmp)
         os.replace(tmp, root / "tokenizer.json")
         return load_tokenizer({"kind": "bpe", "file": "tokenizer.json"}, base_dir=root)
     dst = root / ("tokenizer.json" if kind == "hf" else "tokenizer.tiktoken")
-    shutil.copyfile(arg, dst)  # the prepared folder carries its own tokenizer
+    with open(arg, "rb") as src, replacing(dst, "wb", "tokenizer file") as copy:  # the folder carries its own tokenizer
+        shutil.copyfileobj(src, copy)
     return load_tokenizer({"kind": kind, "file": dst.name}, base_dir=root)
 
 

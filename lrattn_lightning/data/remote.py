@@ -16,12 +16,14 @@ A wrong bucket, missing credentials, refused credentials or an unreachable endpo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from pathlib import Path
 from typing import Any
 
 from lrattn_lightning.core.errors import InputError
+from lrattn_lightning.core.files import refuse_link
 from lrattn_lightning.data.staging import check_stop
 
 SCHEME = "s3://"
@@ -194,6 +196,9 @@ def fetch(url: str, name: str) -> Path:
     dst = local_dir(url) / name
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    refuse_link(dst, "cached file")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # boto3 writes its own temporary and renames it over `tmp`: nothing at `tmp` is followed
     try:
         client().download_file(bucket, f"{prefix}/{name}", str(tmp))
     except _boto_errors() as err:

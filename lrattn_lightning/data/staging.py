@@ -28,6 +28,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from lrattn_lightning.core.errors import InputError
+from lrattn_lightning.core.files import LinkError, refuse_link, write_file
 
 BOOK = ".prepare"  # the staging folder's bookkeeping, removed when it is published
 # held: a finished folder is being published; pending: a signal received and not yet acted on
@@ -57,15 +59,15 @@ def say(message: str) -> None:
 def _lock(path: Path) -> int | None:
     """An fd holding an exclusive flock on the folder, or None when another process holds it or it is gone."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except (FileNotFoundError, NotADirectoryError):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # gone, not a folder, or a link (ELOOP): never followed
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         return None
-    if not path.exists() or os.stat(path).st_ino != os.fstat(fd).st_ino:  # renamed away meanwhile
+    if not path.exists() or os.lstat(path).st_ino != os.fstat(fd).st_ino:  # renamed away meanwhile
         os.close(fd)
         return None
     return fd
@@ -96,15 +98,21 @@ class Staging:
         self.release()
 
 
+def staging_path(out: Path) -> Path:
+    """The staging folder of --out `out`."""
+    return out.parent / f".{out.name}.tmp-prepare"
+
+
 def claim(out: Path, recipe: dict[str, Any]) -> Staging:
     """The staging folder of `out`, locked: a new one, or a dead prepare's (resumed if `recipe` matches, else
     emptied). InputError when a live prepare holds it."""
     parent, name = out.parent, out.name
     parent.mkdir(parents=True, exist_ok=True)
-    path = parent / f".{name}.tmp-prepare"
+    path = staging_path(out)
     recipe = json.loads(json.dumps(recipe))
     for _ in range(100):
-        if path.exists():
+        if os.path.lexists(path):
+            _own_private_folder(path)
             fd = _lock(path)
             if fd is None:
                 if path.exists():
@@ -145,6 +153,19 @@ def claim(out: Path, recipe: dict[str, Any]) -> Staging:
     raise InputError(f"--out {out}: could not claim {path} (other prepares keep taking it); try again")
 
 
+def _own_private_folder(path: Path) -> None:
+    """A staging folder left by an earlier prepare is resumed or emptied only when it is a folder (not a link) of this
+    user that nobody else can write into (mkdtemp made it 0700): another user's could hold links planted inside."""
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        refuse_link(path, "staging folder")
+        raise LinkError(f"staging folder {path} is not a folder; remove it and run again")
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise LinkError(f"staging folder {path} belongs to another user or others can write into it "
+                        f"(mode {stat.S_IMODE(info.st_mode):o}): lrattn writes only into a private folder of its "
+                        "own: remove it and run again")
+
+
 def _remove_leftovers(parent: Path, name: str, keep: Path) -> None:
     for pattern in (f".{glob.escape(name)}.tmp-*", f".{glob.escape(name)}.old-*"):
         for path in sorted(parent.glob(pattern)):
@@ -160,9 +181,7 @@ def _remove_leftovers(parent: Path, name: str, keep: Path) -> None:
 
 def _write(path: Path, value: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_file(path, json.dumps(value, indent=2) + "\n")
 
 
 def publish(staging: Staging, out: Path, overwrite: bool) -> None:

@@ -16,6 +16,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from lrattn_lightning.core.files import replacing
 from lrattn_lightning.data.documents import Document
 
 CLOZE_CONTEXT_WORDS = 48
@@ -33,7 +34,7 @@ def write_task_files(
     cloze = build_cloze_items(docs, cloze_items, seed)
     ppl = build_perplexity_documents(docs, perplexity_documents)
     for name, rows in (("cloze", cloze), ("perplexity", ppl)):
-        with open(out / f"{name}.jsonl", "w") as f:
+        with replacing(out / f"{name}.jsonl", what="task file") as f:
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return {
