@@ -147,19 +147,31 @@ class Arm:
         self.attention = attention  # document masking through this attention path (None: plain causal windows)
         self.times: list[float] = []
         self.ratios: list[float] = []
-        self.step = self.model = self.opt = None
+        self.step = self.model = self.opt = self.batch = None
         self.peak_bytes: int | None = None
+        self.source: str | None = None  # the litgpt arm: where its loss came from
 
 
-def setup(arm: Arm, reg, args, device, batch: int) -> None:
+def setup(arm: Arm, reg, args, device, batch: int, mark=None) -> None:
     """The arm's LightningModule (its router replaced by the package's operator for a package arm) and its
-    train step under Fabric, bf16-mixed (tools/bench/steps.py)."""
+    train step under Fabric, bf16-mixed (tools/bench/steps.py); for the litgpt arm (impl "litgpt"), litgpt's GPT
+    at the entry's shape and its pretraining step (gpu_check_litgpt.py). mark: the step's phase clock
+    (gpu_check_profile.PhaseClock) or None."""
     import torch
 
     from lrattn_lightning.model.routing.attnres import compile_impl
     from lrattn_lightning.tools.bench.steps import build_module, module_train_step
 
     cfg = model_config(reg, args, arm.entry)
+    if arm.impl == "litgpt":
+        import gpu_check_litgpt
+
+        idx = torch.randint(0, cfg.size.vocab_size - 1, (batch, args.seq_len + 1),
+                            generator=torch.Generator().manual_seed(1)).to(device)
+        arm.step, arm.model, arm.opt, arm.source = gpu_check_litgpt.train_step(cfg, idx, arm.mode,
+                                                                               args.compile_backend, mark)
+        arm.batch = idx
+        return
     torch.manual_seed(0)
     impl = "reference" if arm.op else arm.impl
     if arm.mode == "compile":  # `fast` raises under Dynamo: without this the whole step fell back to eager
@@ -175,13 +187,14 @@ def setup(arm: Arm, reg, args, device, batch: int) -> None:
         idx[torch.rand(idx.shape, generator=gen) < 1.0 / args.doc_len] = separator
         module.model.doc_separator, module.model.attention = separator, arm.attention
     idx = idx.to(device)
-    arm.step, arm.opt = module_train_step(module, idx, torch.bfloat16, arm.mode, args.compile_backend)
+    arm.batch = idx
+    arm.step, arm.opt = module_train_step(module, idx, torch.bfloat16, arm.mode, args.compile_backend, mark)
 
 
 def release(arm: Arm) -> None:
     import torch
 
-    arm.step = arm.model = arm.opt = None
+    arm.step = arm.model = arm.opt = arm.batch = None
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

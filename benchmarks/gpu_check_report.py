@@ -10,6 +10,8 @@ import platform
 import sys
 import time
 
+from gpu_check_profile import markdown as profile_markdown
+
 HEAVY = ("mlflow", "litdata", "lm_eval")  # not on the GPU machine; Lightning and torchmetrics are
 
 
@@ -54,7 +56,7 @@ def _versions() -> dict[str, str]:
     import importlib.metadata as md
 
     versions = {}
-    for dist in ("torch", "triton", "lightning", "fast-attnres", "liger-kernel"):
+    for dist in ("torch", "triton", "lightning", "litgpt", "fast-attnres", "liger-kernel"):
         with contextlib.suppress(Exception):
             versions[dist] = md.version(dist)
     return versions
@@ -101,7 +103,26 @@ def markdown(report: dict) -> str:
         mr = f"{r['mem_ratio']:.3f}" if r.get("mem_ratio") else "-"
         lines.append(f"| {r['mode']} | {r['arm']} | {r['median_step_s'] * 1e3:.1f} | {r['tokens_per_s']:.0f} | "
                      f"{r['ratio_to_baseline']:.3f} | {q[0]:.2f}-{q[1]:.2f} | {100 * r['mfu']:.1f} | {mem} | {mr} | ok |")
-    return "\n".join(lines + compile_markdown(report)) + "\n"
+    return "\n".join(lines + anchor_markdown(report) + profile_markdown(report.get("profiles") or [])
+                     + compile_markdown(report)) + "\n"
+
+
+def anchor_markdown(report: dict) -> list[str]:
+    """Our baseline against litgpt's GPT, per mode: tokens/s of each and their ratio (the same rounds)."""
+    lines = []
+    for r in report["results"]:
+        if r["arm"] == "litgpt" and r["status"] == "ok":
+            ours = 1.0 / r["ratio_to_baseline"]  # the pairwise median of litgpt's step over our baseline's
+            q = r["ratio_quartiles"]
+            lines.append(f"- {r['mode']}: our baseline {ours:.3f}x litgpt's tokens/s (p25-p75 {1 / q[1]:.2f}-"
+                         f"{1 / q[0]:.2f}; litgpt {r['tokens_per_s']:.0f} tok/s, MFU {100 * r['mfu']:.1f} %; loss: "
+                         f"{r.get('source')})")
+        elif r["arm"] == "litgpt":
+            lines.append(f"- {r['mode']}: litgpt {r['status']}")
+    if not lines:
+        return []
+    return ["", "## Against litgpt (its GPT at our baseline's shape, its pretraining step, interleaved rounds)", "",
+            *lines]
 
 
 def compile_markdown(report: dict) -> list[str]:

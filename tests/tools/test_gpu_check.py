@@ -37,6 +37,8 @@ def _load():
 gpu_check = _load()  # (which puts benchmarks/ on sys.path: the script's parts lie beside it)
 gpu_check_arms = importlib.import_module("gpu_check_arms")
 gpu_check_report = importlib.import_module("gpu_check_report")
+gpu_check_litgpt = importlib.import_module("gpu_check_litgpt")
+gpu_check_profile = importlib.import_module("gpu_check_profile")
 
 
 def contract_op(sources, query, eps=2.0**-23, scale=1.0):
@@ -112,7 +114,86 @@ def test_dry_run(tmp_path):
     decode = {r["arm"]: r for r in report["results"] if r["mode"] == "decode" and r["status"] == "ok"}
     assert set(decode) == {"baseline", *gpu_check.ENTRIES}
     assert all(r["tokens"] == 8 and r["tokens_per_s"] > 0 and r["ratio_to_baseline"] > 0 for r in decode.values())
-    assert (tmp_path / "gpu-check-cpu-dry-run.md").read_text().count("| ok |") == 10 + 2 + 5
+    # first in each mode: litgpt's GPT at the baseline's shape and the profiled S-LR entry beside our baseline
+    results = report["results"]
+    for mode in ("eager", "compile"):
+        first = [r["arm"] for r in results if r["mode"] == mode][:3]
+        assert first == ["baseline", "litgpt", "s-lr-block-n8-r64"], first
+        litgpt = next(r for r in results if r["mode"] == mode and r["arm"] == "litgpt")
+        assert litgpt["status"] == "ok" and litgpt["source"] == "litgpt.utils.chunked_cross_entropy"
+    # train arms 10 + litgpt 2 + the later phases' baselines 2, document masking 2, decoding 5
+    md = (tmp_path / "gpu-check-cpu-dry-run.md").read_text()
+    assert md.count("| ok |") == 10 + 2 + 2 + 2 + 5
+    assert "our baseline" in md and "x litgpt's tokens/s" in md
+    # the profile: one step each of the baseline, litgpt and S-LR per mode, written beside the report too
+    profiles = json.loads((tmp_path / "gpu-check-cpu-dry-run-profile.json").read_text())["profiles"]
+    assert profiles == report["profiles"]
+    assert [(p["mode"], p["arm"]) for p in profiles] == [(m, a) for m in ("eager", "compile")
+                                                         for a in ("baseline", "litgpt", "s-lr-block-n8-r64")]
+    for p in profiles:
+        eager_ours = p["mode"] == "eager" or p["arm"] == "litgpt"  # compiled: the loss inside the decoder's region
+        assert list(p["phases"]) == (["data", "forward", "loss", "backward", "optimizer"] if eager_ours
+                                     else ["data", "forward+loss", "backward", "optimizer"])
+        total = sum(ph["host_ms"] for ph in p["phases"].values())
+        assert 0.5 * p["step_ms"] < total <= p["step_ms"] * 1.01, (total, p["step_ms"])
+        assert len(p["top"]) == gpu_check_profile.TOP and p["top"][0]["ms"] >= p["top"][-1]["ms"] > 0
+        assert "aten::is_nonzero" in p["host_reads"]  # bool() of the loss's finiteness (ours) or of the grad norm
+    assert "## Where a step's time goes" in md and md.count("Top 15 by self CPU time") == 6
+
+
+def test_litgpt_anchor_has_our_baselines_shape():
+    """litgpt's GPT at paper-0.5b, unpadded, holds our baseline's parameters exactly, less its RMSNorm weights
+    (ours are parameter-free); litgpt's padding adds (padded - vocab) rows to the embedding and the head."""
+    Config, GPT, loss, source = gpu_check_litgpt.load()
+    cfg = REGISTRY.model("paper-0.5b", "baseline")
+    with torch.device("meta"):
+        theirs = GPT(gpu_check_litgpt.config(Config, cfg, pad=1))
+        padded = GPT(gpu_check_litgpt.config(Config, cfg))
+        ours = build_decoder(cfg)
+
+    def count(model, norms=True):  # litgpt's RMSNorm weights: norm_1, norm_2, norm_q, norm_k, ln_f
+        return sum(p.numel() for n, p in model.named_parameters() if norms or not ("norm" in n or "ln_f" in n))
+
+    assert count(theirs, norms=False) == count(ours) > 3e8
+    assert count(theirs) - count(theirs, norms=False) == (2 * 24 + 1) * 1024 + 24 * 2 * 64  # pre-norms, final, QK
+    extra = padded.config.padded_vocab_size - cfg.size.vocab_size
+    assert padded.config.padded_vocab_size % 512 == 0 and count(padded) - count(theirs) == 2 * extra * 1024
+
+
+@pytest.mark.parametrize("rows", [1, 127, 128, 129, 300])
+def test_chunked_cross_entropy_stand_in_equals_litgpts(rows):
+    """The stand-in loss (where litgpt.utils cannot be imported) is litgpt's chunked cross-entropy, at every
+    position of its 128-row chunk boundary, and the plain mean cross-entropy."""
+    import litgpt.utils  # (litgpt's own, loaded by gpu_check_litgpt.load above without its package __init__)
+
+    gen = torch.Generator().manual_seed(rows)
+    logits, targets = torch.randn(1, rows, 97, generator=gen, dtype=torch.float64), torch.randint(0, 97, (1, rows))
+    ours = gpu_check_litgpt.chunked_cross_entropy(logits, targets)
+    torch.testing.assert_close(ours, litgpt.utils.chunked_cross_entropy(logits, targets), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ours, torch.nn.functional.cross_entropy(logits[0], targets[0]), rtol=1e-12, atol=1e-12)
+
+
+def test_phase_clock_and_summary():
+    """The phase clock sums each phase between marks, names a forward without a loss mark forward+loss, and the
+    CPU summary sorts ops by self time and counts host reads."""
+    clock = gpu_check_profile.PhaseClock(torch.device("cpu"))
+    clock("forward")  # not armed: nothing recorded
+    assert clock.marks == []
+    clock.arm()
+    for phase in ("data", "forward", "backward", "optimizer", "end"):
+        clock(phase)
+    assert list(clock.phases()) == ["data", "forward+loss", "backward", "optimizer"]
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            (x @ x).sum().item()
+        bool((x > 0).any())
+    summary = gpu_check_profile.summarise(prof.key_averages(), torch.device("cpu"), 1.0)
+    assert summary["host_reads"]["aten::_local_scalar_dense"] == 4 and summary["host_reads"]["aten::is_nonzero"] == 1
+    assert [t["ms"] for t in summary["top"]] == sorted((t["ms"] for t in summary["top"]), reverse=True)
+    assert summary["kernels_launched"] is None and summary["syncs"] == {}
 
 
 def test_parity_check_runs_and_flags_a_wrong_operator():

@@ -71,11 +71,14 @@ def build_module(cfg, impl: str = "fast", optimizer: str = "adamw"):
     return LRAttnModule.from_config(cfg, OptimiserSettings(optimizer=optimizer), RuntimeSettings(impl=impl))
 
 
-def module_train_step(module, batch, dtype, mode: str = "eager",
-                      backend: str = "inductor") -> tuple[Callable[[], None], Any]:
+def module_train_step(module, batch, dtype, mode: str = "eager", backend: str = "inductor",
+                      mark: Callable[[str], None] | None = None) -> tuple[Callable[[], None], Any]:
     """One training step of `module` on `batch` [B, T + 1], repeated at every call: training_step under Fabric
     (no loggers; bfloat16 as Fabric's bf16-mixed: autocast, float32 parameters), backward, the module's
-    on_before_optimizer_step (the step's loss, the gradient norm) and its own optimiser. -> (step, optimizer)."""
+    on_before_optimizer_step (the step's loss, the gradient norm) and its own optimiser. -> (step, optimizer).
+
+    mark(phase), when given, is called where each phase starts ("forward": training_step, the loss with it;
+    "backward"; "optimizer") and at the step's "end" (benchmarks/gpu-check's profile times the phases)."""
     import torch
     from lightning.fabric import Fabric
 
@@ -87,13 +90,19 @@ def module_train_step(module, batch, dtype, mode: str = "eager",
     batch = batch.to(fabric.device)
     batch_idx = itertools.count()
 
+    at = mark or (lambda phase: None)
+
     def step() -> None:
+        at("forward")
         with fabric.autocast():
             loss = wrapped.training_step(batch, next(batch_idx))
+        at("backward")
         fabric.backward(loss)
+        at("optimizer")
         module.on_before_optimizer_step(optimizer)  # as the Trainer calls it
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        at("end")
 
     return step, optimizer
 
