@@ -38,7 +38,9 @@ def wsd_lambda(total_steps: int, warmup_steps: int, decay_fraction: float, final
 class MomentumSchedule:
     """Muon momentum at step s of T: low -> peak linearly over the first `warmup_steps` (s / W), peak,
     then peak -> low linearly over the last `cooldown_steps` ((s - (T - C)) / C); warmup wins if they meet.
-    The reference: low 0.85, peak 0.95, W = 300, C = 100. W = C = 0 keeps the peak throughout."""
+    The reference: low 0.85, peak 0.95, W = 300, C = 100. W = C = 0 keeps the peak throughout, past T too:
+    C = 0 is no cooldown (as decay_fraction 0 is no warm-down), so a constant-momentum run trained on past its
+    schedule (--model.schedule_steps T < --trainer.max_steps) keeps its momentum; C > 0 holds `low` past T."""
 
     peak: float = 0.95
     low: float = 0.85
@@ -56,7 +58,7 @@ class MomentumSchedule:
         cooldown_start = total_steps - self.cooldown_steps
         if step < self.warmup_steps:
             return self.low + (step / self.warmup_steps) * (self.peak - self.low)
-        if step > cooldown_start:
+        if self.cooldown_steps and step > cooldown_start:
             return self.peak - min(1.0, (step - cooldown_start) / self.cooldown_steps) * (self.peak - self.low)
         return self.peak
 

@@ -208,6 +208,23 @@ def test_a_finished_run_trains_on_with_its_schedule_kept(data, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+def test_a_finished_run_without_momentum_cooldown_trains_on_and_stays_finished(data, tmp_path):
+    """cpu-demo, cpu-study and scaling-cpu set muon_momentum_cooldown_steps 0 (constant momentum): extending such a
+    finished run (`--ckpt_path last --trainer.max_steps 8 --model.schedule_steps 4`) divided by the zero cooldown
+    at the first step past the schedule and flipped the MLflow run from FINISHED to FAILED. Now the extra steps run
+    at the schedule's final learning rate and the momentum it kept, and the run stays FINISHED."""
+    flat = ("--model.muon_momentum_warmup_steps", "0", "--model.muon_momentum_cooldown_steps", "0",
+            "--model.decay_fraction", "0.5")
+    assert run_cli(fit_args(data, *flat, steps=4, every=2), tmp_path).returncode == 0
+    proc = run_cli(fit_args(data, *flat, "--ckpt_path", "last", "--model.schedule_steps", "4", steps=8, every=2),
+                   tmp_path)
+    assert proc.returncode == 0 and "ZeroDivisionError" not in proc.stderr, proc.stderr[-2000:]
+    client, [run] = _runs(tmp_path)
+    assert run.info.status == "FINISHED" and run.data.params["train_max_steps_from_step_4"] == "8"
+    momentum = dict(sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/momentum/muon")))
+    assert sorted(momentum) == list(range(8)) and all(v == pytest.approx(0.95) for v in momentum.values()), momentum
+
+
 def test_validate_reads_the_split_its_checkpoint_trained_on_and_a_missing_folder_names_the_command(fitted, tmp_path):
     folder, client, _, run, _ = fitted
     ckpt = folder / "runs/lrattn/tiny-attnres-full-seed0/checkpoints/last.ckpt"
