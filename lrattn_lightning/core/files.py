@@ -228,7 +228,7 @@ def refuse_link(path: Path | str, what: str = "file", folder: bool = False) -> N
     folder)."""
     try:
         mode = os.lstat(path).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return
     if stat.S_ISLNK(mode) or not (stat.S_ISDIR(mode) if folder else stat.S_ISREG(mode)):
         raise _refusal(path, what, mode)

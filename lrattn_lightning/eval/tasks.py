@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from lrattn_lightning.core.errors import InputError
-from lrattn_lightning.core.files import load_yaml_strict, read_yaml_text
+from lrattn_lightning.core.files import load_yaml_strict, read_yaml_text, replacing, write_file
 from lrattn_lightning.core.names import closest_names
 from lrattn_lightning.train.schema import Tag
 
@@ -111,7 +111,7 @@ def materialise_local_tasks(names: list[str], data_dir: str | Path | None, out_d
             path, header = _write_fitted_cloze(path, out_dir / f"{name}.jsonl", window, encode)
         # the datasets library's cache of this file goes into out_dir (removed after the run), not ~/.cache
         config["dataset_kwargs"] = {"data_files": {"test": str(path)}, "cache_dir": str(out_dir / "hf-datasets")}
-        (out_dir / f"{name}.yaml").write_text(header + yaml.safe_dump(config, sort_keys=False))
+        write_file(out_dir / f"{name}.yaml", header + yaml.safe_dump(config, sort_keys=False), "task file")
     return wanted
 
 
@@ -154,7 +154,7 @@ def _write_fitted_cloze(src: Path, dst: Path, window: int, encode: Callable[[str
     """`src`'s cloze items cut to `window` (fit_cloze_items) into `dst` -> (dst, the YAML's header comment)."""
     items = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
     fitted, cut, unfit = fit_cloze_items(items, window, encode)
-    with open(dst, "w") as f:
+    with replacing(dst, what="task file") as f:
         for item in fitted:
             f.write(json.dumps(item, ensure_ascii=False) + "\n")
     said = (f"{cut} of {len(items)} items had their context cut from the left (at a word boundary) so that context "

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from lrattn_lightning.core.errors import InputError, one_line
+from lrattn_lightning.core.files import refuse_link
 from lrattn_lightning.core.flags import Parser
 
 MODEL_TYPE = "lrattn"
@@ -168,6 +169,8 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, overwrite: bool = Fals
 
 def check_out(out: str | Path, checkpoint: str | Path, *, overwrite: bool) -> Path:
     """The resolved --out folder, or an ExportError if writing there could destroy anything not an export's."""
+    if os.path.islink(os.path.abspath(out)):  # a link planted as --out is never followed (core/files.py)
+        refuse_link(os.path.abspath(out), "--out", folder=True)
     target = Path(os.path.abspath(out)).resolve()  # symlinks and `..` resolved: compare real folders
     out = out if str(out) else "''"  # `--out ""` is the working folder: show it as given
     danger = _protected(target, checkpoint)

@@ -130,6 +130,11 @@ def artifact_location(uri: str) -> str | None:
     return None if db is None else (db.resolve().parent / "mlartifacts").as_uri()
 
 
+def store_lock_path(db: Path) -> Path:
+    """The lock file beside a sqlite store `db` (held while the store is created)."""
+    return db.parent / f".{db.name}.lock"
+
+
 @contextlib.contextmanager
 def store_lock(uri: str) -> Iterator[None]:
     """Serialise the creation of a sqlite store (MLflow creates its tables racily: 'table already exists')."""
@@ -138,7 +143,7 @@ def store_lock(uri: str) -> Iterator[None]:
         yield
         return
     try:
-        lock = FileLock(db.parent / f".{db.name}.lock").acquire(blocking=True)
+        lock = FileLock(store_lock_path(db), "the MLflow store's lock file").acquire(blocking=True)
     except OSError as err:
         raise TrackingError(f"MLflow store {uri}: cannot write in {db.parent} ({err.strerror or err}); "
                             "make it writable or pass --tracking_uri") from err

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from lrattn_lightning.core.errors import InputError
+from lrattn_lightning.core.files import write_file
 from lrattn_lightning.core.flags import Parser
 from lrattn_lightning.model.routing.attnres.backends import IMPLS, availability
 from lrattn_lightning.tools.bench.steps import OPTIMIZERS
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(report))
     path = Path(args.json or f"runs/bench/{args.size}-{args.phase}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1))
+    write_file(path, json.dumps(report, indent=1), "benchmark report")
     print(f"wrote {path}")
     check_report(report)  # after writing: the numbers stay inspectable
     if args.mlflow:

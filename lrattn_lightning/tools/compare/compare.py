@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from lrattn_lightning.core.errors import InputError
+from lrattn_lightning.core.files import write_file
 from lrattn_lightning.core.flags import Parser
 from lrattn_lightning.tools.compare.evals import appendix_table
 from lrattn_lightning.tools.compare.figures import (
@@ -90,8 +91,8 @@ def write_report(client: Any, experiment: str, out: Path, sweep: str | None = No
     title = f"{experiment}: size {sizes}, {'/'.join(map(str, seeds))} seed(s) per ablation"
     table_md = markdown_table(rows, reference) + notes(rows, reference, stale) + pairwise_section(rows)
     files = [out / "table.md", out / "table.csv"]
-    files[0].write_text(table_md)
-    files[1].write_text(csv_table(rows, reference))
+    write_file(files[0], table_md, "report file")
+    write_file(files[1], csv_table(rows, reference), "report file")
     files += plot_loss_vs_flops(rows, out, title)
     files += plot_curves(rows, out, title)
     heatmaps = []  # (size, file name) per figure: one figure per size, the largest size's first
@@ -107,8 +108,8 @@ def write_report(client: Any, experiment: str, out: Path, sweep: str | None = No
     scaling_files, scaling_md = write_scaling(client, rows, out, title, reference, per_method_exponents)
     files += scaling_files
     report = out / "report.md"
-    report.write_text(_report_text(experiment, rows, table_md, records, heatmaps, command, reference,
-                                   bool(gates), scaling_md))
+    write_file(report, _report_text(experiment, rows, table_md, records, heatmaps, command, reference,
+                                   bool(gates), scaling_md), "report file")
     files.append(report)
     return rows, files
 

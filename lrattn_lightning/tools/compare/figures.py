@@ -22,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from lrattn_lightning.core.files import replacing
 from lrattn_lightning.tools.compare import labels as labels_mod
 from lrattn_lightning.tools.compare.table import Row
 from lrattn_lightning.train.schema import Artifact, Metric
@@ -57,8 +58,10 @@ DPI = 150  # PNGs at 100 % zoom: 9-point labels are 19 pixels tall
 def save_figure(fig: Any, out: Path, stem: str) -> list[Path]:
     """`fig` as out/STEM.png (at DPI) and out/STEM.svg, then closed."""
     paths = [out / f"{stem}.png", out / f"{stem}.svg"]
-    fig.savefig(paths[0], dpi=DPI, bbox_inches="tight")
-    fig.savefig(paths[1], bbox_inches="tight")
+    with replacing(paths[0], "wb", "figure") as png:  # never through a link (core/files.py)
+        fig.savefig(png, format="png", dpi=DPI, bbox_inches="tight")
+    with replacing(paths[1], "wb", "figure") as svg:
+        fig.savefig(svg, format="svg", bbox_inches="tight")
     pyplot().close(fig)
     return paths
 

@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from lrattn_lightning.core.errors import InputError
+from lrattn_lightning.core.files import write_file
 from lrattn_lightning.core.flags import Parser
 from lrattn_lightning.model.routing.attnres.backends import IMPLS, availability
 from lrattn_lightning.tools.fidelity.interface import flag_language
@@ -106,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     size_line = ", ".join(f"{k}={v}" for k, v in size.items() if k not in ("name", "doc"))
     text = render_markdown(rows, args.golden, size_line)
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
+        write_file(args.out, text, "--out")
         print(f"wrote {args.out} ({len(rows)} entries)")
     else:
         print(text, end="")

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lrattn_lightning.core.files import write_file
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.registry import Registry, load_registry
 from lrattn_lightning.model.routing._math import rms_norm
@@ -294,9 +295,9 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {"sizes": args.sizes, "record_s": t1 - t0, "compile_s": t2 - t1, "records": len(records),
             "machine": f"{os.cpu_count()} CPUs, {args.jobs} processes per triton version"}
-    Path(args.out).with_suffix(".json").write_text(json.dumps({"meta": meta, "records": records,
-                                                               "reports": reports}, indent=1))
-    Path(args.out).with_suffix(".md").write_text(markdown(records, reports, meta))
+    write_file(Path(args.out).with_suffix(".json"), json.dumps({"meta": meta, "records": records, "reports": reports},
+                                                               indent=1), "report file")
+    write_file(Path(args.out).with_suffix(".md"), markdown(records, reports, meta), "report file")
     print(f"{len(records)} launches recorded in {t1 - t0:.0f} s, compiled in {t2 - t1:.0f} s; wrote {args.out}.md")
     return 0
 

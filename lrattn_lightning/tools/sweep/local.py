@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from lrattn_lightning.core.errors import one_line
-from lrattn_lightning.core.files import PACKAGE_ROOT
+from lrattn_lightning.core.files import PACKAGE_ROOT, append_file
 from lrattn_lightning.model.registry import Registry
 from lrattn_lightning.tools.sweep.file import Sweep, SweepError, SweepRun
 from lrattn_lightning.train.checkpoint.stop import STOP_SIGNALS, detach_hung_up_terminal
@@ -109,7 +109,7 @@ def claim(sweep: Sweep, run: SweepRun) -> Iterator[str | None]:
 
     run_dir = sweep.checkpoint(run).parent.parent
     created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
-    lock = FileLock(run_dir / ".sweep.lock")
+    lock = FileLock(run_dir / ".sweep.lock", "the sweep's lock file")
     for attempt in range(3):  # another sweep may remove an empty parent between our mkdir and open
         try:
             lock.acquire(blocking=False, describe=lambda holder: f"another sweep runs it ({holder})")
@@ -344,7 +344,7 @@ def _run_forwarding_signals(cmd: list[str], env: dict[str, str], log: Path, head
         stops.forward(stops.signum)
     result, tail = None, collections.deque(maxlen=12)
     try:
-        with log.open("a", encoding="utf-8") as out:
+        with append_file(log, "fit log") as out:
             for line in proc.stdout:
                 out.write(line)
                 out.flush()

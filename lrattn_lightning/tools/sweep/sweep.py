@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lrattn_lightning.core.errors import InputError, one_line
-from lrattn_lightning.core.files import load_yaml_strict, read_yaml_text
+from lrattn_lightning.core.files import load_yaml_strict, read_yaml_text, write_file
 from lrattn_lightning.core.flags import Parser
 from lrattn_lightning.core.names import closest_names
 from lrattn_lightning.tools.sweep.file import Sweep, SweepError, SweepRun, load_sweep
@@ -212,7 +212,7 @@ def _emit(sweep: Sweep, steps: list[tuple[SweepRun, str]], args: argparse.Namesp
         sys.stdout.write(text)
         return 0
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(text)
+    write_file(out, text, "sweep script")
     if args.emit == "slurm":  # sbatch does not create the folder of --output
         (Path(sweep.setting("runs_dir", "runs")) / sweep.experiment / "slurm").mkdir(parents=True, exist_ok=True)
     print(f"[sweep {sweep.name}] wrote {out} ({sum(s not in DONE for _, s in steps)} runs)")

@@ -86,11 +86,16 @@ def launched_as_rank_zero() -> bool:
     return all(os.environ.get(key, "0") == "0" for key in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK"))
 
 
+def run_lock_path(run_dir: Path) -> Path:
+    """The run folder's lock file."""
+    return Path(run_dir) / ".lock"
+
+
 def lock_run_folder(run_dir: Path) -> FileLock:
     """Hold `run_dir/.lock` until `release_run_locks()`; RunFolderError if a live process holds it."""
     run_dir = Path(run_dir)
     created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
-    lock = FileLock(run_dir / ".lock", "the run folder's lock file")
+    lock = FileLock(run_lock_path(run_dir), "the run folder's lock file")
     try:
         lock.acquire(blocking=False, describe=lambda holder: (
             f"run folder {run_dir} is in use by {holder}: two processes would write the same checkpoints. "
