@@ -15,6 +15,7 @@ from typing import Any
 from lrattn_lightning.core.errors import UsageError
 from lrattn_lightning.core.names import with_closest
 from lrattn_lightning.train.checkpoint.load import read_checkpoint_file
+from lrattn_lightning.train.settings import checks as setting_checks
 
 
 def fsdp_strategy(trainer_cfg):
@@ -65,20 +66,8 @@ def check_training_numbers(subcommand: str, cfg) -> None:
     if subcommand != "fit":
         return
     m, trainer = cfg.model, cfg.trainer
-    rules = [  # (flag, value, ok, what it must be)
-        *((f"--model.{k}", m.get(k), lambda v: _number(v) and v >= 0, "a number >= 0 (0: that group stays fixed)")
-          for k in ("lr", "muon_lr")),
-        *((f"--model.{k}", m.get(k), lambda v: _number(v) and v >= 0, "a number >= 0")
-          for k in ("weight_decay", "muon_weight_decay", "z_loss")),
-        *((f"--model.{k}", m.get(k), lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-           "an integer >= 0") for k in ("warmup_steps", "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps")),
-        *((f"--model.{k}", m.get(k), lambda v: _number(v) and 0 <= v <= 1, "a fraction in [0, 1]")
-          for k in ("decay_fraction", "final_lr_fraction")),
-        ("--model.betas", m.get("betas"), lambda v: isinstance(v, list | tuple) and len(v) == 2
-         and all(_number(b) and 0 <= b < 1 for b in v), "two numbers in [0, 1), e.g. [0.9, 0.95]"),
-        ("--model.schedule_steps", m.get("schedule_steps"),
-         lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
-         "an integer >= 1 (or null: --trainer.max_steps)"),
+    rules = [  # (flag, value, ok, what it must be); the settings' own from their marks (train/settings.py)
+        *((f"--model.{k}", m.get(k), check.ok, check.what) for k, check in setting_checks()),
         ("--trainer.accumulate_grad_batches", trainer.get("accumulate_grad_batches"),
          lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1), "an integer >= 1"),
         ("--trainer.val_check_interval", trainer.get("val_check_interval"),

@@ -11,13 +11,16 @@ its seed (which compare pools over) and its recipe. The recipe's parts, as `reci
     seq_len         the training window
     data            sha256 over the data folder's shard checksums (meta.json `checksums`), 16 hex; a folder
                     prepared without checksums: `meta:` + the hash of its meta.json (token and byte counts)
-    optimizer       the optimiser and every setting that shapes its steps: learning rates, weight decays, Muon's
-                    variant and momentum schedule, warmup / decay / final LR, z-loss, gradient clipping; and
+    optimizer       the optimiser and every setting that shapes its steps: each OptimiserSettings field marked
+                    recipe="optimizer" (train/settings.py: learning rates, weight decays, AdamW's betas, Muon's
+                    variant and momentum schedule, warmup / decay / final LR, z-loss), gradient clipping; and
                     `muon_dtype`, the dtype Muon's orthogonaliser ran in, only where it is float32 (see below)
     precision       Lightning's precision (32-true, bf16-mixed, ...)
     document_masking  whether attention stops at document boundaries
     init_from       `none`, or the source of an upcycled run: `run RUN_ID step N` (its MLflow run) or
                     `file NAME step N` (a checkpoint without one)
+    version         the rule the parts follow (RECIPE_VERSION); absent: rule 1, whose optimizer part was a list
+                    written by hand that left out AdamW's betas
 
 The fingerprint is the first 12 hex digits of the sha256 of the parts as sorted JSON. `lrattn fit` records
 both as tags (FINGERPRINT_TAG, PARTS_TAG, rewritten when a resume changes the schedule's length), so
@@ -32,7 +35,15 @@ the seeds' spread (docs/benchmarks.md "Muon in float32 and batched"): small, not
 unbiased in longer runs. So the part is the resolved dtype, not the setting: two `auto` runs on a laptop without bfloat16 and on
 a GPU get different fingerprints, and compare says `optimizer.muon_dtype` differs, rather than pool them silently;
 to pool runs across such machines, pin `--model.muon_dtype` in the recipe. bfloat16, what every run before this
-part did, is the part's absence, so their fingerprints still hold and new bfloat16 runs pool with them.
+part did, is the part's absence (so rule-1 fingerprints held when the part came; rule 2 below is a new fingerprint
+for every run anyway).
+
+The settings are the one source: every field of train/settings.py's groups is marked recipe="optimizer" (a key of
+the optimizer part), "derived" (a part built here: muon_dtype, schedule_steps, document_masking) or Not(why it
+does not change the numbers), and a test fails on a field with no mark. Rule 2 (this one) is rule 1 with the
+optimizer part derived from the marks (it gained `betas`) and the `version` part: a fingerprint of rule 1 never
+equals one of rule 2, so old runs keep grouping among themselves (their tags hold their fingerprint) and never
+with new ones, and compare names them (`predates_rule`: runs of rule 1 may differ in betas within one fingerprint).
 
 Runs from before the fingerprint have no tags: `legacy_parts` rebuilds the parts from their MLflow params,
 with `data` as `folder PATH` (no checksums were recorded), so they group among themselves and never with
@@ -47,14 +58,19 @@ from pathlib import Path
 from typing import Any
 
 from lrattn_lightning.train.schema import Param, Tag
+from lrattn_lightning.train.settings import marked
 
 FINGERPRINT_TAG, PARTS_TAG, METHOD_TAG = Tag.RECIPE, Tag.RECIPE_PARTS, Tag.METHOD  # (train/schema.py)
 LEGACY = "legacy-"  # prefix of a fingerprint rebuilt from params
+RECIPE_VERSION = 2  # the `version` part of the rule recipe_parts follows (rule 1: no such part)
 
-# the module's settings that shape the optimiser's steps (LRAttnModule's arguments)
-OPTIMIZER_SETTINGS = ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_decay", "muon_variant",
-                      "muon_momentum", "muon_momentum_min", "muon_momentum_warmup_steps",
-                      "muon_momentum_cooldown_steps", "warmup_steps", "decay_fraction", "final_lr_fraction", "z_loss")
+# the module's settings that shape the optimiser's steps (LRAttnModule's arguments), from their marks
+OPTIMIZER_SETTINGS = marked("recipe", "optimizer")
+# rule 1's hand-written list, frozen: what legacy_parts rebuilds runs from before the fingerprint with (no betas)
+RULE_1_OPTIMIZER_SETTINGS = ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_decay", "muon_variant",
+                             "muon_momentum", "muon_momentum_min", "muon_momentum_warmup_steps",
+                             "muon_momentum_cooldown_steps", "warmup_steps", "decay_fraction", "final_lr_fraction",
+                             "z_loss")
 
 
 MUON_DTYPE_UNMARKED = "bfloat16"  # the dtype every run before the part had: no part
@@ -95,7 +111,20 @@ def recipe_parts(*, size: str, max_steps: int, tokens_per_step: int | None, seq_
     span = {"schedule_steps": schedule_steps} if schedule_steps not in (None, max_steps) else {}
     return {"size": size, "max_steps": max_steps, **span, "tokens_per_step": tokens_per_step, "seq_len": seq_len,
             "data": data, "optimizer": optimizer, "precision": str(precision),
-            "document_masking": bool(settings.get("document_masking")), "init_from": init_from}
+            "document_masking": bool(settings.get("document_masking")), "init_from": init_from,
+            "version": RECIPE_VERSION}
+
+
+def version_of(parts: dict[str, Any]) -> int:
+    """The rule a run's parts follow: their `version` part (1 where they have none: rule 1, or rebuilt by
+    legacy_parts)."""
+    value = parts.get("version")
+    return int(value) if str(value).isdigit() else 1
+
+
+def predates_rule(parts: dict[str, Any]) -> bool:
+    """Whether a fingerprint follows an older rule than recipe_parts does now (its recipe may leave settings out)."""
+    return version_of(parts) < RECIPE_VERSION
 
 
 def legacy_parts(params: dict[str, str]) -> dict[str, Any]:
@@ -103,7 +132,7 @@ def legacy_parts(params: dict[str, str]) -> dict[str, Any]:
     def get(key: str) -> Any:
         return params.get(key)
 
-    optimizer = {k: get(Param.TRAIN_PREFIX + k) for k in OPTIMIZER_SETTINGS}
+    optimizer = {k: get(Param.TRAIN_PREFIX + k) for k in RULE_1_OPTIMIZER_SETTINGS}
     optimizer["gradient_clip_val"] = get(Param.GRADIENT_CLIP)
     return {"size": get(Param.SIZE), "max_steps": get(Param.MAX_STEPS), "tokens_per_step": get(Param.TOKENS_PER_STEP),
             "seq_len": get(Param.SEQ_LEN), "data": f"folder {get(Param.DATA_DIR)}", "optimizer": optimizer,

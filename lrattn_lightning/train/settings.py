@@ -16,15 +16,30 @@ before the groups; so recipes, sweep files, checkpoints and MLflow queries of ol
 `module_settings(**flat)` is the one place flat names become the groups: LRAttnModule hands it its keyword
 arguments, and LightningCLI (jsonargparse follows `**settings` into the call) makes its flags from the signature
 generated below from the groups' fields and the kinds' options.
+
+What each setting is to the three readers that must name every one is marked on its field (`setting(...)`), and
+their lists are derived from the marks, never written by hand (tests/train/test_setting_marks.py holds every field
+of SETTING_GROUPS to a mark or a reason):
+
+    recipe  the recipe fingerprint (train/fingerprint.py): "optimizer" (a key of its optimizer part, as given),
+            "derived" (a part recipe_parts builds itself: the resolved Muon dtype, the schedule's length, document
+            masking), or Not(why it does not change the numbers)
+    resume  what a resumed fit compares with its checkpoint: "checkpoint" (checkpoint/compat.py: the optimizer state
+            would restore the checkpoint's value over the flag's), "optimizer state" (MuonWithAuxAdamW.load_state_dict
+            compares it, train/optim.py), "schedule" (cli/checks.py check_schedule), or Not(why a resume may change it)
+    check   what `lrattn fit` checks before any work (cli/checks.py): Check(ok, what it must be), or Not(who else
+            refuses a bad value, or why none can be given)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import subprocess
 import typing
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lrattn_lightning.core.errors import InputError
@@ -38,6 +53,62 @@ from lrattn_lightning.train.optim import MUON_VARIANTS, MuonVariant
 from lrattn_lightning.train.schedule import MomentumSchedule
 
 
+# ---- the marks ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Not:
+    """A reader leaves the setting out, for this reason."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class Check:
+    """What `lrattn fit` checks of a setting before any work: ok(value), and what it must be (cli/checks.py)."""
+
+    ok: Callable[[Any], bool]
+    what: str
+
+
+RECIPE_MARKS = ("optimizer", "derived")
+RESUME_MARKS = ("checkpoint", "optimizer state", "schedule")
+
+
+def setting(default: Any, *, recipe: str | Not, resume: str | Not, check: Check | Not) -> Any:
+    """A settings field with its three marks (the module docstring says what each reader does with them)."""
+    return field(default=default, metadata={"recipe": recipe, "resume": resume, "check": check})
+
+
+def marked(reader: str, mark: str) -> tuple[str, ...]:
+    """The settings whose `reader` mark (recipe, resume) is `mark`, in field order: the lists the readers use."""
+    return tuple(f.name for group in SETTING_GROUPS for f in dataclasses.fields(group) if f.metadata[reader] == mark)
+
+
+def checks() -> list[tuple[str, Check]]:
+    """(setting, its Check) for every setting `lrattn fit` checks before any work, in field order."""
+    return [(f.name, f.metadata["check"]) for group in SETTING_GROUPS for f in dataclasses.fields(group)
+            if isinstance(f.metadata["check"], Check)]
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+AT_LEAST_0 = Check(lambda v: _number(v) and v >= 0, "a number >= 0")
+STEPS = Check(lambda v: _integer(v) and v >= 0, "an integer >= 0")
+FRACTION = Check(lambda v: _number(v) and 0 <= v <= 1, "a fraction in [0, 1]")
+# the reasons most settings share
+TYPED = Not("its type (a Literal or bool): jsonargparse refuses another value")
+FROM_FLAGS = Not("the module reads it from the flags given at every start: a resume may change it")
+SCHEDULE_SHAPE = Not("the schedule's shape comes from the flags a run is launched with (WarmupStableDecay's state "
+                     "holds only its position): a resume may change it")
+MOMENTUM = Not("MomentumSchedule refuses a value outside 0 <= muon_momentum_min <= muon_momentum < 1 when the "
+               "settings are built, before any work")
+
+
 @dataclass(frozen=True)
 class OptimiserSettings:
     """The optimiser (muon_adamw: Muon for matrices, AdamW for the rest; adamw), its schedule and the z-loss weight.
@@ -48,24 +119,33 @@ class OptimiserSettings:
     last muon_momentum_cooldown_steps. The schedule spans schedule_steps (default --trainer.max_steps);
     allow_schedule_change lets a resume stretch it while every step so far stays the same (cli/checks.py)."""
 
-    optimizer: Literal["muon_adamw", "adamw"] = "muon_adamw"
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    muon_lr: float = 1e-3
-    muon_weight_decay: float = 0.1
-    muon_variant: MuonVariant = "reference"
-    muon_dtype: MuonDtype = "auto"
-    muon_momentum: float = 0.95
-    muon_momentum_min: float = 0.85
-    muon_momentum_warmup_steps: int = 300
-    muon_momentum_cooldown_steps: int = 100
-    warmup_steps: int = 2000
-    decay_fraction: float = 0.2
-    final_lr_fraction: float = 0.1
-    allow_schedule_change: bool = False
-    schedule_steps: int | None = None
-    z_loss: float = 1e-5
+    optimizer: Literal["muon_adamw", "adamw"] = setting("muon_adamw", recipe="optimizer", resume="checkpoint",
+                                                        check=TYPED)
+    lr: float = setting(3e-4, recipe="optimizer", resume="checkpoint",
+                        check=Check(AT_LEAST_0.ok, "a number >= 0 (0: that group stays fixed)"))
+    weight_decay: float = setting(0.0, recipe="optimizer", resume="checkpoint", check=AT_LEAST_0)
+    betas: tuple[float, float] = setting((0.9, 0.95), recipe="optimizer", resume="checkpoint", check=Check(
+        lambda v: isinstance(v, list | tuple) and len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),
+        "two numbers in [0, 1), e.g. [0.9, 0.95]"))
+    muon_lr: float = setting(1e-3, recipe="optimizer", resume="checkpoint",
+                             check=Check(AT_LEAST_0.ok, "a number >= 0 (0: that group stays fixed)"))
+    muon_weight_decay: float = setting(0.1, recipe="optimizer", resume="checkpoint", check=AT_LEAST_0)
+    muon_variant: MuonVariant = setting("reference", recipe="optimizer", resume="optimizer state", check=TYPED)
+    muon_dtype: MuonDtype = setting("auto", recipe="derived", resume="optimizer state", check=TYPED)
+    muon_momentum: float = setting(0.95, recipe="optimizer", check=MOMENTUM, resume=Not(
+        "the schedule sets the Muon group's momentum from the flags given at every step"))
+    muon_momentum_min: float = setting(0.85, recipe="optimizer", resume=SCHEDULE_SHAPE, check=MOMENTUM)
+    muon_momentum_warmup_steps: int = setting(300, recipe="optimizer", resume=SCHEDULE_SHAPE, check=STEPS)
+    muon_momentum_cooldown_steps: int = setting(100, recipe="optimizer", resume=SCHEDULE_SHAPE, check=STEPS)
+    warmup_steps: int = setting(2000, recipe="optimizer", resume=SCHEDULE_SHAPE, check=STEPS)
+    decay_fraction: float = setting(0.2, recipe="optimizer", resume=SCHEDULE_SHAPE, check=FRACTION)
+    final_lr_fraction: float = setting(0.1, recipe="optimizer", resume=SCHEDULE_SHAPE, check=FRACTION)
+    allow_schedule_change: bool = setting(False, check=TYPED, recipe=Not(
+        "lets a resume change the schedule's length; the length itself is recipe (schedule_steps, max_steps)"),
+        resume=Not("how check_schedule treats a resume, not a number of the run"))
+    schedule_steps: int | None = setting(None, recipe="derived", resume="schedule", check=Check(
+        lambda v: v is None or (_integer(v) and v >= 1), "an integer >= 1 (or null: --trainer.max_steps)"))
+    z_loss: float = setting(1e-5, recipe="optimizer", resume=FROM_FLAGS, check=AT_LEAST_0)
 
     def __post_init__(self) -> None:  # checked when built, before any work
         if self.muon_variant not in MUON_VARIANTS:
@@ -91,12 +171,20 @@ class RuntimeSettings:
     token attention, `sdpa` (a dense mask) or `flex` (FlexAttention's block mask, CUDA for training); the same
     results. routing_diagnostics: record the routing weights of each validation's first batch."""
 
-    compile: bool = False
-    impl: str = DEFAULT_IMPL
-    document_masking: bool = False
-    attention: Literal["sdpa", "flex"] = "sdpa"
-    routing_diagnostics: bool = True
-    doc_separator: int | None = None
+    compile: bool = setting(False, resume=FROM_FLAGS, check=TYPED, recipe=Not(
+        "how the same computation runs: torch.compile traces the decoder and loss the eager run computes"))
+    impl: str = setting(DEFAULT_IMPL, resume=FROM_FLAGS, recipe=Not(
+        "the AttnRes backend: every backend computes the reference's numbers (its parity test)"), check=Not(
+        "resolve_impl names the backends when the module is built, before any work (one line)"))
+    document_masking: bool = setting(False, recipe="derived", resume=FROM_FLAGS, check=TYPED)
+    attention: Literal["sdpa", "flex"] = setting("sdpa", resume=FROM_FLAGS, check=TYPED, recipe=Not(
+        "how the document mask reaches the attention (a dense mask or FlexAttention's block mask): the same results"))
+    routing_diagnostics: bool = setting(True, resume=FROM_FLAGS, check=TYPED, recipe=Not(
+        "records the routing weights of a validation batch; trains nothing"))
+    doc_separator: int | None = setting(None, recipe=Not(
+        "the data's EOS id, found at fit time: the recipe's `data` part names the data"), resume=Not(
+        "taken from the data's meta.json at every start (the checkpoint's where the data names none)"), check=Not(
+        "not a flag a user sets: the data's meta.json gives it"))
 
 
 @dataclass(frozen=True)
@@ -133,8 +221,9 @@ def _fields(group: type) -> list[inspect.Parameter]:
             for f in dataclasses.fields(group)]
 
 
+SETTING_GROUPS = (OptimiserSettings, RuntimeSettings)  # every group whose fields are flags (`--model.NAME`)
 ROUTING = routing_parameters()
-FLAGS: dict[str, inspect.Parameter] = {p.name: p for p in (*_fields(OptimiserSettings), *_fields(RuntimeSettings),
+FLAGS: dict[str, inspect.Parameter] = {p.name: p for p in (*(p for g in SETTING_GROUPS for p in _fields(g)),
                                                               *ROUTING.values())}
 
 
@@ -164,7 +253,7 @@ def module_settings(**flat: Any) -> ModuleSettings:
         if name not in FLAGS:
             raise InputError(f"model.{name}: unknown setting; closest: {', '.join(closest_names(name, list(FLAGS)))}")
     pick = {group: {f.name: flat[f.name] for f in dataclasses.fields(group) if f.name in flat}
-            for group in (OptimiserSettings, RuntimeSettings)}
+            for group in SETTING_GROUPS}
     routing = {name: flat.get(name, p.default) for name, p in ROUTING.items()}
     return ModuleSettings(OptimiserSettings(**pick[OptimiserSettings]), RuntimeSettings(**pick[RuntimeSettings]), routing)
 

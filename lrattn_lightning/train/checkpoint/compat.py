@@ -9,9 +9,11 @@ from typing import Any
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.registry import model_config_from_dict
+from lrattn_lightning.train.settings import marked
 
-# Optimizer settings a resumed fit takes from the checkpoint's optimizer state, not from the command line.
-RESTORED_WITH_OPTIMIZER = ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_decay", "betas")
+# Optimizer settings a resumed fit takes from the checkpoint's optimizer state, not from the command line: the
+# settings marked resume="checkpoint" (train/settings.py; each other one says who compares it, or why none does)
+RESTORED_WITH_OPTIMIZER = marked("resume", "checkpoint")
 
 # What describes an entry rather than builds it: editing these in registry.yaml keeps checkpoints loadable.
 DESCRIPTIVE_FIELDS = frozenset({"doc", "control", "tags"})

@@ -1,0 +1,148 @@
+"""Issue 52 (2): the settings dataclasses are the one source of what the recipe fingerprint holds, what a resume
+compares and what `lrattn fit` checks. Every field of train/settings.py's groups carries a mark for each reader or a
+reason it has none; the readers' lists are derived from the marks. Before, `OPTIMIZER_SETTINGS` was written by hand
+and left out `betas`: two fits that differed only in --model.betas shared one fingerprint, one row, one mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from types import SimpleNamespace
+
+import pytest
+
+from lrattn_lightning.cli.checks import check_training_numbers
+from lrattn_lightning.core.errors import InputError, UsageError
+from lrattn_lightning.train import fingerprint as fp
+from lrattn_lightning.train import settings
+from lrattn_lightning.train.checkpoint import compat
+from lrattn_lightning.train.settings import RECIPE_MARKS, RESUME_MARKS, Check, Not
+
+FIELDS = {f.name: (group, f) for group in settings.SETTING_GROUPS for f in dataclasses.fields(group)}
+DEFAULTS = {name: f.default for name, (_, f) in FIELDS.items()}
+
+
+def unmarked(group: type) -> list[str]:
+    """`reader: field` for each mark a field of `group` lacks (a mark, or Not with a reason)."""
+    allowed = {"recipe": RECIPE_MARKS, "resume": RESUME_MARKS}
+    missing = []
+    for f in dataclasses.fields(group):
+        for reader in ("recipe", "resume", "check"):
+            mark = f.metadata.get(reader)
+            given = (isinstance(mark, Check) if reader == "check" else mark in allowed[reader])
+            if not given and not (isinstance(mark, Not) and mark.why.strip()):
+                missing.append(f"{reader}: {f.name}")
+    return missing
+
+
+def test_every_setting_is_marked_for_each_reader():
+    assert settings.SETTING_GROUPS == (settings.OptimiserSettings, settings.RuntimeSettings)
+    for group in settings.SETTING_GROUPS:
+        assert unmarked(group) == [], group.__name__
+    # every --model.* flag is a field of a marked group or a routing kind's option (the method, tagged apart)
+    assert set(settings.FLAGS) == set(FIELDS) | set(settings.ROUTING)
+
+
+def test_a_new_field_with_neither_mark_fails_the_rule():
+    @dataclasses.dataclass(frozen=True)
+    class Grown:
+        lr: float = settings.setting(1e-3, recipe="optimizer", resume="checkpoint", check=settings.AT_LEAST_0)
+        new_knob: float = 0.5  # added without saying what it is to the recipe, a resume or the command line
+        half: float = dataclasses.field(default=0.1, metadata={"recipe": Not(""), "resume": "checkpoint",
+                                                               "check": Not("why")})  # a reason must say something
+
+    assert unmarked(Grown) == ["recipe: new_knob", "resume: new_knob", "check: new_knob", "recipe: half"]
+
+
+def _other(name: str):
+    """A valid value of setting `name` other than its default."""
+    group, f = FIELDS[name]
+    kind, value = typing.get_type_hints(group)[name], DEFAULTS[name]
+    if typing.get_origin(kind) is typing.Literal:
+        return next(v for v in reversed(typing.get_args(kind)) if v != value)  # muon_dtype: float32
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, tuple):
+        return (0.8, 0.9)
+    if isinstance(value, float):
+        return value * 0.9 if value else 0.01
+    if isinstance(value, int):
+        return value + 1
+    if value is None:
+        return 7
+    return "reference" if value != "reference" else "fast"  # impl
+
+
+def _parts(**changed):
+    """The recipe of a fit with these settings, as train/callbacks/description.py builds it (max_steps 10; the
+    Muon dtype resolved as on a GPU, the schedule's length as schedule_steps(trainer, hp))."""
+    flat = {**DEFAULTS, **changed}
+    settings.module_settings(**flat)  # a valid combination
+    return fp.recipe_parts(size="tiny", max_steps=10, tokens_per_step=64, seq_len=32, data="d", settings=flat,
+                           gradient_clip_val=1.0, precision="32-true", init_from="none",
+                           schedule_steps=flat["schedule_steps"] or 10,
+                           muon_dtype={"auto": "bfloat16"}.get(flat["muon_dtype"], flat["muon_dtype"]))
+
+
+def test_two_fits_that_differ_only_in_betas_get_different_fingerprints():
+    a, b = _parts(), _parts(betas=(0.9, 0.99))
+    assert fp.fingerprint(a) != fp.fingerprint(b)
+    assert fp.differences(b, a) == [("optimizer.betas", [0.9, 0.99], [0.9, 0.95])]
+
+
+@pytest.mark.parametrize("name", [n for n, (_, f) in FIELDS.items() if f.metadata["recipe"] in RECIPE_MARKS])
+def test_every_recipe_setting_changes_the_fingerprint(name):
+    assert fp.fingerprint(_parts(**{name: _other(name)})) != fp.fingerprint(_parts()), name
+
+
+@pytest.mark.parametrize("name", [n for n, (_, f) in FIELDS.items() if isinstance(f.metadata["recipe"], Not)])
+def test_a_setting_marked_outside_the_recipe_keeps_the_fingerprint(name):
+    assert fp.fingerprint(_parts(**{name: _other(name)})) == fp.fingerprint(_parts()), name
+
+
+def test_the_fingerprint_names_its_rule_and_rule_1_parts_predate_it():
+    parts = _parts()
+    assert parts["version"] == fp.RECIPE_VERSION == 2 and not fp.predates_rule(parts)
+    rule_1 = {k: v for k, v in parts.items() if k != "version"}
+    rule_1["optimizer"] = {k: v for k, v in parts["optimizer"].items() if k != "betas"}
+    assert fp.predates_rule(rule_1) and fp.predates_rule(fp.legacy_parts({"size": "tiny"}))
+    assert fp.fingerprint(rule_1) != fp.fingerprint(parts)
+
+
+# ---- what a resume compares ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_checkpoint(registry):
+    cfg = registry.model("tiny", "baseline")
+    return cfg, {"hyper_parameters": {"model_config": cfg.to_dict(), **DEFAULTS}}
+
+
+def test_a_resume_compares_the_settings_marked_checkpoint(tiny_checkpoint):
+    assert compat.RESTORED_WITH_OPTIMIZER == settings.marked("resume", "checkpoint") == (
+        "optimizer", "lr", "weight_decay", "betas", "muon_lr", "muon_weight_decay")
+    cfg, checkpoint = tiny_checkpoint
+    for name in compat.RESTORED_WITH_OPTIMIZER:
+        with pytest.raises(InputError, match=f"--model.{name}: the checkpoint was trained with"):
+            compat.check_loaded(checkpoint, cfg, {**DEFAULTS, name: _other(name)})
+    for name in (n for n, (_, f) in FIELDS.items() if isinstance(f.metadata["resume"], Not)):
+        compat.check_loaded(checkpoint, cfg, {**DEFAULTS, name: _other(name)})  # a resume may change it
+
+
+# ---- what the command line checks ----------------------------------------------------------------------------
+def _fit(**model):
+    return SimpleNamespace(model={**DEFAULTS, **model}, trainer={})
+
+
+def test_the_command_line_checks_every_setting_with_a_check():
+    checked = dict(settings.checks())
+    assert set(checked) == {"lr", "muon_lr", "weight_decay", "muon_weight_decay", "z_loss", "warmup_steps",
+                            "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps", "decay_fraction",
+                            "final_lr_fraction", "betas", "schedule_steps"}
+    check_training_numbers("fit", _fit())  # the defaults pass
+    bad = {"betas": [0.9, 1.0], "schedule_steps": 0, "decay_fraction": 1.5, "final_lr_fraction": -0.1}
+    for name, check in checked.items():
+        value = bad.get(name, -1)
+        assert not check.ok(value)
+        with pytest.raises(UsageError, match=rf"--model\.{name} .*: must be {check.what[:12]}"):
+            check_training_numbers("fit", _fit(**{name: value}))
+    check_training_numbers("validate", _fit(lr=-1))  # fit's settings only
