@@ -2,6 +2,8 @@
 
     recipe_notes      each size's recipes: A in full (its fingerprint and what it is), every other one by
                       how it differs from A (an upcycled run's recipe differs in init_from)
+    rule_note         the runs whose fingerprint predates the fingerprint's rule (train/fingerprint.py): pooled
+                      only among themselves, never with runs of the rule, and their recipe may leave settings out
     delta_notes       why a Δ is — where the row names a control (or is not the reference): the control did
                       not run, or ran only under another recipe
     superseded_note   runs of one size, ablation, seed and recipe that ran more than once: which counts (the
@@ -24,8 +26,8 @@ from lrattn_lightning.train import fingerprint as fp
 
 
 def notes(rows: list[Row], reference: str, stale: list[RunRecord]) -> str:
-    parts = [recipe_notes(rows), delta_notes(rows, reference), superseded_note(rows), stale_note(stale),
-             power_note(rows), pooling_note(rows)]
+    parts = [recipe_notes(rows), rule_note(rows), delta_notes(rows, reference), superseded_note(rows),
+             stale_note(stale), power_note(rows), pooling_note(rows)]
     return "".join(p for p in parts if p)
 
 
@@ -69,6 +71,19 @@ def recipe_notes(rows: list[Row]) -> str:
                 diffs = "; ".join(f"{k} {v} (A: {a})" for k, v, a in fp.differences(row.parts, main.parts))
                 lines.append(f"{head}: differs from A in {diffs or 'nothing recorded (older and newer fingerprint)'}.")
     return "\n" + "\n".join(lines) + "\n" if lines else ""
+
+
+def rule_note(rows: list[Row]) -> str:
+    """One line naming the runs whose fingerprint follows an older rule than new runs' (fp.predates_rule): their
+    recipes may pool runs that differ in a setting the old rule left out (rule 1: AdamW's betas)."""
+    old = [row for row in rows if fp.predates_rule(row.parts)]
+    if not old:
+        return ""
+    sizes = len({row.size for row in rows}) > 1
+    named = "; ".join(f"recipe {row.group}{f' at size {row.size}' if sizes else ''} `{row.label}`: "
+                      + ", ".join(f"`{r.name}`" for r in row.runs) for row in old)
+    return (f"\nFingerprints older than rule {fp.RECIPE_VERSION} (their recipe may leave out settings that change "
+            f"the numbers, such as AdamW's betas; pooled only among themselves, never with newer runs): {named}.\n")
 
 
 def delta_notes(rows: list[Row], reference: str) -> str:
