@@ -152,3 +152,18 @@ class KillBeforeStepLog(Callback):
             log_step()
 
         connector.update_train_step_metrics = update_train_step_metrics
+
+
+class PlantLinkAtStep(Callback):
+    """Before optimizer step `step`, replace each of `paths` (whatever is there) by a symbolic link to `target`: what
+    another user who can write into the run folder could do while the run trains (tests/e2e/test_planted_links.py)."""
+
+    def __init__(self, step: int, paths: list[str], target: str):
+        self.step, self.paths, self.target = step, paths, target
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            for path in self.paths:
+                if os.path.lexists(path):
+                    os.unlink(path)
+                os.symlink(self.target, path)
