@@ -44,7 +44,7 @@ from lrattn_lightning.data.pipeline import (
     merge_index,
     write_parts,
 )
-from lrattn_lightning.data.shards import FORMAT_VERSION, sha256_files, shard_files
+from lrattn_lightning.data.shards import FORMAT_VERSION, ids_scanned_over, sha256_files, shard_files
 from lrattn_lightning.data.sources import Corpus, limited
 from lrattn_lightning.data.space import check_space, no_space
 from lrattn_lightning.data.split import SPLITS, check_seed, fixed, key_hash, sided, split_of
@@ -237,6 +237,9 @@ def _build(staging: Staging, corpora: dict[str, Corpus | None], recipe: dict[str
         say(f"skipped {empty:,} empty document(s) (nothing but whitespace)")
     if too_long[0]:
         say(f"skipped {too_long[0]:,} document(s) longer than --max_document_bytes {max_document_bytes:,}")
+    checksums = {split: shard_files(root / split) for split in SPLITS}
+    for split in SPLITS:  # the largest id holds for these chunks only: rewritten ones are scanned before training
+        counts[split]["max_token_id_of"] = ids_scanned_over(checksums[split])
     meta = {
         "format_version": FORMAT_VERSION,
         "source": " ".join(train.specs),
@@ -253,7 +256,7 @@ def _build(staging: Staging, corpora: dict[str, Corpus | None], recipe: dict[str
         "splits": counts,
         # each shard file's size and sha256, checked before every run (`validate_data_dir`): of the content only
         # (index.json's `updated_at` is a hash of its chunks), so the same documents give the same checksums
-        "checksums": {split: shard_files(root / split) for split in SPLITS},
+        "checksums": checksums,
         "inputs": {split: c.records() for split, c in corpora.items() if c is not None},
         "empty_documents_skipped": empty,
         "long_documents_skipped": too_long[0],

@@ -122,6 +122,13 @@ def chunk_max_ids(shard_dir: str | Path, chunks: list[dict[str, Any]], dtype: An
     return tops
 
 
+def ids_scanned_over(files: dict[str, dict[str, Any]]) -> str:
+    """What a split's recorded max_token_id was computed over (meta.json `max_token_id_of`): the sha256 of its
+    chunks' sha256s as `shard_files` records them (index.json left out: the ids live in the chunks)."""
+    chunks = {name: record["sha256"] for name, record in sorted(files.items()) if name != "index.json"}
+    return hashlib.sha256(json.dumps(chunks, sort_keys=True).encode()).hexdigest()
+
+
 def shard_files(shard_dir: str | Path) -> dict[str, dict[str, Any]]:
     """What prepare records of a split for `verify_files`: {name: {"bytes", "sha256"}} of index.json and
     every chunk it lists."""
@@ -206,7 +213,7 @@ def validate_data_dir(data_dir: str | Path, size: SizeConfig, seq_len: int | Non
         files = meta.get("checksums", {}).get(split)
         if listing is not None:
             verify_split(data_dir, split, meta, listing)
-        _check_token_ids(data_dir, split, chunks, meta, size, trust_recorded=bool(files))
+        _check_token_ids(data_dir, split, chunks, meta, size)
         if files and listing is None:
             verify_split(data_dir, split, meta)
         if count_windows(chunks, seq_len + 1) == 0:
@@ -258,24 +265,34 @@ def _verify_remote(url: str, split: str, files: dict[str, dict[str, Any]] | None
 
 
 def _check_token_ids(data_dir: str | Path, split: str, chunks: list[dict[str, Any]], meta: dict[str, Any],
-                     size: SizeConfig, trust_recorded: bool) -> None:
-    """An id the embedding does not have crashes the first step (a device-side assert on GPUs).
+                     size: SizeConfig) -> None:
+    """Every id below the data's own vocabulary (meta.json vocab_size, at most the model's: checked before). An id
+    past the model's crashes the first step (a device-side assert on GPUs); one between the two trains rows the
+    tokenizer never writes, silently: both are one line here.
 
-    prepare records each split's largest id and each shard file's sha256: when the hashes are checked
-    (`trust_recorded`), they prove the recorded id still holds. Folders prepared without hashes are
-    scanned (the recorded id may be stale); so is a folder whose meta.json lost its max_token_id.
+    prepare records each split's largest id and the chunk checksums it was computed over (`max_token_id_of`): it
+    stands in for a scan only while those are still the split's recorded checksums (which `verify_split` then
+    checks against the files). Shards rewritten since, their checksums recomputed, are scanned; so are folders
+    prepared before the ids were bound to their checksums, or whose meta.json lost its max_token_id.
     """
-    where, top = f"the {split} split of {data_dir}", meta["splits"].get(split, {}).get("max_token_id")
-    if top is None or not trust_recorded:
+    record, files = meta["splits"].get(split, {}), meta.get("checksums", {}).get(split)
+    where, top = f"the {split} split of {data_dir}", record.get("max_token_id")
+    bound = top is not None and bool(files) and record.get("max_token_id_of") == ids_scanned_over(files)
+    if remote.is_remote(data_dir) and not bound:
+        if "max_token_id_of" in record or top is None:  # no scan of an s3:// prefix before training: its chunks stay there
+            raise InputError(f"{data_dir}/meta.json: the {split} split's max_token_id was not recorded for the shards "
+                             f"its checksums name (rewritten since prepare?); {REPREPARE_HINT}")
+        bound = bool(files)  # prepared before the binding: the recorded id, as S3's checksums of the chunks vouch
+    if not bound:
         tops = chunk_max_ids(Path(data_dir) / split, chunks, meta.get("dtype", "uint16"))
         name, top = max(tops.items(), key=lambda item: item[1], default=("", -1))
         where = f"{Path(data_dir) / split / name}:"
-    if top >= size.vocab_size:  # >= meta's vocab_size too (checked before): the shard contradicts meta.json
-        raise InputError(
-            f"{where} holds token id {top}, beyond the vocab_size {size.vocab_size} of size '{size.name}' and the "
-            f"{meta['vocab_size']} ids of its {meta['tokenizer'].get('kind')} tokenizer (meta.json): the shard is "
-            f"corrupt or was written by another tokenizer; {REPREPARE_HINT}"
-        )
+    vocab, kind = int(meta["vocab_size"]), meta["tokenizer"].get("kind")
+    if top >= vocab:
+        model = (f") and the vocab_size {size.vocab_size} of size '{size.name}'" if top >= size.vocab_size else
+                 f"; size '{size.name}' has {size.vocab_size} rows: it would train rows the tokenizer never writes)")
+        raise InputError(f"{where} holds token id {top}, beyond the {vocab} ids of its {kind} tokenizer (meta.json "
+                         f"vocab_size{model}: the shard is corrupt or was written by another tokenizer; {REPREPARE_HINT}")
 
 
 def bits_per_byte(loss_nats_per_token: Any, bytes_per_token: float) -> Any:

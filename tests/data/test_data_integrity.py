@@ -160,6 +160,47 @@ def test_folder_prepared_before_checksums_still_works_and_is_scanned(prepared, t
     assert sorted(p.name for p in scratch.iterdir()) == ["data"]
 
 
+def _rewrite_with_checksums(data: Path, token_id: int) -> None:
+    """A shard rewritten with new ids and meta.json's checksums recomputed to match (max_token_id left as it was)."""
+    _, body = chunk_body(data, "train")
+    body[[10, 500]] = token_id
+    body.flush()
+    meta = json.loads((data / "meta.json").read_text())
+    meta["checksums"]["train"] = shards.shard_files(data / "train")
+    (data / "meta.json").write_text(json.dumps(meta, indent=2))
+
+
+@pytest.mark.parametrize("token_id, needle", [
+    (300, "beyond the 257 ids of its byte tokenizer (meta.json vocab_size; size 'tiny' has 512 rows"),
+    (700, "beyond the 257 ids of its byte tokenizer (meta.json vocab_size) and the vocab_size 512 of size 'tiny'")])
+def test_ids_past_the_datas_vocabulary_in_shards_rewritten_with_their_checksums_are_one_line(
+        token_id, needle, prepared, tmp_path):
+    """Issue 53: ids between the data's vocabulary and the model's (300: byte data, a 512-row model) trained
+    silently; shards rewritten with recomputed checksums had their stale max_token_id trusted, and ids past the
+    model's vocabulary crashed the first step in a 130-line IndexError. The recorded id holds only for the chunks
+    prepare scanned (`max_token_id_of`): these are scanned, and checked against the data's own vocabulary."""
+    scratch = scratch_copy(prepared, tmp_path)
+    _rewrite_with_checksums(scratch / "data", token_id)
+    done = fit(scratch)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("lrattn:")]
+    assert done.returncode == 2 and "Traceback" not in done.stderr and len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith(f"lrattn: error: data/train/chunk-0-0.bin: holds token id {token_id}, "), lines[0]
+    assert needle in lines[0] and "lrattn prepare --overwrite" in lines[0], lines[0]
+    assert sorted(p.name for p in scratch.iterdir()) == ["data"]  # no run, no MLflow store
+
+
+def test_a_prepared_folders_recorded_ids_stand_in_for_the_scan_only_for_its_own_chunks(prepared, tmp_path, monkeypatch):
+    size = load_registry(REGISTRY).size("tiny")
+    scanned = []
+    monkeypatch.setattr(shards, "chunk_max_ids", lambda *a: scanned.append(a[0]) or {"chunk-0-0.bin": 256})
+    validate_data_dir(prepared, size)
+    assert scanned == []  # as prepared: the recorded ids, bound to the checksums verified next
+    scratch = scratch_copy(prepared, tmp_path)
+    _rewrite_with_checksums(scratch / "data", 65)
+    validate_data_dir(scratch / "data", size)
+    assert scanned == [scratch / "data/train"]  # rewritten since: scanned (its val split still as prepared)
+
+
 @pytest.mark.parametrize("out, overwrite", [("file.txt/sub", False), ("file.txt/a/b", False), ("file.txt", True),
                                             (".", True)])
 def test_prepare_out_under_a_file_or_not_replaceable_is_one_line(out, overwrite, tmp_path):
