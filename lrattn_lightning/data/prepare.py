@@ -105,6 +105,7 @@ def prepare(
     if max_document_bytes is not None and (not isinstance(max_document_bytes, int) or max_document_bytes < 1):
         raise InputError(f"--max_document_bytes {max_document_bytes}: a positive number of bytes, e.g. 100000000")
     check_seed(split_seed)
+    chunk_bytes = _chunk_size(chunk_bytes)
     kind, arg = parse_tokenizer_name(tokenizer)
     if kind in ("hf", "tiktoken") and not Path(arg).is_file():
         raise InputError(f"tokenizer '{tokenizer}': file {arg} not found")
@@ -304,6 +305,22 @@ def _tokenizer(kind: str, arg: str | None, root: Path, train_texts: Any) -> Any:
     with open(arg, "rb") as src, replacing(dst, "wb", "tokenizer file") as copy:  # the folder carries its own tokenizer
         shutil.copyfileobj(src, copy)
     return load_tokenizer({"kind": kind, "file": dst.name}, base_dir=root)
+
+
+def _chunk_size(value: int | str) -> int | str:
+    """--chunk_bytes as litdata takes it: a positive number of bytes (400000 -> int) or a size with a unit (64MB,
+    kept as given); anything else (abc, 0, -5MB, which litdata took) is one line before any work."""
+    text = str(value).strip()
+    number = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?b|[kmgt])?", text, re.IGNORECASE)
+    if isinstance(value, bool) or number is None:
+        size = 0
+    else:
+        unit = (number.group(2) or "b").lower().rstrip("b") or "b"
+        size = int(float(number.group(1)) * {"b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[unit])
+    if size < 1:
+        raise InputError(f"--chunk_bytes {value}: litdata's chunk size is a positive number of bytes, e.g. 400000, "
+                         "or a size with a unit (B, KB, MB, GB, TB: 64MB)")
+    return size if number.group(2) is None else text
 
 
 def _litdata_version() -> str:

@@ -176,3 +176,23 @@ def test_resuming_with_a_changed_learning_rate_is_refused_not_ignored(data, tmp_
     assert step_of(ckpt_dir(tmp_path) / "last.ckpt") == 2  # nothing trained, nothing overwritten
     assert main(fit_args(data, *STRETCHABLE, "--ckpt_path", "last", steps=4)) == 0
     assert step_of(ckpt_dir(tmp_path) / "last.ckpt") == 4
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5MB", "-1", "0KB", "5 parsecs", "MB"])
+def test_prepare_chunk_bytes_that_is_no_size_is_one_line(value, tmp_path, monkeypatch, capsys):
+    """Issue 53: abc and 0 gave litdata's traceback (so did a plain 400000), -5MB was accepted."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["prepare", "--max_documents", "5", "--out", "out", f"--chunk_bytes={value}"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [err.strip()] and "Traceback" not in err, err
+    assert err.startswith(f"lrattn: error: --chunk_bytes {value}: ") and "e.g. 400000" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_prepare_chunk_bytes_in_plain_bytes_or_with_a_unit(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    chunks = {}
+    for value in ("40000", "40KB", "8MB"):
+        assert main(["prepare", "--max_documents", "20", "--out", value, "--chunk_bytes", value]) == 0
+        chunks[value] = json.loads((tmp_path / value / "train/index.json").read_text())["chunks"]
+    assert chunks["40000"] == chunks["40KB"] and len(chunks["40000"]) > len(chunks["8MB"]) == 1, chunks
