@@ -126,8 +126,8 @@ def _report_text(experiment: str, rows: list[Row], table_md: str, records: list[
              "is —); p is Welch's two-sided t-test across "
              "seeds (— below two seeds a side). Added FLOPs % is the analytic forward cost of routing relative to "
              "the non-embedding core (docs/method.md §4); tokens/s is the median training throughput of each run, averaged "
-             "over seeds. Seeds needed: per arm, for 80 % power at two-sided α = 0.05 if the observed Δ and spread were "
-             "the true ones. **Bold**: on the Pareto front of (added FLOPs %, mean val loss), a front of means: "
+             "over seeds. Seeds needed: per arm, for 80 % power in Welch's test (the p beside it) at two-sided α = 0.05 if "
+             "the observed Δ and spreads were the true ones. **Bold**: on the Pareto front of (added FLOPs %, mean val loss), a front of means: "
              "the pairwise tests say which of its differences are resolved.\n",
              table_md,
              "\n![validation loss against added FLOPs](loss_vs_flops.png)\n",

@@ -121,9 +121,10 @@ def superseded_note(rows: list[Row]) -> str:
 def power_note(rows: list[Row]) -> str:
     if all(row.need_control is None and row.need_baseline is None for row in rows):
         return ""
-    return (f"\nSeeds needed (beside each p): seeds per arm for {POWER * 100:.0f} % power at two-sided α = 0.05 if "
-            "the observed Δ and the pair's pooled spread were the true ones (power.py); — where the spread is unknown (one seed a "
-            "side) or Δ is 0. With two or three seeds the spread itself is uncertain: a size, not a promise.\n")
+    return (f"\nSeeds needed (beside each p): seeds per arm for {POWER * 100:.0f} % power in Welch's test (the test of "
+            "the p beside it) at two-sided α = 0.05 if the observed Δ and the two rows' spreads were the true ones "
+            "(power.py); — where the spread is unknown (one seed a side) or Δ is 0. With two or three seeds the spread "
+            "itself is uncertain: a size, not a promise.\n")
 
 
 def stale_note(stale: list[RunRecord]) -> str:

@@ -1,11 +1,18 @@
 """Power and multiplicity for `lrattn compare`: how many seeds a difference needs, and every pair of methods tested.
 
-    seeds_needed(Δ, s)   seeds per arm for power 0.8 in a two-sided two-sample t-test at α = 0.05, equal arms of n
-                         and a true difference Δ with common std s: the smallest n (>= 2) with
-                             P(|T| > t_{1-α/2, 2n-2}) >= 0.8,   T ~ noncentral t(df = 2n - 2, nc = Δ / (s sqrt(2 / n)))
-                         (scipy.stats.nct; power grows with n, so doubling then bisection finds it). None where s is
-                         unknown (fewer than two seeds in all) or Δ = 0; 2 where s = 0 and Δ != 0.
-    pooled_std(a, b)     s = sqrt((Σ (a_i - ā)^2 + Σ (b_i - b̄)^2) / (n_a + n_b - 2)), over the seeds there are
+    seeds_needed(Δ, s_a, s_b)
+                         seeds per arm for power 0.8 in Welch's two-sided test at α = 0.05 (the test whose p is
+                         printed beside it, significance.py), equal arms of n, a true difference Δ and the arms' true
+                         stds s_a, s_b: the smallest n (>= 2) with power(n) >= 0.8, where
+                             power(n) = E[ P(|Δ̂| > t_{1-α/2, ν̂} ŝe) ]     Δ̂ ~ N(Δ, (s_a² + s_b²) / n)
+                         over the two sample variances (s² χ²_{n-1} / (n - 1) each, independent of Δ̂), ŝe and ν̂
+                         Welch's standard error and Welch-Satterthwaite degrees of freedom from them: the inner
+                         probability is two normal tails, the outer expectation a 48 x 48 generalised Gauss-Laguerre
+                         rule over the two chi-squares; above n = 100 the noncentral t with ν at the true variances
+                         (within a seed there). At n = 2 or 3, ν̂ is often near 1 and Welch's test far weaker than
+                         the pooled t-test's 2n - 2 degrees of freedom suggest. None where no spread is known (one
+                         seed a side) or Δ = 0; 2 where both spreads are 0 and Δ != 0.
+    spreads(a, b)        the two arms' sample stds; an arm of one seed takes the other's (None: one seed a side)
     holm(p)              Holm's step-down adjustment of m p-values: sorted ascending, p_(k) (m - k + 1) (k = 1..m),
                          made non-decreasing by a running maximum, capped at 1; a pair is resolved when its adjusted
                          p < α. It bounds the chance of any false "resolved" in the family by α, whatever the tests'
@@ -27,6 +34,8 @@ import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from lrattn_lightning.tools.compare.significance import welch
 
 if TYPE_CHECKING:
@@ -34,34 +43,64 @@ if TYPE_CHECKING:
 
 ALPHA, POWER = 0.05, 0.8
 MAX_SEEDS = 100_000  # beyond this the answer is "more than" (a difference far inside the noise)
+NODES, QUADRATURE_MAX = 48, 100  # power(): the quadrature's nodes per chi-square, and the n it is used up to
 
 
-def power(n: int, effect: float, alpha: float = ALPHA) -> float:
-    """The power of the two-sided two-sample t-test with n seeds per arm at standardised difference Δ / s."""
+def power(n: int, delta: float, std_a: float, std_b: float | None = None, alpha: float = ALPHA) -> float:
+    """The power of Welch's two-sided test with n seeds per arm, true difference `delta` and true stds (module doc)."""
+    from scipy import special, stats
+
+    std_b = std_a if std_b is None else std_b
+    spread = math.sqrt((std_a**2 + std_b**2) / n)
+    if spread == 0:
+        return 1.0 if delta else alpha
+    if n > QUADRATURE_MAX:
+        va, vb = std_a**2 / n, std_b**2 / n
+        df = (va + vb) ** 2 / ((va**2 + vb**2) / (n - 1))
+        crit, nc = stats.t.ppf(1 - alpha / 2, df), abs(delta) / spread
+        return float(stats.nct.sf(crit, df, nc) + stats.nct.cdf(-crit, df, nc))
+    nodes, weights = special.roots_genlaguerre(NODES, (n - 1) / 2 - 1)  # z = chi² / 2 ~ Gamma((n - 1) / 2)
+    weights = weights / weights.sum()
+    za, zb = np.meshgrid(nodes, nodes, indexing="ij")
+    va, vb = std_a**2 * 2 * za / (n - 1) / n, std_b**2 * 2 * zb / (n - 1) / n  # Welch's squared errors, per arm
+    se = np.sqrt(va + vb)
+    # ν̂ = (n - 1) / (r² + (1 - r)²) with r = va / (va + vb): the critical value on a grid of r, interpolated
+    share = np.linspace(0.0, 1.0, 129)
+    grid = stats.t.ppf(1 - alpha / 2, (n - 1) / (share**2 + (1 - share) ** 2))
+    crit = np.interp(va / np.maximum(va + vb, 1e-300), share, grid)
+    hit = stats.norm.cdf((abs(delta) - crit * se) / spread) + stats.norm.cdf((-abs(delta) - crit * se) / spread)
+    return float(np.einsum("i,j,ij->", weights, weights, hit))
+
+
+def seeds_needed(delta: float | None, std: float | None, std_b: float | None = None, alpha: float = ALPHA,
+                 target: float = POWER) -> int | None:
+    """Seeds per arm for `target` power in Welch's test at two-sided `alpha` (module doc), the arms' stds `std` and
+    `std_b` (default: `std`); MAX_SEEDS + 1: more."""
+    std_b = std if std_b is None else std_b
+    if delta is None or std is None or delta == 0 or math.isnan(delta) or math.isnan(std) or math.isnan(std_b):
+        return None
+    if std == 0 and std_b == 0:
+        return 2
     from scipy import stats
 
-    df = 2 * n - 2
-    nc = effect * math.sqrt(n / 2)
-    crit = stats.t.ppf(1 - alpha / 2, df)
-    return float(stats.nct.sf(crit, df, nc) + stats.nct.cdf(-crit, df, nc))
-
-
-def seeds_needed(delta: float | None, std: float | None, alpha: float = ALPHA, target: float = POWER) -> int | None:
-    """Seeds per arm for `target` power at two-sided `alpha` (see the module docstring); MAX_SEEDS + 1: more."""
-    if delta is None or std is None or delta == 0 or math.isnan(delta) or math.isnan(std):
-        return None
-    if std == 0:
-        return 2
-    effect = abs(delta) / std
-    low, high = 1, 2  # power(low) < target <= power(high) once the doubling stops
-    while power(high, effect, alpha) < target:
-        if high > MAX_SEEDS:
+    z = stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(target)
+    n = max(2, math.floor(z * z * (std**2 + std_b**2) / delta**2))  # the z-test's n: Welch's needs at least this
+    if n > MAX_SEEDS:
+        return MAX_SEEDS + 1
+    while power(n, delta, std, std_b, alpha) < target:
+        if n > MAX_SEEDS:
             return MAX_SEEDS + 1
-        low, high = high, 2 * high
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (low, mid) if power(mid, effect, alpha) >= target else (mid, high)
-    return max(high, 2)
+        n += 1
+    return n
+
+
+def spreads(a: list[float], b: list[float]) -> tuple[float, float] | tuple[None, None]:
+    """The two samples' stds; a one-seed sample takes the other's ((None, None): one seed each)."""
+    sa = statistics.stdev(a) if len(a) > 1 else None
+    sb = statistics.stdev(b) if len(b) > 1 else None
+    if sa is None and sb is None:
+        return None, None
+    return (sb if sa is None else sa), (sa if sb is None else sb)
 
 
 def pooled_std(a: list[float], b: list[float]) -> float | None:
@@ -97,7 +136,7 @@ class Pair:
     delta: float  # mean(low) - mean(high), <= 0
     p: float | None  # Welch's two-sided p; None: a side has one seed
     p_holm: float | None = None
-    need: int | None = None  # seeds per arm for 80 % power at α / m (m pairs), the observed Δ and pooled std
+    need: int | None = None  # seeds per arm for 80 % power in Welch's test at α / m (m pairs), the observed Δ and stds
 
     @property
     def resolved(self) -> bool:
@@ -121,7 +160,8 @@ def pairwise(rows: list[Row]) -> dict[tuple[str, str], list[Pair]]:
             pair.p_holm = adjusted
         level = ALPHA / max(len(tested), 1)
         for pair in pairs:
-            pair.need = seeds_needed(pair.delta, pooled_std(pair.low.losses, pair.high.losses), alpha=level)
+            std_a, std_b = spreads(pair.low.losses, pair.high.losses)
+            pair.need = seeds_needed(pair.delta, std_a, std_b, alpha=level)
         pairs.sort(key=lambda pair: (not pair.resolved, 2.0 if pair.p_holm is None else pair.p_holm))
         out[key] = pairs
     return out
@@ -158,10 +198,10 @@ def pairwise_section(rows: list[Row]) -> str:
     parts = ["\n## Pairwise tests\n",
              "Every pair of rows of one size and recipe: Welch's two-sided t-test across seeds, Holm-corrected over "
              "the pairs of the group (pairs with a one-seed side have no test and are not counted); *resolved*: "
-             f"adjusted p < {ALPHA}. Seeds needed: per arm, for 80 % power in a two-sample t-test at two-sided "
-             f"α = {ALPHA} / m for the m pairs of the group (the level Holm's correction asks of its first pair: "
-             "enough to resolve the pair after the correction) if the observed difference and pooled spread were "
-             "the true ones; with two or three seeds the spread is itself uncertain, so read it as a size, not a "
+             f"adjusted p < {ALPHA}. Seeds needed: per arm, for 80 % power in Welch's test (the p beside it) at "
+             f"two-sided α = {ALPHA} / m for the m pairs of the group (the level Holm's correction asks of its first "
+             "pair: enough to resolve the pair after the correction) if the observed difference and the two rows' "
+             "spreads were the true ones; with two or three seeds the spread is itself uncertain, so read it as a size, not a "
              "promise.\n"]
     for (size, group), pairs in sorted(groups.items()):
         mine = [r for r in rows if (r.size, r.group) == (size, group)]

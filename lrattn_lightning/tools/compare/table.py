@@ -7,7 +7,7 @@ runs from before it: rebuilt from their params, `legacy-...`). Runs of different
 pooled into one row, and a Δ or p pairs a row only with the control (or reference) row of its own size and
 recipe; where there is none the cell is — and compare_notes.py says why under the table. An upcycled run
 (`lrattn fit --init_from`) differs in its recipe's `init_from`: its row is labelled with its source. Beside each
-p: the seeds per arm that would resolve the observed Δ at 80 % power (power.py). Downstream scores pool only
+p: the seeds per arm that would resolve the observed Δ at 80 % power in the same Welch test (power.py). Downstream scores pool only
 like with like (evals.py: one column per task configuration; bookkeeping numbers go to the report's appendix).
 
 Only FINISHED runs count; when a (size, ablation, seed, recipe) was run more than once, the latest counts
@@ -33,7 +33,7 @@ from typing import Any
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.core.names import closest_names
 from lrattn_lightning.tools.compare.evals import cell_text, eval_columns, run_configs
-from lrattn_lightning.tools.compare.power import need_text, pooled_std, seeds_needed
+from lrattn_lightning.tools.compare.power import need_text, seeds_needed, spreads
 from lrattn_lightning.tools.compare.runs import search_all
 from lrattn_lightning.tools.compare.significance import welch
 from lrattn_lightning.train import fingerprint as fp
@@ -278,12 +278,12 @@ def summarise(records: list[RunRecord], reference: str = "baseline") -> list[Row
             control, row.why_no_control = _partner(row, row.control, rows)
             if control is not None:
                 row.delta_control, row.p_control = welch(row.losses, control.losses)
-                row.need_control = seeds_needed(row.delta_control, pooled_std(row.losses, control.losses))
+                row.need_control = seeds_needed(row.delta_control, *spreads(row.losses, control.losses))
         if row.ablation != reference:
             base, row.why_no_reference = _partner(row, reference, rows)
             if base is not None:
                 row.delta_baseline, row.p_baseline = welch(row.losses, base.losses)
-                row.need_baseline = seeds_needed(row.delta_baseline, pooled_std(row.losses, base.losses))
+                row.need_baseline = seeds_needed(row.delta_baseline, *spreads(row.losses, base.losses))
     for key in {(row.size, row.recipe) for row in rows}:
         mine = [row for row in rows if (row.size, row.recipe) == key]
         mine = [row for row in mine if not math.isnan(row.added_flops_pct)]  # unknown cost: on no front
