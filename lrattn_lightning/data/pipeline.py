@@ -12,7 +12,11 @@ it) go to `num_workers` processes (one tokenizer thread each) and come back in o
 same for any number of workers. A document longer than LONG_CHARS comes as pieces of at most PIECE_CHARS
 (data/pieces.py), EOS after the last only. At most two batches per worker are in flight: with the chunk being
 filled for each split, that is what is held in memory, however large the corpus or a document.
-`num_workers` 1 tokenises in this process (no copies between processes).
+The byte tokenizer with `num_workers` 1 tokenises in this process (no copies between processes); any other
+tokenizer in worker processes, one at least: a call into the `tokenizers` library holds its process until it
+returns (a slow pre-tokenizer regex: minutes), and Python runs a signal handler only between calls, so this
+process waits for answers STOP_SECONDS at a time and honours a signal (check_stop) between the waits; the
+workers are then ended. A tokenizer that fails (data/tokenizer.py's TokenizerFailed) comes back as one line.
 
 A worker's token ids come back in a file (STAGING/.prepare/batches/), and through the pool's pipe only its
 name: a message shorter than PIPE_BUF is written whole or not at all, so a worker killed mid-answer (the OOM
@@ -51,6 +55,7 @@ PART_BYTES = 256 << 20  # characters of documents in a part: what a resumed prep
 BATCH_BYTES = 1 << 20  # characters a worker gets at once
 BATCH_DOCUMENTS = 256  # texts (documents, or pieces of a long one) a worker gets at once
 ITEM_TOKENS = 1 << 15  # consecutive documents of one split go to litdata as one item of about this many tokens
+STOP_SECONDS = 0.2  # how long this process waits for a worker's answer between looks for a signal
 
 
 def new_counts() -> dict[str, int]:
@@ -66,14 +71,16 @@ class Encoder:
 
     def __init__(self, spec: dict[str, Any], base_dir: Path, dtype: Any, num_workers: int) -> None:
         self.kwargs = {"spec_json": json.dumps(spec), "base_dir": str(base_dir), "dtype": np.dtype(dtype).name}
+        # a tokenizer other than bytes may hold a process for minutes: this one stays free to honour a signal
         self.num_workers, self.pool, self.pids = num_workers, None, []
+        self.pooled = num_workers > 1 or spec.get("kind") != "byte"
         self.batches = base_dir / BOOK / "batches"  # the workers' answers (see the module's docstring)
 
     def __enter__(self) -> Encoder:
         # one tokenizer thread per process: the workers are the parallelism (and rayon must not run across a fork)
         self._parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        if self.num_workers > 1:
+        if self.pooled:
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
 
@@ -117,14 +124,23 @@ class Encoder:
                 pending.append((tag, self.pool.submit(encode_to_file, texts, ends, answer, **self.kwargs)))
                 if len(pending) >= 2 * self.num_workers:
                     tag, result = pending.popleft()
-                    yield tag, load_answer(result.result())
+                    yield tag, load_answer(_waited(result))
             while pending:
                 tag, result = pending.popleft()
-                yield tag, load_answer(result.result())
+                yield tag, load_answer(_waited(result))
         except BrokenProcessPool as err:
             check_stop()  # the workers died of this process's signal too (sent to the group, e.g. by SLURM)
             raise WorkerDied("a tokenizer process died (killed by the system: out of memory? see `dmesg`); the "
                              "finished parts are kept: run the same command to continue from them") from err
+
+
+def _waited(future: Any) -> Any:
+    """A worker's answer, waited for STOP_SECONDS at a time: a signal stops the wait (Interrupted) at once."""
+    from concurrent.futures import wait
+
+    while not wait([future], timeout=STOP_SECONDS).done:
+        check_stop()
+    return future.result()
 
 
 def encode_to_file(texts: list[str], ends: list[bool], path: str, **kwargs: str) -> str:

@@ -59,7 +59,7 @@ from lrattn_lightning.data.staging import (
     stop_on_signals,
 )
 from lrattn_lightning.data.task_files import write_task_files
-from lrattn_lightning.data.tokenizer import load_tokenizer, parse_tokenizer_name, train_bpe
+from lrattn_lightning.data.tokenizer import check_vocabulary, load_tokenizer, parse_tokenizer_name, train_bpe
 
 __all__ = ["prepare", "prepare_main", "default_out", "split_of", "key_hash"]
 TASK_TEXT_BYTES = 32 << 20  # held-out text kept in memory for the eval tasks, at most
@@ -87,13 +87,15 @@ def prepare(
     split_seed: int = 0,
     progress: bool | None = None,
     max_document_bytes: int | None = None,
+    max_vocab: int | None = None,
 ) -> dict[str, Any]:
     """Tokenise `source` into litdata shards under `out_dir` (a folder, or s3://BUCKET/PREFIX); returns meta.json.
 
     `val_fraction` (default 0.05) of the documents are held out, or all of `val_source`. An existing `out_dir` is
     an error unless `overwrite=True`. `max_documents` / `max_bytes` take a prefix of the source;
     `max_document_bytes` skips longer documents. `num_workers` tokenizer processes; `chunk_bytes` is litdata's
-    chunk size; `seed` draws the eval tasks, `split_seed` the split.
+    chunk size; `seed` draws the eval tasks, `split_seed` the split. A tokenizer file may hold `max_vocab` ids
+    (default: the largest vocabulary of the registry's sizes), counted before it is loaded.
     """
     if val_source is not None and val_fraction is not None:
         raise InputError("--val_fraction and --val_source exclude each other: --val_source is the whole validation set")
@@ -109,6 +111,10 @@ def prepare(
     kind, arg = parse_tokenizer_name(tokenizer)
     if kind in ("hf", "tiktoken") and not Path(arg).is_file():
         raise InputError(f"tokenizer '{tokenizer}': file {arg} not found")
+    if max_vocab is not None and (not isinstance(max_vocab, int) or max_vocab < 1):
+        raise InputError(f"--max_vocab {max_vocab}: a positive number of vocabulary entries, e.g. 200000")
+    if kind in ("hf", "tiktoken"):  # a 10M-entry file took 79 s and 4.5 GB to load, for ids no model has
+        check_vocabulary(kind, arg, max_vocab or _largest_vocabulary())
     if document_separator == "":
         raise InputError("--document_separator is empty; give the text between documents, e.g. '\\n\\n\\n'")
     options = ReadOptions(text_field, document_separator, hf_config, hf_split)
@@ -307,6 +313,13 @@ def _tokenizer(kind: str, arg: str | None, root: Path, train_texts: Any) -> Any:
     return load_tokenizer({"kind": kind, "file": dst.name}, base_dir=root)
 
 
+def _largest_vocabulary() -> int:
+    """The largest vocab_size of the registry's sizes: the most ids a model here trains on (imports torch)."""
+    from lrattn_lightning.model.registry import load_registry
+
+    return max(size.vocab_size for size in load_registry().sizes.values())
+
+
 def _chunk_size(value: int | str) -> int | str:
     """--chunk_bytes as litdata takes it: a positive number of bytes (400000 -> int) or a size with a unit (64MB,
     kept as given); anything else (abc, 0, -5MB, which litdata took) is one line before any work."""
@@ -394,6 +407,9 @@ def prepare_main(argv: list[str]) -> int:
                         help="skip documents longer than N bytes of UTF-8 (counted in meta.json; default: keep every "
                              "document, a long one tokenised in pieces)")
     parser.add_argument("--num_workers", type=int, default=1, help="tokenizer processes (one core each)")
+    parser.add_argument("--max_vocab", type=int, default=None,
+                        help="hf:/tiktoken: files of at most N ids are loaded (default: the largest vocab_size of "
+                             "the registry's sizes)")
     parser.add_argument("--chunk_bytes", default="8MB", help="litdata's chunk size (e.g. 64MB for object storage)")
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
@@ -408,7 +424,7 @@ def prepare_main(argv: list[str]) -> int:
                     val_source=args.val_source, text_field=args.text_field,
                     document_separator=_separator(args.document_separator), hf_config=args.hf_config,
                     hf_split=args.hf_split, split_seed=args.split_seed,
-                    max_document_bytes=args.max_document_bytes)
+                    max_document_bytes=args.max_document_bytes, max_vocab=args.max_vocab)
     except WorkerDied as err:
         print(f"lrattn: error: {err}", file=sys.stderr, flush=True)
         return 1

@@ -8,23 +8,35 @@
 `spec()` is what `meta.json` stores. File-backed kinds keep their file next to the prepared data
 (`tokenizer.json` / `tokenizer.tiktoken`), so a spec names the file relative to the data folder and
 `load_tokenizer(spec, base_dir=data_dir)` rebuilds the same tokenizer anywhere.
+
+A user's file is hostile until shown otherwise: its vocabulary is counted before the file is loaded
+(`check_vocabulary`: the file's size first, then its entries, against the largest vocabulary of the registry's
+sizes or `--max_vocab`), and a failure inside the `tokenizers` library (a Rust panic, e.g. a pre-tokenizer regex
+that backtracks past Oniguruma's retry limit) is one line, `TokenizerFailed`, not a Rust backtrace.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import sys
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from lrattn_lightning.core.errors import InputError
+from lrattn_lightning.core.errors import InputError, first_line
 
 EOS_TOKEN = "<|endoftext|>"
 # Special tokens accepted as end-of-sequence in a user's tokenizer.json, in order of preference.
 _EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>", "<|eos|>", "[SEP]")
 # The pre-tokenisation pattern of OpenAI's cl100k_base: a .tiktoken file holds only the ranks.
+# A vocabulary entry of a tokenizer.json takes at most this many bytes of its file, merges and tables included
+# (GPT-2's 50k entries: 1.4 MB; Llama 3's 128k: 9 MB): a larger file is refused by its size, before it is parsed.
+BYTES_PER_ENTRY = 1024
+SLACK_BYTES = 16 << 20
 _CL100K_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 )
@@ -74,18 +86,26 @@ class HFTokenizer:
         self.path = Path(path)
         self.kind = kind
         self.spec_file = spec_file or str(self.path)
-        self._tok = _HF.from_file(str(self.path))
+        try:
+            self._tok = _rust_call(self.spec_file, "could not be loaded", _HF.from_file, str(self.path))
+        except TokenizerFailed:
+            raise
+        except Exception as err:  # the library's own error for a file it cannot read: one line
+            raise InputError(f"tokenizer {self.spec_file}: not a tokenizer.json the tokenizers library reads: "
+                             f"{first_line(err)}") from None
         # the EOS token's text inside a document is text: only `prepare` puts EOS between documents
         self._tok.encode_special_tokens = True
         self.eos_id = _find_eos(self._tok, self.path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return _rust_call(self.spec_file, "failed on a text", self._tok.encode, text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[Any]:
         # one thread per process (TOKENIZERS_PARALLELISM=false in `prepare`): its workers are the parallelism
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+        encodings = _rust_call(self.spec_file, "failed on a text", self._tok.encode_batch, list(texts),
+                               add_special_tokens=False)
+        return [e.ids for e in encodings]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
@@ -131,6 +151,78 @@ class TiktokenTokenizer:
 
     def spec(self) -> dict[str, Any]:
         return {"kind": "tiktoken", "file": self.spec_file, "vocab_size": self.vocab_size}
+
+
+class TokenizerFailed(InputError):
+    """The tokenizers library failed inside (a Rust panic): one line, and picklable, so a worker can send it."""
+
+
+def _is_panic(err: BaseException) -> bool:
+    """pyo3's PanicException (a BaseException, from a module that cannot be imported, so known by its name)."""
+    return type(err).__name__ == "PanicException" and type(err).__module__ == "pyo3_runtime"
+
+
+def _rust_call(name: str, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) with file descriptor 2 held in an unnamed file: Rust's panic hook writes the panic's
+    message and backtrace there before pyo3 raises, and they are dropped for one TokenizerFailed; anything else
+    written meanwhile is passed on to stderr afterwards."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    panicked = None
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as err:
+            if not _is_panic(err):
+                raise
+            panicked = err
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            if panicked is None and held.tell():
+                held.seek(0)
+                with contextlib.suppress(OSError):
+                    os.write(2, held.read())
+    raise TokenizerFailed(
+        f"tokenizer {name} {what}: the tokenizers library panicked: {first_line(panicked, 200)} (a pre-tokenizer "
+        "regex that backtracks without end on this text, say); fix the tokenizer.json or use another tokenizer"
+    ) from None
+
+
+def check_vocabulary(kind: str, path: str | Path, limit: int, flag: str = "--max_vocab") -> int:
+    """The vocabulary size of a user's tokenizer file (hf: tokenizer.json; tiktoken: one rank a line), counted
+    without loading it into the tokenizer library; InputError, before any work, past `limit` entries: by the
+    file's size first (BYTES_PER_ENTRY a entry, plus SLACK_BYTES), then by its entries."""
+    path = Path(path)
+    size = path.stat().st_size
+    hint = f"pass {flag} N to allow N entries"
+    if size > limit * BYTES_PER_ENTRY + SLACK_BYTES:
+        raise InputError(f"tokenizer file {path} is {size / 1e6:,.0f} MB: more than a vocabulary of at most {limit:,} "
+                         f"entries takes ({(limit * BYTES_PER_ENTRY + SLACK_BYTES) / 1e6:,.0f} MB), so it is not "
+                         f"loaded; {hint}")
+    if kind == "tiktoken":
+        with open(path, "rb") as f:
+            count = sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 20), b""))
+    else:
+        count = _json_vocabulary(path)
+    if count > limit:
+        raise InputError(f"tokenizer file {path} has {count:,} vocabulary entries, more than {limit:,}; {hint}")
+    return count
+
+
+def _json_vocabulary(path: Path) -> int:
+    """The number of ids of a tokenizer.json: its model's vocabulary and added tokens (the largest id + 1)."""
+    try:
+        with open(path, "rb") as f:
+            data = json.load(f)
+        vocab = data["model"]["vocab"]
+        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))  # Unigram: a list
+        ids += [t["id"] for t in data.get("added_tokens") or []]
+        return max((int(i) + 1 for i in ids), default=0)
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise InputError(f"tokenizer file {path} is not a tokenizer.json with a model vocabulary: "
+                         f"{first_line(err, typed=True)}") from None
 
 
 def parse_tokenizer_name(name: str) -> tuple[str, str | None]:
