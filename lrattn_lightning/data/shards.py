@@ -209,20 +209,31 @@ def validate_data_dir(data_dir: str | Path, size: SizeConfig, seq_len: int | Non
         raise InputError(f"seq_len {seq_len} exceeds the {size.seq_len} positions of size '{size.name}'; use seq_len <= {size.seq_len}")
     listing = remote.sizes(data_dir) if remote.is_remote(data_dir) else None
     for split in ("val", "train"):
-        chunks = check_shards(data_dir, split, listing)
-        files = meta.get("checksums", {}).get(split)
-        if listing is not None:
-            verify_split(data_dir, split, meta, listing)
-        _check_token_ids(data_dir, split, chunks, meta, size)
-        if files and listing is None:
-            verify_split(data_dir, split, meta)
-        if count_windows(chunks, seq_len + 1) == 0:
-            tokens = sum(c["dim"] for c in chunks)
-            raise InputError(
-                f"the {split} split of {data_dir} has {tokens} tokens in {len(chunks)} chunk(s), fewer than one "
-                f"window of seq_len + 1 = {seq_len + 1}; use a shorter seq_len, a larger val_fraction or more data"
-            )
+        check_split(data_dir, meta, split, size, seq_len, listing)
     return meta
+
+
+def check_split(data_dir: str | Path, meta: dict[str, Any], split: str, size: SizeConfig, seq_len: int,
+                listing: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """One split whole (sizes, sha256s), its ids within the data's and the model's vocabulary, and at least one
+    window of seq_len + 1: training checks both splits, `lrattn eval --val-loss` the val split before any task
+    runs. Returns its chunk records."""
+    if listing is None and remote.is_remote(data_dir):
+        listing = remote.sizes(data_dir)
+    chunks = check_shards(data_dir, split, listing)
+    files = meta.get("checksums", {}).get(split)
+    if listing is not None:
+        verify_split(data_dir, split, meta, listing)
+    _check_token_ids(data_dir, split, chunks, meta, size)
+    if files and listing is None:
+        verify_split(data_dir, split, meta)
+    if count_windows(chunks, seq_len + 1) == 0:
+        tokens = sum(c["dim"] for c in chunks)
+        raise InputError(
+            f"the {split} split of {data_dir} has {tokens} tokens in {len(chunks)} chunk(s), fewer than one "
+            f"window of seq_len + 1 = {seq_len + 1}; use a shorter seq_len, a larger val_fraction or more data"
+        )
+    return chunks
 
 
 def verify_split(data_dir: str | Path, split: str, meta: dict[str, Any], listing: dict[str, int] | None = None) -> None:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from lrattn_lightning.core.errors import UsageError
 from lrattn_lightning.core.flags import Parser
 from lrattn_lightning.data.remote import is_remote
+from lrattn_lightning.data.shards import check_split
 from lrattn_lightning.eval.evaluate import (  # noqa: F401 (also imported from here)
     _param,
     eval_metrics,
@@ -157,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.data_dir and is_remote(data_dir):  # object storage is contacted on the user's word only
             raise UsageError(f"checkpoint {ckpt.path} trained on {data_dir}; pass --data-dir {data_dir} to read it "
                              "from object storage (a checkpoint's field alone does not)")
-        check_data_dir(ckpt, data_dir)
+        meta = check_data_dir(ckpt, data_dir)
+        if args.val_loss:  # the val split whole and fit for the model before any task runs (they take minutes)
+            check_split(data_dir, meta, "val", ckpt.cfg.size, ckpt.seq_len)
     elif args.val_loss:
         raise UsageError(f"--val-loss needs the prepared data: checkpoint {ckpt.path} records no data_dir; pass --data-dir")
     if args.write_tasks is not None:  # no evaluation: the task folder for lm_eval's own command line

@@ -13,6 +13,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -304,6 +305,28 @@ def test_tokenizer_mismatch_and_missing_task_data(trained, tmp_path, capsys):
     (other / "tasks/perplexity.jsonl").unlink()
     err = eval_error(capsys, "--checkpoint", str(trained["ckpt"]), "--data-dir", str(other))
     assert "task 'lrattn_ppl'" in err and str(other / "tasks/perplexity.jsonl") in err
+
+
+@pytest.mark.parametrize("damage, needle", [("bytes", "contents changed since prepare"), ("ids", "holds token id 300")])
+def test_val_loss_checks_the_val_split_before_any_task_runs(damage, needle, trained, tmp_path, capsys, monkeypatch):
+    """Issue 53: a changed val chunk (or one rewritten, checksums and all, with ids past the byte tokenizer's) was
+    found only after lm-eval had scored every task."""
+    from lrattn_lightning.data.shards import shard_files
+
+    bad = tmp_path / "bad"
+    shutil.copytree(trained["data"], bad)
+    chunk = json.loads((bad / "val/index.json").read_text())["chunks"][0]
+    body = np.memmap(bad / "val" / chunk["filename"], dtype=np.uint16, mode="r+", offset=(chunk["chunk_size"] + 2) * 4)
+    body[:3] = 300
+    body.flush()
+    if damage == "ids":
+        meta = json.loads((bad / "meta.json").read_text())
+        meta["checksums"]["val"] = shard_files(bad / "val")
+        (bad / "meta.json").write_text(json.dumps(meta))
+    monkeypatch.setattr("lrattn_lightning.eval.run.run_lm_eval", lambda *a, **k: pytest.fail("a task ran first"))
+    err = eval_error(capsys, "--checkpoint", str(trained["ckpt"]), "--tasks", "local", "--val-loss", "--data-dir", str(bad))
+    assert err.startswith("lrattn: error: ") and len(err.strip().splitlines()) == 1, err
+    assert needle in err and str(bad / "val" / chunk["filename"]) in err, err
 
 
 def test_checkpoint_without_data_dir_or_training_run(trained, tmp_path, capsys):
