@@ -22,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from lrattn_lightning.core.files import write_file
 from lrattn_lightning.model.accounting import core_flops
 from lrattn_lightning.model.config import SizeConfig
 from lrattn_lightning.tools.compare.scaling import LEVEL, POOR_FIT, RESAMPLES, Point, Scaling, analyse
@@ -83,10 +84,8 @@ def write_scaling(client: Any, rows: list[Row], out: Path, title: str, reference
     local, local_notes = local_multipliers(points, reference)
     text = section(result) + "\n" + local_section(local, local_notes, reference)
     files = [out / "scaling.md", out / "scaling.csv", out / "scaling_points.csv", out / "scaling_local.csv"]
-    files[0].write_text(text)
-    files[1].write_text(method_csv(result))
-    files[2].write_text(points_csv(result))
-    files[3].write_text(local_csv(local))
+    for path, content in zip(files, (text, method_csv(result), points_csv(result), local_csv(local)), strict=True):
+        write_file(path, content, "report file")
     files += plot_scaling(result, out, title + " — validation loss against training compute")
     return files, text + "\n![loss against training compute](scaling.png)\n"
 
