@@ -43,7 +43,8 @@ from lrattn_lightning.train.schema import Tag
 _FIELDS = ("name", "doc", "recipe", "experiment", "registry", "sizes", "ablations", "seeds", "runs", "args",
            "size_args", "env", "slurm")
 _RUN_FIELDS = {"size", "ablation", "seed", "variant", "args"}
-_SLURM_FIELDS = ("time", "partition", "account", "cpus_per_task", "max_parallel", "extra")
+_SLURM_FIELDS = ("time", "partition", "account", "cpus_per_task", "max_parallel", "max_array_size", "extra")
+MAX_ARRAY_SIZE = 1001  # SLURM's default MaxArraySize: array indices 0..1000
 
 
 class SweepError(InputError):
@@ -192,19 +193,22 @@ def _check_runs(reg: Registry, grid: list[SweepRun], listed: list[SweepRun], fai
     if not grid and not listed:
         raise fail("runs", "the sweep names no runs: give sizes + ablations + seeds (a grid) and/or runs (a list)")
     seen: set[SweepRun] = set()
+    pairs: set[tuple[str, str]] = set()  # (size, ablation) pairs built once each: a lab's sweep repeats them
     for where, run in [("sizes x ablations", r) for r in grid] + [(f"runs[{i}]", r) for i, r in enumerate(listed)]:
         if run in seen:
             raise fail(where, f"run {run.name} appears twice in the sweep")
         seen.add(run)
-        for kind, entry in (("size", run.size), ("ablation", run.ablation)):
+        if (run.size, run.ablation) not in pairs:
+            for kind, entry in (("size", run.size), ("ablation", run.ablation)):
+                try:
+                    getattr(reg, kind)(entry)  # unknown names list the closest ones
+                except UnknownNameError as err:
+                    raise fail(f"{kind}s" if where.startswith("sizes") else where, str(err)) from err
             try:
-                getattr(reg, kind)(entry)  # unknown names list the closest ones
-            except UnknownNameError as err:
-                raise fail(f"{kind}s" if where.startswith("sizes") else where, str(err)) from err
-        try:
-            reg.model(run.size, run.ablation)  # impossible pairs (rank > d, blocks > 2L) name the field
-        except ValueError as err:
-            raise fail(where, f"size '{run.size}' x ablation '{run.ablation}': {err}") from err
+                reg.model(run.size, run.ablation)  # impossible pairs (rank > d, blocks > 2L) name the field
+            except ValueError as err:
+                raise fail(where, f"size '{run.size}' x ablation '{run.ablation}': {err}") from err
+            pairs.add((run.size, run.ablation))
         _check_label(run.name, f"{where} (the run name)", fail)  # its folder: e.g. not too long
 
 
@@ -224,6 +228,10 @@ def _options(raw: dict[str, Any], fail, sweep_file: Path) -> tuple[dict[str, Any
     for key in slurm:
         if key not in _SLURM_FIELDS:
             raise fail(f"slurm.{key}", f"unknown field; closest: {', '.join(closest_names(str(key), list(_SLURM_FIELDS)))}")
+    size = slurm.get("max_array_size", MAX_ARRAY_SIZE)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise fail("slurm.max_array_size", f"{size!r}: the cluster's MaxArraySize, a positive integer "
+                   f"(`scontrol show config | grep MaxArraySize`; SLURM's default {MAX_ARRAY_SIZE})")
     if "extra" in slurm and not (isinstance(slurm["extra"], list) and all(isinstance(x, str) for x in slurm["extra"])):
         raise fail("slurm.extra", "must be a list of '#SBATCH' option strings such as '--qos=high'")
     return dict(args), {k: str(v) for k, v in env.items()}, dict(slurm)

@@ -94,8 +94,14 @@ def plan(sweep: Sweep, tracking_uri: str) -> list[tuple[SweepRun, str]]:
     """(run, state) in order; state is 'finished', 'diverged' (FAILED on a non-finite loss: not resumed),
     'resume' (has last.ckpt) or 'new'."""
     done, diverged = finished_runs(sweep, tracking_uri), diverged_runs(sweep, tracking_uri)
+    folder = Path(sweep.setting("runs_dir", "runs")) / sweep.experiment
+    try:  # the run folders that exist: one listing, not a lookup per run (a lab's sweep has 100,000 runs)
+        present = {entry.name for entry in os.scandir(folder) if entry.is_dir()}
+    except OSError:
+        present = set()
     return [(run, "finished" if run in done else "diverged" if run in diverged
-             else "resume" if sweep.checkpoint(run).is_file() else "new") for run in sweep.runs]
+             else "resume" if run.name in present and sweep.checkpoint(run).is_file() else "new")
+            for run in sweep.runs]
 
 
 # ---- claiming a run: two sweeps of one experiment at once -------------------------------------------

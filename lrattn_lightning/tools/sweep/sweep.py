@@ -16,8 +16,10 @@ for --dry-run).
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,7 @@ from lrattn_lightning.core.errors import InputError, one_line
 from lrattn_lightning.core.files import load_yaml_strict, read_yaml_text, write_file
 from lrattn_lightning.core.flags import Parser
 from lrattn_lightning.core.names import closest_names
-from lrattn_lightning.tools.sweep.file import Sweep, SweepError, SweepRun, load_sweep
+from lrattn_lightning.tools.sweep.file import MAX_ARRAY_SIZE, Sweep, SweepError, SweepRun, load_sweep
 from lrattn_lightning.tools.sweep.local import (  # noqa: F401  (finished_runs: part of this module's interface)
     DONE,
     check_routers,
@@ -39,15 +41,34 @@ from lrattn_lightning.train.summary import command
 
 
 # ---- every run's fit arguments, checked before the first run starts ---------------------------------
+def configurations(sweep: Sweep) -> dict[str, SweepRun]:
+    """The sweep's distinct fit configurations, each with its first run: runs whose arguments differ only in what
+    the sweep sets itself from names load_sweep has checked (size, ablation, seed, run name and tags) share one;
+    their size's size_args and their own args make another."""
+    first: dict[str, SweepRun] = {}
+    keys: dict[tuple[str, str], str] = {}  # (size, repr of the run's args) -> key: json once per distinct pair
+    for run in sweep.runs:
+        pair = (run.size, repr(run.args))
+        if pair not in keys:
+            keys[pair] = json.dumps([sweep.size_args.get(run.size, {}), run.args], sort_keys=True, default=repr)
+        first.setdefault(keys[pair], run)
+    return first
+
+
 def check_fit_args(sweep: Sweep, tracking_uri: str | None, extra: list[str], parser: Any) -> None:
-    """Parse every run's `lrattn fit` arguments with fit's parser (`cli/sweep.py fit_parser()`, one for all
-    runs); SweepError naming the first bad run, the flag and where it comes from, with the closest valid flags
-    for an unknown one."""
+    """Parse the `lrattn fit` arguments of every distinct configuration (`configurations`) with fit's parser
+    (`cli/sweep.py fit_parser()`, one for all runs): a full parse takes ~50 ms, so a sweep of 100,000 runs is
+    checked in the time of its few configurations. SweepError naming the first bad run, the flag and where it
+    comes from, with the closest valid flags for an unknown one."""
     known = set(parser.get_defaults().keys())  # dotted leaf keys: trainer.max_steps, model.lr, run_name, ...
     groups = {".".join(k.split(".")[:i]) for k in known for i in range(1, k.count(".") + 1)}
     recipe = load_yaml_strict(read_yaml_text(Path(sweep.recipe), "recipe"), sweep.recipe) or {}
     recipe_keys = list(_flat_keys(recipe, known, groups)) if isinstance(recipe, dict) else []
-    for run in sweep.runs:
+    runs = list(configurations(sweep).values())
+    progress = Progress(f"[sweep {sweep.name}] checking the fit flags of {len(runs)} configurations "
+                        f"({len(sweep.runs)} runs)", len(runs))
+    for i, run in enumerate(runs):
+        progress.update(i)
         given = ([(k, f"recipe {sweep.recipe}") for k in recipe_keys]
                  + [(k, f"the sweep's args ({sweep.path})") for k in sweep.args]
                  + [(k, f"the size_args of {run.size} ({sweep.path})") for k in sweep.size_args.get(run.size, {})]
@@ -62,6 +83,27 @@ def check_fit_args(sweep: Sweep, tracking_uri: str | None, extra: list[str], par
         except (argparse.ArgumentError, SystemExit, InputError) as err:  # (InputError: a YAML value past the limits)
             raise SweepError(f"sweep '{sweep.name}', run {run.name}: {one_line(err)} (recipe {sweep.recipe}, "
                              f"args of {sweep.path})") from None
+    progress.done()
+
+
+class Progress:
+    """A line on stderr for work that turns out slow: nothing for work done within `after` seconds, then the
+    count every `every` seconds, and a closing line."""
+
+    def __init__(self, what: str, total: int, after: float = 10.0, every: float = 10.0) -> None:
+        self.what, self.total, self.after, self.every = what, total, after, every
+        self.start = self.last = time.monotonic()
+        self.said = False
+
+    def update(self, done: int) -> None:
+        now = time.monotonic()
+        if now - self.start >= self.after and now - self.last >= (self.every if self.said else self.after):
+            print(f"{self.what}: {done}/{self.total}", file=sys.stderr, flush=True)
+            self.said, self.last = True, now
+
+    def done(self) -> None:
+        if self.said:
+            print(f"{self.what}: done in {time.monotonic() - self.start:.0f} s", file=sys.stderr, flush=True)
 
 
 def _accepted(key: str, known: set[str], groups: set[str]) -> bool:
@@ -102,9 +144,25 @@ def emit_commands(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri:
     return "\n".join(lines) + "\n"
 
 
+def emit_slurm_parts(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: str | None,
+                     extra: list[str] | None = None, max_array_size: int | None = None) -> list[str]:
+    """emit_slurm's scripts: one, or where the unfinished runs are more than the cluster's MaxArraySize
+    (`max_array_size`, else the sweep file's slurm.max_array_size, else SLURM's default 1001: indices from 0 to
+    MaxArraySize - 1), one script per MaxArraySize runs, each an array from 0."""
+    size = max_array_size or sweep.slurm.get("max_array_size", MAX_ARRAY_SIZE)
+    todo = [(run, state) for run, state in steps if state not in DONE]
+    if len(todo) <= size:
+        return [emit_slurm(sweep, steps, tracking_uri, extra)]
+    chunks = [todo[i:i + size] for i in range(0, len(todo), size)]
+    skipped = len(steps) - len(todo)
+    return [emit_slurm(sweep, chunk, tracking_uri, extra, part=(k, len(chunks), skipped, len(todo)))
+            for k, chunk in enumerate(chunks, 1)]
+
+
 def emit_slurm(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: str | None,
-               extra: list[str] | None = None) -> str:
-    """An sbatch array script: one array task per unfinished run, each `srun lrattn fit ...`."""
+               extra: list[str] | None = None, part: tuple[int, int, int, int] | None = None) -> str:
+    """An sbatch array script: one array task per unfinished run, each `srun lrattn fit ...`. part: (k, parts,
+    runs skipped, runs in all) for the k-th of the scripts of a sweep split at MaxArraySize."""
     todo = [run for run, state in steps if state not in DONE]
     if not todo:
         raise SweepError(f"sweep '{sweep.name}': every run is finished; nothing to emit")
@@ -119,10 +177,12 @@ def emit_slurm(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: st
     s = sweep.slurm
     array = f"0-{len(todo) - 1}" + (f"%{s['max_parallel']}" if s.get("max_parallel") else "")
     log_dir = Path(sweep.setting("runs_dir", "runs")) / sweep.experiment / "slurm"
+    k, parts, skipped, total = part or (1, 1, len(steps) - len(todo), len(todo))
+    which = f"part {k} of {parts}: {len(todo)} of the {total} runs" if parts > 1 else f"{len(todo)} runs"
     head = [
         "#!/bin/bash",
-        f"# Generated by `lrattn sweep {sweep.path} --emit slurm`: {len(todo)} runs of sweep '{sweep.name}' "
-        f"({len(steps) - len(todo)} finished or diverged runs skipped).",
+        f"# Generated by `lrattn sweep {sweep.path} --emit slurm`: {which} of sweep '{sweep.name}' "
+        f"({skipped} finished or diverged runs skipped).",
         "# Submit from the repository root with `sbatch` (create the log folder first: "
         f"mkdir -p {log_dir}).",
         "# Each array task is one run. srun starts one task per GPU on every node and Lightning's SLURM environment",
@@ -181,9 +241,14 @@ def main(argv: list[str] | None = None, fit_parser: Callable[[], Any] | None = N
     parser.add_argument("--emit", choices=("commands", "slurm"), default=None,
                         help="write launch commands / an sbatch array script instead of running locally")
     parser.add_argument("--out", default=None, help="where --emit writes (default: RUNS_DIR/EXPERIMENT/sweep-NAME.*; '-' = stdout)")
+    parser.add_argument("--max_array_size", type=int, default=None,
+                        help="--emit slurm: the cluster's MaxArraySize (default: the sweep file's slurm.max_array_size, "
+                        f"else {MAX_ARRAY_SIZE}); more runs are split into one script per that many")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and their state; run nothing")
     parser.add_argument("--stop-on-failure", action="store_true", help="stop at the first failed run")
     args = parser.parse_args(argv)
+    if args.max_array_size is not None and args.max_array_size < 1:
+        raise SweepError(f"--max_array_size {args.max_array_size}: the cluster's MaxArraySize, a positive integer")
 
     sweep, registry = load_sweep(args.file)  # the one read of the registry in this command
     extra = ["--mlflow_fallback_local", "true"] if args.mlflow_fallback_local else []
@@ -205,18 +270,42 @@ def main(argv: list[str] | None = None, fit_parser: Callable[[], Any] | None = N
 
 def _emit(sweep: Sweep, steps: list[tuple[SweepRun, str]], args: argparse.Namespace, extra: list[str]) -> int:
     # a local sqlite store is this machine's; launched elsewhere the runs resolve their own store
-    text = (emit_commands if args.emit == "commands" else emit_slurm)(sweep, steps, args.tracking_uri, extra)
+    if args.emit == "commands":
+        texts = [emit_commands(sweep, steps, args.tracking_uri, extra)]
+    else:
+        texts = emit_slurm_parts(sweep, steps, args.tracking_uri, extra, args.max_array_size)
     suffix = "sh" if args.emit == "commands" else "sbatch"
     out = args.out or str(Path(sweep.setting("runs_dir", "runs")) / sweep.experiment / f"sweep-{sweep.name}.{suffix}")
+    runs = sum(s not in DONE for _, s in steps)
+    size = args.max_array_size or sweep.slurm.get("max_array_size", MAX_ARRAY_SIZE)
     if out == "-":
-        sys.stdout.write(text)
+        if len(texts) > 1:
+            raise SweepError(f"sweep '{sweep.name}': {runs} runs need {len(texts)} sbatch scripts at MaxArraySize "
+                             f"{size}: give --out FILE (the parts are written beside it) or the cluster's larger "
+                             "--max_array_size")
+        sys.stdout.write(texts[0])
         return 0
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    write_file(out, text, "sweep script")
+    paths = [out] if len(texts) == 1 else [_part_path(out, k, len(texts)) for k in range(1, len(texts) + 1)]
+    for path, text in zip(paths, texts, strict=True):
+        write_file(path, text, "sweep script")
     if args.emit == "slurm":  # sbatch does not create the folder of --output
         (Path(sweep.setting("runs_dir", "runs")) / sweep.experiment / "slurm").mkdir(parents=True, exist_ok=True)
-    print(f"[sweep {sweep.name}] wrote {out} ({sum(s not in DONE for _, s in steps)} runs)")
+    if len(paths) == 1:
+        print(f"[sweep {sweep.name}] wrote {out} ({runs} runs)")
+    else:
+        pattern = _part_path(out, "*", len(texts))
+        print(f"[sweep {sweep.name}] wrote {len(paths)} sbatch scripts, {paths[0]} to {paths[-1]} ({runs} runs, at "
+              f"most {size} a script: MaxArraySize {size}, --max_array_size); submit them with: "
+              f"for f in {shlex.quote(pattern).replace('*', chr(39) + '*' + chr(39))}; do sbatch \"$f\"; done")
     return 0
+
+
+def _part_path(out: str, k: int | str, parts: int) -> str:
+    """sweep-NAME.sbatch -> sweep-NAME.part007.sbatch (zero-padded: a shell glob lists them in order)."""
+    path = Path(out)
+    label = str(k).zfill(len(str(parts))) if isinstance(k, int) else k
+    return str(path.with_name(f"{path.stem}.part{label}{path.suffix}"))
 
 
 if __name__ == "__main__":

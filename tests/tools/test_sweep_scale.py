@@ -1,0 +1,148 @@
+"""`lrattn sweep` at a lab's scale (issue 53): fit flags parsed once per distinct configuration, not per run; SLURM
+arrays split at the cluster's MaxArraySize; a progress line for slow work. benchmarks/sweep-scale times it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import prepared_corpus
+from test_sweep import write_sweep
+
+from lrattn_lightning.cli import main
+from lrattn_lightning.cli.sweep import fit_parser
+from lrattn_lightning.tools.sweep import sweep as sweep_module
+from lrattn_lightning.tools.sweep.file import load_sweep
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return prepared_corpus(tmp_path_factory, 80)
+
+
+@pytest.fixture(scope="module")
+def parser():
+    return fit_parser()
+
+
+class Counting:
+    """The real fit parser, its parse_args calls counted (and the runs they parsed recorded)."""
+
+    def __init__(self, parser) -> None:
+        self.parser, self.parsed = parser, []
+
+    def get_defaults(self):
+        return self.parser.get_defaults()
+
+    def parse_args(self, args):
+        self.parsed.append(args[args.index("--run_name") + 1])
+        return self.parser.parse_args(args)
+
+
+def variants(n: int, bad: int | None = None) -> list[dict]:
+    """n listed runs, each a variant with its own LR (a configuration of its own); `bad`: that one's LR a word."""
+    return [{"size": "tiny", "ablation": "baseline", "seed": 100 + i, "variant": f"lr{i}",
+             "args": {"model.lr": "fast" if i == bad else 1e-4 * (i + 1)}} for i in range(n)]
+
+
+def test_flags_are_parsed_once_per_configuration(data_dir, tmp_path, parser):
+    """A grid of sizes x ablations x seeds is one configuration; each variant's args and each size's size_args make
+    one more; runs sharing a configuration are not parsed again, and every configuration is."""
+    path = write_sweep(tmp_path, data_dir, seeds=list(range(40)), runs=variants(3) + [
+        {"size": "tiny", "ablation": "s-lr-grid-n4-r16", "seed": 500, "variant": "lr0", "args": {"model.lr": 1e-4}}])
+    sweep, _ = load_sweep(path)
+    assert len(sweep.runs) == 2 * 40 + 4
+    counting = Counting(parser)
+    sweep_module.check_fit_args(sweep, None, [], counting)
+    # the grid's first run, then each variant's first: the same LR under another ablation shares lr0's configuration
+    assert counting.parsed == ["tiny-baseline-seed0", "tiny-baseline-lr0-seed100", "tiny-baseline-lr1-seed101",
+                               "tiny-baseline-lr2-seed102"]
+    keys = sweep_module.configurations(sweep)
+    assert len(keys) == 4 and all(run in sweep.runs for run in keys.values())
+    with_size_args = load_sweep(write_sweep(tmp_path, data_dir, seeds=list(range(5)),
+                                            size_args={"tiny": {"trainer.max_steps": 5}}))[0]
+    assert len(sweep_module.configurations(with_size_args)) == 1  # every run of that size has them
+
+
+@pytest.mark.parametrize("bad", [0, 1, 29])  # the first, a middle and the last of the configurations
+def test_a_bad_value_in_any_configuration_still_fails_in_one_line(data_dir, tmp_path, monkeypatch, capsys, bad):
+    path = write_sweep(tmp_path, data_dir, runs=variants(30, bad=bad))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(["sweep", str(path), "--dry-run"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    progress = re.compile(r"^\[sweep two-by-two\] checking the fit flags of 31 configurations \(34 runs\): \d+/31$")
+    assert all(progress.match(line) for line in lines[:-1]), lines  # (a loaded machine: progress first)
+    err = lines[-1]
+    assert err.startswith("lrattn: error: ") and f"run tiny-baseline-lr{bad}-seed{100 + bad}:" in err, err
+    assert "model.lr" in err and "fast" in err
+
+
+@pytest.mark.parametrize("runs, size", [(7, 3), (6, 3), (6, 6), (1, 1), (8, 1)])
+def test_slurm_arrays_split_at_max_array_size(data_dir, tmp_path, monkeypatch, capsys, runs, size):
+    """More unfinished runs than MaxArraySize: one script per `size` runs, each an array from 0 to at most
+    size - 1, together every run once in the sweep's order, each task's arguments its run's."""
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/emit.db"
+    path = write_sweep(tmp_path, data_dir, ablations=["baseline"], seeds=list(range(runs)))
+    assert main(["sweep", str(path), "--emit", "slurm", "--tracking_uri", uri, "--max_array_size", str(size)]) == 0
+    out = capsys.readouterr().out
+    parts = sorted((tmp_path / "runs/sweep-test").glob("sweep-two-by-two*.sbatch"))
+    expected = -(-runs // size)
+    assert len(parts) == expected, out
+    sweep, _ = load_sweep(path)
+    seen = []
+    for k, part in enumerate(parts):
+        script = part.read_text()
+        assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+        tasks = min(size, runs - k * size)
+        assert f"#SBATCH --array=0-{tasks - 1}\n" in script
+        if expected > 1:
+            assert part.name == f"sweep-two-by-two.part{str(k + 1).zfill(len(str(expected)))}.sbatch"
+            assert f"part {k + 1} of {expected}: {tasks} of the {runs} runs" in script
+        for task in range(tasks):
+            done = subprocess.run(["bash", "-c", script.split('if [[ -f "$CKPT" ]]')[0].split("set -euo pipefail")[1]
+                                   + 'printf "%s\\n" "${ARGS[@]}"'],
+                                  env={"SLURM_ARRAY_TASK_ID": str(task), "PATH": "/usr/bin:/bin"},
+                                  capture_output=True, text=True)
+            seen.append(done.stdout.splitlines())
+    assert seen == [sweep.fit_args(run, uri) for run in sweep.runs]
+    if expected > 1:
+        assert f"wrote {expected} sbatch scripts" in out and "do sbatch" in out
+        glob = re.search(r"for f in (.+); do sbatch", out).group(1)
+        listed = subprocess.run(["bash", "-c", f"printf '%s\\n' {glob}"], capture_output=True, text=True, cwd=tmp_path)
+        assert listed.stdout.split() == [str(p.relative_to(tmp_path)) for p in parts]
+
+
+def test_max_array_size_from_the_sweep_file_and_bad_values(data_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    path = write_sweep(tmp_path, data_dir, ablations=["baseline"], seeds=list(range(5)), slurm={"max_array_size": 2})
+    assert main(["sweep", str(path), "--emit", "slurm"]) == 0
+    assert len(list((tmp_path / "runs/sweep-test").glob("*.part*.sbatch"))) == 3
+    assert main(["sweep", str(path), "--emit", "slurm", "--out", "-"]) == 2  # three scripts cannot go to stdout
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "need 3 sbatch scripts at MaxArraySize 2" in err, err
+    for value in (0, "many", True):
+        path = write_sweep(tmp_path, data_dir, slurm={"max_array_size": value})
+        assert main(["sweep", str(path), "--emit", "slurm", "--out", "-"]) == 2
+        err = capsys.readouterr().err
+        assert "field 'slurm.max_array_size'" in err and "MaxArraySize" in err, err
+    assert main(["sweep", str(path), "--emit", "slurm", "--max_array_size", "0"]) == 2
+    assert "--max_array_size 0" in capsys.readouterr().err
+
+
+def test_progress_speaks_only_for_slow_work(capsys):
+    quick = sweep_module.Progress("quick", 10, after=60)
+    for i in range(10):
+        quick.update(i)
+    quick.done()
+    assert capsys.readouterr().err == ""
+    slow = sweep_module.Progress("slow", 10, after=0, every=0)
+    for i in range(3):
+        slow.update(i)
+    slow.done()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[:3] == ["slow: 0/10", "slow: 1/10", "slow: 2/10"] and lines[3].startswith("slow: done in ")
