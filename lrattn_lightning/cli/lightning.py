@@ -144,7 +144,7 @@ class LRAttnCLI(RunOutputs, LightningCLI):
         elif cfg.data.seq_len > model_cfg.size.seq_len:
             raise UsageError(f"--data.seq_len={cfg.data.seq_len} exceeds seq_len={model_cfg.size.seq_len} of size "
                              f"'{cfg.size}'; use a shorter window or a larger size")
-        validate_data_dir(cfg.data.data_dir, model_cfg.size, cfg.data.seq_len)
+        validate_data_dir(cfg.data.data_dir, model_cfg.size, cfg.data.seq_len, registry.sizes.values())
         if self.subcommand == "fit":
             checks.check_one_batch(cfg)
         if model_cfg.kind.takes_impl:  # the backend runs here (triton: CUDA or the interpreter)

@@ -19,6 +19,7 @@ import math
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -192,18 +193,20 @@ def count_windows(chunks: list[dict[str, Any]], window: int) -> int:
     return sum(c["dim"] // window for c in chunks)
 
 
-def validate_data_dir(data_dir: str | Path, size: SizeConfig, seq_len: int | None = None) -> dict[str, Any]:
+def validate_data_dir(data_dir: str | Path, size: SizeConfig, seq_len: int | None = None,
+                      sizes: Iterable[SizeConfig] = ()) -> dict[str, Any]:
     """Check a prepared folder against a model size before training; returns meta. ValueError on any problem.
 
-    `seq_len` (the DataModule's) defaults to `size.seq_len` and may not exceed it.
+    `seq_len` (the DataModule's) defaults to `size.seq_len` and may not exceed it. `sizes` (the registry's): a
+    vocabulary too large for `size` names those that fit.
     """
     meta = read_meta(data_dir)
     seq_len = size.seq_len if seq_len is None else seq_len
     if meta["vocab_size"] > size.vocab_size:
         raise InputError(
             f"data vocab_size {meta['vocab_size']} ({meta['tokenizer'].get('kind')} tokenizer in {data_dir}) exceeds "
-            f"model vocab_size {size.vocab_size} of size '{size.name}'; choose a size with vocab_size >= "
-            f"{meta['vocab_size']} or prepare the data with a smaller tokenizer (byte, or bpe:{size.vocab_size})"
+            f"model vocab_size {size.vocab_size} of size '{size.name}'; {_sizes_that_fit(meta['vocab_size'], sizes)}; "
+            f"or prepare the data with a smaller tokenizer (byte, or bpe:{size.vocab_size})"
         )
     if seq_len > size.seq_len:
         raise InputError(f"seq_len {seq_len} exceeds the {size.seq_len} positions of size '{size.name}'; use seq_len <= {size.seq_len}")
@@ -211,6 +214,20 @@ def validate_data_dir(data_dir: str | Path, size: SizeConfig, seq_len: int | Non
     for split in ("val", "train"):
         check_split(data_dir, meta, split, size, seq_len, listing)
     return meta
+
+
+def _sizes_that_fit(vocab: int, sizes: Iterable[SizeConfig]) -> str:
+    """`--size NAME` for each size with room for `vocab` ids (the first six), or that the registry has none."""
+    sizes = list(sizes)
+    fit = [s.name for s in sizes if s.vocab_size >= vocab]
+    if fit:
+        more = f" (or {len(fit) - 6} more)" if len(fit) > 6 else ""
+        return f"sizes with room for {vocab} ids: {', '.join(fit[:6])}{more} (--size NAME)"
+    if sizes:
+        top = max(sizes, key=lambda s: s.vocab_size)
+        return (f"no size of the registry has room for {vocab} ids (the most: {top.vocab_size}, size '{top.name}'): "
+                f"add one with vocab_size >= {vocab} (extends: {top.name})")
+    return f"choose a size with vocab_size >= {vocab}"
 
 
 def check_split(data_dir: str | Path, meta: dict[str, Any], split: str, size: SizeConfig, seq_len: int,

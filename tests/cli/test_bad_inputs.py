@@ -196,3 +196,22 @@ def test_prepare_chunk_bytes_in_plain_bytes_or_with_a_unit(tmp_path, monkeypatch
         assert main(["prepare", "--max_documents", "20", "--out", value, "--chunk_bytes", value]) == 0
         chunks[value] = json.loads((tmp_path / value / "train/index.json").read_text())["chunks"]
     assert chunks["40000"] == chunks["40KB"] and len(chunks["40000"]) > len(chunks["8MB"]) == 1, chunks
+
+
+@pytest.mark.parametrize("vocab, needle", [
+    (1000, "sizes with room for 1000 ids: small, d768, "),
+    (200_000, "no size of the registry has room for 200000 ids (the most: 100277, size 'd768'): add one with "
+              "vocab_size >= 200000 (extends: d768); or prepare")])
+def test_a_data_vocabulary_too_large_for_the_size_names_the_sizes_that_fit(vocab, needle, data, tmp_path, monkeypatch,
+                                                                           capsys):
+    """Issue 52 item 5: the error said only 'choose a size with vocab_size >= N'."""
+    shutil.copytree(data, tmp_path / "big-vocab")
+    meta = json.loads((tmp_path / "big-vocab/meta.json").read_text())
+    meta["vocab_size"] = vocab  # what a tokenizer of that many ids records (no id in the shards is looked at first)
+    (tmp_path / "big-vocab/meta.json").write_text(json.dumps(meta))
+    monkeypatch.chdir(tmp_path)
+    assert main(fit_args(Path("big-vocab"))) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lrattn: error: data vocab_size {vocab} ") and len(err.strip().splitlines()) == 1, err
+    assert "of size 'tiny'" in err and needle in err, err
+    assert not (tmp_path / "runs").exists()
