@@ -103,11 +103,13 @@ def test_a_signal_stops_prepare_inside_a_slow_tokenizer_at_once(tmp_path, signum
     proc = lrattn("prepare", "--source", "docs.jsonl", "--tokenizer", "hf:slow.json", "--out", "out",
                   "--num_workers", str(workers), cwd=tmp_path)
     try:
-        batch = tmp_path / ".out.tmp-prepare" / ".prepare" / "batches" / "0.npy"  # made as the first batch starts
-        deadline = time.monotonic() + 240
-        while not batch.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert batch.exists(), proc.communicate()[1][-3000:] if proc.poll() is not None else "no batch started"
+        staging = tmp_path / ".out.tmp-prepare"
+        batch = staging / ".prepare" / "batches" / "0.npy"  # a worker makes it as it starts the first batch
+        for wanted, seconds in ((staging / "tokenizer.json", 240), (batch, 5)):  # (no batch file in one process)
+            deadline = time.monotonic() + seconds
+            while not wanted.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+        assert proc.poll() is None and (staging / "tokenizer.json").exists(), proc.communicate()[1][-3000:]
         time.sleep(1.0)  # well inside the regex
         sent = time.monotonic()
         os.kill(proc.pid, signum)
