@@ -34,6 +34,9 @@ recipe gets a letter, and the lines under the table describe recipe A and how th
 —, which of several runs of one (size, ablation, seed, recipe) counts (the latest FINISHED) and why. An
 upcycled run is its own row, labelled with its source. A run whose last validation is not at its last step
 (its val/loss is an earlier value: a tracking gap) is left out, and a line under the table names it.
+Every run left out (failed, diverged, killed, still RUNNING or killed with `kill -9`, stale, replaced) is named
+with its reason in one line on the terminal and in the report's appendix, and a row that lost seeds says so
+(left_out.py).
 A run a sweep tagged with a `variant` (its own training flags) is its own row, `ablation+variant`,
 whose control is the plain ablation. The rows and their statistics: table.py (Welch's test:
 significance.py); the figures: figures.py; here: the report, the summary run, the CLI.
@@ -57,6 +60,7 @@ from lrattn_lightning.tools.compare.figures import (
     plot_loss_vs_flops,
 )
 from lrattn_lightning.tools.compare.heatmaps import heatmap_groups, plot_heatmaps, routing_matrices
+from lrattn_lightning.tools.compare.left_out import appendix, left_out, mark_lost_seeds, terminal_line
 from lrattn_lightning.tools.compare.notes import notes
 from lrattn_lightning.tools.compare.power import pairwise_section
 from lrattn_lightning.tools.compare.runs import search_all
@@ -77,14 +81,20 @@ from lrattn_lightning.train.schema import Artifact, ExperimentTag, Tag
 def write_report(client: Any, experiment: str, out: Path, sweep: str | None = None, reference: str = "baseline",
                  command: str | None = None, per_method_exponents: bool = False) -> tuple[list[Row], list[Path]]:
     records = read_runs(client, experiment, sweep)
+    left = left_out(client, experiment, sweep, records)
+    line = terminal_line(left)
+    if line:
+        print(line, file=sys.stderr, flush=True)
     stale = [r for r in records if r.stale]
     records = [r for r in records if not r.stale]
     if not records:
         raise InputError(f"experiment '{experiment}' has no FINISHED training runs with val/loss"
                          + (f" tagged sweep={sweep}" if sweep else "")
                          + (f" at their last step ({len(stale)} whose last validation is earlier: "
-                            f"{', '.join(r.name for r in stale)})" if stale else ""))
+                            f"{', '.join(r.name for r in stale)})" if stale else "")
+                         + (f"; {line.removeprefix('[lrattn compare] ')}" if line and not stale else ""))
     rows = summarise(records, reference)
+    mark_lost_seeds(rows, left)
     out.mkdir(parents=True, exist_ok=True)
     sizes = ", ".join(sorted({r.size for r in rows}))
     seeds = sorted({len(row.runs) for row in rows})
@@ -109,7 +119,7 @@ def write_report(client: Any, experiment: str, out: Path, sweep: str | None = No
     files += scaling_files
     report = out / "report.md"
     write_file(report, _report_text(experiment, rows, table_md, records, heatmaps, command, reference,
-                                   bool(gates), scaling_md), "report file")
+                                   bool(gates), scaling_md) + appendix(left), "report file")
     files.append(report)
     return rows, files
 

@@ -93,6 +93,7 @@ class Row:
     why_no_reference: str | None = None
     need_control: int | None = None  # seeds per arm for 80 % power at Δ vs control (power.py)
     need_baseline: int | None = None
+    lost: list[str] = field(default_factory=list)  # 'SEED: why' of each left-out run of the row (left_out.py)
 
     @property
     def parts(self) -> dict[str, Any]:
@@ -372,7 +373,7 @@ def markdown_table(rows: list[Row], reference: str = "baseline") -> str:
         name = f"**{row.label}**" if row.pareto else row.label
         seeds = ",".join("?" if s is None else str(s) for s in row.seeds)
         cells = ([row.size] if multi_size else []) + [name] + ([row.group] if recipes else []) + [
-            f"{len(row.runs)} ({seeds})", _mean_std(row.mean, row.std), row.control or "—",
+            _seeds_cell(row, seeds), _mean_std(row.mean, row.std), row.control or "—",
             _num(row.delta_control, sign=True), _p(row.p_control), need_text(row.need_control),
             _num(row.delta_baseline, sign=True), _p(row.p_baseline), need_text(row.need_baseline),
             "unknown" if math.isnan(row.added_flops_pct) else f"{row.added_flops_pct:.3f}", f"{row.params:,}",
@@ -381,6 +382,13 @@ def markdown_table(rows: list[Row], reference: str = "baseline") -> str:
             *[cell_text(c, row) for c in evals]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _seeds_cell(row: Row, seeds: str) -> str:
+    """'3 (0,1,2)'; a row that lost seeds: '2 of 3 (0,1; lost 2: KILLED)'."""
+    if not row.lost:
+        return f"{len(row.runs)} ({seeds})"
+    return f"{len(row.runs)} of {len(row.runs) + len(row.lost)} ({seeds}; lost {'; '.join(row.lost)})"
 
 
 def csv_table(rows: list[Row], reference: str = "baseline") -> str:
