@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from lrattn_lightning.core.errors import InputError, UsageError
-from lrattn_lightning.core.files import refuse_link, replacing, write_file
+from lrattn_lightning.core.files import load_yaml_strict, read_yaml_text, refuse_link, replacing, write_file
 from lrattn_lightning.core.flags import Parser
 from lrattn_lightning.data import pipeline, remote
 from lrattn_lightning.data.documents import Document, Spool
@@ -314,10 +314,20 @@ def _tokenizer(kind: str, arg: str | None, root: Path, train_texts: Any) -> Any:
 
 
 def _largest_vocabulary() -> int:
-    """The largest vocab_size of the registry's sizes: the most ids a model here trains on (imports torch)."""
-    from lrattn_lightning.model.registry import load_registry
+    """The largest vocab_size of the registry's sizes (./registry.yaml, else the shipped one; with `include:
+    builtin`, both): the most ids a model here trains on. Every size states it or extends one that does, so the
+    largest value written is the largest there is: read as YAML, since the registry module imports torch (6 s
+    before the first line of a prepare); a registry that is not plain YAML is loaded whole, for its error."""
+    shipped = Path(__file__).resolve().parents[1] / "registry.yaml"
+    path = Path("registry.yaml") if Path("registry.yaml").exists() else shipped
+    try:
+        raw = load_yaml_strict(read_yaml_text(path, "registry"), path)
+        tables = [raw, load_yaml_strict(read_yaml_text(shipped, "registry"), shipped)] if "include" in raw else [raw]
+        return max(e["vocab_size"] for t in tables for e in t["sizes"].values() if "vocab_size" in e)
+    except (InputError, OSError, TypeError, KeyError, AttributeError, ValueError):
+        from lrattn_lightning.model.registry import load_registry
 
-    return max(size.vocab_size for size in load_registry().sizes.values())
+        return max(size.vocab_size for size in load_registry().sizes.values())
 
 
 def _chunk_size(value: int | str) -> int | str:
