@@ -7,8 +7,9 @@
 
 Formats, by the file name: `.parquet` (the column `--text_field`, row group by row group, with pyarrow),
 `.jsonl`/`.ndjson` (one JSON object a line, its field `--text_field`), `.txt` (one document a file, or pieces
-between `--document_separator`); `.jsonl` and `.txt` also compressed as `.gz`, `.zst`, `.bz2`, `.xz`. A Hugging
-Face dataset by name (`hf:NAME`, through `datasets`, from its cache or the hub) or saved with `save_to_disk`.
+between `--document_separator`), `.csv`/`.tsv` (the column `--text_field` under a header row, streamed by pyarrow:
+data/delimited.py); all but `.parquet` also compressed as `.gz`, `.zst`, `.bz2`, `.xz`. A Hugging Face dataset
+by name (`hf:NAME`, through `datasets`, from its cache or the hub) or saved with `save_to_disk`.
 
 Data is never guessed: a file whose magic bytes say Parquet, gzip, zstd, bz2, xz, zip or Arrow under a name
 that says otherwise, text holding NUL bytes or mostly undecodable bytes, a line that is not a JSON object, a
@@ -18,7 +19,8 @@ many, which fraction and where; more, and the file is refused in one line naming
 Documents are read as they are (no cleaning); only documents that are empty or all whitespace are skipped.
 
 Memory does not grow with a document or a file: text files are read in BLOCK_BYTES blocks, a JSONL line longer
-than LONG_LINE is parsed as it streams (data/jsonlines.py), and Parquet in batches (data/arrow.py).
+than LONG_LINE is parsed as it streams (data/jsonlines.py), Parquet in batches (data/arrow.py), CSV and TSV in
+blocks (data/delimited.py).
 `consumed` counts the decompressed bytes read; `expected()` estimates their total from the compression ratio
 seen so far (the progress bar's ETA, and the free-space check before anything is written).
 """
@@ -36,11 +38,13 @@ from typing import Any
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.data.arrow import check_parquet, parquet_documents
+from lrattn_lightning.data.delimited import check_csv, csv_documents
 from lrattn_lightning.data.documents import HEAD_BYTES, Document, Spool, TextBuilder, TextStats, Utf8Decoder
 from lrattn_lightning.data.jsonlines import LONG_LINE, line_text, long_line_text, rest_of_line
 from lrattn_lightning.data.staging import check_stop
 
-KINDS = {".txt": "text", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
+KINDS = {".txt": "text", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv"}
+DELIMITERS = {"csv": ",", "tsv": "\t"}
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd", ".bz2": "bz2", ".xz": "xz"}
 _SUFFIX_OF = {"gzip": ".gz", "zstd": ".zst", "bz2": ".bz2", "xz": ".xz"}
 BLOCK_BYTES = 1 << 20  # read size of text files
@@ -49,7 +53,7 @@ RATIO_PIECE = 1 << 12  # compressed bytes fed at a time for it
 RUNNING_RATIO_BYTES = 4 << 20  # compressed bytes read after which their own ratio replaces the sampled one
 CHECK_LINE_BYTES = 1 << 19  # of a first JSONL line longer than the head, what `check` parses before any work
 BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark some editors put first: not part of the text
-SUPPORTED = ".parquet, .jsonl/.ndjson or .txt (the last two also as .gz, .zst, .bz2, .xz)"
+SUPPORTED = ".parquet, .jsonl/.ndjson, .csv, .tsv or .txt (all but .parquet also as .gz, .zst, .bz2, .xz)"
 
 
 @dataclass(frozen=True)
@@ -190,6 +194,8 @@ class FileInput:
             for lineno, line in enumerate(lines if whole else lines[:-1], 1):
                 if line.strip():
                     line_text(line.decode("utf-8", errors="replace"), f"{self.path}:{lineno}", self.options.text_field)
+        if self.kind in DELIMITERS:  # the header and the column's first rows
+            check_csv(self.path, self._open, self.options.text_field, DELIMITERS[self.kind])
 
     def _check_parquet(self) -> None:
         self.ratio = check_parquet(self.path, self.options.text_field) / max(self.size, 1)
@@ -197,6 +203,9 @@ class FileInput:
     def documents(self, spool: Spool | None = None) -> Iterator[Document]:
         if self.kind == "parquet":
             yield from self._parquet_documents(spool)
+            return
+        if self.kind in DELIMITERS:
+            yield from self._csv_documents(spool)
             return
         raw, stream = self._open()
         self._raw, stats, self.consumed = raw, TextStats(self.path), 0  # (BPE training reads the corpus twice)
@@ -289,6 +298,18 @@ class FileInput:
             self.consumed = int(self.size * self.ratio * fraction)
 
         yield from parquet_documents(self.path, self.options.text_field, spool, read)
+
+    def _csv_documents(self, spool: Spool | None) -> Iterator[Document]:
+        self.consumed = 0
+
+        def read(stream: Any) -> None:
+            self.consumed = max(self.consumed, stream.tell())  # (a file read again for a long row starts over)
+
+        try:
+            yield from csv_documents(self.path, self._open, self.options.text_field, DELIMITERS[self.kind], spool, read)
+        except _decompress_errors() as err:
+            raise self._broken(err) from err
+        self.ratio = self.consumed / max(self.size, 1)
 
     def inputs(self) -> list[Path]:
         return [self.path]

@@ -3,7 +3,7 @@ not what its name says is refused in one line before anything is written.
 
 The same documents (prose with unicode, blank lines and long lines, from the bundled stdlib docs) are written as
 a folder of .txt files, JSONL (plain, .gz, .zst, .bz2, .xz), text split by a separator, Parquet (several row
-groups), a mixed folder, a Hugging Face dataset saved with `save_to_disk` and a local folder read through
+groups), CSV and TSV (as Python's csv module writes them, plain, .gz, .zst; issue 52), a mixed folder, a Hugging Face dataset saved with `save_to_disk` and a local folder read through
 `datasets.load_dataset` (`hf:DIR`): every one prepares to byte-identical shards. Refusals go through `lrattn`'s
 own entry point (`cli.main`, in this process: one line on stderr, exit 2) and leave the output's folder as it was.
 """
@@ -11,8 +11,10 @@ own entry point (`cli.main`, in this process: one line on stderr, exit 2) and le
 from __future__ import annotations
 
 import bz2
+import csv
 import gzip
 import hashlib
+import io
 import json
 import lzma
 import os
@@ -67,6 +69,11 @@ def write_all_formats(docs: list[str], root: Path) -> dict[str, list[str]]:
     (root / "mixed" / "README.md").write_text("not corpus\n")  # left out, with a line
     (root / "hfdir").mkdir()
     pq.write_table(table, root / "hfdir" / "train.parquet")
+    for name, dialect in (("docs.csv", "excel"), ("docs.tsv", "excel-tab")):
+        table_text = delimited(docs, dialect)
+        (root / name).write_bytes(table_text)
+        (root / f"{name}.gz").write_bytes(gzip.compress(table_text))
+        (root / f"{name}.zst").write_bytes(zstandard.ZstdCompressor().compress(table_text))
     import datasets
 
     datasets.Dataset.from_dict({"text": docs, "id": list(range(len(docs)))}).save_to_disk(str(root / "saved"))
@@ -81,9 +88,19 @@ def write_all_formats(docs: list[str], root: Path) -> dict[str, list[str]]:
         "parquet": [str(root / "docs.parquet")],
         "a folder mixing jsonl.zst and parquet": [str(root / "mixed")],
         "a glob": [str(root / "mixed" / "*.*[tl]")],  # a.jsonl.zst and b.parquet
+        **{f"docs.{kind}{z}": [str(root / f"docs.{kind}{z}")] for kind in ("csv", "tsv") for z in ("", ".gz", ".zst")},
         "saved HF dataset": [str(root / "saved")],
         "hf:DIR (datasets.load_dataset)": [f"hf:{root / 'hfdir'}"],
     }
+
+
+def delimited(docs: list[str], dialect: str, header: tuple[str, str] = ("id", "text")) -> bytes:
+    """The documents as a CSV or TSV file with a header, an id column first (quoted where a value needs it)."""
+    buf = io.StringIO(newline="")
+    writer = csv.writer(buf, dialect=dialect)
+    writer.writerow(header)
+    writer.writerows([i, text] for i, text in enumerate(docs))
+    return buf.getvalue().encode()
 
 
 def shard_digest(out: Path) -> dict:
@@ -109,7 +126,8 @@ def reference(documents, corpus):
 
 @pytest.mark.parametrize("name", ["txt folder", "jsonl.gz", "jsonl.zst", "jsonl.bz2", "jsonl.xz",
                                   "txt.gz with --document_separator", "parquet", "a folder mixing jsonl.zst and parquet",
-                                  "a glob", "saved HF dataset", "hf:DIR (datasets.load_dataset)"])
+                                  "a glob", "saved HF dataset", "hf:DIR (datasets.load_dataset)",
+                                  *[f"docs.{k}{z}" for k in ("csv", "tsv") for z in ("", ".gz", ".zst")]])
 def test_every_format_gives_the_same_shards(name, corpus, reference, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -221,7 +239,15 @@ REFUSALS = {  # name: (file name, content(tmp_path), what the one line must say)
                              "bytes (PAR1))"),
     "a truncated gzip file": ("docs.jsonl.gz", lambda t: gzip.compress(_lines(200))[:-30],
                               "docs.jsonl.gz: cannot read gzip data (EOFError"),
-    "an unknown format": ("docs.csv", lambda t: b"text\nhello\n", "docs.csv: unknown format (by its name)"),
+    "an unknown format": ("docs.xml", lambda t: b"<text>hello</text>\n", "docs.xml: unknown format (by its name)"),
+    "CSV without the column": ("docs.csv", lambda t: b"id,txt,body\n1,a b,c d\n", "docs.csv: no column 'text' in the "
+                               "header (columns, closest first: txt, id, body); pass --text_field NAME"),
+    "a TSV column of numbers": ("docs.tsv", lambda t: b"text\tbody\n1\tx\n2\ty\n", "docs.tsv: column 'text' holds int64 "
+                                "in its first rows, not text"),
+    "a CSV row with a value too many": ("docs.csv", lambda t: b"id,text\n1,a b\n2,c, d\n", "docs.csv: row 3 (the header "
+                                        "is row 1) has 3 value(s), the header 2: '2,c, d'"),
+    "an empty CSV file": ("docs.csv", lambda t: b"", "docs.csv: empty, not even a header row"),
+    "gzip named .csv": ("docs.csv", lambda t: gzip.compress(b"text\nhello\n"), "name it docs.csv.gz"),
 }
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import _compression
 import bz2
+import csv
 import gzip
 import io
 import json
@@ -31,7 +32,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import lrattn_lightning.data as data_package
-from lrattn_lightning.data import arrow, documents, formats, jsonlines, pieces, pipeline, split
+from lrattn_lightning.data import arrow, delimited, documents, formats, jsonlines, pieces, pipeline, split
 from lrattn_lightning.data.prepare import prepare
 
 # (module, name, measure): a size the readers cut, buffer, sniff or check at; its value is read from the module
@@ -42,6 +43,7 @@ SIZES = [
     (formats, "CHECK_LINE_BYTES", "stream"),  # of a first JSONL line longer than the head, what check parses
     (jsonlines, "LONG_LINE", "stream"),  # a longer JSONL line is parsed as it streams, read this much at a time
     (formats, "BLOCK_BYTES", "stream"),  # read size of text files
+    (delimited, "CSV_BLOCK_BYTES", "stream"),  # what pyarrow's CSV reader parses at a time (a longer row grows it)
     (formats, "RATIO_BYTES", "stream"),  # decompressed bytes sampled for the ratio
     (formats, "RATIO_PIECE", "stream"),  # compressed bytes fed at a time for it
     (io, "DEFAULT_BUFFER_SIZE", "stream"),  # the buffer of open() and of the zstd stream's BufferedReader
@@ -66,16 +68,17 @@ NOT_READER_SIZES = {  # int constants of lrattn_lightning.data that no reader cu
     "MIN_FRAGMENT_CHARS": "the built-in corpora's cleaning", "DOCUMENT_TARGET_CHARS": "the built-in corpora's cleaning",
     "CLOZE_CONTEXT_WORDS": "eval tasks", "CLOZE_CONTINUATION_WORDS": "eval tasks", "CLOZE_PER_DOCUMENT": "eval tasks",
     "CLOZE_CHOICES": "eval tasks", "PERPLEXITY_MAX_CHARS": "eval tasks",
-    "BYTES_PER_ENTRY": "a tokenizer.json's size limit", "SLACK_BYTES": "a tokenizer.json's size limit"}
+    "BYTES_PER_ENTRY": "a tokenizer.json's size limit", "SLACK_BYTES": "a tokenizer.json's size limit",
+    "GROWTH": "the factor a CSV block grows by, not a size (the grown blocks are crossed with CSV_BLOCK_BYTES)"}
 # shrunk: distinct small values (a name held by several modules gets the same one; BLOCK_BYTES one per module)
 SMALL = {"HEAD_BYTES": 64, "CHECK_LINE_BYTES": 100, "LONG_LINE": 80, "RATIO_BYTES": 90, "RATIO_PIECE": 7,
          "RUNNING_RATIO_BYTES": 120, "LONG_CHARS": 72, "BLOCK_CHARS": 48, "BATCH_BYTES": 200, "ITEM_TOKENS": 50,
-         "PIECE_CHARS": 128, "WINDOW": 16, "_REGIONS": (32, 64, 128), "ARROW_BATCH_BYTES": 110, "PART_BYTES": 1000,
+         "PIECE_CHARS": 128, "WINDOW": 16, "CSV_BLOCK_BYTES": 40, "_REGIONS": (32, 64, 128), "ARROW_BATCH_BYTES": 110, "PART_BYTES": 1000,
          **COUNTS}
 SMALL_BLOCK_BYTES = {formats: 56, arrow: 30, split: 150}
 
 FORMATS = ["jsonl", "jsonl.gz", "jsonl.zst", "jsonl.bz2", "jsonl.xz", "txt files", "txt with a separator", "parquet",
-           "save_to_disk", "hf:DIR"]
+           "save_to_disk", "hf:DIR", "csv", "tsv.gz"]
 SEPARATOR = "\n<|doc|>\n"
 # a unit across a boundary: multi-byte UTF-8, characters JSON escapes (\n \" \\ \u0001), surrogate pairs (JSON with
 # ensure_ascii), a line separator JSON leaves raw, CR LF
@@ -181,6 +184,14 @@ def write(docs: list[str], fmt: str, root: Path, ascii_json: bool, bom: bool, ne
     if fmt == "txt with a separator":
         (root / "c.txt").write_bytes(mark + SEPARATOR.join(docs).encode())
         return [str(root / "c.txt")]
+    if fmt in ("csv", "tsv.gz"):  # as Python's csv module writes them: quoted where a value needs it
+        buf = io.StringIO(newline="")
+        writer = csv.writer(buf, dialect="excel" if fmt == "csv" else "excel-tab")
+        writer.writerow(["id", "text"])
+        writer.writerows([i, text] for i, text in enumerate(docs))
+        content = mark + buf.getvalue().encode()
+        (root / f"c.{fmt}").write_bytes(gzip.compress(content, compresslevel=1) if fmt.endswith(".gz") else content)
+        return [str(root / f"c.{fmt}")]
     table = pa.table({"text": pa.array(docs, pa.string())})
     if fmt == "parquet":
         pq.write_table(table, root / "c.parquet", row_group_size=3)
