@@ -165,29 +165,51 @@ def _is_panic(err: BaseException) -> bool:
 def _rust_call(name: str, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
     """fn(*args, **kwargs) with file descriptor 2 held in an unnamed file: Rust's panic hook writes the panic's
     message and backtrace there before pyo3 raises, and they are dropped for one TokenizerFailed; anything else
-    written meanwhile is passed on to stderr afterwards."""
+    written meanwhile is passed on to stderr afterwards. Where no such file can be made, the call as it is."""
+    held = _unnamed_file()
+    if held is None:
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as err:
+            if not _is_panic(err):
+                raise
+            raise _failed(name, what, err) from None
     sys.stderr.flush()
     saved = os.dup(2)
     panicked = None
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
+    try:
+        os.dup2(held, 2)
         try:
             return fn(*args, **kwargs)
         except BaseException as err:
             if not _is_panic(err):
                 raise
             panicked = err
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            if panicked is None and held.tell():
-                held.seek(0)
-                with contextlib.suppress(OSError):
-                    os.write(2, held.read())
-    raise TokenizerFailed(
-        f"tokenizer {name} {what}: the tokenizers library panicked: {first_line(panicked, 200)} (a pre-tokenizer "
-        "regex that backtracks without end on this text, say); fix the tokenizer.json or use another tokenizer"
-    ) from None
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        if panicked is None and os.lseek(held, 0, os.SEEK_CUR):
+            os.lseek(held, 0, os.SEEK_SET)
+            with contextlib.suppress(OSError):
+                os.write(2, os.read(held, 1 << 20))
+        os.close(held)
+    raise _failed(name, what, panicked) from None
+
+
+def _unnamed_file() -> int | None:
+    """A file descriptor of a file without a name (memfd; else an unlinked temporary file), or None."""
+    with contextlib.suppress(AttributeError, OSError):
+        return os.memfd_create("lrattn-tokenizer-stderr", os.MFD_CLOEXEC)
+    with contextlib.suppress(OSError):
+        with tempfile.TemporaryFile() as f:
+            return os.dup(f.fileno())
+    return None
+
+
+def _failed(name: str, what: str, panic: BaseException) -> TokenizerFailed:
+    return TokenizerFailed(
+        f"tokenizer {name} {what}: the tokenizers library panicked: {first_line(panic, 200)} (a pre-tokenizer "
+        "regex that backtracks without end on this text, say); fix the tokenizer file or use another tokenizer")
 
 
 def check_vocabulary(kind: str, path: str | Path, limit: int, flag: str = "--max_vocab") -> int:

@@ -88,7 +88,7 @@ def test_prepare_with_a_panicking_tokenizer_is_one_line(tmp_path, workers):
                                 "--num_workers", str(workers), cwd=tmp_path))
     lines = err.strip().splitlines()
     assert code == 2 and lines[-1].startswith("lrattn: error: tokenizer "), err[-3000:]
-    assert "retry-limit-in-match" in lines[-1] and "fix the tokenizer.json" in lines[-1], err[-3000:]
+    assert "retry-limit-in-match" in lines[-1] and "fix the tokenizer file" in lines[-1], err[-3000:]
     assert all(line.startswith("[lrattn prepare]") for line in lines[:-1]), err[-3000:]  # no backtrace, no traceback
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*")), list(tmp_path.iterdir())
 
