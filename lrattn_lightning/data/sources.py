@@ -8,12 +8,15 @@ and Hugging Face datasets.
 
 Specs, in order: a built-in corpus name (alone), a file, a folder (its files of known kinds, recursively,
 sorted, hidden ones left out), a glob, `hf:NAME` (a dataset of the hub or its local cache, or a local folder of
-data files, streamed by `datasets.load_dataset`) or a folder written by `save_to_disk`.
+data files, streamed by `datasets.load_dataset`) or a folder written by `save_to_disk`. A saved DatasetDict is read
+at `--hf_split` (train); its own validation split (VALIDATION_SPLITS, the first it has; never `test`) is the
+validation corpus of `--source` (`Corpus.saved_validation`), and what `--val_source` reads of it.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -28,19 +31,26 @@ from lrattn_lightning.data.formats import SUPPORTED, FileInput, ReadOptions, hid
 from lrattn_lightning.data.shards import sha256_files
 from lrattn_lightning.data.staging import check_stop
 
+VALIDATION_SPLITS = ("validation", "valid", "val")  # a saved DatasetDict's validation split, the first it has
 
 class HFInput:
     """A Hugging Face dataset: `hf:NAME` (streamed by `datasets.load_dataset`, from its cache or the hub; a local
     folder of data files too; rows as `datasets` gives them) or a folder written by `save_to_disk` (memory-mapped
     Arrow, read in batches of about ARROW_BATCH_BYTES of text through the text policy of Parquet files)."""
 
-    def __init__(self, name: str, options: ReadOptions, saved: bool) -> None:
+    def __init__(self, name: str, options: ReadOptions, saved: bool, split: str | None = None) -> None:
         self.name, self.options, self.saved = name, options, saved
+        self.split = split or options.hf_split  # of a saved DatasetDict, or of hf:NAME
         self.size, self.consumed = 0, 0
         self._dataset: Any = None
 
     def describe(self) -> str:
         return "saved Hugging Face dataset" if self.saved else "Hugging Face dataset"
+
+    def saved_split(self, names: tuple[str, ...]) -> str | None:
+        """The first of `names` that this saved DatasetDict holds other than the split it reads, or None."""
+        splits = saved_splits(Path(self.name)) if self.saved else None
+        return next((s for s in names if s in (splits or []) and s != self.split), None)
 
     def expected(self) -> int:
         return self.size
@@ -55,17 +65,17 @@ class HFInput:
             if self.saved:
                 ds = datasets.load_from_disk(self.name)
                 if isinstance(ds, datasets.DatasetDict):
-                    if o.hf_split not in ds:
-                        raise InputError(f"{self.name}: no split '{o.hf_split}' (splits: {', '.join(ds)}); pass "
+                    if self.split not in ds:
+                        raise InputError(f"{self.name}: no split '{self.split}' (splits: {', '.join(ds)}); pass "
                                          "--hf_split NAME")
-                    ds = ds[o.hf_split]
+                    ds = ds[self.split]
                 self.size = sum(os.path.getsize(f["filename"]) for f in ds.cache_files)
             else:
                 # datasets' own notes ("Using the latest cached version...") would be a second line beside an error
                 verbosity = datasets.logging.get_verbosity()
                 datasets.logging.set_verbosity_error()
                 try:
-                    ds = datasets.load_dataset(self.name, o.hf_config, split=o.hf_split, streaming=True)
+                    ds = datasets.load_dataset(self.name, o.hf_config, split=self.split, streaming=True)
                 finally:
                     datasets.logging.set_verbosity(verbosity)
         except InputError:
@@ -74,7 +84,7 @@ class HFInput:
             offline = " (HF_DATASETS_OFFLINE=1 reads only the local cache)" if os.environ.get(
                 "HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1" else ""
             raise InputError(f"could not load Hugging Face dataset '{self.name}' (config {o.hf_config}, split "
-                             f"'{o.hf_split}': {type(err).__name__}: {' '.join(str(err).split())[:300]}){offline}; it "
+                             f"'{self.split}': {type(err).__name__}: {' '.join(str(err).split())[:300]}){offline}; it "
                              "needs network access or the dataset in the local Hugging Face cache") from err
         names = ds.column_names or (list(ds.features) if ds.features else None)
         if names is not None and o.text_field not in names:
@@ -129,24 +139,40 @@ class HFInput:
         return sorted(p for p in local.rglob("*") if p.is_file() and not hidden(p, local)) if local.is_dir() else []
 
 
+def saved_splits(path: Path) -> list[str] | None:
+    """The splits of a folder written by `DatasetDict.save_to_disk` (its dataset_dict.json), None for another."""
+    try:
+        return [str(s) for s in json.loads((path / "dataset_dict.json").read_text())["splits"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def saved_dataset(path: Path) -> bool:
     """A folder written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`."""
     return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
 
 
-def resolve(specs: list[str], options: ReadOptions) -> list[FileInput | HFInput]:
-    """The inputs of `--source` (or `--val_source`) in order: each spec a file, a folder (its files of known
-    kinds, recursively, sorted; hidden ones left out), a glob, `hf:NAME` or a saved dataset folder."""
+def resolve(specs: list[str], options: ReadOptions, validation: bool = False) -> list[FileInput | HFInput]:
+    """The inputs of `--source` (or `--val_source`: `validation`, a saved DatasetDict read at its validation split
+    when it has one) in order: each spec a file, a folder (its files of known kinds, recursively, sorted; hidden ones
+    left out), a glob, `hf:NAME` or a saved dataset folder."""
     items: list[FileInput | HFInput] = []
     seen: set[Path] = set()
+
+    def saved(name: str) -> HFInput:
+        item = HFInput(name, options, saved=True)
+        if validation and (split := item.saved_split(VALIDATION_SPLITS)):
+            item.split = split
+        return item
+
     for spec in specs:
         if spec.startswith("hf:"):
             name = spec[3:]
-            items.append(HFInput(name, options, saved=saved_dataset(Path(name))))
+            items.append(saved(name) if saved_dataset(Path(name)) else HFInput(name, options, saved=False))
             continue
         path = Path(spec)
         if saved_dataset(path):
-            items.append(HFInput(spec, options, saved=True))
+            items.append(saved(spec))
             continue
         if path.is_dir():
             files = sorted(p for p in path.rglob("*") if p.is_file() and not hidden(p, path))
@@ -180,7 +206,8 @@ def resolve(specs: list[str], options: ReadOptions) -> list[FileInput | HFInput]
 class Corpus:
     """The documents of one `--source` list (or `--val_source`), read in order."""
 
-    def __init__(self, specs: str | list[str], options: ReadOptions) -> None:
+    def __init__(self, specs: str | list[str], options: ReadOptions, validation: bool = False,
+                 items: list[FileInput | HFInput] | None = None) -> None:
         self.specs = [specs] if isinstance(specs, str) else list(specs)
         if not self.specs:
             raise InputError("--source names nothing; give a built-in corpus, files, folders, globs or hf:NAME")
@@ -189,12 +216,24 @@ class Corpus:
             raise InputError(f"--source {' '.join(self.specs)}: the built-in corpus {builtin[0]} stands alone; "
                              "prepare it, or your files, in one run")
         self.builtin = builtin[0] if builtin else None
-        self.items = [] if self.builtin else resolve(self.specs, options)
+        self.items = items if items is not None else [] if self.builtin else resolve(self.specs, options, validation)
         self.options = options
+        self.saved_split = False  # the validation split saved with --source's DatasetDicts (saved_validation)
         self.empty = 0  # documents skipped because they are empty or only whitespace
 
     def __str__(self) -> str:
         return " ".join(self.specs)
+
+    def saved_validation(self) -> Corpus | None:
+        """The validation splits saved with this corpus's DatasetDicts (VALIDATION_SPLITS, the first each has; never
+        `test`), as the validation corpus, or None when none has one: a dataset's own split is its validation set."""
+        items = [HFInput(i.name, self.options, saved=True, split=split) for i in self.items
+                 if isinstance(i, HFInput) and (split := i.saved_split(VALIDATION_SPLITS))]
+        if not items:
+            return None
+        corpus = Corpus([f"{i.name}[{i.split}]" for i in items], self.options, items=items)
+        corpus.saved_split = True
+        return corpus
 
     def check(self) -> None:
         for item in self.items:
@@ -232,7 +271,7 @@ class Corpus:
         out: list[Any] = []
         for item in self.items:
             if isinstance(item, HFInput) and not item.inputs():
-                out.append([item.name, self.options.hf_config, self.options.hf_split])
+                out.append([item.name, self.options.hf_config, item.split])
             for path in item.inputs():
                 st = path.stat()
                 out.append([str(path), st.st_size, st.st_mtime_ns])
@@ -244,9 +283,11 @@ class Corpus:
         for item in self.items:
             paths = item.inputs()
             if isinstance(item, HFInput) and not paths:
-                out.append({"hf_dataset": item.name, "config": self.options.hf_config, "split": self.options.hf_split})
+                out.append({"hf_dataset": item.name, "config": self.options.hf_config, "split": item.split})
             for path, digest in zip(paths, sha256_files(paths), strict=True):
-                out.append({"file": str(path), "format": item.describe(), "bytes": path.stat().st_size, "sha256": digest})
+                out.append({"file": str(path), "format": item.describe(), "bytes": path.stat().st_size, "sha256": digest,
+                            **({"split": item.split} if isinstance(item, HFInput) and saved_splits(Path(item.name))
+                               else {})})
         return out
 
 
