@@ -305,11 +305,13 @@ class Decoder(nn.Module):
         self.router.reset_parameters()
 
     def forward(
-        self, idx: Tensor, *, return_routing: bool = False, cache: KVCache | None = None
+        self, idx: Tensor, *, return_routing: bool = False, cache: KVCache | None = None, head: bool = True
     ) -> Tensor | DecoderOutput:
         """idx [B, T] int64 -> logits [B, T, vocab] (a DecoderOutput when return_routing).
 
-        With a KVCache, idx holds only the new tokens; they are placed after the cached ones.
+        With a KVCache, idx holds only the new tokens; they are placed after the cached ones. head=False: the
+        head's input instead, the final read normalised [B, T, D] (a loss that applies the head itself:
+        train/losses.py head_token_losses).
         """
         B, T = idx.shape
         size = self.cfg.size
@@ -344,7 +346,7 @@ class Decoder(nn.Module):
             h = self.router.read(state, j + 1)
             self.router.write(state, j + 2, layer.mlp(rms_norm(h)))
         h = self.router.read(state, size.n_sublayers)  # the final read
-        logits = self.head(rms_norm(h))
+        logits = self.head(rms_norm(h)) if head else rms_norm(h)
         if return_routing:
             return DecoderOutput(logits, getattr(state, "weights", None))  # (an external router may keep none)
         return logits

@@ -41,7 +41,7 @@ from lrattn_lightning.train.callbacks import (
 )
 from lrattn_lightning.train.checkpoint.compat import check_loaded
 from lrattn_lightning.train.checkpoint.stop import NonFiniteLossError
-from lrattn_lightning.train.losses import token_losses
+from lrattn_lightning.train.losses import head_token_losses, token_losses
 from lrattn_lightning.train.optim import sharded_grad_norm
 from lrattn_lightning.train.optimization import Optimization
 from lrattn_lightning.train.schema import Metric
@@ -153,8 +153,21 @@ class LRAttnModule(Validation, Optimization, L.LightningModule):
         self._compiled_losses = torch.compile(self.model_losses, backend=backend)
 
     def model_losses(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cross-entropy, z-loss term) of the decoder on `inputs` against `targets` (token_losses)."""
+        """(cross-entropy, z-loss term) of the decoder on `inputs` against `targets`: token_losses of its logits,
+        or head_token_losses of its features and head weight (`loss_impl`: chunked)."""
+        if self.chunked_loss():
+            return head_token_losses(self.model(inputs, head=False), self.model.head.weight, targets)
         return token_losses(self.model(inputs), targets)
+
+    def chunked_loss(self) -> bool:
+        """Whether the training loss forms the logits in chunks (RuntimeSettings.loss_impl; `auto`: on CUDA, eager,
+        the head's weight not sharded by FSDP)."""
+        choice = self.runtime.loss_impl
+        if choice != "auto":
+            return choice == "chunked"
+        weight = self.model.head.weight
+        return (weight.device.type == "cuda" and not self.runtime.compile and not getattr(self, "_sharded", False)
+                and not torch.compiler.is_compiling())
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

@@ -13,6 +13,13 @@ with p_iv = exp(x_iv - lse_i) the softmax and N_ce the tokens the cross-entropy 
 (float64 for float64 logits) is bounded: rows are taken in chunks of at most `chunk_bytes` of it, so a
 100k vocabulary never holds a float32 copy of every token's logits. `reference_token_losses` is the readable
 twin (two logsumexps, a float32 copy of the logits) the fused path is compared and benchmarked against.
+
+`head_token_losses` goes one step further (the head fused in, as Liger's fused linear cross-entropy): from the
+final features x (N, D) and the head's weight W (V, D) it forms the logits chunk by chunk, x_c W^T, takes each
+chunk's lse and picked logit and drops it; backward forms each chunk again and turns its gradient G_c (as above)
+into dL/dx_c = G_c W and the chunk's share of dL/dW = sum_c G_c^T x_c. The [N, V] logits never exist at once: at
+paper-0.5b, batch 32, they are 13 GB in bfloat16 and their float32 gradient's working set as much again. The matmuls
+run in the dtype autocast gives the head (as `head(x)` would), the softmax in float32.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from lrattn_lightning.core.errors import InputError
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: such a target is left out of the cross-entropy (not of z)
 CHUNK_BYTES = 256 * 2**20  # the float32 working set of one chunk of rows (V = 100277: 669 rows)
+MAX_CHUNKS = 32  # head_token_losses: at most this many chunks a call (fewer, larger matmuls; a short compiled graph)
 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor, *,
@@ -112,3 +120,67 @@ class FusedTokenLosses(torch.autograd.Function):
                 grad_NV[s:e] = p
             del p  # before the next chunk's copy
         return grad_NV, None, None
+
+
+def head_token_losses(features: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                      chunk_bytes: int = CHUNK_BYTES, max_chunks: int = MAX_CHUNKS) -> tuple[torch.Tensor, torch.Tensor]:
+    """token_losses(features @ weight.T, targets) without the logits (module docstring): features (..., D), the
+    head's weight (V, D). Chunks of rows_per_chunk rows, or more where that would make more than `max_chunks`."""
+    x_ND, targets_N = features.flatten(0, -2), targets.flatten()
+    if x_ND.shape[0] != targets_N.shape[0] or x_ND.shape[1] != weight.shape[1]:
+        raise InputError(f"head_token_losses: {tuple(features.shape)} features, {tuple(weight.shape)} head weight, "
+                         f"{tuple(targets.shape)} targets")
+    device = x_ND.device.type
+    mm_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                else torch.promote_types(x_ND.dtype, weight.dtype))
+    N, V = x_ND.shape[0], weight.shape[0]
+    rows = max(1, chunk_bytes // (V * compute_dtype(mm_dtype).itemsize), -(-N // max_chunks))
+    return FusedHeadTokenLosses.apply(x_ND, weight, targets_N, rows, mm_dtype)
+
+
+class FusedHeadTokenLosses(torch.autograd.Function):
+    """(ce, z) of x W^T from one chunk of logits at a time, forward and backward (head_token_losses). The matmuls
+    run in `mm_dtype` (autocast's, resolved by the caller: backward runs outside autocast), with autocast off."""
+
+    @staticmethod
+    def forward(ctx, x_ND: torch.Tensor, w_VD: torch.Tensor, targets_N: torch.Tensor, rows: int,
+                mm_dtype: torch.dtype):
+        N, dtype = x_ND.shape[0], compute_dtype(mm_dtype)
+        counted_N = targets_N != IGNORE_INDEX
+        safe_N = torch.where(counted_N, targets_N, 0)
+        with torch.autocast(x_ND.device.type, enabled=False):
+            x, w = x_ND.to(mm_dtype), w_VD.to(mm_dtype)
+            lse, picked = [], []
+            for s in range(0, N, rows):
+                logits_RV = x[s:s + rows] @ w.T  # (R, V), dropped after this chunk
+                lse.append(chunk_logsumexp(logits_RV, dtype))
+                picked.append(logits_RV.gather(1, safe_N[s:s + rows, None]).squeeze(1).to(dtype))
+                del logits_RV
+            lse_N, picked_N = torch.cat(lse), torch.cat(picked)
+        ce = torch.where(counted_N, lse_N - picked_N, 0).sum() / counted_N.sum()
+        z = lse_N.square().mean()
+        ctx.save_for_backward(x_ND, w_VD, safe_N, counted_N, lse_N)
+        ctx.rows, ctx.mm_dtype = rows, mm_dtype
+        return ce, z
+
+    @staticmethod
+    def backward(ctx, g_ce: torch.Tensor, g_z: torch.Tensor):
+        x_ND, w_VD, safe_N, counted_N, lse_N = ctx.saved_tensors
+        N, rows, mm_dtype = x_ND.shape[0], ctx.rows, ctx.mm_dtype
+        w_ce_N = counted_N.to(lse_N.dtype) * (g_ce / counted_N.sum())
+        coef_N = w_ce_N + lse_N * (2.0 * g_z / N)
+        with torch.autocast(x_ND.device.type, enabled=False):
+            x, w = x_ND.to(mm_dtype), w_VD.to(mm_dtype)
+            grad_x = torch.empty_like(x)
+            grad_w = torch.zeros(w.shape, dtype=lse_N.dtype, device=w.device)  # summed over chunks in float32
+            for s in range(0, N, rows):
+                e = min(s + rows, N)
+                p = shifted(x[s:e] @ w.T, lse_N[s:e])  # (R, V) in the compute dtype: x W^T - lse
+                p.exp_().mul_(coef_N[s:e, None])
+                p.scatter_add_(1, safe_N[s:e, None], -w_ce_N[s:e, None])
+                g_RV = p.to(mm_dtype)  # the logits' gradient, in the dtype autograd would hand the head's backward
+                del p
+                grad_x[s:e] = g_RV @ w
+                grad_w += g_RV.T @ x[s:e]
+                del g_RV
+        return grad_x.to(x_ND.dtype), grad_w.to(w_VD.dtype), None, None, None

@@ -169,7 +169,10 @@ class RuntimeSettings:
     document_masking: attend only within documents (the paper's recipe); the separator is the data's EOS id, found at
     fit time and kept as doc_separator so checkpoints mask alike in evaluation. attention: how that mask reaches the
     token attention, `sdpa` (a dense mask) or `flex` (FlexAttention's block mask, CUDA for training); the same
-    results. routing_diagnostics: record the routing weights of each validation's first batch."""
+    results. loss_impl: the training loss from the logits (`logits`) or with the head fused in, its logits formed a chunk
+    of rows at a time and never whole (`chunked`, train/losses.py head_token_losses: the same loss in less memory);
+    `auto` chunks on a GPU in eager mode with unsharded weights, where the logits are largest. routing_diagnostics:
+    record the routing weights of each validation's first batch."""
 
     compile: bool = setting(False, resume=FROM_FLAGS, check=TYPED, recipe=Not(
         "how the same computation runs: torch.compile traces the decoder and loss the eager run computes"))
@@ -179,6 +182,8 @@ class RuntimeSettings:
     document_masking: bool = setting(False, recipe="derived", resume=FROM_FLAGS, check=TYPED)
     attention: Literal["sdpa", "flex"] = setting("sdpa", resume=FROM_FLAGS, check=TYPED, recipe=Not(
         "how the document mask reaches the attention (a dense mask or FlexAttention's block mask): the same results"))
+    loss_impl: Literal["auto", "logits", "chunked"] = setting("auto", resume=FROM_FLAGS, check=TYPED, recipe=Not(
+        "how the same loss is computed: chunked forms the head's logits a chunk of rows at a time (losses.py)"))
     routing_diagnostics: bool = setting(True, resume=FROM_FLAGS, check=TYPED, recipe=Not(
         "records the routing weights of a validation batch; trains nothing"))
     doc_separator: int | None = setting(None, recipe=Not(

@@ -28,7 +28,7 @@ FLAT_SETTINGS = {
     "decay_fraction": 0.3, "final_lr_fraction": 0.2, "allow_schedule_change": True, "schedule_steps": 7,
     "z_loss": 0.001, "compile": True, "impl": "reference", "document_masking": True, "attention": "flex",
     "routing_diagnostics": False, "gate_freeze_steps": 4, "gate_release_loss": 2.5, "gate_grad_normalize": True,
-    "doc_separator": 3,
+    "doc_separator": 3, "loss_impl": "chunked",
 }
 NAMED = ("size", "ablation", "registry", "model_config", "registry_sha256", "git_commit")
 
