@@ -157,3 +157,16 @@ def test_prepare_refuses_a_vocabulary_larger_than_the_registry_before_any_work(t
     assert code == 2 and err.strip().count("\n") == 0, err[-3000:]
     assert f"{largest + 1:,} vocabulary entries, more than {largest:,}" in err and "--max_vocab" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.json", "docs.jsonl"]  # nothing written
+
+
+def test_a_file_the_library_cannot_read_is_one_line(tmp_path):
+    """Not JSON, no vocabulary: refused while it is counted; a regex Oniguruma cannot compile: when it is loaded."""
+    (tmp_path / "notes.json").write_text("not json at all\n")
+    with pytest.raises(InputError, match="is not a tokenizer.json with a model vocabulary: JSONDecodeError"):
+        check_vocabulary("hf", tmp_path / "notes.json", 1000)
+    broken = json.loads(hostile(tmp_path / "broken.json", "a+").read_text())
+    broken["pre_tokenizer"]["pattern"]["Regex"] = "(a"
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    assert check_vocabulary("hf", tmp_path / "broken.json", 1000) == 4
+    with pytest.raises(InputError, match=r"^tokenizer \S+broken.json: not a tokenizer.json the tokenizers library reads"):
+        HFTokenizer(tmp_path / "broken.json")
