@@ -28,7 +28,8 @@ class Parser(argparse.ArgumentParser):
     is read as `--a_b`."""
 
     def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:
-        names = tuple("--" + n[2:].replace("-", "_") if n.startswith("--") else n for n in names)
+        # (dict.fromkeys: `--a_b` and `--a-b` both declared are one flag, listed once in --help)
+        names = tuple(dict.fromkeys("--" + n[2:].replace("-", "_") if n.startswith("--") else n for n in names))
         return super().add_argument(*names, **kwargs)
 
     def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None):
