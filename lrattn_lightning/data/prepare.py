@@ -117,6 +117,9 @@ def prepare(
         raise InputError(f"--max_vocab {max_vocab}: a positive number of vocabulary entries, e.g. 200000")
     if kind in ("hf", "tiktoken"):  # a 10M-entry file took 79 s and 4.5 GB to load, for ids no model has
         check_vocabulary(kind, arg, max_vocab or _largest_vocabulary())
+    if kind == "bpe" and int(arg) > (limit := max_vocab or _largest_vocabulary()):
+        raise InputError(f"tokenizer '{tokenizer}': a vocabulary of {int(arg):,} ids, more than {limit:,} (the largest "
+                         "vocab_size of the registry's sizes, or --max_vocab); pass --max_vocab N to allow N")
     if document_separator == "":
         raise InputError("--document_separator is empty; give the text between documents, e.g. '\\n\\n\\n'")
     options = ReadOptions(text_field, document_separator, hf_config, hf_split)

@@ -170,3 +170,12 @@ def test_a_file_the_library_cannot_read_is_one_line(tmp_path):
     assert check_vocabulary("hf", tmp_path / "broken.json", 1000) == 4
     with pytest.raises(InputError, match=r"^tokenizer \S+broken.json: not a tokenizer.json the tokenizers library reads"):
         HFTokenizer(tmp_path / "broken.json")
+
+
+def test_a_bpe_larger_than_the_registry_is_refused_before_it_is_trained(tmp_path):
+    from lrattn_lightning.data.prepare import prepare
+
+    largest = max(size.vocab_size for size in load_registry().sizes.values())
+    with pytest.raises(InputError, match=rf"bpe:{largest + 1}'.* more than {largest:,} .*--max_vocab N"):
+        prepare(tmp_path / "docs.jsonl", tmp_path / "out", tokenizer=f"bpe:{largest + 1}")
+    assert not list(tmp_path.iterdir())
