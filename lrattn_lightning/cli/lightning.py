@@ -197,7 +197,11 @@ def resolved_by_lrattn(registry: str | None) -> None:
 
 # What Lightning prints that does not concern the run: cloud tips, the seed (it is in config.yaml and the
 # MLflow params), deprecations inside Lightning itself, and remarks on choices made here on purpose.
-QUIET_MESSAGES = ("💡 Tip", "Seed set to")
+# Lightning's info lines that echo a run's own settings back or concern the platform's set-up, not the run:
+# the module's own callbacks replacing the CLI's of the same types, `limit_val_batches=1.0` meaning all batches
+QUIET_MESSAGES = ("💡 Tip", "Seed set to", "The following callbacks returned in `LightningModule.configure_callbacks`",
+                  "`Trainer(limit_")
+QUIET_LOGGERS = ("mlflow.store.db.utils",)  # "Creating initial MLflow database tables...": a new store's set-up
 QUIET_WARNINGS = (r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"Your `IterableDataset` has `__len__` defined",
                   r"Be aware that when using `ckpt_path`", r".*callbacks used to create the Trainer.*will override",
                   r"The number of training batches \(\d+\) is smaller than the logging interval")
@@ -209,6 +213,8 @@ class _QuietFilter(logging.Filter):
 
 
 def quiet_lightning() -> None:
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
     for name in ("lightning.pytorch", "lightning.fabric"):
         for handler in logging.getLogger(name).handlers:
             if not any(isinstance(f, _QuietFilter) for f in handler.filters):

@@ -77,6 +77,18 @@ def test_the_progress_bar_and_model_summary_say_nothing_misleading(fitted):
     assert "epoch" not in run.data.metrics  # Lightning's counter (--log_counters true logs it)
 
 
+def test_a_fits_terminal_holds_only_what_concerns_its_run(data, tmp_path):
+    """No echo of the run's own settings (`limit_val_batches=1.0` means all batches), of the module's callbacks
+    replacing the CLI's, or of a new MLflow store's table set-up (issue 55)."""
+    proc = run_cli(fit_args(data, "--trainer.limit_val_batches", "1.0", steps=2, every=2), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    for noise in ("was configured so 100%", "configure_callbacks", "Creating initial MLflow database tables",
+                  "Updating database tables"):
+        assert noise not in out, out[-3000:]
+    assert "[lrattn fit] finished at step 2" in proc.stdout
+
+
 def test_validating_other_batches_logs_beside_the_fit_never_over_it(fitted, data):
     folder, client, _, run, _ = fitted
     before = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "val/loss")]
