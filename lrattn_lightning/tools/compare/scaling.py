@@ -263,7 +263,8 @@ def analyse(points: list[Point], reference: str = "baseline", shared: bool = Tru
         return out
     _bootstrap(out, data, cells, theta, resamples, np.random.default_rng(seed))
     low, high = welch_interval(data, theta[None], data.y[None], list(cells.values()), shared, math.log(out.at / data.c0))
-    for i, m in enumerate(methods[1:], start=1):  # the reference's own k is 1 exactly
+    out.low[reference] = out.high[reference] = 1.0  # the reference's own k is 1 exactly
+    for i, m in enumerate(methods[1:], start=1):
         if np.isfinite(low[0, i]):
             out.low[m], out.high[m] = float(low[0, i]), float(high[0, i])
         else:

@@ -147,7 +147,9 @@ def _quality(result: Scaling) -> str:
         text += (". E sits at its lower bound 0: these losses show no floor within the ladder (a pure power law "
                  "fits as well as any saturating one), so E is not estimated")
     if result.failed:
-        text += f". {result.failed} of {result.resamples} resamples failed to fit (no convergence, or a bound) and are left out of the interval"
+        text += (f". {result.failed} of {result.resamples} bootstrap resamples failed to refit (no convergence, or a "
+                 "bound): " + ("no median" if result.failed == result.resamples else "the median is of the others")
+                 + " (the interval does not resample)")
     return text + ".\n"
 
 
