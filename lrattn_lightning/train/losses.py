@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from lrattn_lightning.core.errors import InputError
+from lrattn_lightning.model.routing._math import autocast_off
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: such a target is left out of the cross-entropy (not of z)
 CHUNK_BYTES = 256 * 2**20  # the float32 working set of one chunk of rows (V = 100277: 669 rows)
@@ -131,7 +132,7 @@ def head_token_losses(features: torch.Tensor, weight: torch.Tensor, targets: tor
         raise InputError(f"head_token_losses: {tuple(features.shape)} features, {tuple(weight.shape)} head weight, "
                          f"{tuple(targets.shape)} targets")
     device = x_ND.device.type
-    mm_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+    mm_dtype = (torch.get_autocast_dtype(device) if device != "meta" and torch.is_autocast_enabled(device)
                 else torch.promote_types(x_ND.dtype, weight.dtype))
     N, V = x_ND.shape[0], weight.shape[0]
     rows = max(1, chunk_bytes // (V * compute_dtype(mm_dtype).itemsize), -(-N // max_chunks))
@@ -148,7 +149,7 @@ class FusedHeadTokenLosses(torch.autograd.Function):
         N, dtype = x_ND.shape[0], compute_dtype(mm_dtype)
         counted_N = targets_N != IGNORE_INDEX
         safe_N = torch.where(counted_N, targets_N, 0)
-        with torch.autocast(x_ND.device.type, enabled=False):
+        with autocast_off(x_ND.device):
             x, w = x_ND.to(mm_dtype), w_VD.to(mm_dtype)
             lse, picked = [], []
             for s in range(0, N, rows):
@@ -169,7 +170,7 @@ class FusedHeadTokenLosses(torch.autograd.Function):
         N, rows, mm_dtype = x_ND.shape[0], ctx.rows, ctx.mm_dtype
         w_ce_N = counted_N.to(lse_N.dtype) * (g_ce / counted_N.sum())
         coef_N = w_ce_N + lse_N * (2.0 * g_z / N)
-        with torch.autocast(x_ND.device.type, enabled=False):
+        with autocast_off(x_ND.device):
             x, w = x_ND.to(mm_dtype), w_VD.to(mm_dtype)
             grad_x = torch.empty_like(x)
             grad_w = torch.zeros(w.shape, dtype=lse_N.dtype, device=w.device)  # summed over chunks in float32

@@ -15,6 +15,7 @@ J = 2L read sites.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -26,6 +27,13 @@ from torch import Tensor
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype routing computes in: at least float32, float64 for float64 models."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
+    """A region outside autocast on `device` (the routing reads in their compute dtype). The meta device, which
+    autocast does not know, has nothing to disable: a step on meta tensors (tests/train/test_no_sync.py: any read of
+    a device value raises there) runs every kind."""
+    return contextlib.nullcontext() if device.type == "meta" else torch.autocast(device.type, enabled=False)
 
 
 def rms_norm(x: Tensor) -> Tensor:

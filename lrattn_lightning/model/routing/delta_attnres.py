@@ -63,7 +63,7 @@ from torch import Tensor, nn
 
 from lrattn_lightning.model.config import ModelConfig, SizeConfig
 from lrattn_lightning.model.options import PositiveInt
-from lrattn_lightning.model.routing._math import compute_dtype
+from lrattn_lightning.model.routing._math import autocast_off, compute_dtype
 from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
 
 NORM_EPS = 1e-6  # the public code's RMSNorm eps (its config default)
@@ -133,7 +133,7 @@ class DeltaAttnResRouter(nn.Module):
         if self.null:
             sources.insert(0, self.null_sources[site].expand_as(state.stream))
         dtype = compute_dtype(state.stream.dtype)
-        with torch.autocast(state.stream.device.type, enabled=False):  # the read in float32 (float64 models: 64)
+        with autocast_off(state.stream.device):  # the read in float32 (float64 models: 64)
             V = torch.stack([s.to(dtype) for s in sources])  # [S, B, T, D]
             K = F.rms_norm(V, (self.d,), eps=NORM_EPS) * self.key_norm_weight[site].to(dtype)
             alpha = (K * self.queries[site].to(dtype)).sum(-1).softmax(dim=0)  # [S, B, T]

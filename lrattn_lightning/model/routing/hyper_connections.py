@@ -64,7 +64,7 @@ from torch import Tensor, nn
 
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.options import PositiveInt
-from lrattn_lightning.model.routing._math import compute_dtype
+from lrattn_lightning.model.routing._math import autocast_off, compute_dtype
 from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
 
 SCALE0 = 1e-2  # the public code's initial scales of the dynamic terms
@@ -156,7 +156,7 @@ class HyperConnectionsRouter(nn.Module):
         dtype, m = state.streams.dtype, self.m
         if j == self.M:  # the head reads the sum of the streams
             return state.streams.sum(dim=-2)
-        with torch.autocast(state.streams.device.type, enabled=False):
+        with autocast_off(state.streams.device):
             H = state.streams.to(compute_dtype(dtype))
             if m > 1:  # [B, T, n, D] -> slots [B, T, n m, e], slot s m + k = fraction k of stream s
                 H = H.unflatten(-1, (m, self.e)).flatten(-3, -2)

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from lrattn_lightning.model.config import ModelConfig, SizeConfig
 from lrattn_lightning.model.options import PositiveInt
-from lrattn_lightning.model.routing._math import compute_dtype
+from lrattn_lightning.model.routing._math import autocast_off, compute_dtype
 from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
 
 LaurelMode = Literal["rw", "lr", "rw_lr"]
@@ -96,7 +96,7 @@ class LaurelRouter(nn.Module):
         x, f = state.stream, out_BTE[..., : self.d]
         dtype = torch.promote_types(x.dtype, f.dtype)  # what the plain residual x + f would be
         row = []
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device):
             ct = compute_dtype(dtype)
             xc, fc = x.to(ct), f.to(ct)
             skip = xc

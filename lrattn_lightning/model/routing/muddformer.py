@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lrattn_lightning.model.config import ModelConfig
-from lrattn_lightning.model.routing._math import compute_dtype
+from lrattn_lightning.model.routing._math import autocast_off, compute_dtype
 from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
 
 EPS = 1e-6  # the public code's RMSNorm eps
@@ -118,7 +118,7 @@ class MuddFormerRouter(nn.Module):
 
     def start(self, emb_BTD: Tensor, *, record: bool = False, cache: None = None,
               segments: Tensor | None = None) -> MuddState:
-        with torch.autocast(emb_BTD.device.type, enabled=False):
+        with autocast_off(emb_BTD.device):
             x0 = emb_BTD.to(compute_dtype(emb_BTD.dtype))
             return MuddState([self._source(x0, 0)], (emb_BTD,) * self.ways[0], weights=[] if record else None)
 
@@ -137,7 +137,7 @@ class MuddFormerRouter(nn.Module):
         X = state.inner + out
         state.inner = None
         dtype = X.dtype
-        with torch.autocast(X.device.type, enabled=False):
+        with autocast_off(X.device):
             Xc = X.to(compute_dtype(dtype))
             state.sources.append(self._source(Xc, layer))
             C, n = self.ways[layer - 1], layer + 1
