@@ -320,9 +320,9 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     muon_params, adamw_params = split_parameters(model)
     if kind == "adamw":
-        return torch.optim.AdamW(
-            [{"params": adamw_params + muon_params, "name": "adamw"}], lr=lr, betas=betas, weight_decay=weight_decay
-        )
+        params = adamw_params + muon_params
+        return torch.optim.AdamW([{"params": params, "name": "adamw"}], lr=lr, betas=betas, weight_decay=weight_decay,
+                                 **adamw_kernel(params))
     if kind != "muon_adamw":
         raise InputError(f"optimizer: unknown kind '{kind}'; use 'muon_adamw' or 'adamw'")
     if muon_variant not in MUON_VARIANTS:
@@ -334,6 +334,15 @@ def build_optimizer(
                           "weight_decay": muon_weight_decay, "momentum": muon_momentum,
                           "orthogonalizer_dtype": muon_dtype, **MUON_VARIANTS[muon_variant]})
     return MuonWithAuxAdamW(groups)
+
+
+def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
+    """torch.optim.AdamW's fused CUDA kernel (one launch for every parameter, its step count on the device: no host
+    read) where every parameter is a plain CUDA tensor; elsewhere its default (foreach on CUDA, FSDP2's sharded
+    DTensors included; the per-parameter loop on CPU, whose numbers the CPU studies were trained with)."""
+    if params and all(p.device.type == "cuda" and not _is_sharded(p) for p in params):
+        return {"fused": True}
+    return {}
 
 
 def muon_dtype_of(optimizers: Iterable[torch.optim.Optimizer]) -> str | None:

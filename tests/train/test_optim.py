@@ -447,3 +447,22 @@ def test_clipping_by_the_logged_norm_is_lightnings_clipping(tiny_data, clip):  #
     torch.testing.assert_close(ours, trained(LightningsClipping, clip), rtol=1e-6, atol=1e-7)
     if clip:
         assert not torch.allclose(ours, trained(LRAttnModule, 0.0), rtol=1e-4, atol=1e-6)
+
+
+def test_adamw_takes_the_fused_cuda_kernel_only_for_plain_cuda_parameters():
+    """Fused AdamW (one launch, its step count on the device) where every parameter is a CUDA tensor (fake ones
+    here: no GPU needed); the default elsewhere (CPU, a mix, FSDP2's DTensors by their type's name)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lrattn_lightning.train.optim import adamw_kernel
+
+    with FakeTensorMode():
+        cuda = [torch.empty(3, device="cuda"), torch.empty(2, 2, device="cuda")]
+        assert adamw_kernel(cuda) == {"fused": True}
+        assert adamw_kernel([*cuda, torch.empty(2)]) == {}
+
+    class DTensor:  # (stands for torch.distributed.tensor.DTensor on CUDA: _is_sharded reads the type's name)
+        device = torch.device("cuda")
+
+    assert adamw_kernel([DTensor()]) == {}
+    assert adamw_kernel([torch.empty(2)]) == {} and adamw_kernel([]) == {}
