@@ -338,7 +338,12 @@ def test_the_moved_specs_command_says_what_it_became():
 
 
 # modules past the limits below, each with why it is longer
-LONG_ALLOWED: dict[str, str] = {}  # module -> why it may be longer; none is (issue 41: every file <= 450 lines)
+LONG_ALLOWED: dict[str, str] = {  # module -> why it may be longer (a module is one job, issue 56)
+    "lrattn_lightning.data.prepare": "the prepare command's one job, flags to a finished folder: every check before "
+    "work (chunk sizes, tokenizer bounds, saved splits) beside the steps they guard",
+    "lrattn_lightning.tools.compare.scaling": "the shared law: its fit, refits and the interval whose coverage the "
+    "simulation tests check, one piece of statistics",
+}
 MODULE_LINES, CLASS_LINES = 420, 220
 
 
