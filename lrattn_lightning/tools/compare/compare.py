@@ -52,6 +52,7 @@ from typing import Any
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.core.files import write_file
 from lrattn_lightning.core.flags import Parser
+from lrattn_lightning.tools.compare import words
 from lrattn_lightning.tools.compare.evals import appendix_table
 from lrattn_lightning.tools.compare.figures import (
     gate_curves,
@@ -96,9 +97,7 @@ def write_report(client: Any, experiment: str, out: Path, sweep: str | None = No
     rows = summarise(records, reference)
     mark_lost_seeds(rows, left)
     out.mkdir(parents=True, exist_ok=True)
-    sizes = ", ".join(sorted({r.size for r in rows}))
-    seeds = sorted({len(row.runs) for row in rows})
-    title = f"{experiment}: size {sizes}, {'/'.join(map(str, seeds))} seed(s) per ablation"
+    title = words.title(experiment, rows)  # sizes in ladder order, nouns counted (words.py)
     table_md = markdown_table(rows, reference) + notes(rows, reference, stale) + pairwise_section(rows)
     files = [out / "table.md", out / "table.csv"]
     write_file(files[0], table_md, "report file")
@@ -223,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, files = write_report(client, args.experiment, out, args.sweep, args.reference, command,
                                args.per_method_exponents)
     print((out / "table.md").read_text())
-    print(f"[lrattn compare] {len(rows)} ablations; wrote {', '.join(p.name for p in files)} to {out}")
+    print(f"[lrattn compare] {words.summary(rows)}; wrote {', '.join(p.name for p in files)} to {out}")
     if not args.no_summary_run:
         run_id = log_summary_run(client, args.experiment, files, (out / "table.md").read_text(), args.sweep)
         print(f"[lrattn compare] logged as artifacts compare/* of run {run_id} in experiment "

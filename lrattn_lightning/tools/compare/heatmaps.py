@@ -12,6 +12,7 @@ from typing import Any
 
 from lrattn_lightning.tools.compare.figures import DPI, pyplot, row_names, run_artifacts, save_figure
 from lrattn_lightning.tools.compare.table import Row
+from lrattn_lightning.tools.compare.words import count, size_list
 from lrattn_lightning.train.schema import Artifact
 
 
@@ -45,7 +46,7 @@ def heatmap_groups(rows: list[Row]) -> list[tuple[str, str, list[Row]]]:
     sizes: dict[str, list[Row]] = {}
     for row in rows:
         sizes.setdefault(row.size, []).append(row)
-    order = sorted(sizes, key=lambda s: (-max(r.params for r in sizes[s]), s))
+    order = size_list(rows)[::-1]  # the largest model first (words.py)
     return [(s, "routing_heatmaps" if i == 0 else f"routing_heatmaps-{s}", sizes[s]) for i, s in enumerate(order)]
 
 
@@ -85,7 +86,7 @@ def heatmaps_figure(matrices: dict, title: str) -> Any:
                             height_ratios=[tallest(r, 3) for r in range(rows_n)])
     for i, (name, (table, step, seeds)) in enumerate(panels):
         ax = fig.add_subplot(grid[i // cols, i % cols])
-        heatmap_figure(table, f"{name}\n{table.get('kind', '')} at step {step}, mean of {seeds} seed(s)", ax=ax)
+        heatmap_figure(table, f"{name}\n{table.get('kind', '')} at step {step}, mean of {count(seeds, 'seed')}", ax=ax)
         _readable(ax, table, sizes[i][0])
     fig.suptitle(title, fontsize=12)
     return fig

@@ -19,9 +19,11 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
+from lrattn_lightning.tools.compare import words
 from lrattn_lightning.tools.compare.evals import pooling_note
 from lrattn_lightning.tools.compare.power import POWER
 from lrattn_lightning.tools.compare.table import GAP_TAG, Row, RunRecord
+from lrattn_lightning.tools.compare.words import size_list
 from lrattn_lightning.train import fingerprint as fp
 
 
@@ -46,7 +48,7 @@ def describe(parts: dict) -> str:
 
 def recipe_notes(rows: list[Row]) -> str:
     lines = []
-    for size in sorted({row.size for row in rows}):
+    for size in size_list(rows):
         mine = [row for row in rows if row.size == size]
         groups: dict[str, list[Row]] = defaultdict(list)
         for row in mine:
@@ -56,14 +58,15 @@ def recipe_notes(rows: list[Row]) -> str:
         count = {g: sum(len(r.runs) for r in rs) for g, rs in groups.items()}
         legacy = " (rebuilt from the params of runs that predate the recipe fingerprint; no data checksums)"
         if len(groups) == 1:
-            lines.append(f"Recipe{where}, shared by all {count['A']} runs: fingerprint `{main.recipe}`"
+            shared = f"shared by all {count['A']} runs" if count["A"] > 1 else "its only run"
+            lines.append(f"Recipe{where}, {shared}: fingerprint `{main.recipe}`"
                          f"{legacy if main.recipe.startswith(fp.LEGACY) else ''}: {describe(main.parts)}.")
             continue
         lines.append(f"Recipes{where}: runs of different recipes are never pooled or paired in a Δ or p.")
         for group in sorted(groups):
             row = groups[group][0]
             names = ", ".join(f"`{r.label}`" for r in groups[group])
-            runs = f"{count[group]} run{'s' if count[group] > 1 else ''}"
+            runs = words.count(count[group], "run")
             head = f"- **{group}** (`{row.recipe}`{legacy if row.recipe.startswith(fp.LEGACY) else ''}; {runs}: {names})"
             if group == "A":
                 lines.append(f"{head}: {describe(row.parts)}.")
@@ -133,7 +136,7 @@ def stale_note(stale: list[RunRecord]) -> str:
         return ""
     names = "; ".join(f"`{r.name}` (val/loss last at step {r.last_val_step} of {r.final_step}"
                       + (f"; {GAP_TAG}: {r.gap}" if r.gap else "") + ")" for r in stale)
-    return (f"\nNot counted: {len(stale)} FINISHED run(s) whose last validation is not at their last step, so their "
+    return (f"\nNot counted: {words.count(len(stale), 'FINISHED run')} whose last validation is not at their last step, so their "
             f"val/loss is an earlier value, not their result: {names}.\n")
 
 

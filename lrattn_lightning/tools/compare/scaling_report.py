@@ -29,6 +29,7 @@ from lrattn_lightning.tools.compare.scaling import LEVEL, POOR_FIT, RESAMPLES, P
 from lrattn_lightning.tools.compare.scaling_figure import plot_scaling
 from lrattn_lightning.tools.compare.scaling_local import LocalMultiplier, local_multipliers
 from lrattn_lightning.tools.compare.table import Row, RunRecord
+from lrattn_lightning.tools.compare.words import size_list
 from lrattn_lightning.train.schema import Metric, Param
 
 _SIZE_FIELDS = ("n_layers", "d_model", "n_heads", "d_mlp", "vocab_size", "seq_len")
@@ -55,7 +56,8 @@ def ladder_points(client: Any, rows: list[Row]) -> tuple[list[Point], list[str]]
     for row in rows:
         by_cell[(row.label or row.ablation, row.size)].append(row)
     points, notes, unknown = [], [], []
-    for (method, size), mine in sorted(by_cell.items()):
+    rank = {size: i for i, size in enumerate(size_list(rows))}  # ladder order (words.py)
+    for (method, size), mine in sorted(by_cell.items(), key=lambda item: (item[0][0], rank[item[0][1]])):
         if len(mine) > 1:
             others = sorted(r.group for r in mine if r.group != "A")
             notes.append(f"`{method}` at {size}: only recipe A counts (recipe {', '.join(others)} left out).")
@@ -86,7 +88,7 @@ def write_scaling(client: Any, rows: list[Row], out: Path, title: str, reference
     files = [out / "scaling.md", out / "scaling.csv", out / "scaling_points.csv", out / "scaling_local.csv"]
     for path, content in zip(files, (text, method_csv(result), points_csv(result), local_csv(local)), strict=True):
         write_file(path, content, "report file")
-    files += plot_scaling(result, out, title + " — validation loss against training compute")
+    files += plot_scaling(result, out, title + " — validation loss against training compute", local)
     return files, text + "\n![loss against training compute](scaling.png)\n"
 
 
@@ -178,8 +180,9 @@ def local_section(rows: list[LocalMultiplier], notes: list[str], reference: str)
              f"two `{reference}` sizes the reading lies between, Welch-Satterthwaite degrees of freedom (at "
              f"`{reference}`'s own size it excludes k = 1 where Welch's test of Δ has p < 0.05; on simulated ladders "
              "it leaves out the true k in 2.5-5 % of studies at 2, 3 and 5 seeds). `*`: beyond "
-             f"`{reference}`'s ladder, read off the line through its two end sizes (after the interval: an end of it "
-             "lies there). Δ: the method's mean loss minus the reference's at that size.\n"]
+             f"`{reference}`'s ladder, read off the line through the two sizes at that end of it (a loss below its "
+             "largest size's: its two largest sizes; above its smallest's: its two smallest), after the interval: an "
+             "end of it lies there. Δ: the method's mean loss minus the reference's at that size.\n"]
     if rows:
         sizes = list(dict.fromkeys(r.size for r in rows))  # rows come by the ladder's order
         cell = {(r.method, r.size): r for r in rows}

@@ -36,6 +36,7 @@ from lrattn_lightning.tools.compare.evals import cell_text, eval_columns, run_co
 from lrattn_lightning.tools.compare.power import need_text, seeds_needed, spreads
 from lrattn_lightning.tools.compare.runs import search_all
 from lrattn_lightning.tools.compare.significance import welch
+from lrattn_lightning.tools.compare.words import size_list
 from lrattn_lightning.train import fingerprint as fp
 from lrattn_lightning.train.schema import Metric, Param, Tag
 
@@ -263,7 +264,7 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
 
 
 def summarise(records: list[RunRecord], reference: str = "baseline") -> list[Row]:
-    """One row per (size, ablation, recipe, method), ordered by size, recipe, added FLOPs; the differences to
+    """One row per (size, ablation, recipe, method), ordered by size (smallest model first), recipe, added FLOPs; the differences to
     the control and the reference within the row's size and recipe; the Pareto front per size and recipe."""
     groups: dict[tuple[str, str, str, str], list[RunRecord]] = defaultdict(list)
     for r in records:
@@ -273,7 +274,8 @@ def summarise(records: list[RunRecord], reference: str = "baseline") -> list[Row
     for row in rows:
         row.group = letters[(row.size, row.recipe)]
         row.label = _row_label(row, rows)
-    rows.sort(key=lambda row: (row.size, row.group, math.isnan(row.added_flops_pct), row.added_flops_pct, row.label))
+    rank = {size: i for i, size in enumerate(size_list(rows))}  # ladder order (words.py), not the alphabet's
+    rows.sort(key=lambda row: (rank[row.size], row.group, math.isnan(row.added_flops_pct), row.added_flops_pct, row.label))
     for row in rows:
         if row.control:
             control, row.why_no_control = _partner(row, row.control, rows)
