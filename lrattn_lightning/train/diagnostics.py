@@ -100,7 +100,11 @@ def heatmap_figure(table: dict, title: str, ax=None):
         grid[j, : len(row)] = [np.nan if v is None else v for v in row]
     fig = None
     if ax is None:
-        fig, ax = plt.subplots(figsize=(1.6 + 0.38 * n_src, 1.2 + 0.3 * n_sites), dpi=110)
+        # constrained layout makes room for the tick labels, the title and the colour bar's label inside the
+        # canvas (tight_layout gave up on these small figures: "Tight layout not applied", everything clipped);
+        # the size leaves the cells their room beside that furniture, and the title its width
+        width = max(3.4 + 0.38 * n_src, 1.0 + 0.075 * len(title))
+        fig, ax = plt.subplots(figsize=(width, 2.4 + 0.3 * n_sites), dpi=110, layout="constrained")
     finite = grid[np.isfinite(grid)]
     unit = finite.size == 0 or (finite.min() >= 0 and finite.max() <= 1)
     limit = 1.0 if unit else max(float(np.abs(finite).max()), 1e-12)
@@ -128,8 +132,6 @@ def heatmap_figure(table: dict, title: str, ax=None):
     if clipped:  # the colours saturate at the 90th percentile of |value|; the printed numbers are exact
         label += f" (colour clipped at ±{limit:.3g})"
     (fig or ax.figure).colorbar(im, ax=ax, label=label, shrink=0.85, extend="both" if clipped else "neither")
-    if fig is not None:
-        fig.tight_layout()
     return fig or ax.figure
 
 

@@ -6,8 +6,8 @@
                        or other label (labels.py), or, where the points crowd, a number keyed in the legend
     routing_heatmaps   heatmaps.py
     gate_alphas        the gated residual's mean alpha per sublayer, one line per ablation (band: seed min-max)
-    training_curves    train loss over the whole run, the same zoomed on its second half, and val loss over the
-                       whole run; mean over seeds, overlaid
+    training_curves    one row of panels per size (ladder order): train loss over the whole run, the same zoomed
+                       on its second half, and val loss over the whole run; mean over seeds, overlaid
 
 A row's name in a figure is its label (table.Row.label), with its recipe's letter when the
 experiment holds several. Each figure is written as .png and .svg; matplotlib is imported when one is drawn.
@@ -25,6 +25,7 @@ from typing import Any
 from lrattn_lightning.core.files import replacing
 from lrattn_lightning.tools.compare import labels as labels_mod
 from lrattn_lightning.tools.compare.table import Row
+from lrattn_lightning.tools.compare.words import size_list
 from lrattn_lightning.train.schema import Artifact, Metric
 
 
@@ -99,9 +100,14 @@ def loss_vs_flops_figure(rows: list[Row], title: str) -> Any:
                 ls="--" if group == "A" else ":", zorder=2, label=label if first and len(front) > 1 else None)
         ax.scatter([r.added_flops_pct for r in front], [r.mean for r in front], s=190, facecolors="none",
                    edgecolors="0.2", lw=1.4, zorder=4)
-    for row in rows:
-        if row.added_flops_pct == 0 and row.control is None:
-            ax.axhline(row.mean, color="0.6", ls=":", lw=1, zorder=1, label=f"{names[id(row)]} (control)")
+    anchors = [row for row in rows if row.added_flops_pct == 0 and row.control is None]
+    anchor_names = list(dict.fromkeys(row.label or row.ablation for row in anchors))
+    for i, row in enumerate(anchors):  # one legend entry for them all: the lines look alike, their points say whose
+        several = len(anchors) > 1
+        label = (f"{' / '.join(anchor_names)}'s mean{' at each size' if len({r.size for r in anchors}) > 1 else ''}"
+                 f"{' and recipe' if len({r.group for r in anchors}) > 1 else ''} (the control, dotted)") if several \
+            else f"{names[id(row)]} (control)"
+        ax.axhline(row.mean, color="0.6", ls=":", lw=1, zorder=1, label=label if i == 0 else None)
     if top is not None:
         low = min(r.mean - (r.std or 0.0) for r in shown)
         ax.set_ylim(low - 0.08 * (top - low), top)
@@ -240,46 +246,58 @@ def plot_curves(rows: list[Row], out: Path, title: str) -> list[Path]:
 
 
 def curves_figure(rows: list[Row], title: str) -> Any:
-    """Train loss (smoothed) over the whole run, the same zoomed on the second half of the steps (where the
-    variants differ; the first steps' large losses flatten it in the whole view), and val loss over the whole
-    run; mean over seeds, min-max band for train loss. One legend, under the panels: each row has the same
-    colour, line style and marker in all three."""
+    """One row of panels per size (ladder order: sizes train for different lengths, so each gets its own step
+    axis): train loss (smoothed) over the size's whole run, the same zoomed on the second half of its steps (where
+    the variants differ; the first steps' large losses flatten it in the whole view), and val loss over the whole
+    run; mean over seeds, min-max band for train loss. One legend, under the panels: each ablation has the same
+    colour, line style and marker in every panel and size."""
     plt = pyplot()
-    names, colors = row_names(rows), _colors(rows)
-    fig, (ax_t, ax_z, ax_v) = plt.subplots(1, 3, figsize=(16.5, 4.6))
+    sizes = size_list(rows)
+    several = len(sizes) > 1
+    recipes = any(r.group != "A" for r in rows)
+    names = {id(r): (r.label or r.ablation) + (f" [{r.group}]" if recipes else "") for r in rows}  # no size/: rows say it
+    order = sorted(set(names.values()))
+    cmap = plt.get_cmap("tab10" if len(order) <= 10 else "tab20")
+    colors = {name: cmap(i % cmap.N) for i, name in enumerate(order)}
+    fig, grid = plt.subplots(len(sizes), 3, figsize=(16.5, 1.0 + 3.6 * len(sizes)), squeeze=False,
+                             layout="constrained")
     handles = {}  # label -> a line of it, for the shared legend
-    last = max([s for r in rows for run in r.runs for key in (Metric.TRAIN_LOSS, Metric.VAL_LOSS) for s, _ in run.curves.get(key, [])]
-               + [run.final_step or 0 for r in rows for run in r.runs] + [1])
-    zoom_from = last // 2
-    for i, row in enumerate(sorted(rows, key=lambda r: names[id(r)])):
-        style = {"color": colors[names[id(row)]], "ls": LINE_STYLES[i % len(LINE_STYLES)],
-                 "marker": MARKERS[i % len(MARKERS)], "lw": 1.5, "ms": 8 - 1.5 * (i % 4), "label": names[id(row)]}
-        for key in (Metric.TRAIN_LOSS, Metric.VAL_LOSS):
-            steps, mean, lo, hi = _seed_mean(row, key)
-            if not steps:
-                continue
-            if key == Metric.VAL_LOSS:
-                handles[style["label"]] = ax_v.plot(steps, mean, **style)[0]
-                continue
-            mean, lo, hi = _smooth(mean), _smooth(lo), _smooth(hi)
-            every = max(1, len(steps) // 8)  # ~8 marks a line, each variant's shifted along the steps
-            for ax in (ax_t, ax_z):
-                ax.fill_between(steps, lo, hi, color=style["color"], alpha=0.15, lw=0)
-                handles[style["label"]] = ax.plot(steps, mean, markevery=(i * every // len(rows), every), **style)[0]
-    ax_t.set_title("train loss, whole run (moving average of 5 logged steps; band: seed min-max)", fontsize=9)
-    ax_z.set_title(f"train loss, steps {zoom_from}-{last} (zoom)", fontsize=9)
-    ax_v.set_title("validation loss, whole run (mean over seeds)", fontsize=9)
-    for ax in (ax_t, ax_z, ax_v):
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (nats/token)")
-        ax.grid(alpha=0.3)
-    for ax in (ax_t, ax_v):  # the whole run, whatever each row's length
-        ax.set_xlim(0, last * 1.02)
-    _zoom(ax_z, rows, zoom_from, last)
+    for size, (ax_t, ax_z, ax_v) in zip(sizes, grid, strict=True):
+        mine = [r for r in rows if r.size == size]
+        last = max([s for r in mine for run in r.runs for key in (Metric.TRAIN_LOSS, Metric.VAL_LOSS)
+                    for s, _ in run.curves.get(key, [])] + [run.final_step or 0 for r in mine for run in r.runs] + [1])
+        zoom_from = last // 2
+        for row in sorted(mine, key=lambda r: names[id(r)]):
+            i = order.index(names[id(row)])
+            style = {"color": colors[names[id(row)]], "ls": LINE_STYLES[i % len(LINE_STYLES)],
+                     "marker": MARKERS[i % len(MARKERS)], "lw": 1.5, "ms": 8 - 1.5 * (i % 4), "label": names[id(row)]}
+            for key in (Metric.TRAIN_LOSS, Metric.VAL_LOSS):
+                steps, mean, lo, hi = _seed_mean(row, key)
+                if not steps:
+                    continue
+                if key == Metric.VAL_LOSS:
+                    handles[style["label"]] = ax_v.plot(steps, mean, **style)[0]
+                    continue
+                mean, lo, hi = _smooth(mean), _smooth(lo), _smooth(hi)
+                every = max(1, len(steps) // 8)  # ~8 marks a line, each variant's shifted along the steps
+                for ax in (ax_t, ax_z):
+                    ax.fill_between(steps, lo, hi, color=style["color"], alpha=0.15, lw=0)
+                    handles[style["label"]] = ax.plot(steps, mean, markevery=(i * every // len(order), every),
+                                                      **style)[0]
+        at = f"{size}: " if several else ""
+        ax_t.set_title(f"{at}train loss, whole run (moving average of 5 logged steps; band: seed min-max)", fontsize=9)
+        ax_z.set_title(f"{at}train loss, steps {zoom_from}-{last} (zoom)", fontsize=9)
+        ax_v.set_title(f"{at}validation loss, whole run (mean over seeds)", fontsize=9)
+        for ax in (ax_t, ax_z, ax_v):
+            ax.set_xlabel("step")
+            ax.set_ylabel("loss (nats/token)")
+            ax.grid(alpha=0.3)
+        for ax in (ax_t, ax_v):  # the whole run, whatever each row's length
+            ax.set_xlim(0, last * 1.02)
+        _zoom(ax_z, mine, zoom_from, last)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))  # room for the legend under the panels
     if handles:
-        fig.legend(handles=list(handles.values()), loc="lower center", ncol=min(len(handles), 5), fontsize=8,
+        fig.legend(handles=list(handles.values()), loc="outside lower center", ncol=min(len(handles), 5), fontsize=8,
                    frameon=False, handlelength=3.5)
     return fig
 
