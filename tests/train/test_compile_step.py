@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from conftest import randomize_routing, tokens
 
@@ -31,3 +32,18 @@ def test_compiled_loss_region_matches_the_eager_step():
     assert abs(ce_c - ce_e) < 1e-5 and set(grads_c) == set(grads_e) and len(grads_e) > 10
     for name, g in grads_e.items():
         torch.testing.assert_close(grads_c[name], g, rtol=1e-4, atol=1e-5 * max(1.0, g.abs().max().item()), msg=name)
+
+
+@pytest.mark.parametrize("loss_impl", ["logits", "chunked"])
+@pytest.mark.parametrize("ablation", ["baseline", "s-lr-grid-n4-r16", "p-lr-block-n4-r32", "attnres-block-n4",
+                                      "attnres-full"])
+def test_the_compiled_loss_region_has_no_graph_break(ablation, loss_impl):
+    """torch._dynamo.explain of what compile_step compiles (the decoder and the loss, the `compiled` AttnRes
+    backend): one graph, no break, for the paper's entries and both losses (issue 54)."""
+    torch._dynamo.reset()
+    module = LRAttnModule(size="tiny", ablation=ablation, impl="compiled", loss_impl=loss_impl)
+    randomize_routing(module.model)
+    batch = tokens(module.cfg.size.vocab_size, batch=2, length=17)
+    explained = torch._dynamo.explain(module.model_losses)(batch[:, :-1], batch[:, 1:])
+    assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
+    assert explained.graph_count == 1
