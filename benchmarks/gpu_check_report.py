@@ -71,6 +71,8 @@ def _report(args, rows, *, device, device_name, batch, search, peak, peak_source
             + " ".join(sys.argv[1:]), "dry_run": args.dry_run, "device": str(device), "device_name": device_name,
             "size": args.size, "seq_len": args.seq_len, "batch": batch, "batch_search": search, "dtype": "bfloat16 autocast",
             "train_step": "LRAttnModule.training_step under Fabric (bf16-mixed)", "optimizer": args.optimizer,
+            "loss_impl": "auto: the head fused into the loss in row chunks in eager arms on CUDA (no [tokens, vocab] "
+            "logits), the logits when compiled or on CPU; AdamW fused on CUDA",
             "compile_backend": args.compile_backend, "warmup": args.warmup, "rounds": args.rounds,
             "peak_flops": peak, "peak_flops_source": peak_source, "versions": _versions(), "packages": notes,
             "cuda": torch.version.cuda, "python": platform.python_version(),
