@@ -134,6 +134,69 @@ class KVCache:
         return 0 if self.keys[0] is None else self.keys[0].shape[2]
 
 
+class StaticKVCache:
+    """KV cache of fixed shape for a compiled / CUDA-graph decode step (model/generate.py, `cache="static"`).
+
+    keys, values: per layer [B, H, max_len, hd], preallocated and written in place at the current positions;
+    `position` a long tensor [1] (not a Python int, so one compiled graph serves every step, and a CUDA graph
+    replays with it) advanced in place by each forward. The attention reads the whole buffer under `mask(T)`,
+    [B or 1, 1, T, max_len] bool (valid, causal and, with document masking, same document), so no shape changes
+    from step to step. Only for routers that keep no decoding state of their own (`new_cache()` None): depth
+    routing is per token. Every tensor is marked a static address, so a CUDA graph writes into it in place.
+    """
+
+    def __init__(self, n_layers: int, batch: int, n_heads: int, max_len: int, head_dim: int,
+                 device: torch.device | str, dtype: torch.dtype) -> None:
+        shape = (batch, n_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        self.segments = torch.zeros(batch, max_len, dtype=torch.long, device=device)  # document masking
+        self.routing = None
+        self.max_len = max_len
+        if not torch.compiler.is_compiling():
+            for t in (*self.keys, *self.values, self.position, self.segments):
+                torch._dynamo.mark_static_address(t)
+
+    @classmethod
+    def for_model(cls, model: Decoder, batch: int, device: torch.device | str, dtype: torch.dtype) -> StaticKVCache:
+        size = model.cfg.size
+        return cls(size.n_layers, batch, size.n_heads, size.seq_len, size.d_model // size.n_heads, device, dtype)
+
+    def reset(self) -> None:
+        """Forget every position (the buffers' old contents stay, masked out)."""
+        self.position.zero_()
+
+    def positions(self, t_new: int) -> Tensor:
+        return self.position + torch.arange(t_new, device=self.position.device)  # (T,)
+
+    def update(self, layer: int, k_BHTd: Tensor, v_BHTd: Tensor) -> tuple[Tensor, Tensor]:
+        """Write the new tokens' keys and values at their positions; -> the whole buffers [B, H, max_len, hd]."""
+        at = self.positions(k_BHTd.shape[2])
+        self.keys[layer].index_copy_(2, at, k_BHTd.to(self.keys[layer].dtype))
+        self.values[layer].index_copy_(2, at, v_BHTd.to(self.values[layer].dtype))
+        return self.keys[layer], self.values[layer]
+
+    def mask(self, t_new: int, seg_BT: Tensor | None = None) -> Tensor:
+        """[1, 1, T, max_len] (or [B, 1, T, max_len] with segment ids): new token i sees cached positions up to
+        its own, and (document masking) only those of its own segment."""
+        keys_at = torch.arange(self.max_len, device=self.position.device)
+        mask = (keys_at[None, :] <= self.positions(t_new)[:, None])[None, None]
+        if seg_BT is None:
+            return mask
+        return mask & (seg_BT[:, :, None] == self.segments[:, None, :]).unsqueeze(1)
+
+    def write_segments(self, idx_BT: Tensor, separator: int) -> Tensor:
+        """Document masking: the new positions' segment ids [B, T], continuing the cached ones, stored in place."""
+        last = self.segments.index_select(1, (self.position - 1).clamp(min=0)) * (self.position > 0)  # (B, 1)
+        seg = (idx_BT == separator).cumsum(dim=1) + last
+        self.segments.index_copy_(1, self.positions(idx_BT.shape[1]), seg)
+        return seg
+
+    def advance(self, t_new: int) -> None:
+        self.position.add_(t_new)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, size: SizeConfig, extra_out: int):
         super().__init__()
@@ -164,6 +227,10 @@ class CausalSelfAttention(nn.Module):
         if values is not None:
             v = values(v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
+        if isinstance(cache, StaticKVCache):  # written in place; same_doc is the cache's mask (Decoder.forward)
+            k, v = cache.update(layer, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=same_doc)
+            return self.proj(y.transpose(1, 2).reshape(B, T, D))
         if cache is not None:
             past = cache.keys[layer]
             if past is not None:
@@ -305,7 +372,8 @@ class Decoder(nn.Module):
         self.router.reset_parameters()
 
     def forward(
-        self, idx: Tensor, *, return_routing: bool = False, cache: KVCache | None = None, head: bool = True
+        self, idx: Tensor, *, return_routing: bool = False, cache: KVCache | StaticKVCache | None = None,
+        head: bool = True
     ) -> Tensor | DecoderOutput:
         """idx [B, T] int64 -> logits [B, T, vocab] (a DecoderOutput when return_routing).
 
@@ -313,6 +381,8 @@ class Decoder(nn.Module):
         head's input instead, the final read normalised [B, T, D] (a loss that applies the head itself:
         train/losses.py head_token_losses).
         """
+        if isinstance(cache, StaticKVCache):
+            return self._forward_static(idx, cache, return_routing, head)
         B, T = idx.shape
         size = self.cfg.size
         start = 0 if cache is None else cache.length
@@ -327,6 +397,10 @@ class Decoder(nn.Module):
                 cache.routing = new_cache()  # (optional for an external router: None, it needs no cache)
             routing_cache = cache.routing
         state = self.router.start(x, record=return_routing, cache=routing_cache, segments=segments)
+        state = self._layers(state, cos, sin, cache, same_doc)
+        return self._finish(state, return_routing, head)
+
+    def _layers(self, state: Any, cos: Tensor, sin: Tensor, cache: Any, same_doc: Any) -> Any:
         read_attention = getattr(self.router, "read_attention", None)  # the protocol's optional extensions
         mix_values = getattr(self.router, "mix_values", None)
         for layer_index, layer in enumerate(self.layers):
@@ -345,11 +419,33 @@ class Decoder(nn.Module):
                                                        kv_inputs=kv_inputs, values=values))
             h = self.router.read(state, j + 1)
             self.router.write(state, j + 2, layer.mlp(rms_norm(h)))
-        h = self.router.read(state, size.n_sublayers)  # the final read
+        return state
+
+    def _finish(self, state: Any, return_routing: bool, head: bool) -> Tensor | DecoderOutput:
+        h = self.router.read(state, self.cfg.size.n_sublayers)  # the final read
         logits = self.head(rms_norm(h)) if head else rms_norm(h)
         if return_routing:
             return DecoderOutput(logits, getattr(state, "weights", None))  # (an external router may keep none)
         return logits
+
+    def _forward_static(self, idx: Tensor, cache: StaticKVCache, return_routing: bool, head: bool
+                        ) -> Tensor | DecoderOutput:
+        """forward with a StaticKVCache: no host read of the position (the caller checks the window), RoPE from
+        the position tensor, the cache's mask over its whole buffer, the position advanced in place. Traces
+        into one graph whatever the position (model/generate.py compiles it)."""
+        T = idx.shape[1]
+        size = self.cfg.size
+        if callable(new_cache := getattr(self.router, "new_cache", None)) and new_cache() is not None:
+            raise InputError(f"routing '{self.cfg.ablation.routing}' keeps a decoding cache of its own; "
+                             "the static KV cache serves routers without one (use the dynamic cache)")
+        cos, sin = rope_tables(*rope_angles(cache.positions(T), size.d_model // size.n_heads, size.rope_theta))
+        segments = None if self.doc_separator is None else cache.write_segments(idx, self.doc_separator)
+        same_doc = cache.mask(T, segments)
+        x = self.embed(idx)  # (B, T, D)
+        state = self.router.start(x, record=return_routing, cache=None, segments=segments)
+        state = self._layers(state, cos, sin, cache, same_doc)
+        cache.advance(T)
+        return self._finish(state, return_routing, head)
 
     def _documents(self, idx: Tensor, cache: KVCache | None) -> tuple[Any, Tensor | None]:
         """Document masking: the attention mask [B, 1, T, T_all] bool or, with `attention: flex` and no cache,

@@ -19,6 +19,7 @@ width and with sequence length (recomputation is O(T) per step, the cached step 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,7 +27,12 @@ import torch
 from torch import Tensor
 
 from lrattn_lightning.core.errors import InputError
-from lrattn_lightning.model.decoder import Decoder, KVCache
+from lrattn_lightning.model.decoder import Decoder, KVCache, StaticKVCache
+from lrattn_lightning.model.routing.attnres import resolve_impl
+from lrattn_lightning.model.routing.router import build_router
+
+CACHES = ("dynamic", "static", "none")  # generate_stream's `cache`: how earlier positions are kept
+COMPILE_BACKEND = "inductor"  # torch.compile's backend for the static decode step, unless a caller names one
 
 
 def sample_next(
@@ -54,6 +60,72 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+class StaticDecoding:
+    """A model's StaticKVCache and its decode step, kept across generate calls (`static_decoding`).
+
+    prefill(prompt) runs the prompt through the forward eagerly (any length); step(token) feeds one token per row
+    through `step_fn`, the same forward compiled once with fullgraph=True and static shapes when `compile`
+    (mode "reduce-overhead", CUDA graphs, on CUDA): the position lives in a tensor, so every step replays the one
+    graph. The returned logits may be a CUDA graph's output, overwritten by the next step: read them first.
+    """
+
+    def __init__(self, model: Decoder, batch: int, device: torch.device, dtype: torch.dtype, *,
+                 compile: bool = False, mode: str | None = None, backend: str = "inductor") -> None:
+        self.model = model
+        self.cache = StaticKVCache.for_model(model, batch, device, dtype)
+        stepper = _traceable_twin(model) if compile else model
+
+        def step_fn(token_B1: Tensor) -> Tensor:
+            return stepper(token_B1, cache=self.cache)[:, -1]  # (B, V)
+
+        if compile and mode is None and device.type == "cuda":
+            mode = "reduce-overhead"
+        self.step_fn = torch.compile(step_fn, fullgraph=True, dynamic=False, mode=mode, backend=backend) \
+            if compile else step_fn
+
+    def prefill(self, prompt_BT: Tensor) -> Tensor:
+        self.cache.reset()
+        return self.model(prompt_BT, cache=self.cache)[:, -1]
+
+    def step(self, token_B: Tensor) -> Tensor:
+        return self.step_fn(token_B[:, None])
+
+
+def supports_static(model: Decoder) -> bool:
+    """Whether the model's router decodes with the static cache: it keeps no decoding state of its own."""
+    new_cache = getattr(model.router, "new_cache", None)
+    return not callable(new_cache) or new_cache() is None
+
+
+def _traceable_twin(model: Decoder) -> Decoder:
+    """The model itself, or where its AttnRes backend cannot be traced (`fast`) a twin sharing every module and
+    parameter whose router is the backend's compiled substitute (attnres/backends.py resolve_impl; the same
+    parameters, assigned, so the same tensors; the same results)."""
+    impl = resolve_impl(model.impl, compiled=True)
+    if impl == model.impl:
+        return model
+    param = next(model.parameters())
+    router = build_router(model.cfg, impl).to(device=param.device, dtype=param.dtype)
+    router.load_state_dict(model.router.state_dict(), assign=True)
+    router.train(model.router.training)
+    twin = copy.copy(model)
+    twin.__dict__ = dict(model.__dict__, _modules=dict(model._modules, router=router), impl=impl)
+    return twin
+
+
+def static_decoding(model: Decoder, batch: int, device: torch.device, *, compile: bool = False,
+                    backend: str = "inductor") -> StaticDecoding:
+    """The model's StaticDecoding for this batch, device, cache dtype (autocast's where it is on) and compile
+    choice, made once and kept on the model (a compiled step is compiled once)."""
+    param_dtype = next(model.parameters()).dtype
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else param_dtype
+    key = (batch, str(device), dtype, compile, backend)
+    kept = model.__dict__.setdefault("_static_decodings", {})
+    if key not in kept:
+        kept[key] = StaticDecoding(model, batch, device, dtype, compile=compile, backend=backend)
+    return kept[key]
+
+
 @torch.no_grad()
 def generate_stream(
     model: Decoder,
@@ -61,6 +133,9 @@ def generate_stream(
     max_new_tokens: int,
     *,
     use_cache: bool = True,
+    cache: str | None = None,
+    compile: bool = False,
+    compile_backend: str | None = None,
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
@@ -68,7 +143,14 @@ def generate_stream(
     eos_id: int | None = None,
     should_stop: Callable[[Tensor], Tensor] | None = None,
 ) -> Iterator[Tensor]:
-    """Yield the next token of every row [B] as it is decoded (see `generate` for the rules)."""
+    """Yield the next token of every row [B] as it is decoded (see `generate` for the rules).
+
+    cache: `dynamic` (KVCache, grown by concatenation), `static` (StaticKVCache and a fixed-shape step, compiled
+    when `compile` by torch.compile's `compile_backend`, default COMPILE_BACKEND) or `none` (recompute the window
+    every step); default: `dynamic`, or `none` where use_cache=False."""
+    cache = cache or ("dynamic" if use_cache else "none")
+    if cache not in CACHES:
+        raise InputError(f"cache must be one of {list(CACHES)}, got {cache!r}")
     B, T = prompt_BT.shape
     seq_len = model.cfg.size.seq_len
     if T < 1:
@@ -76,9 +158,17 @@ def generate_stream(
     if T + max_new_tokens - 1 > seq_len:  # the last new token is returned, never fed back
         raise InputError(f"prompt of {T} tokens + {max_new_tokens} new tokens needs {T + max_new_tokens - 1} "
                          f"positions, which exceeds seq_len={seq_len}; shorten the prompt or max_new_tokens")
-    cache = KVCache.empty(len(model.layers)) if use_cache else None
-    logits = model(prompt_BT, cache=cache)[:, -1]  # prefill: (B, V)
+    static = None
+    if cache == "static":
+        static = static_decoding(model, B, prompt_BT.device, compile=compile,
+                                 backend=compile_backend or COMPILE_BACKEND)
+        logits = static.prefill(prompt_BT)
+        kv = None
+    else:
+        kv = KVCache.empty(len(model.layers)) if cache == "dynamic" else None
+        logits = model(prompt_BT, cache=kv)[:, -1]  # prefill: (B, V)
     done = torch.zeros(B, dtype=torch.bool, device=prompt_BT.device)
+    may_stop = eos_id is not None or should_stop is not None  # else no host read of `done` per step
     new: list[Tensor] = []
     for step in range(max_new_tokens):
         token = sample_next(logits, temperature, top_k, top_p, generator)  # (B,)
@@ -89,10 +179,12 @@ def generate_stream(
         yield token
         if should_stop is not None:
             done = done | should_stop(torch.stack(new, dim=1))
-        if bool(done.all()) or step == max_new_tokens - 1:
+        if step == max_new_tokens - 1 or (may_stop and bool(done.all())):
             break
-        if cache is not None:
-            logits = model(token[:, None], cache=cache)[:, -1]
+        if static is not None:
+            logits = static.step(token)
+        elif kv is not None:
+            logits = model(token[:, None], cache=kv)[:, -1]
         else:
             logits = model(torch.cat((prompt_BT, torch.stack(new, dim=1)), dim=1))[:, -1]
 
@@ -104,7 +196,8 @@ def generate(model: Decoder, prompt_BT: Tensor, max_new_tokens: int, **options: 
     A row is finished when it emits `eos_id` or when `should_stop(new_BN)` (a bool [B]) says so;
     finished rows are filled with `eos_id` (or keep being decoded when there is none) and decoding
     stops once every row is finished. Prompt plus new tokens must fit the model's seq_len.
-    Options: use_cache, temperature, top_k, top_p, generator, eos_id, should_stop.
+    Options: use_cache, cache (dynamic, static, none), compile (the static step), temperature, top_k, top_p,
+    generator, eos_id, should_stop.
     """
     new = list(generate_stream(model, prompt_BT, max_new_tokens, **options))
     if not new:
