@@ -181,7 +181,9 @@ def test_emit_commands_and_slurm_array(data_dir, tmp_path, monkeypatch):
     path = write_sweep(tmp_path, data_dir, slurm={"time": "01:00:00", "max_parallel": 2})
     assert main(["sweep", str(path), "--emit", "commands", "--out", "cmds.sh", "--tracking_uri", uri]) == 0
     commands = [line for line in (tmp_path / "cmds.sh").read_text().splitlines() if not line.startswith("#")]
-    assert len(commands) == 4 and all(c.startswith("env OMP_NUM_THREADS=1 lrattn fit --config recipe.yaml") for c in commands)
+    lrattn = str(Path(sys.executable).parent / "lrattn")  # this environment's, by its path: no venv on PATH needed
+    start = f"cd {tmp_path.resolve()} && env OMP_NUM_THREADS=1 {lrattn} fit --config recipe.yaml"
+    assert len(commands) == 4 and all(c.startswith(start) for c in commands), commands
     assert "--ablation s-lr-grid-n4-r16 --seed_everything 1" in commands[3]
     assert main(["sweep", str(path), "--emit", "slurm", "--tracking_uri", uri]) == 0
     script = (tmp_path / "runs/sweep-test/sweep-two-by-two.sbatch").read_text()

@@ -1,11 +1,12 @@
-"""`lrattn sweep` on this machine: which runs are finished, claiming a run, running the rest one after another.
+"""`lrattn sweep` on this machine: which runs are finished, claiming a run, running the rest one after another
+or N at once (`--parallel N`).
 
 A run is *finished* when the MLflow experiment holds a FINISHED run of its name tagged with its size, ablation,
 variant and seed (whichever sweep file of the experiment ran it). Each unfinished run is its own `lrattn fit`
 process in the sweep's environment (`run_env`: the sweep's `env`, its PYTHONPATH appended), started after every
 external router the sweep names was imported there (`check_routers`); its whole output goes to its run folder's
-fit.log and the terminal shows one line when it starts, its progress lines and one result line, and at the end
-the `lrattn compare` command for the experiment. Two sweeps of one experiment may run at once: each run is
+fit.log and the terminal shows one line when it starts, its progress lines (not with --parallel N > 1: runs at
+once would interleave them) and one result line, and at the end the `lrattn compare` command for the experiment. Two sweeps of one experiment may run at once: each run is
 claimed (a lock in its run folder) right before it starts and MLflow asked again.
 """
 
@@ -156,18 +157,22 @@ def _held_by(path: Path) -> str | None:
 
 # ---- running ---------------------------------------------------------------------------------------
 def run_local(sweep: Sweep, registry: Registry, tracking_uri: str, stop_on_failure: bool = False,
-              extra: list[str] | None = None, again: str | None = None) -> int:
-    """Run the unfinished runs one after another, each as its own `lrattn fit` process (`extra`: flags for each;
-    `registry`: the sweep's, as load_sweep read it: the command reads it once).
-    SIGTERM, SIGINT or SIGHUP stops the sweep: the running fit gets the same signal (it saves and stops), no further
-    run starts, and the sweep exits 128 + the signal's number, its last line naming the signal and `again` (the
-    command that continues the sweep)."""
+              extra: list[str] | None = None, again: str | None = None, parallel: int = 1) -> int:
+    """Run the unfinished runs, each as its own `lrattn fit` process (`extra`: flags for each; `registry`: the
+    sweep's, as load_sweep read it: the command reads it once): one after another, or `parallel` at once (each
+    with OMP_NUM_THREADS=1 unless the sweep's env sets it; the terminal shows one line when a run starts and one
+    when it ends, no progress lines).
+    SIGTERM, SIGINT or SIGHUP stops the sweep: every running fit gets the same signal (it saves and stops), no further
+    run starts, and the sweep exits 128 + the signal's number once they have stopped, its last line naming the
+    signal and `again` (the command that continues the sweep)."""
+    if parallel < 1:
+        raise SweepError(f"--parallel {parallel}: the number of fits to run at once, 1 or more")
     with _StopSignals() as stops:
-        return _run_all(sweep, registry, tracking_uri, stop_on_failure, extra or [], stops, again)
+        return _run_all(sweep, registry, tracking_uri, stop_on_failure, extra or [], stops, again, parallel)
 
 
 def _run_all(sweep: Sweep, registry: Registry, tracking_uri: str, stop_on_failure: bool, extra: list[str],
-             stops: _StopSignals, again: str | None) -> int:
+             stops: _StopSignals, again: str | None, parallel: int = 1) -> int:
     from lrattn_lightning.data.shards import validate_data_dir
 
     data_dir = sweep.setting("data.data_dir", "data/stdlib-docs-byte")
@@ -176,43 +181,25 @@ def _run_all(sweep: Sweep, registry: Registry, tracking_uri: str, stop_on_failur
         validate_data_dir(data_dir, registry.size(size), seq_len)
     env = run_env(sweep)
     check_routers(sweep, registry, env)
+    if parallel > 1 and "OMP_NUM_THREADS" not in sweep.env:  # N fits share the cores: one intra-op thread each
+        env["OMP_NUM_THREADS"] = "1"
     steps = plan(sweep, tracking_uri)
     todo = [run for run, state in steps if state not in DONE]
     diverged = diverged_runs(sweep, tracking_uri)
     print(f"[sweep {sweep.name}] {len(steps)} runs into experiment '{sweep.experiment}' at {tracking_uri}: "
-          f"{sum(s == 'finished' for _, s in steps)} finished (skipped), {len(todo)} to run", flush=True)
+          f"{sum(s == 'finished' for _, s in steps)} finished (skipped), {len(todo)} to run"
+          + (f", {parallel} at once (OMP_NUM_THREADS={env.get('OMP_NUM_THREADS')} each)" if parallel > 1 else ""),
+          flush=True)
     for run, state in steps:
         if state == "diverged":
             print(f"[sweep {sweep.name}] {run.name}: diverged ({diverged.get(run, 'non-finite loss')}); not resumed, "
                   "which would repeat it: give it another recipe (a variant) or remove its run folder and MLflow run",
                   flush=True)
-    results: list[tuple[SweepRun, str]] = []  # (run, "ok" | "finished" | "held" | "stopped by ..." | why it failed)
-    for i, run in enumerate(todo, start=1):
-        if stops.signum:  # it came between runs
-            break
-        head = f"[sweep {sweep.name}] ({i}/{len(todo)}) {run.name}"
-        with claim(sweep, run) as holder:
-            if holder or run in finished_runs(sweep, tracking_uri):  # asked again: another sweep may have run it
-                results.append((run, "held" if holder else "finished"))
-                print(f"{head}: skipped, " + (f"{holder}" if holder else "finished meanwhile by another process"),
-                      flush=True)
-                continue
-            resume = sweep.checkpoint(run).is_file()
-            log = sweep.checkpoint(run).parent.parent / "fit.log"
-            print(head + (" (resuming from last.ckpt)" if resume else "") + f": training; its output goes to {log}",
-                  flush=True)
-            args = (sweep.fit_args(run, tracking_uri) + LOCAL_ARGS + extra + (["--ckpt_path", "last"] if resume else []))
-            start = time.time()
-            rc, result, tail = _run_forwarding_signals(
-                [sys.executable, "-m", "lrattn_lightning.cli", *args], env, log, head, stops)
-        state = "ok" if rc == 0 else _stopped(rc, tail, stops.signum) or f"failed (exit {rc})"
-        results.append((run, state))
-        print(f"[sweep {sweep.name}] {run.name}: {state} after {time.time() - start:.0f} s"
-              + (f", {result}" if rc == 0 and result else ""), flush=True)
-        if rc != 0 and not state.startswith("stopped by"):
-            print("".join(f"    {line}" for line in tail) + f"    (the whole output: {log})", flush=True)
-        if rc != 0 and stop_on_failure and not stops.signum:
-            break
+    job = _Job(sweep, tracking_uri, extra, env, stops, total=len(todo), progress=parallel == 1)
+    if parallel == 1:
+        results = _run_in_turn(job, todo, stop_on_failure)
+    else:
+        results = _run_at_once(job, todo, stop_on_failure, parallel)
     not_started = len(todo) - len(results)
     results += [(run, "diverged") for run, state in steps if state == "diverged"]  # (they count as failed)
     _summary(sweep, results, sum(s == "finished" for _, s in steps), not_started)
@@ -224,6 +211,97 @@ def _run_all(sweep: Sweep, registry: Registry, tracking_uri: str, stop_on_failur
         return 128 + stops.signum
     bad = [s for _, s in results if s not in ("ok", "finished", "held")]
     return 1 if bad or len(results) < len(todo) else 0
+
+
+def _run_in_turn(job: _Job, todo: list[SweepRun], stop_on_failure: bool) -> list[tuple[SweepRun, str]]:
+    results: list[tuple[SweepRun, str]] = []  # (run, "ok" | "finished" | "held" | "stopped by ..." | why it failed)
+    for i, run in enumerate(todo, start=1):
+        if job.stops.signum:  # it came between runs
+            break
+        state = job.run(run, i)
+        results.append((run, state))
+        if stop_on_failure and _failed(state) and not job.stops.signum:
+            break
+    return results
+
+
+def _run_at_once(job: _Job, todo: list[SweepRun], stop_on_failure: bool, parallel: int
+                 ) -> list[tuple[SweepRun, str]]:
+    """`parallel` slots, each a thread taking the next run and waiting on its fit; no run starts after a stop
+    signal (or, with stop_on_failure, a failure). The main thread only waits (its signal handler forwards)."""
+    lock = threading.Lock()
+    queue = iter(enumerate(todo, start=1))
+    states: dict[SweepRun, str] = {}
+    failed = threading.Event()
+
+    def slot() -> None:
+        while True:
+            with lock:
+                if job.stops.signum or failed.is_set():
+                    return
+                i, run = next(queue, (0, None))
+            if run is None:
+                return
+            state = job.run(run, i)
+            with lock:
+                states[run] = state
+            if stop_on_failure and _failed(state):
+                failed.set()
+
+    slots = [threading.Thread(target=slot, name=f"sweep-slot-{k}", daemon=True) for k in range(min(parallel, len(todo)))]
+    for thread in slots:
+        thread.start()
+    for thread in slots:
+        while thread.is_alive():  # a timed join: the main thread's signal handler runs in between
+            thread.join(0.2)
+    return [(run, states[run]) for run in todo if run in states]
+
+
+def _failed(state: str) -> bool:
+    """Not trained nor skipped: failed, or stopped by a signal (--stop-on-failure stops on both)."""
+    return state not in ("ok", "finished", "held")
+
+
+class _Job:
+    """What every run of one local sweep shares, and running one of them: claimed, asked MLflow again, its fit
+    run with its output in its log; the terminal gets a line when it starts and one when it ends."""
+
+    def __init__(self, sweep: Sweep, tracking_uri: str, extra: list[str], env: dict[str, str], stops: _StopSignals,
+                 total: int, progress: bool) -> None:
+        self.sweep, self.tracking_uri, self.extra, self.env, self.stops = sweep, tracking_uri, extra, env, stops
+        self.total, self.progress = total, progress
+
+    def run(self, run: SweepRun, i: int) -> str:
+        """'ok', 'finished' or 'held' (skipped), 'stopped by ...', or why it failed."""
+        sweep = self.sweep
+        head = f"[sweep {sweep.name}] ({i}/{self.total}) {run.name}"
+        with claim(sweep, run) as holder:
+            if holder or run in finished_runs(sweep, self.tracking_uri):  # asked again: another sweep may have run it
+                say(f"{head}: skipped, " + (f"{holder}" if holder else "finished meanwhile by another process"))
+                return "held" if holder else "finished"
+            resume = sweep.checkpoint(run).is_file()
+            log = sweep.checkpoint(run).parent.parent / "fit.log"
+            say(head + (" (resuming from last.ckpt)" if resume else "") + f": training; its output goes to {log}")
+            args = (sweep.fit_args(run, self.tracking_uri) + LOCAL_ARGS + self.extra
+                    + (["--ckpt_path", "last"] if resume else []))
+            start = time.time()
+            rc, result, tail = _run_forwarding_signals(
+                [sys.executable, "-m", "lrattn_lightning.cli", *args], self.env, log, head, self.stops, self.progress)
+        state = "ok" if rc == 0 else _stopped(rc, tail, self.stops.signum) or f"failed (exit {rc})"
+        say(f"[sweep {sweep.name}] {run.name}: {state} after {time.time() - start:.0f} s"
+            + (f", {result}" if rc == 0 and result else "")
+            + ("" if rc == 0 or state.startswith("stopped by")
+               else "\n" + "".join(f"    {line}" for line in tail) + f"    (the whole output: {log})"))
+        return state
+
+
+_SAY = threading.Lock()
+
+
+def say(line: str) -> None:
+    """One whole line (or block) on the terminal: runs at once never interleave inside one."""
+    with _SAY:
+        print(line, flush=True)
 
 
 def _stopped(rc: int, tail: list[str], signum: int) -> str | None:
@@ -249,12 +327,14 @@ def _summary(sweep: Sweep, results: list[tuple[SweepRun, str]], finished_before:
 
 
 class _StopSignals:
-    """The stop signal this sweep got (SIGTERM, SIGINT, SIGHUP: the highest, 0 if none), passed on as it came to the
-    fit that runs (`proc`). A SIGINT or SIGHUP ignored at launch (nohup) stays ignored, as in `lrattn fit`."""
+    """The stop signal this sweep got (SIGTERM, SIGINT, SIGHUP: the highest, 0 if none), passed on as it came to
+    every fit that runs (`procs`). A SIGINT or SIGHUP ignored at launch (nohup) stays ignored, as in `lrattn fit`.
+    (A fit given one twice notes it once: a signal that reaches a fit both ways, say Ctrl-C's process group and
+    this forwarding, is one stop.)"""
 
     def __init__(self) -> None:
         self.signum = 0
-        self.proc: Any = None
+        self.procs: set[Any] = set()
         self._before: dict[int, Any] = {}
 
     def __enter__(self) -> _StopSignals:
@@ -275,10 +355,10 @@ class _StopSignals:
         self.signum = max(self.signum, signum)
         self.forward(signum)
 
-    def forward(self, signum: int) -> None:
-        if self.proc is not None:
+    def forward(self, signum: int, procs: Any = None) -> None:
+        for proc in list(self.procs) if procs is None else procs:  # (a copy: a slot's thread may add one meanwhile)
             with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signum)
+                proc.send_signal(signum)
 
 
 # Locally a fit's output goes to its run folder's fit.log; the sweep's terminal shows its progress lines.
@@ -338,16 +418,17 @@ def compare_command(sweep: Sweep, tracking_uri: str) -> str:
     return f"{command('lrattn')} {shlex.join(['compare', '--experiment', sweep.experiment, *store_flags(tracking_uri)])}"
 
 
-def _run_forwarding_signals(cmd: list[str], env: dict[str, str], log: Path, head: str, stops: _StopSignals
-                            ) -> tuple[int, str | None, list[str]]:
-    """Run one fit, its output appended to `log`; its progress lines shown under `head`. A stop signal to the sweep
-    goes on to it as it came (it checkpoints and stops; `stops`). (exit code, its result line, its last lines)."""
+def _run_forwarding_signals(cmd: list[str], env: dict[str, str], log: Path, head: str, stops: _StopSignals,
+                            progress: bool = True) -> tuple[int, str | None, list[str]]:
+    """Run one fit, its output appended to `log`; its progress lines shown under `head` (`progress`). A stop signal
+    to the sweep goes on to it as it came (it checkpoints and stops; `stops`). (exit code, its result line, its last
+    lines)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             errors="replace")
-    stops.proc = proc
+    stops.procs.add(proc)
     if stops.signum:  # it came while the fit was being started
-        stops.forward(stops.signum)
+        stops.forward(stops.signum, [proc])
     result, tail = None, collections.deque(maxlen=12)
     try:
         with append_file(log, "fit log") as out:
@@ -355,10 +436,10 @@ def _run_forwarding_signals(cmd: list[str], env: dict[str, str], log: Path, head
                 out.write(line)
                 out.flush()
                 tail.append(line)
-                if line.startswith(PROGRESS):
-                    print(f"{head}: {line[len('[lrattn fit] '):].rstrip()}", flush=True)
+                if progress and line.startswith(PROGRESS):
+                    say(f"{head}: {line[len('[lrattn fit] '):].rstrip()}")
                 elif line.startswith(RESULT):
                     result = line[len("[lrattn fit] "):].strip()
         return proc.wait(), result, list(tail)
     finally:
-        stops.proc = None
+        stops.procs.discard(proc)

@@ -1,11 +1,11 @@
 """`lrattn sweep FILE`: the runs of a sweep file (file.py) into one MLflow experiment.
 
 Finished runs are skipped, and a run with a last.ckpt resumes from it (`--ckpt_path last`, into the same MLflow
-run). Locally the runs go one after another, each its own `lrattn fit` process (local.py: which runs
-are finished, claiming a run, the runs' environment, their output); for a cluster, `--emit commands` writes the
-launch commands and `--emit slurm` an sbatch array script with one `srun lrattn fit ...` per array task
-(Lightning reads the SLURM environment; nodes and tasks per node come from the recipe's trainer.num_nodes and
-trainer.devices).
+run). Locally the runs go one after another, or `--parallel N` at once, each its own `lrattn fit` process
+(local.py: which runs are finished, claiming a run, the runs' environment, their output); elsewhere,
+`--emit commands` writes one shell line per run that runs as written from any folder, and `--emit slurm` an
+sbatch array script with one `srun lrattn fit ...` per array task (Lightning reads the SLURM environment; nodes
+and tasks per node come from the recipe's trainer.num_nodes and trainer.devices).
 
 Every run's full argument list is parsed by `fit`'s own parser before the first run starts (also for
 --dry-run and --emit), so a typo in the sweep's `args` or its recipe is one line, not a failed fit per run;
@@ -130,17 +130,41 @@ def _env_words(sweep: Sweep) -> list[str]:
             for k, v in sweep.env.items()]
 
 
+def lrattn_command() -> str:
+    """The `lrattn` of this environment by its absolute path, as a shell word (the script beside this interpreter,
+    else this interpreter running the package): an emitted line runs it without the venv on PATH."""
+    script = Path(sys.executable).parent / "lrattn"
+    if script.is_file():
+        return shlex.quote(str(script.absolute()))
+    return shlex.join([str(Path(sys.executable).absolute()), "-m", "lrattn_lightning.cli"])
+
+
+# how to run an emitted command file N lines at a time (GNU xargs): -d '\n' passes each line to sh as it is
+# written; without it xargs strips the lines' quotes itself and --run_tags' JSON no longer parses
+XARGS = "xargs -P 2 -d '\\n' -I{} sh -c '{}'"
+
+
 def emit_commands(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: str | None,
                   extra: list[str] | None = None) -> str:
+    """One shell line per unfinished run that runs as written from any folder: it changes to the folder the sweep
+    was emitted from (where the recipe, its data_dir, runs_dir and the default ./mlflow.db are, as for a local
+    sweep) and calls this environment's lrattn by its path."""
+    here = shlex.quote(str(Path.cwd().resolve()))
     env = " ".join(_env_words(sweep))
-    lines = [f"# lrattn sweep {sweep.path} --emit commands: {sum(s != 'finished' for _, s in steps)} runs "
-             f"({sum(s in DONE for _, s in steps)} finished or diverged runs skipped). Run from the repository root;",
-             "# for several GPUs or nodes prefix each with srun/torchrun, or set the recipe's trainer.devices/num_nodes."]
+    lrattn = lrattn_command()
+    lines = [f"# lrattn sweep {sweep.path} --emit commands: {sum(s not in DONE for _, s in steps)} runs "
+             f"({sum(s in DONE for _, s in steps)} finished or diverged runs skipped).",
+             f"# Each line runs as written from any folder: it changes to {here}, where the sweep was emitted (the",
+             f"# recipe's relative paths, runs_dir and ./mlflow.db are read there), and runs {lrattn}.",
+             "# One after another: sh FILE. Two at a time (GNU xargs; -d '\\n' hands sh each line with its quotes):",
+             f"#   {XARGS} < FILE",
+             f"# `lrattn sweep {sweep.path} --parallel 2` runs them so too, OMP_NUM_THREADS=1 each. For several GPUs",
+             "# or nodes put srun/torchrun before a line's lrattn, or set the recipe's trainer.devices/num_nodes."]
     for run, state in steps:
         if state in DONE:
             continue
         args = sweep.fit_args(run, tracking_uri) + (extra or []) + (["--ckpt_path", "last"] if state == "resume" else [])
-        lines.append((f"env {env} " if env else "") + shlex.join(["lrattn", *args]))
+        lines.append(f"cd {here} && " + (f"env {env} " if env else "") + f"{lrattn} {shlex.join(args)}")
     return "\n".join(lines) + "\n"
 
 
@@ -246,7 +270,15 @@ def main(argv: list[str] | None = None, fit_parser: Callable[[], Any] | None = N
                         f"else {MAX_ARRAY_SIZE}); more runs are split into one script per that many")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and their state; run nothing")
     parser.add_argument("--stop-on-failure", action="store_true", help="stop at the first failed run")
+    parser.add_argument("--parallel", type=int, default=1, metavar="N",
+                        help="run N fits at once on this machine, each with OMP_NUM_THREADS=1 unless the sweep's env "
+                        "sets it (default 1: one after another)")
     args = parser.parse_args(argv)
+    if args.parallel < 1:
+        raise SweepError(f"--parallel {args.parallel}: the number of fits to run at once, 1 or more")
+    if args.parallel != 1 and (args.emit or args.dry_run):
+        raise SweepError(f"--parallel runs the fits here; with --{'emit' if args.emit else 'dry-run'} it runs none "
+                         f"(an emitted command file runs N at a time with: {XARGS} < FILE)")
     if args.max_array_size is not None and args.max_array_size < 1:
         raise SweepError(f"--max_array_size {args.max_array_size}: the cluster's MaxArraySize, a positive integer")
 
@@ -265,7 +297,8 @@ def main(argv: list[str] | None = None, fit_parser: Callable[[], Any] | None = N
     if args.emit:
         return _emit(sweep, plan(sweep, uri), args, extra)
     again = shlex.join([command("lrattn"), "sweep", *(sys.argv[2:] if argv is None else argv)])  # as it was typed
-    return run_local(sweep, registry, uri, stop_on_failure=args.stop_on_failure, extra=extra, again=again)
+    return run_local(sweep, registry, uri, stop_on_failure=args.stop_on_failure, extra=extra, again=again,
+                     parallel=args.parallel)
 
 
 def _emit(sweep: Sweep, steps: list[tuple[SweepRun, str]], args: argparse.Namespace, extra: list[str]) -> int:

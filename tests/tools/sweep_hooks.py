@@ -1,0 +1,31 @@
+"""A callback the sweep tests (test_sweep_parallel.py) put in a sweep's recipe: what each fit process saw."""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+
+class SweepProbe(Callback):
+    """Writes FOLDER/PID.json when training starts (the process's OMP_NUM_THREADS, torch's intra-op threads, pid, the
+    time); with `hold_step`, touches FOLDER/PID.ready before that step and waits for FOLDER/release (so that a test
+    can signal the sweep while every fit is mid-run)."""
+
+    def __init__(self, folder: str, hold_step: int | None = None):
+        self.folder, self.hold_step = Path(folder), hold_step
+
+    def on_train_start(self, trainer, pl_module):
+        record = {"pid": os.getpid(), "omp": os.environ.get("OMP_NUM_THREADS"), "threads": torch.get_num_threads(),
+                  "start": time.time(), "step": trainer.global_step}
+        with (self.folder / f"{os.getpid()}.json").open("w") as f:
+            json.dump(record, f)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.hold_step:
+            (self.folder / f"{os.getpid()}.ready").touch()
+            deadline = time.time() + 300
+            while not (self.folder / "release").exists() and time.time() < deadline:
+                time.sleep(0.05)
