@@ -194,3 +194,33 @@ def test_the_routing_heatmap_fit_logs_keeps_every_text_on_its_canvas():
         import matplotlib.pyplot as plt
 
         plt.close(fig)
+
+
+def test_every_registry_kinds_heatmap_at_tiny_keeps_its_axis_labels_on_the_canvas():
+    """The tables fit logs for real entries: their long axis and bar labels (DenseFormer's 'DWA (its average is
+    what the next layer and the head read)', the value residual's) ran off the canvas before."""
+    import matplotlib.pyplot as plt
+    import torch
+
+    from lrattn_lightning.model.decoder import build_decoder
+    from lrattn_lightning.model.registry import load_registry
+    from lrattn_lightning.train.diagnostics import heatmap_figure, weights_table
+
+    reg = load_registry()
+    seen = set()
+    for name in ("denseformer", "value-residual-learned", "delta-attnres-block", "muddformer", "laurel-rw",
+                 "hyper-connections-n4", "attnres-full", "gated-residual"):
+        if name not in reg.ablations:
+            continue
+        cfg = reg.model("tiny", name)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            out = build_decoder(cfg)(torch.randint(0, 200, (1, 8)), return_routing=True)
+        if not out.routing:
+            continue
+        fig = heatmap_figure(weights_table(cfg, out.routing), f"{name} @ tiny, step 40")
+        _save(fig, f"fit_heatmap_{name}", tight=False)
+        assert not _text_outside(fig), (name, _text_outside(fig))
+        plt.close(fig)
+        seen.add(cfg.kind.name)
+    assert len(seen) >= 4, seen
