@@ -74,6 +74,7 @@ class ExperimentTag:
 
     KIND = "mlflow.experimentKind"  # `custom_model_development`: MLflow 3 opens the training view, not GenAI's
     REPORT_OF = Tag.REPORT_OF  # on EXPERIMENT-reports: the experiment whose reports it holds
+    RUNS_VIEW = "mlflow.sharedViewState.lrattn-runs"  # the saved view the printed runs-table link opens (runs_view.py)
 
     PATTERNS: tuple[str, ...] = ()
 
@@ -122,6 +123,13 @@ class Param:
     INIT_FROM_SOURCE = "init_from_source"  # its size/ablation in words
     INIT_FROM_RUN = "init_from_run"  # its MLflow run id, `none`
     INIT_FROM_NEW = "init_from_new_tensors"  # how many of this model's tensors it did not have
+    # compare's summary run (tools/compare/summary_run.py): what it compared
+    REPORT_EXPERIMENT = "report_experiment"  # the experiment compared
+    REPORT_REFERENCE = "report_reference"  # the ablation every Δ is taken against (--reference)
+    REPORT_SIZES = "report_sizes"  # the sizes compared, comma-separated
+    REPORT_METHODS = "report_methods"  # how many rows (ablations, variants) the table has
+    REPORT_SEEDS = "report_seeds"  # the seeds per row, `2` or `2/3`
+    REPORT_RUNS = "report_runs"  # how many finished runs the report is made from
 
     PATTERNS = ("(" + "|".join(map(re.escape, RESUMABLE)) + ")" + re.escape(FROM_STEP) + r"\d+",)
 
@@ -154,6 +162,11 @@ class Metric:
     RATES = ("batches_per_sec", "samples_per_sec", "items_per_sec", "flops_per_sec", "mfu")
     COUNTERS = ("time", "batches", "samples", "lengths", "flops")  # only with --log_counters true
     TOKENS_PER_SEC = "train/device/items_per_sec"  # tokens/s on one device (compare's tokens/s)
+    # compare's summary run (tools/compare/summary_run.py): its headline numbers
+    DELTA = "delta/"  # + size/row: the row's mean val loss minus the reference's (nats/token)
+    MULTIPLIER = "multiplier/"  # + method: its compute multiplier against the reference over a size ladder
+    MULTIPLIER_LO = "multiplier_lo/"  # + method: the multiplier interval's low end
+    MULTIPLIER_HI = "multiplier_hi/"  # + method: its high end
 
     _stage = "(" + "|".join(THROUGHPUT_STAGES) + ")/"
     _report = "(" + "|".join(map(re.escape, REPORT_PREFIXES)) + ")?"
@@ -164,6 +177,7 @@ class Metric:
         re.escape(EVAL) + r"[^/]+/[^/]+",  # (eval/val/<key> too)
         _stage + "(" + re.escape(DEVICE) + ")?(" + "|".join(RATES) + ")",
         _stage + "(" + "|".join(COUNTERS) + ")",
+        re.escape(DELTA) + r"[^/]+/.+", "(" + "|".join(map(re.escape, (MULTIPLIER, MULTIPLIER_LO, MULTIPLIER_HI))) + ").+",
     )
 
 

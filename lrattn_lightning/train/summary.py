@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lrattn_lightning.data.remote import is_remote
+from lrattn_lightning.train.runs_view import runs_table
 from lrattn_lightning.train.schema import Metric
 
 LOCAL_UI = "http://127.0.0.1:5000"
@@ -55,11 +56,15 @@ def run_page(base: str, experiment_id: str | None, run_id: str | None) -> str:
 
 
 def ui_pointer(uri: str, experiment_id: str | None, run_id: str | None) -> list[str]:
-    """Lines telling how to open `run_id`'s page (the training view of our experiments)."""
-    if uri.startswith(("http://", "https://")):
-        return [f"run page: {run_page(uri, experiment_id, run_id)}"]
+    """Lines telling how to open `run_id`'s page and its experiment's runs table (the training view, with the
+    columns of the experiment's saved view: train/runs_view.py)."""
+    remote = uri.startswith(("http://", "https://"))
+    base = uri if remote else LOCAL_UI
+    table = [f"runs table: {runs_table(base, experiment_id)}"] if experiment_id else []
+    if remote:
+        return [f"run page: {run_page(uri, experiment_id, run_id)}", *table]
     return [f"open the UI: {command('mlflow')} ui --backend-store-uri {uri}",
-            f"then browse {run_page(LOCAL_UI, experiment_id, run_id)}"]
+            f"then browse {run_page(LOCAL_UI, experiment_id, run_id)}", *table]
 
 
 @dataclass(frozen=True)

@@ -63,10 +63,12 @@ def test_a_fit_ends_saying_what_it_reached_where_it_is_and_what_next(fitted):
     assert f"MLflow run {run.info.run_id} ('tiny-attnres-full-seed0') in experiment 'lrattn'" in lines[1]
     assert lines[2].endswith(f"ui --backend-store-uri sqlite:///{folder / 'mlflow.db'}")
     assert lines[3] == f"[lrattn fit] then browse http://127.0.0.1:5000/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}?workflowType=machine_learning"
-    assert "size 'tiny' has 512 token ids, the data's byte tokenizer uses 257: 255" in lines[4]
+    assert lines[4] == (f"[lrattn fit] runs table: http://127.0.0.1:5000/#/experiments/{experiment.experiment_id}/runs"
+                        "?workflowType=machine_learning&compareRunsMode=TABLE&viewStateShareKey=lrattn-runs")
+    assert "size 'tiny' has 512 token ids, the data's byte tokenizer uses 257: 255" in lines[5]
     ckpt = "runs/lrattn/tiny-attnres-full-seed0/checkpoints/last.ckpt"
-    assert lines[5] == f"[lrattn fit] checkpoint {ckpt}" and (folder / ckpt).is_file()
-    assert lines[6].endswith(f"eval --checkpoint {ckpt} --tasks local") and len(lines) == 7
+    assert lines[6] == f"[lrattn fit] checkpoint {ckpt}" and (folder / ckpt).is_file()
+    assert lines[7].endswith(f"eval --checkpoint {ckpt} --tasks local") and len(lines) == 8
 
 
 def test_the_progress_bar_and_model_summary_say_nothing_misleading(fitted):

@@ -261,7 +261,11 @@ def test_the_summary_run_lives_in_its_own_experiment_and_is_reused(store):
     reports = client.get_experiment_by_name("clear-reports")
     (summary,) = client.search_runs([reports.experiment_id], "tags.`lrattn.report_of` = 'clear'")
     assert summary.data.tags["lrattn.summary"] == "true" and summary.info.run_name == "compare-clear"
-    assert "## Pairwise tests" in summary.data.tags["mlflow.note.content"]
+    description = summary.data.tags["mlflow.note.content"]  # a few lines and where the report is, not the table
+    assert description.startswith("**Comparison of `clear`**") and "compare/report.md" in description
+    assert "## Pairwise tests" not in description and len(description.splitlines()) < 20
+    assert summary.data.params["report_experiment"] == "clear" and summary.data.params["report_reference"] == "baseline"
+    assert any(key.startswith("delta/") for key in summary.data.metrics)
     artifacts = {a.path for a in client.list_artifacts(summary.info.run_id, "compare")}
     assert {"compare/report.md", "compare/table.csv"} <= artifacts
     assert main(["compare", "--experiment", "clear", "--tracking_uri", uri, "--out", str(store["root"] / "again")]) == 0

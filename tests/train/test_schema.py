@@ -115,7 +115,8 @@ def test_every_key_the_platform_wrote_is_declared(store):
             "train/batches", Metric.EVAL_VAL + "loss", Metric.EVAL + "lrattn_cloze/acc"} <= found["metric"]
     assert {Artifact.CONFIG, Artifact.ROUTING_WEIGHTS, Artifact.GATES_JSON, Artifact.COMPARE + "table.md"} <= found["artifact"]
     assert any(a.startswith(Artifact.EVAL_RESULTS) for a in found["artifact"])
-    assert found["experiment_tag"] == {schema.ExperimentTag.KIND, schema.ExperimentTag.REPORT_OF}
+    assert found["experiment_tag"] == {schema.ExperimentTag.KIND, schema.ExperimentTag.REPORT_OF,
+                                       schema.ExperimentTag.RUNS_VIEW}
 
 
 def test_a_key_the_schema_lacks_is_reported(tmp_path):

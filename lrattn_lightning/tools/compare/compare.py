@@ -1,8 +1,9 @@
 """`lrattn compare --experiment NAME`: the report of a sweep, read back from MLflow (any tracking URI).
 
 Writes into --out (default reports/EXPERIMENT) and logs as artifacts of a summary run in an experiment of its
-own, EXPERIMENT-reports (tags lrattn.summary=true, lrattn.report_of=EXPERIMENT; its description shows the table
-in the MLflow UI), so that nothing reading the training runs (this command, a sweep, a resume) meets it:
+own, EXPERIMENT-reports (tags lrattn.summary=true, lrattn.report_of=EXPERIMENT; its metrics are the Δ and the
+compute multipliers: summary_run.py), so that nothing reading the training runs (this command, a sweep, a resume)
+meets it; it prints the summary run's address and the study's runs table with its columns:
 
     table.md, table.csv      one row per (size, ablation): seeds, final val loss mean ± std, the
                              difference to the ablation's control and to the baseline with Welch's
@@ -64,10 +65,9 @@ from lrattn_lightning.tools.compare.heatmaps import heatmap_groups, plot_heatmap
 from lrattn_lightning.tools.compare.left_out import appendix, left_out, mark_lost_seeds, terminal_line
 from lrattn_lightning.tools.compare.notes import notes
 from lrattn_lightning.tools.compare.power import pairwise_section
-from lrattn_lightning.tools.compare.runs import search_all
 from lrattn_lightning.tools.compare.scaling_report import write_scaling
+from lrattn_lightning.tools.compare.summary_run import REPORTS_SUFFIX, addresses, log_summary_run
 from lrattn_lightning.tools.compare.table import (
-    SUMMARY_TAG,
     Row,
     RunRecord,
     csv_table,
@@ -75,7 +75,6 @@ from lrattn_lightning.tools.compare.table import (
     read_runs,
     summarise,
 )
-from lrattn_lightning.train.schema import Artifact, ExperimentTag, Tag
 
 
 # ---- the report ------------------------------------------------------------------------------------
@@ -162,42 +161,6 @@ def _report_text(experiment: str, rows: list[Row], table_md: str, records: list[
     return "\n".join(p for p in parts if p is not None) + "\n"
 
 
-REPORTS_SUFFIX, REPORT_OF_TAG = "-reports", Tag.REPORT_OF
-
-
-def reports_experiment(client: Any, experiment: str) -> str:
-    """The id of EXPERIMENT-reports, the summary runs' own experiment (created, or restored if deleted)."""
-    from lrattn_lightning.train.store import artifact_location
-
-    name = experiment + REPORTS_SUFFIX
-    exp = client.get_experiment_by_name(name)
-    if exp is None:
-        return client.create_experiment(name, artifact_location(client.tracking_uri), tags={ExperimentTag.REPORT_OF: experiment})
-    if exp.lifecycle_stage == "deleted":
-        client.restore_experiment(exp.experiment_id)
-    return exp.experiment_id
-
-
-def log_summary_run(client: Any, experiment: str, files: list[Path], table_md: str, sweep: str | None) -> str:
-    """Log the report as artifacts of the experiment's summary run in EXPERIMENT-reports (created once, then
-    reused: the run tagged with this experiment, and this sweep if one was named)."""
-    exp_id = reports_experiment(client, experiment)
-    found = [r for r in search_all(client, exp_id, f"tags.`{SUMMARY_TAG}` = 'true'")  # names compared here: any quote
-             if r.data.tags.get(REPORT_OF_TAG) == experiment and r.data.tags.get(Tag.SWEEP_SUMMARY) == sweep]
-    if found:
-        run_id = max(found, key=lambda r: r.info.start_time).info.run_id
-    else:
-        tags = {SUMMARY_TAG: "true", REPORT_OF_TAG: experiment, Tag.RUN_NAME: f"compare-{sweep or experiment}"}
-        if sweep:
-            tags[Tag.SWEEP_SUMMARY] = sweep
-        run_id = client.create_run(exp_id, tags=tags).info.run_id
-    for path in files:
-        client.log_artifact(run_id, str(path), Artifact.COMPARE.removesuffix("/"))
-    client.set_tag(run_id, Tag.NOTE, table_md)  # the run's description in the UI
-    client.set_terminated(run_id, "FINISHED")
-    return run_id
-
-
 def main(argv: list[str] | None = None) -> int:
     from mlflow.tracking import MlflowClient
 
@@ -223,10 +186,13 @@ def main(argv: list[str] | None = None) -> int:
                                args.per_method_exponents)
     print((out / "table.md").read_text())
     print(f"[lrattn compare] {words.summary(rows)}; wrote {', '.join(p.name for p in files)} to {out}")
+    reports_id = run_id = None
     if not args.no_summary_run:
-        run_id = log_summary_run(client, args.experiment, files, (out / "table.md").read_text(), args.sweep)
-        print(f"[lrattn compare] logged as artifacts compare/* of run {run_id} in experiment "
-              f"'{args.experiment}{REPORTS_SUFFIX}' (the training runs' experiment holds only training runs)")
+        reports_id, run_id = log_summary_run(client, args.experiment, files, rows, args.reference, args.sweep)
+        print(f"[lrattn compare] logged as run {run_id} (metrics: the Δ and multipliers; artifacts compare/*) in "
+              f"experiment '{args.experiment}{REPORTS_SUFFIX}' (the training runs' experiment holds only training runs)")
+    for line in addresses(client, args.experiment, reports_id, run_id):
+        print(f"[lrattn compare] {line}")
     return 0
 
 

@@ -29,6 +29,7 @@ from lrattn_lightning.train.callbacks.run_params import (
     tokens_per_step,
 )
 from lrattn_lightning.train.optim import muon_dtype_of
+from lrattn_lightning.train.runs_view import ensure_view
 from lrattn_lightning.train.schema import ExperimentTag, Param, Tag
 
 EXPERIMENT_KIND = ExperimentTag.KIND
@@ -69,9 +70,8 @@ class RunDescription(Callback):
         for key, value in tags.items():
             client.set_tag(run_id, key, value)
         experiment = client.get_experiment(logger.experiment_id)
-        if experiment is not None and EXPERIMENT_KIND not in experiment.tags:
-            # MLflow 3 opens an experiment without this tag in its GenAI view (traces, evaluations)
-            client.set_experiment_tag(logger.experiment_id, EXPERIMENT_KIND, "custom_model_development")
+        if experiment is not None:  # the training kind and the saved view the printed runs-table link opens
+            ensure_view(client, logger.experiment_id, experiment.tags)
 
 
 def recipe_tags(trainer: L.Trainer, pl_module: L.LightningModule, stored: dict[str, str]) -> dict[str, str]:

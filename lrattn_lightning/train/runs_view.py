@@ -1,0 +1,63 @@
+"""The runs table a link opens in MLflow 3.17's UI: a saved view on the experiment, and the link that opens it.
+
+MLflow keeps no server-side default columns (mlflow#4713, #12764): the runs table shows the columns the browser
+stored (local storage), else Source, Models and Dataset. What its UI does honour, read from its bundle
+(mlflow/server/js/build/static/js, 3.17.2):
+
+    ?viewStateShareKey=KEY   loads the experiment tag `mlflow.sharedViewState.KEY`: a saved view's envelope
+                             {name, createdAt, updatedAt, state}, `state` the JSON of the page's search facets and
+                             UI state (selectedColumns, columnWidths, ...); the "Saved views" menu lists them.
+                             Ignored where the URL also carries a search facet (searchFilter, orderByKey, ...)
+    ?workflowType=machine_learning  the "Model training" view; without it the UI takes the browser's stored choice,
+                             else GenAI's (Overview / Traces): with workflow navigation on (always, in 3.17) the
+                             experiment's `mlflow.experimentKind` tag does not choose the view
+    ?compareRunsMode=TABLE   the runs table, not the charts beside a narrow run list
+
+A column is `metrics.`KEY``, `params.`KEY``, `tags.`KEY`` or `attributes.`Run Name``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from lrattn_lightning.train.schema import ExperimentTag, Metric, Param
+
+VIEW_TAG = ExperimentTag.RUNS_VIEW  # the saved view every experiment of ours carries
+VIEW_KEY = VIEW_TAG.removeprefix("mlflow.sharedViewState.")
+TRAINING_KIND = "custom_model_development"
+RUN_NAME = "attributes.`Run Name`"
+
+
+def column(kind: str, key: str) -> str:
+    return f"{kind}.`{key}`"
+
+
+# what a researcher reads of every training run without clicking
+TRAINING_COLUMNS = (column("metrics", Metric.VAL_LOSS), column("metrics", Metric.VAL_BPB),
+                    column("params", Param.ABLATION), column("params", Param.SIZE), column("params", Param.SEED))
+
+
+def view_state(name: str, columns: tuple[str, ...] | list[str], now_ms: int | None = None) -> str:
+    """The tag value of a saved view showing `columns` (the run name wide enough to read)."""
+    state = {"selectedColumns": list(columns), "columnWidths": {RUN_NAME: 320}, "columnOrder": [],
+             "runListHidden": False, "viewMaximized": False}
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    return json.dumps({"name": name, "createdAt": now, "updatedAt": now, "state": json.dumps(state)})
+
+
+def ensure_view(client: Any, experiment_id: str, tags: dict[str, str], name: str = "lrattn: val loss, bpb, ablation, size, seed",
+                columns: tuple[str, ...] | list[str] | None = TRAINING_COLUMNS) -> None:
+    """Tag the experiment with the training kind and our saved view (none for `columns` None), each where it has
+    none (a user's edit stays)."""
+    if ExperimentTag.KIND not in tags:
+        client.set_experiment_tag(experiment_id, ExperimentTag.KIND, TRAINING_KIND)
+    if columns is not None and VIEW_TAG not in tags:
+        client.set_experiment_tag(experiment_id, VIEW_TAG, view_state(name, columns))
+
+
+def runs_table(base: str, experiment_id: str) -> str:
+    """The experiment's runs table with our saved view's columns, in the training view."""
+    return (f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+            f"&compareRunsMode=TABLE&viewStateShareKey={VIEW_KEY}")
