@@ -65,6 +65,7 @@ from lrattn_lightning.tools.compare.heatmaps import heatmap_groups, plot_heatmap
 from lrattn_lightning.tools.compare.left_out import appendix, left_out, mark_lost_seeds, terminal_line
 from lrattn_lightning.tools.compare.notes import notes
 from lrattn_lightning.tools.compare.power import pairwise_section
+from lrattn_lightning.tools.compare.runs import RunReader
 from lrattn_lightning.tools.compare.scaling_report import write_scaling
 from lrattn_lightning.tools.compare.summary_run import REPORTS_SUFFIX, addresses, log_summary_run
 from lrattn_lightning.tools.compare.table import (
@@ -80,6 +81,7 @@ from lrattn_lightning.tools.compare.table import (
 # ---- the report ------------------------------------------------------------------------------------
 def write_report(client: Any, experiment: str, out: Path, sweep: str | None = None, reference: str = "baseline",
                  command: str | None = None, per_method_exponents: bool = False) -> tuple[list[Row], list[Path]]:
+    client = RunReader(client)  # runs searched once, read without a request per run (runs.py)
     records = read_runs(client, experiment, sweep)
     left = left_out(client, experiment, sweep, records)
     line = terminal_line(left)

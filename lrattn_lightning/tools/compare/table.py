@@ -34,7 +34,7 @@ from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.core.names import closest_names
 from lrattn_lightning.tools.compare.evals import cell_text, eval_columns, run_configs
 from lrattn_lightning.tools.compare.power import need_text, seeds_needed, spreads
-from lrattn_lightning.tools.compare.runs import search_all
+from lrattn_lightning.tools.compare.runs import read_histories, search_all
 from lrattn_lightning.tools.compare.significance import welch
 from lrattn_lightning.tools.compare.words import size_list
 from lrattn_lightning.train import fingerprint as fp
@@ -192,19 +192,7 @@ def read_runs(client: Any, experiment: str, sweep: str | None = None, curves: bo
         group[-1].superseded = group[:-1]
     records = sorted((group[-1] for group in same.values()),
                      key=lambda r: (r.size, r.ablation, r.seed if r.seed is not None else -1, r.recipe))
-    for record in records:
-        speed = [m.value for m in client.get_metric_history(record.run_id, Metric.TOKENS_PER_SEC)]
-        record.tokens_per_s = statistics.median(speed) if speed else None
-        history = {}
-        for key in (Metric.TRAIN_LOSS, Metric.VAL_LOSS):
-            values = sorted(client.get_metric_history(record.run_id, key), key=lambda m: (m.step, m.timestamp))
-            history[key] = sorted({m.step: m.value for m in values}.items())  # a resumed run's later values win
-        val, train = history[Metric.VAL_LOSS], history[Metric.TRAIN_LOSS]
-        record.last_val_step = val[-1][0] if val else None
-        if record.final_step is None and train:  # train/loss at step s, validation after it: s + 1
-            record.final_step = train[-1][0] + 1
-        if curves:
-            record.curves = history
+    read_histories(client, records, curves)
     return records
 
 
@@ -373,9 +361,8 @@ def markdown_table(rows: list[Row], reference: str = "baseline") -> str:
              "|" + "|".join("---" if h in ("size", "ablation", "recipe", "control") else "---:" for h in head) + "|"]
     for row in rows:
         name = f"**{row.label}**" if row.pareto else row.label
-        seeds = ",".join("?" if s is None else str(s) for s in row.seeds)
         cells = ([row.size] if multi_size else []) + [name] + ([row.group] if recipes else []) + [
-            _seeds_cell(row, seeds), _mean_std(row.mean, row.std), row.control or "—",
+            _seeds_cell(row), _mean_std(row.mean, row.std), row.control or "—",
             _num(row.delta_control, sign=True), _p(row.p_control), need_text(row.need_control),
             _num(row.delta_baseline, sign=True), _p(row.p_baseline), need_text(row.need_baseline),
             "unknown" if math.isnan(row.added_flops_pct) else f"{row.added_flops_pct:.3f}", f"{row.params:,}",
@@ -386,11 +373,28 @@ def markdown_table(rows: list[Row], reference: str = "baseline") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _seeds_cell(row: Row, seeds: str) -> str:
-    """'3 (0,1,2)'; a row that lost seeds: '2 of 3 (0,1; lost 2: KILLED)'."""
+MAX_LISTED_SEEDS = 8  # a seeds cell lists up to this many seeds (and lost runs); past it, their count and range
+
+
+def _seeds_cell(row: Row) -> str:
+    """'3 (0,1,2)'; a row that lost seeds: '2 of 3 (0,1; lost 2: KILLED)'; past MAX_LISTED_SEEDS the count and
+    range: '600 seeds (0-599)', '598 of 600 seeds (0-599; lost 2: ...)' (table.csv lists every seed)."""
+    seeds, many = row.seeds, len(row.runs) + len(row.lost) > MAX_LISTED_SEEDS
+    known = sorted(s for s in seeds if s is not None)
+    if not many:
+        text = ",".join("?" if s is None else str(s) for s in seeds)
+    elif not known:
+        text = "seeds not recorded"
+    else:
+        gaps = known[-1] - known[0] + 1 != len(set(known))
+        text = f"{known[0]}-{known[-1]}" + (", with gaps" if gaps else "") + (
+            f", {len(seeds) - len(known)} not recorded" if len(known) < len(seeds) else "")
+    count = f"{len(row.runs)}" + (" seeds" if many else "")
     if not row.lost:
-        return f"{len(row.runs)} ({seeds})"
-    return f"{len(row.runs)} of {len(row.runs) + len(row.lost)} ({seeds}; lost {'; '.join(row.lost)})"
+        return f"{count} ({text})"
+    lost = "; ".join(row.lost) if len(row.lost) <= MAX_LISTED_SEEDS else "see the runs left out"
+    count = f"{len(row.runs)} of {len(row.runs) + len(row.lost)}" + (" seeds" if many else "")
+    return f"{count} ({text}; lost {len(row.lost) if many else ''}{': ' if many else ''}{lost})"
 
 
 def csv_table(rows: list[Row], reference: str = "baseline") -> str:

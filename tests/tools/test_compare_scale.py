@@ -1,0 +1,127 @@
+"""`lrattn compare` at a lab's scale (issue 53): the MLflow requests it makes per run are bounded (no get_run per
+run, histories in bulk queries, an artifact not asked of every run of an entry that logs none), a slow phase prints
+a progress line, and a row of many seeds says how many rather than listing them. A real sqlite MLflow store of 48
+runs (2 sizes x 2 entries x 12 seeds); the timings are benchmarks/compare-scale's, not a test's."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from mlflow.entities import Metric, Param
+from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
+from mlflow.tracking import MlflowClient
+
+from lrattn_lightning.tools.compare import runs as runs_module
+from lrattn_lightning.tools.compare.compare import write_report
+
+SIZES, ENTRIES, SEEDS = ("tiny", "small"), ("baseline", "s-lr-block-n8-r64"), 12
+STORE_CALLS = ("get_run", "get_metric_history", "get_metric_history_bulk", "search_runs", "get_experiment_by_name")
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compare-scale")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("lab", artifact_location=(root / "artifacts").as_uri())
+    for size in SIZES:
+        for i, entry in enumerate(ENTRIES):
+            for seed in range(SEEDS):
+                tags = {"seed": str(seed), "control": "none" if entry == "baseline" else "baseline",
+                        "lrattn.last_step": "20", "mlflow.runName": f"{size}-{entry}-s{seed}"}
+                rid = client.create_run(exp, tags=tags).info.run_id
+                params = {"size": size, "ablation": entry, "params": str(1000 * (1 + i)), "train_max_steps": "20",
+                          "added_flops_pct": str(0.5 * i)}
+                loss = 3.0 - 0.1 * i - 0.2 * SIZES.index(size) + 0.001 * seed
+                metrics = [Metric(key, value, 0, step) for step in range(5, 21, 5) for key, value in
+                           (("train/loss", loss + 1 - step / 20), ("train/device/items_per_sec", 1000.0 + step))]
+                metrics.append(Metric("val/loss", loss, 0, 20))
+                client.log_batch(rid, metrics=metrics, params=[Param(k, v) for k, v in params.items()])
+                if entry != "baseline":  # what RoutingArtifacts logs for a kind that records
+                    client.log_dict(rid, {"step": 20, "sites_by_sources": [[0.5, 0.5], [0.25, 0.75]]},
+                                    "routing/weights.json")
+                client.set_terminated(rid, "FINISHED")
+    return {"uri": uri, "root": root}
+
+
+def _counted(client, monkeypatch) -> collections.Counter:
+    """Count the tracking store's calls (the requests a server would get) and artifact file reads, through the
+    real store and repository."""
+    calls = collections.Counter()
+    store = client._tracking_client.store
+    for name in STORE_CALLS:
+        real = getattr(store, name)
+
+        def wrapper(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(store, name, wrapper)
+    real_download = LocalArtifactRepository.download_artifacts
+
+    def download(self, *args, **kwargs):
+        calls["artifact"] += 1
+        return real_download(self, *args, **kwargs)
+
+    monkeypatch.setattr(LocalArtifactRepository, "download_artifacts", download)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def report(study, tmp_path_factory):
+    """One compare of the study, its store calls and artifact reads counted, its progress lines forced (threshold 0,
+    chunks of 20 runs), its stderr kept."""
+    import io
+    import sys
+
+    out = tmp_path_factory.mktemp("report")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        client = MlflowClient(study["uri"])
+        calls = _counted(client, monkeypatch)
+        monkeypatch.setattr(runs_module, "PROGRESS_AFTER", 0.0)
+        monkeypatch.setattr(runs_module, "PROGRESS_EVERY", 0.0)
+        monkeypatch.setattr(runs_module, "CHUNK", 20)
+        err = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", err)
+        rows, files = write_report(client, "lab", out)
+    return {"rows": rows, "files": files, "calls": calls, "err": err.getvalue(), "out": out}
+
+
+def test_requests_per_run_are_bounded(report):
+    rows, files, calls = report["rows"], report["files"], report["calls"]
+    runs = len(SIZES) * len(ENTRIES) * SEEDS
+    assert sum(len(row.runs) for row in rows) == runs
+    assert calls["get_run"] == 0, calls  # was 3 a run: two artifact downloads and the ladder's params
+    assert calls["get_metric_history"] == 0, calls  # was 3 a run
+    assert calls["get_metric_history_bulk"] == 3 * -(-runs // 20), calls  # 3 keys a chunk of 20 runs
+    # routing/weights.json of each run that has one; of the baseline's and of gates.json a few tries per entry
+    tries = runs_module.MISSES * len(SIZES) * (len(ENTRIES) + 1)
+    assert calls["artifact"] <= runs // 2 + tries < 2 * runs, calls
+    assert calls["search_runs"] <= 2 and calls["get_experiment_by_name"] <= 2, calls
+    # what was read is what the runs hold: tokens/s (the median of the history), the curves, the heatmaps
+    assert {round(row.tokens_per_s) for row in rows} == {1012}
+    assert all(list(run.curves["val/loss"]) == [(20, run.val_loss)] for row in rows for run in row.runs)
+    assert all(len(run.curves["train/loss"]) == 4 for row in rows for run in row.runs)
+    assert "routing_heatmaps.png" in {f.name for f in files}
+
+
+def test_a_slow_phase_prints_a_progress_line(report):
+    runs = len(SIZES) * len(ENTRIES) * SEEDS
+    for done in (20, 40, runs):
+        assert f"[lrattn compare] read histories of {done}/{runs} runs" in report["err"], report["err"]
+
+
+def test_a_phase_quicker_than_the_threshold_prints_none(study, report, capsys):
+    records = [row.runs[0] for row in report["rows"]]
+    runs_module.read_histories(MlflowClient(study["uri"]), records)  # PROGRESS_AFTER: 5 s
+    assert "read histories" not in capsys.readouterr().err
+
+
+def test_many_seeds_are_counted_not_listed(report):
+    table = (report["out"] / "table.md").read_text().split("## Pairwise")[0]
+    rows = [line for line in table.splitlines() if line.startswith("|") and "baseline" in line.split("|")[2]]
+    assert len(rows) == len(SIZES) and all(f"| {SEEDS} seeds (0-{SEEDS - 1}) |" in line for line in rows), table
+    assert ",".join(map(str, range(SEEDS))) not in table
+    csv = (report["out"] / "table.csv").read_text()
+    assert ";".join(map(str, range(SEEDS))) in csv  # the CSV keeps every seed
