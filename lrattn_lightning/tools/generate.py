@@ -1,10 +1,11 @@
 """`lrattn generate` and `lrattn chat`: text from a checkpoint, streamed to the terminal.
 
     lrattn generate --checkpoint CKPT --prompt "def parse(" [--max_new_tokens 200 --temperature 0.8
-                    --top_k 50 --top_p 0.95 --seed 0]
+                    --top_k 50 --top_p 0.95 --seed 0 --cache auto|dynamic|static --compile auto|true|false]
     lrattn chat --checkpoint CKPT        an interactive loop: each line you type continues the text
 
-Both decode with the KV cache (`generate.generate_stream`) and the tokenizer stored in the checkpoint,
+Both decode with the KV cache (`generate.generate_stream`; on CUDA by default the static cache and its decode
+step compiled with CUDA graphs, where the routing allows it) and the tokenizer stored in the checkpoint,
 and print each piece of text as soon as it is complete (a multi-byte character waits for its last byte).
 The model is a language model of its corpus, not an instruction-tuned assistant: `chat` keeps one
 running text (your lines and its continuations), trimmed on the left to fit the model's window, and a
@@ -23,7 +24,7 @@ import torch
 
 from lrattn_lightning.core.errors import InputError, UsageError, one_line
 from lrattn_lightning.core.flags import Parser
-from lrattn_lightning.model.generate import generate_stream
+from lrattn_lightning.model.generate import generate_stream, supports_static
 from lrattn_lightning.train.checkpoint.load import (
     LoadedCheckpoint,
     add_trust_flags,
@@ -57,6 +58,11 @@ def _add_sampling(parser: argparse.ArgumentParser, max_new: int) -> None:
     parser.add_argument("--top_p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--cache", choices=("auto", "dynamic", "static"), default="auto",
+                        help="the KV cache: static (preallocated, a fixed-shape step) or dynamic; auto: static on "
+                             "CUDA where the routing allows it (not the gated residual), else dynamic")
+    parser.add_argument("--compile", choices=("auto", "true", "false"), default="auto",
+                        help="compile the static cache's decode step (CUDA graphs on CUDA); auto: on CUDA only")
     add_trust_flags(parser)
 
 
@@ -88,8 +94,10 @@ def stream_reply(ckpt: LoadedCheckpoint, ids: list[int], args: argparse.Namespac
     prompt = torch.tensor([ids], device=device)
     text = TextStream(ckpt.tokenizer)
     new: list[int] = []
+    cache, compile = getattr(args, "decoding", None) or decoding_choice(ckpt, args, device)
     for token in generate_stream(ckpt.model, prompt, max_new, temperature=args.temperature, top_k=args.top_k,
-                                 top_p=args.top_p, generator=generator, eos_id=ckpt.tokenizer.eos_id):
+                                 top_p=args.top_p, generator=generator, eos_id=ckpt.tokenizer.eos_id,
+                                 cache=cache, compile=compile):
         t = int(token[0])
         if t == ckpt.tokenizer.eos_id:
             break
@@ -101,11 +109,28 @@ def stream_reply(ckpt: LoadedCheckpoint, ids: list[int], args: argparse.Namespac
     return new
 
 
+def decoding_choice(ckpt: LoadedCheckpoint, args: argparse.Namespace, device: torch.device) -> tuple[str, bool]:
+    """--cache and --compile resolved: (cache, compile). The static cache where asked, or by default on CUDA
+    where the router keeps no decoding state of its own; its step compiled where asked, or by default on CUDA."""
+    cuda = device.type == "cuda"
+    cache = getattr(args, "cache", "auto")
+    if cache == "auto":
+        cache = "static" if cuda and supports_static(ckpt.model) else "dynamic"
+    elif cache == "static" and not supports_static(ckpt.model):
+        raise UsageError(f"--cache static: routing '{ckpt.cfg.ablation.routing}' keeps a decoding cache of its "
+                         "own; use --cache dynamic")
+    compile = getattr(args, "compile", "auto")
+    if compile == "true" and cache != "static":
+        raise UsageError("--compile true compiles the static cache's decode step: use it with --cache static")
+    return cache, cache == "static" and (compile == "true" or (compile == "auto" and cuda))
+
+
 def _load(args: argparse.Namespace) -> tuple[LoadedCheckpoint, torch.Generator]:
     _check_sampling(args)
     trust_routers(args)  # the router classes the user names, before a checkpoint names one
     ckpt = load_checkpoint(args.checkpoint)
     ckpt.model.to(args.device)
+    args.decoding = decoding_choice(ckpt, args, torch.device(args.device))
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     return ckpt, generator
 

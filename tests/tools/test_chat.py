@@ -14,6 +14,7 @@ from conftest import TESTS_DIR
 from test_export import make_checkpoint
 
 from lrattn_lightning.data.tokenizer import ByteTokenizer
+from lrattn_lightning.model import generate as generate_module
 from lrattn_lightning.model.generate import generate
 from lrattn_lightning.tools.generate import TextStream, chat_main, generate_main
 
@@ -122,3 +123,23 @@ def test_chat_in_a_real_terminal(tmp_path):
     finally:
         proc.kill()
         os.close(main)
+
+
+def test_generate_with_the_static_cache_prints_the_same_text(tmp_path, capsys, monkeypatch):
+    """--cache static, eager and with its decode step compiled (aot_eager on CPU: what Inductor would compile),
+    writes what the dynamic cache writes; the gated residual, which keeps its own decoding state, is told to use
+    the dynamic cache."""
+    make_checkpoint(tmp_path / "last.ckpt", "s-lr-block-n8-r64", seq_len=64)
+    args = ["--checkpoint", str(tmp_path / "last.ckpt"), "--prompt", "abc", "--max_new_tokens", "12",
+            "--temperature", "0"]
+    monkeypatch.setattr(generate_module, "COMPILE_BACKEND", "aot_eager")
+    texts = []
+    for extra in (["--cache", "dynamic"], ["--cache", "static"], ["--cache", "static", "--compile", "true"]):
+        assert generate_main([*args, *extra]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] == texts[2] and texts[0].startswith("abc")
+    assert generate_main([*args, "--compile", "true"]) == 2  # auto on CPU: the dynamic cache
+    assert "--cache static" in capsys.readouterr().err
+    make_checkpoint(tmp_path / "gated.ckpt", "gated-residual", seq_len=64)
+    assert generate_main(["--checkpoint", str(tmp_path / "gated.ckpt"), "--prompt", "a", "--cache", "static"]) == 2
+    assert "--cache dynamic" in capsys.readouterr().err
