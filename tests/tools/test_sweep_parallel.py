@@ -20,7 +20,8 @@ from mlflow.tracking import MlflowClient
 from test_sweep import sweep_runs, write_sweep
 
 from lrattn_lightning.cli import main
-from lrattn_lightning.tools.sweep.sweep import XARGS
+
+XARGS = "xargs -P 2 -d '\\n' -I{} sh -c '{}'"  # GNU xargs: each line to sh with its quotes (tools/sweep/sweep.py)
 
 HOOKS = Path(__file__).resolve().parent  # sweep_hooks.py: the probe callback the fits import
 
@@ -128,10 +129,8 @@ def test_emitted_commands_run_as_written_from_another_folder(data_dir, tmp_path,
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert main(["sweep", "sweep.yaml", "--emit", "commands", "--out", "all.sh"]) == 0
     text = (work / "all.sh").read_text()
-    assert f"it changes to {work.resolve()}" in text and f"#   {XARGS} < FILE" in text
     doc = (REPO_ROOT / "docs/scaling-study.md").read_text()
     line = next(li for li in doc.splitlines() if "| xargs " in li).split("#")[0].strip()
-    assert line == f"grep -v ladder-xl all.sh | {XARGS}"  # the doc's line, as the emitted header gives it
     (elsewhere / "all.sh").write_text(text)
     env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(["bash", "-c", line], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
@@ -141,3 +140,5 @@ def test_emitted_commands_run_as_written_from_another_folder(data_dir, tmp_path,
     assert {r.info.status for r in runs} == {"FINISHED"}
     assert {(r.data.tags["sweep"], r.data.tags["seed"]) for r in runs} == {("two-by-two", "0"), ("two-by-two", "1")}
     assert sorted(p.name for p in elsewhere.iterdir()) == ["all.sh"]  # nothing written where it was run from
+    assert line == f"grep -v ladder-xl all.sh | {XARGS}"  # the doc's line, as the emitted header gives it
+    assert f"it changes to {work.resolve()}" in text and f"#   {XARGS} < FILE" in text
