@@ -189,7 +189,9 @@ def test_emit_commands_and_slurm_array(data_dir, tmp_path, monkeypatch):
     script = (tmp_path / "runs/sweep-test/sweep-two-by-two.sbatch").read_text()
     assert "#SBATCH --array=0-3%2" in script and "#SBATCH --nodes=1" in script
     assert "#SBATCH --ntasks-per-node=1" in script and "#SBATCH --time=01:00:00" in script
-    assert 'srun lrattn "${ARGS[@]}"' in script and "ARGS+=(--ckpt_path last)" in script
+    assert f'srun {lrattn} "${{ARGS[@]}}"' in script and "ARGS+=(--ckpt_path last)" in script
+    assert f"\ncd {tmp_path.resolve()}\n" in script  # submitted from any folder, each task runs where it was emitted
+    assert f"#SBATCH --output={tmp_path.resolve()}/runs/sweep-test/slurm/%x-%A_%a.out" in script
     assert "trainer.strategy auto" in script  # the script says which world srun's tasks form
     assert (tmp_path / "runs/sweep-test/slurm").is_dir()
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
