@@ -22,10 +22,12 @@ meets it; it prints the summary run's address and the study's runs table with it
                              (said on its bar; the printed numbers are exact)
     gate_alphas.png/svg      the gated residual's mean alpha per sublayer, one line per ablation (mean over
                              seeds, band: seed min-max), from each run's routing/gates.json
-    training_curves.png/svg  train loss and val loss against step, mean over seeds, overlaid
+    training_curves.png/svg  train loss and val loss against step, mean over seeds, overlaid; one row of
+                             panels per size (ladder order), each on its own steps
     scaling.*                runs over two or more sizes (a ladder): each method's compute multiplier against the
                              reference from a fitted L(C) = E + A_m C^-alpha, with its bootstrap interval, residuals
-                             and figure (scaling_report.py; --per-method-exponents: one alpha per method)
+                             and figure, the per-size multipliers beside it (scaling_report.py, scaling_figure.py;
+                             --per-method-exponents: one alpha per method)
     report.md                all of the above on one page, with the runs it was made from and an appendix
                              of lm-eval's bookkeeping numbers (bootstrap stderr, sample counts)
 
