@@ -342,10 +342,21 @@ def parity(reg, args, device, entry: str, op, impl: str = "fast") -> dict:
     return {"ok": ok, "worst_rel_err_ours": worst["ours"], "worst_rel_err_package": worst["package"]}
 
 
+DECODE_PATHS = {  # rows' arm prefix -> generate's options (model/generate.py); "" is today's dynamic KV cache
+    "": {},
+    "static": {"cache": "static"},
+    "static-compiled": {"cache": "static", "compile": True},
+}
+
+
 def decode_rates(reg, args, device, impls: list[str], entries: list[str], spent=lambda: 0.0) -> list[dict]:
     """Greedy decoding with the KV cache (model/generate.py), batch 1, bf16 autocast: tokens/s per arm,
-    rounds interleaved with the baseline; the ratio is the arm's time per token over the baseline's. spent():
-    seconds of the run so far; an arm is skipped once it passes the budget."""
+    rounds interleaved with the baseline; the ratio is the arm's time per token over the baseline's (today's
+    dynamic cache). Beside each impl's rows, our default backend's baseline and entries with the static KV cache
+    (`static:ENTRY`, eager) and its decode step compiled (`static-compiled:ENTRY`: fullgraph, static shapes,
+    CUDA graphs on CUDA, --compile-backend; --dry-run: baseline and the first entry only); `ratio_to_path_baseline` is the time per token over the baseline's
+    on the same path (issue 54: S-LR at most 1.3x, the compiled baseline at least 3x today's tokens/s).
+    spent(): seconds of the run so far; an arm is skipped once it passes the budget."""
     import torch
 
     from lrattn_lightning.model.generate import generate
@@ -354,59 +365,70 @@ def decode_rates(reg, args, device, impls: list[str], entries: list[str], spent=
     n = min(args.decode_tokens, args.seq_len - prompt_len)
     prompt = torch.randint(0, 100, (1, prompt_len), generator=torch.Generator().manual_seed(3)).to(device)
 
-    def timer(model):
+    def timer(model, options):
+        options = {**options, "compile_backend": args.compile_backend} if options.get("compile") else options
+
         def once() -> float:
             sync(device)
             t0 = time.perf_counter()
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                out = generate(model, prompt, n, use_cache=True)
+                out = generate(model, prompt, n, **options)
             sync(device)
             assert out.shape[1] == n
             return time.perf_counter() - t0
         return once
 
-    base = timer(build_model(model_config(reg, args, "baseline"), "fast", device).eval())
+    base = timer(build_model(model_config(reg, args, "baseline"), "fast", device).eval(), {})
     for _ in range(max(1, args.warmup)):
         base()
+    arms = [(impl, "", entry) for impl in impls for entry in entries]
+    static_entries = ["baseline", *entries][: 2 if args.dry_run else None]  # dry run: baseline and S-LR (time)
+    arms += [("fast", path, entry) for path in DECODE_PATHS if path for entry in static_entries]
     rows, base_times = [], []
-    for impl in impls:
-        for entry in entries:
-            name = entry if impl == "fast" else f"{impl}:{entry}"
-            r = {"mode": "decode", "arm": name, "entry": entry, "impl": impl, "package": None, "batch": 1,
-                 "seq_len": prompt_len + n, "tokens": n}
-            if why := unavailable(impl, device):
-                rows.append({**r, "status": f"skipped: {why}"})
-                continue
-            if spent() > args.budget_s:
-                rows.append({**r, "status": f"skipped: time budget ({spent():.0f} s spent)"})
-                continue
-            try:
-                arm = timer(build_model(model_config(reg, args, entry), impl, device).eval())
-                for _ in range(max(1, args.warmup)):
-                    arm()
-                times, ratios = [], []
-                for _ in range(min(args.rounds, 3)):
-                    t_base = base()
-                    base_times.append(t_base)
-                    t = arm()
-                    times.append(t)
-                    ratios.append(t / t_base)
-            except Exception as e:
-                if args.dry_run:
-                    raise
-                rows.append({**r, "status": f"failed: {type(e).__name__}: {str(e)[:300]}"})
-                continue
-            median = statistics.median(times)
-            q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-            rows.append({**r, "status": "ok", "median_step_s": median / n, "tokens_per_s": n / median,
-                         "ratio_to_baseline": statistics.median(ratios), "ratio_quartiles": [q[0], q[2]],
-                         "decode_times_s": times})
+    for impl, path, entry in arms:
+        name = entry if impl == "fast" else f"{impl}:{entry}"
+        name = f"{path}:{name}" if path else name
+        r = {"mode": "decode", "arm": name, "entry": entry, "impl": impl, "package": None, "batch": 1,
+             "seq_len": prompt_len + n, "tokens": n, "path": path or "dynamic"}
+        if why := unavailable(impl, device):
+            rows.append({**r, "status": f"skipped: {why}"})
+            continue
+        if spent() > args.budget_s:
+            rows.append({**r, "status": f"skipped: time budget ({spent():.0f} s spent)"})
+            continue
+        try:
+            arm = timer(build_model(model_config(reg, args, entry), impl, device).eval(), DECODE_PATHS[path])
+            for _ in range(max(1, args.warmup)):
+                arm()
+            times, ratios = [], []
+            for _ in range(min(args.rounds, 3)):
+                t_base = base()
+                base_times.append(t_base)
+                t = arm()
+                times.append(t)
+                ratios.append(t / t_base)
+        except Exception as e:
+            if args.dry_run:
+                raise
+            rows.append({**r, "status": f"failed: {type(e).__name__}: {str(e)[:300]}"})
+            continue
+        median = statistics.median(times)
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        rows.append({**r, "status": "ok", "median_step_s": median / n, "tokens_per_s": n / median,
+                     "ratio_to_baseline": statistics.median(ratios), "ratio_quartiles": [q[0], q[2]],
+                     "decode_times_s": times})
     if base_times:
         median = statistics.median(base_times)
         rows.insert(0, {"mode": "decode", "arm": "baseline", "entry": "baseline", "impl": "fast", "package": None,
-                        "batch": 1, "seq_len": prompt_len + n, "tokens": n, "status": "ok",
+                        "batch": 1, "seq_len": prompt_len + n, "tokens": n, "path": "dynamic", "status": "ok",
                         "median_step_s": median / n, "tokens_per_s": n / median, "ratio_to_baseline": 1.0,
                         "ratio_quartiles": [1.0, 1.0], "decode_times_s": base_times})
+    for r in rows:  # the ratio to the same path's baseline (median times; today's path: the interleaved ratio)
+        path_base = next((b for b in rows if b["status"] == "ok" and b["entry"] == "baseline" and b["impl"] == "fast"
+                          and b["path"] == r["path"]), None)
+        if r["status"] == "ok" and path_base is not None:
+            r["ratio_to_path_baseline"] = (r["ratio_to_baseline"] if r["path"] == "dynamic"
+                                           else r["median_step_s"] / path_base["median_step_s"])
     return rows
 
 

@@ -112,7 +112,10 @@ def test_dry_run(tmp_path):
     flex = [r for r in report["results"] if r["arm"].startswith("docmask-flex:")]
     assert len(flex) == 2 and all(r["status"] == "skipped: FlexAttention has no backward on cpu" for r in flex)
     decode = {r["arm"]: r for r in report["results"] if r["mode"] == "decode" and r["status"] == "ok"}
-    assert set(decode) == {"baseline", *gpu_check.ENTRIES}
+    paths = ("", "static:", "static-compiled:")
+    assert set(decode) == {"baseline", *gpu_check.ENTRIES} | {  # static arms: baseline and S-LR in a dry run
+        p + e for p in paths[1:] for e in ("baseline", gpu_check.ENTRIES[0])}
+    assert all(r["ratio_to_path_baseline"] > 0 for r in decode.values())
     assert all(r["tokens"] == 8 and r["tokens_per_s"] > 0 and r["ratio_to_baseline"] > 0 for r in decode.values())
     # first in each mode: litgpt's GPT at the baseline's shape and the profiled S-LR entry beside our baseline
     results = report["results"]
@@ -121,9 +124,9 @@ def test_dry_run(tmp_path):
         assert first == ["baseline", "litgpt", "s-lr-block-n8-r64"], first
         litgpt = next(r for r in results if r["mode"] == mode and r["arm"] == "litgpt")
         assert litgpt["status"] == "ok" and litgpt["source"] == "litgpt.utils.chunked_cross_entropy"
-    # train arms 10 + litgpt 2 + the later phases' baselines 2, document masking 2, decoding 5
+    # train arms 10 + litgpt 2 + the later phases' baselines 2, document masking 2, decoding 5 + static 4
     md = (tmp_path / "gpu-check-cpu-dry-run.md").read_text()
-    assert md.count("| ok |") == 10 + 2 + 2 + 2 + 5
+    assert md.count("| ok |") == 10 + 2 + 2 + 2 + 5 + 4
     assert "our baseline" in md and "x litgpt's tokens/s" in md
     # the profile: one step each of the baseline, litgpt and S-LR per mode, written beside the report too
     profiles = json.loads((tmp_path / "gpu-check-cpu-dry-run-profile.json").read_text())["profiles"]
