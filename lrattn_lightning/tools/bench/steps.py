@@ -6,6 +6,7 @@
                throughput logging). Compile mode compiles as `configure_model` does (`LRAttnModule.compile_step`: the decoder, and the loss with it).
     forward    the decoder's forward of a full sequence under inference mode
     generate   `model.generate.generate`: greedy decoding with the KV cache, a prompt then one token at a time
+               (--mode compile: the static cache and its compiled decode step)
 
 Each step comes with its tokens and model FLOPs (`accounting.model_flops_per_token` at the sequence run).
 """
@@ -150,14 +151,14 @@ def make_subject(args, reg, ablation: str, mode: str, device, dtype) -> Subject:
 
 
 def _generate_subject(args, ablation: str, cfg, model, idx, mode: str, device, dtype) -> Subject:
-    """Greedy decoding with the KV cache: prefill the prompt, then --new-tokens tokens one by one."""
+    """Greedy decoding with the KV cache: prefill the prompt, then --new-tokens tokens one by one. --mode compile:
+    the static KV cache and its decode step compiled once (model/generate.py; CUDA graphs on CUDA)."""
     import torch
 
     from lrattn_lightning.model.accounting import model_flops_per_token
     from lrattn_lightning.model.generate import generate
 
-    if mode == "compile":
-        raise InputError("--phase generate supports --mode eager only (the KV cache changes shape every token)")
+    options = {"cache": "static", "compile": True, "compile_backend": args.compile_backend} if mode == "compile" else {}
     P, G = args.prompt_len, args.new_tokens
     if P + G > cfg.size.seq_len:
         raise InputError(f"--prompt-len + --new-tokens = {P + G} exceeds seq_len={cfg.size.seq_len}")
@@ -165,7 +166,7 @@ def _generate_subject(args, ablation: str, cfg, model, idx, mode: str, device, d
 
     def step() -> None:
         with torch.inference_mode(), _autocast(device, dtype):
-            generate(model, prompt, G)
+            generate(model, prompt, G, **options)
 
     # decode FLOPs: the forward of one token attending over its context (the mean context of the run)
     per_token = model_flops_per_token(size_for(cfg, 1), training=False)
