@@ -398,4 +398,6 @@ def test_mlflows_own_view_run_links_stay_off_a_servers_terminal(study, tmp_path,
         capsys.readouterr()
         assert main(["compare", "--experiment", "served", "--tracking_uri", uri, "--out", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out
-    assert "[lrattn compare] logged as artifacts" in out and "View run" not in out and "View experiment" not in out
+    assert "[lrattn compare] logged as run" in out and "View run" not in out and "View experiment" not in out
+    assert f"[lrattn compare] summary run: {uri}/#/experiments/" in out  # the server's own address, no `mlflow ui`
+    assert f"[lrattn compare] runs table of 'served': {uri}/#/experiments/" in out and "mlflow ui" not in out
