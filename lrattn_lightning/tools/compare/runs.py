@@ -6,7 +6,7 @@
                     `download_artifacts` asks the store for the whole run first), and an artifact three runs of an
                     entry lacked (and none had) is not asked of its other runs (a kind that logs none)
     read_histories  the metric histories compare needs (tokens/s, train/loss, val/loss): on a sqlite or SQL store
-                    one query per key and chunk of runs, on a server a bounded pool of requests; each run's curve
+                    one query per chunk of CHUNK runs, on a server a bounded pool of requests; each run's curve
                     is kept as two arrays (16 bytes a point)
 
 A phase that runs longer than PROGRESS_AFTER seconds prints `[lrattn compare] read histories 1500/3000 runs` on
@@ -15,13 +15,14 @@ stderr (again every PROGRESS_EVERY seconds and at its end).
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
 from array import array
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 from lrattn_lightning.train.schema import Metric, Tag
 
@@ -129,22 +130,43 @@ class Curve(Sequence):
         return f"Curve({list(self)!r})"
 
 
-def _bulk_store(client: Any) -> Any:
-    """The tracking store when it answers many runs' histories in one query (sqlite, any SQL store), else None."""
-    store = getattr(getattr(client, "_tracking_client", None), "store", None)
-    return store if callable(getattr(store, "get_metric_history_bulk", None)) else None
+class Point(NamedTuple):
+    step: int
+    timestamp: int
+    value: float
+
+
+def _store(client: Any) -> Any:
+    return getattr(getattr(client, "_tracking_client", None), "store", None)
+
+
+def _sql_histories(store: Any, run_ids: list[str], out: dict[str, dict[str, list[Any]]]) -> None:
+    """One query for every key of the chunk's runs, read as plain rows: MLflow's own get_metric_history_bulk
+    builds an ORM object per point (3 minutes of 4 for 3,000 runs' 660,000 points on a loaded 2-core machine)."""
+    from mlflow.store.tracking.dbmodels.models import SqlMetric
+    from sqlalchemy import select
+
+    m = SqlMetric
+    query = select(m.run_uuid, m.key, m.step, m.timestamp, m.value, m.is_nan).where(
+        m.key.in_(HISTORY_KEYS), m.run_uuid.in_(run_ids))
+    with store.ManagedSessionMaker() as session:
+        for run_id, key, step, timestamp, value, is_nan in session.execute(query):
+            out[run_id][key].append(Point(step, timestamp, math.nan if is_nan else value))
 
 
 def _histories(client: Any, run_ids: list[str]) -> dict[str, dict[str, list[Any]]]:
-    """run id -> key -> its metric objects (any order), for HISTORY_KEYS."""
+    """run id -> key -> its points (step, timestamp, value; any order), for HISTORY_KEYS."""
     out: dict[str, dict[str, list[Any]]] = {rid: {key: [] for key in HISTORY_KEYS} for rid in run_ids}
-    store = _bulk_store(client)
-    if store is not None:
+    store = _store(client)
+    if type(store).__name__ == "SqlAlchemyStore" and hasattr(store, "ManagedSessionMaker"):  # sqlite, any SQL
+        _sql_histories(store, run_ids, out)
+        return out
+    if callable(getattr(store, "get_metric_history_bulk", None)):
         for key in HISTORY_KEYS:
             for m in store.get_metric_history_bulk(run_ids, key, max_results=None):
                 out[m.run_id][key].append(m)  # a Metric with its run id
         return out
-    with ThreadPoolExecutor(THREADS) as pool:
+    with ThreadPoolExecutor(THREADS) as pool:  # a tracking server: one request a run and key, THREADS at a time
         jobs = {(rid, key): pool.submit(client.get_metric_history, rid, key) for rid in run_ids for key in HISTORY_KEYS}
         for (rid, key), job in jobs.items():
             out[rid][key] = job.result()
