@@ -89,8 +89,16 @@ def test_cli_subcommand_and_bad_names(tmp_path):
         bench.main([*TINY, "--ablations", "no-such-ablation", "--json", str(path)])
     with pytest.raises(ValueError, match="no option 'no_such_option'"):
         bench.main([*TINY, "--inductor", "no_such_option=1", "--ablations", "baseline", "--json", str(path)])
-    with pytest.raises(ValueError, match="generate"):
-        bench.main([*TINY, "--phase", "generate", "--mode", "compile", "--ablations", "baseline", "--json", str(path)])
+
+
+def test_generate_compile_mode_decodes_with_the_static_cache(tmp_path):
+    """--phase generate --mode compile: the static KV cache and its compiled decode step (it was refused)."""
+    report = _run(tmp_path, "--phase", "generate", "--mode", "compile", "--compile-backend", "aot_eager",
+                  "--ablations", "s-lr-block-n8-r64", "--steps", "1", "--warmup", "1", "--prompt-len", "4",
+                  "--new-tokens", "6")
+    assert [(r["mode"], r["ablation"]) for r in report["results"]] == [("compile", "baseline"),
+                                                                       ("compile", "s-lr-block-n8-r64")]
+    assert all(r["tokens_per_s"] > 0 for r in report["results"])
 
 
 def test_roofline_columns_and_profile_without_kineto_noise(tmp_path, capfd):
