@@ -132,3 +132,22 @@ def test_many_seeds_are_counted_not_listed(report):
     assert ",".join(map(str, range(SEEDS))) not in table
     csv = (report["out"] / "table.csv").read_text()
     assert ";".join(map(str, range(SEEDS))) in csv  # the CSV keeps every seed
+
+
+def test_the_summary_runs_description_of_many_rows_is_not_cut_mid_line(study):
+    """600 rows' Δ lines are more than MLflow keeps of a tag (8,000 characters): the description keeps the rows
+    that fit, whole, says how many more the report holds, and ends with where the report is."""
+    from lrattn_lightning.tools.compare.summary_run import description
+
+    numbers = {f"delta/ladder-m/s-lr-block-n8-r64+lr{i}": 0.1 for i in range(600)}
+    text = description("lab", [], "baseline", numbers)
+    client = MlflowClient(study["uri"])
+    rid = client.create_run(client.create_experiment("lab-reports-test")).info.run_id
+    client.set_tag(rid, "mlflow.note.content", text)
+    stored = client.get_run(rid).data.tags["mlflow.note.content"]
+    assert stored == text  # MLflow kept all of it
+    lines = stored.splitlines()
+    deltas = [line for line in lines if line.startswith("- Δ ")]
+    assert 100 < len(deltas) < 600 and all(line.endswith(": +0.1000") for line in deltas)
+    assert f"- ... {600 - len(deltas)} more rows: see the report artifact `compare/report.md`" in lines
+    assert lines[-1].startswith("The full report (table, p-values, figures)")

@@ -77,9 +77,10 @@ def compared(experiment: str, rows: list[Row], reference: str) -> dict[str, str]
 def description(experiment: str, rows: list[Row], reference: str, numbers: dict[str, float]) -> str:
     """The run's Description: what was compared, the headline numbers one per line, where the report is."""
     params = compared(experiment, rows, reference)
-    lines = [f"**Comparison of `{experiment}`**: {params[Param.REPORT_RUNS]} finished runs, size(s) "
-             f"{params[Param.REPORT_SIZES]}, {params[Param.REPORT_SEEDS]} seed(s) per row; Δ is the mean final "
-             f"val loss (nats/token) minus `{reference}`'s.", ""]
+    head = [f"**Comparison of `{experiment}`**: {params[Param.REPORT_RUNS]} finished runs, size(s) "
+            f"{params[Param.REPORT_SIZES]}, {params[Param.REPORT_SEEDS]} seed(s) per row; Δ is the mean final "
+            f"val loss (nats/token) minus `{reference}`'s.", ""]
+    lines = []
     for key, value in numbers.items():
         if key.startswith(Metric.DELTA):
             lines.append(f"- Δ {key.removeprefix(Metric.DELTA)}: {value:+.4f}")
@@ -89,9 +90,24 @@ def description(experiment: str, rows: list[Row], reference: str, numbers: dict[
             lo, hi = numbers.get(Metric.MULTIPLIER_LO + method), numbers.get(Metric.MULTIPLIER_HI + method)
             interval = f" [{lo:.2f}, {hi:.2f}]" if lo is not None and hi is not None else ""
             lines.append(f"- compute multiplier {method}: {value:.2f}x{interval}")
-    lines += ["", f"The full report (table, p-values, figures): Artifacts, `{Artifact.COMPARE}report.md`; the table "
-              f"alone: `{Artifact.COMPARE}table.md`. These numbers are this run's metrics."]
-    return "\n".join(lines)
+    tail = ["", f"The full report (table, p-values, figures): Artifacts, `{Artifact.COMPARE}report.md`; the table "
+            f"alone: `{Artifact.COMPARE}table.md`. These numbers are this run's metrics."]
+    return fit_lines(head, lines, tail)
+
+
+DESCRIPTION_LIMIT = 8000  # MLflow's MAX_TAG_VAL_LENGTH: the store cuts a longer tag wherever the limit falls
+
+
+def fit_lines(head: list[str], items: list[str], tail: list[str], limit: int = DESCRIPTION_LIMIT) -> str:
+    """head, items and tail as lines within `limit` characters: where they do not fit, the items that do and a
+    line saying how many more the report holds (never a line cut in two; issue 53)."""
+    text = "\n".join(head + items + tail)
+    kept = len(items)
+    while len(text) > limit and kept:
+        kept = min(kept - 1, kept * limit // len(text))  # about the share that fits, then one at a time
+        more = f"- ... {len(items) - kept} more rows: see the report artifact `{Artifact.COMPARE}report.md`"
+        text = "\n".join(head + items[:kept] + [more] + tail)
+    return text
 
 
 def log_summary_run(client: Any, experiment: str, files: list[Path], rows: list[Row], reference: str,
