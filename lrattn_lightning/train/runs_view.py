@@ -39,10 +39,16 @@ TRAINING_COLUMNS = (column("metrics", Metric.VAL_LOSS), column("metrics", Metric
                     column("params", Param.ABLATION), column("params", Param.SIZE), column("params", Param.SEED))
 
 
+# pixels, so that the five fit beside the run name and Created in a 1600-pixel window with MLflow's assistant
+# panel open (as a fresh browser has it); a metric shows 7 digits, an ablation's name 17 letters
+WIDTHS = {column("params", Param.ABLATION): 130, column("params", Param.SIZE): 70, column("params", Param.SEED): 85}
+
+
 def view_state(name: str, columns: tuple[str, ...] | list[str], now_ms: int | None = None) -> str:
-    """The tag value of a saved view showing `columns` (the run name wide enough to read)."""
-    state = {"selectedColumns": list(columns), "columnWidths": {RUN_NAME: 320}, "columnOrder": [],
-             "runListHidden": False, "viewMaximized": False}
+    """The tag value of a saved view showing `columns` right after the run name, each wide enough to read."""
+    widths = {RUN_NAME: 200, **{c: WIDTHS.get(c, 110) for c in columns}}
+    state = {"selectedColumns": list(columns), "columnWidths": widths, "columnOrder": list(widths),  # widths apply
+             "runListHidden": False, "viewMaximized": False}  # only to ordered columns: the figures come first
     now = int(time.time() * 1000) if now_ms is None else now_ms
     return json.dumps({"name": name, "createdAt": now, "updatedAt": now, "state": json.dumps(state)})
 

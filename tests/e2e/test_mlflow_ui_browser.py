@@ -37,9 +37,9 @@ def link(lines: list[str], label: str, port: int) -> str:
     return found.replace("http://127.0.0.1:5000/", f"http://127.0.0.1:{port}/")
 
 
-def browse(url: str, shot: Path) -> str:
+def browse(url: str, shot: Path, height: int = 1000) -> str:
     """The page's DOM once its scripts ran (a fresh profile: nothing remembered), and its screenshot."""
-    common = [BROWSER, "--headless", "--disable-gpu", "--no-sandbox", "--hide-scrollbars", "--window-size=1600,1400",
+    common = [BROWSER, "--headless", "--disable-gpu", "--no-sandbox", "--hide-scrollbars", f"--window-size=1600,{height}",
               "--virtual-time-budget=20000", f"--user-data-dir={shot.parent / ('profile-' + shot.stem)}"]
     subprocess.run([*common, f"--screenshot={shot}", url], capture_output=True, timeout=180, check=True)
     return subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=180, check=True).stdout
@@ -91,10 +91,13 @@ def test_the_printed_runs_table_shows_every_runs_figures_without_a_click(study):
     text = visible_text(dom)
     assert "You're viewing a shared view" in text and "Model training" in text, text[:2000]
     assert "matching runs" in text and "Traces 0" not in text  # the runs page, not GenAI's Overview / Traces
-    headers = re.findall(r'role="columnheader"[^>]*>(.*?)</div></div></div>', dom)  # ag-grid's header cells
-    shown = visible_text(" ".join(headers)) if headers else text
+    # ag-grid's header cells, in the order shown (aria-colindex; the pinned run name and Created stand left of all)
+    cells = re.findall(r'<div class="ag-header-cell [^"]*"[^>]*aria-colindex="(\d+)" col-id="([^"]+)"', dom)
+    shown = [col for _, col in sorted(cells, key=lambda cell: int(cell[0]))]
+    assert shown[1:7] == ["attributes.`Run Name`", "metrics.`val/loss`", "metrics.`val/bpb`", "params.`ablation`",
+                          "params.`size`", "params.`train_seed`"], shown
     for column in ("val/loss", "val/bpb", "ablation", "size", "train_seed", "Run Name"):
-        assert column in shown, (column, shown[:2000])
+        assert column in text, column
     runs = study["client"].search_runs([study["client"].get_experiment_by_name("lrattn").experiment_id])
     for run in runs:
         assert run.info.run_name in text
@@ -114,7 +117,7 @@ def test_the_summary_run_shows_the_comparisons_numbers_as_metrics(study):
     assert summary.info.run_id in url and "workflowType=machine_learning" in url
     delta = summary.data.metrics["delta/tiny/attnres-full"]
     assert summary.data.params["report_experiment"] == "lrattn" and summary.data.params["report_runs"] == "2"
-    text = visible_text(browse(url, study["shots"] / "summary-run.png"))
+    text = visible_text(browse(url, study["shots"] / "summary-run.png", height=1500))
     assert "Comparison of lrattn" in text and "compare/report.md" in text, text[:3000]
     assert "delta/tiny/attnres-full" in text and f"{delta:.4f}"[:6] in text.replace(" ", ""), text[:4000]
     for param in ("report_experiment", "report_sizes", "report_seeds"):
