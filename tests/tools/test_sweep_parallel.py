@@ -68,7 +68,8 @@ def test_parallel_runs_two_fits_at_once_each_on_one_thread(data_dir, tmp_path, m
                for r in runs)
 
 
-def test_a_stop_signal_stops_every_running_fit_and_the_same_command_resumes_them(data_dir, tmp_path):
+def test_a_stop_signal_stops_every_running_fit_and_the_same_command_resumes_them(data_dir, tmp_path, monkeypatch,
+                                                                                   capsys):
     """SIGINT to a `lrattn sweep --parallel 2` process while both its fits train: both get it, save last.ckpt and
     stop; the sweep waits for them, prints a line per stopped run and exits 130. The same command again resumes
     both from their checkpoints into their own MLflow runs and finishes them."""
@@ -76,8 +77,8 @@ def test_a_stop_signal_stops_every_running_fit_and_the_same_command_resumes_them
     path = probed_sweep(tmp_path, data_dir, probe, hold_step=1, ablations=["baseline"])
     env = warm_cli.cli_env()  # the test folders importable (the sweep checks the recipe's callback), no store
     command = [sys.executable, "-m", "lrattn_lightning.cli", "sweep", str(path), "--parallel", "2"]
-    sweep = warm_cli.Launches.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
+    # cold processes, as a user's: the sweep, and the fits it starts (warm_cli serves the in-process sweeps)
+    sweep = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while len(list(probe.glob("*.ready"))) < 2:  # both fits hold before step 1
         assert sweep.poll() is None and time.time() < deadline, sweep.communicate()[0] if sweep.poll() else "timeout"
@@ -96,10 +97,12 @@ def test_a_stop_signal_stops_every_running_fit_and_the_same_command_resumes_them
     stopped = {r.info.run_name: r for r in sweep_runs(uri)}
     assert sorted(stopped) == names and {r.info.status for r in stopped.values()} == {"KILLED"}
 
-    again = warm_cli.Launches.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
-    out = again.communicate(timeout=300)[0]
-    assert again.returncode == 0, out
+    # the same command again, in this process (its fits forked warm: conftest.py)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    capsys.readouterr()
+    assert main(command[3:]) == 0
+    out = capsys.readouterr().out
     assert out.count("(resuming from last.ckpt)") == 2 and "done: 2 ran, 0 failed" in out, out
     after = {r.info.run_name: r for r in sweep_runs(uri)}
     assert {n: r.info.run_id for n, r in after.items()} == {n: r.info.run_id for n, r in stopped.items()}
