@@ -86,7 +86,7 @@ class StaticDecoding:
         def step_fn(token_B1: Tensor) -> Tensor:
             return stepper(token_B1, cache=self.cache)[:, -1]  # (B, V)
 
-        if compile and mode is None and device.type == "cuda":
+        if compile and mode is None and device.type == "cuda" and backend == "inductor":  # (a mode is Inductor's)
             mode = "reduce-overhead"
         self.step_fn = torch.compile(step_fn, fullgraph=True, dynamic=False, mode=mode, backend=backend) \
             if compile else step_fn
