@@ -97,7 +97,7 @@ def test_dry_run(tmp_path):
     """The CPU dry run: every entry, eager and compiled (aot_eager), through the LightningModule's train step,
     without MLflow, litdata or lm-eval."""
     proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu-check-cpu-dry-run.json").read_text())
     assert report["meta"]["heavy_modules_imported"] == []
