@@ -1,15 +1,16 @@
 """Reading runs back from MLflow at a lab's scale (issue 53: 3,000 runs within 30 s, 20,000 within 3 minutes).
 
     search_all      every run of an experiment matching a filter, across result pages
-    RunReader       the client compare reads through: `get_run` of a run it has searched is the searched run (no
-                    request), an artifact is read from the run's artifact location directly (MLflow's own
-                    `download_artifacts` asks the store for the whole run first), and an artifact three runs of an
-                    entry lacked (and none had) is not asked of its other runs (a kind that logs none)
+    RunReader       the client compare reads through: one search serves the finished runs and the runs left out,
+                    `get_run` of a run it has searched is the searched run (no request), an artifact is read from
+                    the run's artifact location directly (MLflow's own `download_artifacts` asks the store for the
+                    whole run first), and an artifact three runs of an entry lacked (and none had) is not asked of
+                    its other runs (a kind that logs none)
     read_histories  the metric histories compare needs (tokens/s, train/loss, val/loss): on a sqlite or SQL store
                     one query per chunk of CHUNK runs, on a server a bounded pool of requests; each run's curve
                     is kept as two arrays (16 bytes a point)
 
-A phase that runs longer than PROGRESS_AFTER seconds prints `[lrattn compare] read histories 1500/3000 runs` on
+A phase that runs longer than PROGRESS_AFTER seconds prints `[lrattn compare] read histories of 1500/3000 runs` on
 stderr (again every PROGRESS_EVERY seconds and at its end).
 """
 
@@ -33,8 +34,13 @@ MISSES = 3  # runs of an entry without an artifact (and none with it) before its
 HISTORY_KEYS = (Metric.TOKENS_PER_SEC, Metric.TRAIN_LOSS, Metric.VAL_LOSS)
 
 
+FINISHED = "attributes.status = 'FINISHED'"
+
+
 def search_all(client: Any, experiment_id: str, query: str) -> list[Any]:
     """Every run of the experiment matching `query` (an MLflow filter string), all pages of 1000."""
+    if isinstance(client, RunReader):
+        return client.search_all(experiment_id, query)
     runs, token = [], None
     while True:
         page = client.search_runs([experiment_id], filter_string=query, max_results=1000, page_token=token)
@@ -67,9 +73,24 @@ class RunReader:
         self.client = client
         self.runs: dict[str, Any] = {}
         self.misses: dict[tuple[str, str, str], int] = {}  # (size, ablation, path) -> runs without it; -1: seen
+        self.searched: dict[tuple[str, str], list[Any]] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)
+
+    def search_all(self, experiment_id: str, query: str) -> list[Any]:
+        """search_all's runs, each query asked once; the finished runs of a query (compare's own) are those of the
+        query without the status (which compare asks next, for the runs it leaves out): one search, not two."""
+        if query.startswith(FINISHED):
+            rest = query.removeprefix(FINISHED).removeprefix(" and ")
+            return [run for run in self.search_all(experiment_id, rest) if run.info.status == "FINISHED"]
+        key = (experiment_id, query)
+        if key not in self.searched:
+            self.searched[key] = search_all(self.client, experiment_id, query)
+            for run in self.searched[key]:
+                run.data.tags.pop(Tag.NOTE, None)  # the run's description: kilobytes a run, never read here
+                self.runs[run.info.run_id] = run
+        return self.searched[key]
 
     def search_runs(self, *args: Any, **kwargs: Any) -> Any:
         page = self.client.search_runs(*args, **kwargs)
