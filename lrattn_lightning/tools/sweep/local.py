@@ -242,7 +242,11 @@ def _run_at_once(job: _Job, todo: list[SweepRun], stop_on_failure: bool, paralle
                 i, run = next(queue, (0, None))
             if run is None:
                 return
-            state = job.run(run, i)
+            try:
+                state = job.run(run, i)
+            except Exception as err:  # (in a thread: it would end the slot and leave the run silently not started)
+                state = f"failed ({one_line(err)})"
+                say(f"[sweep {job.sweep.name}] {run.name}: {state}")
             with lock:
                 states[run] = state
             if stop_on_failure and _failed(state):
