@@ -359,3 +359,27 @@ def mlflow_server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str]]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(server.pid, signal.SIGKILL)
             server.wait(timeout=20)
+
+
+def prepare_in(args: list[str], cwd: Path, capsys) -> tuple[int, list[str]]:
+    """`lrattn prepare ARGS` in this process from folder `cwd`: (exit code, stderr's non-empty lines)."""
+    from lrattn_lightning.cli import main as lrattn_main
+
+    old = Path.cwd()
+    os.chdir(cwd)
+    try:
+        code = lrattn_main(["prepare", *args])
+    finally:
+        os.chdir(old)
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+PRECIOUS = "precious\n"  # what a planted link's victim holds, before and after
+
+
+@pytest.fixture
+def victim(tmp_path: Path) -> Path:
+    """A file a link planted where lrattn writes points at: it must keep PRECIOUS."""
+    path = tmp_path / "victim"
+    path.write_text(PRECIOUS)
+    return path

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import PRECIOUS
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.core.files import (
@@ -21,15 +22,6 @@ from lrattn_lightning.core.files import (
     write_file,
 )
 from lrattn_lightning.train.checkpoint.lock import FileLock
-
-PRECIOUS = "precious\n"
-
-
-@pytest.fixture
-def victim(tmp_path: Path) -> Path:
-    path = tmp_path / "victim"
-    path.write_text(PRECIOUS)
-    return path
 
 
 def one_line_refusal(err: pytest.ExceptionInfo, path: Path) -> str:

@@ -22,9 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import split_documents
+from conftest import prepare_in, split_documents
 
-from lrattn_lightning.cli import main as lrattn_main
 from lrattn_lightning.data.corpora import iter_documents
 from lrattn_lightning.data.prepare import prepare
 from lrattn_lightning.data.shards import read_meta
@@ -179,15 +178,7 @@ def test_meta_records_every_input_file_with_size_and_sha256(corpus, tmp_path):
 # ---------------------------------------------------------------------------------------------- refusals
 
 
-def run(args: list[str], cwd: Path, capsys) -> tuple[int, list[str]]:
-    old = Path.cwd()
-    os.chdir(cwd)
-    try:
-        code = lrattn_main(["prepare", *args])
-    finally:
-        os.chdir(old)
-    err = capsys.readouterr().err
-    return code, [line for line in err.splitlines() if line.strip()]
+run = prepare_in  # (conftest)
 
 
 def _lines(n: int, field: str = "text") -> bytes:

@@ -5,13 +5,11 @@ written by `datasets`, read back from the shards."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-from conftest import split_documents
+from conftest import prepare_in, split_documents
 
-from lrattn_lightning.cli import main as lrattn_main
 from lrattn_lightning.data.prepare import prepare
 from lrattn_lightning.data.shards import read_meta
 
@@ -29,14 +27,7 @@ def save(root: Path, **splits: list[str]) -> Path:
     return folder
 
 
-def run(args: list[str], cwd: Path, capsys) -> tuple[int, list[str]]:
-    old = Path.cwd()
-    os.chdir(cwd)
-    try:
-        code = lrattn_main(["prepare", *args])
-    finally:
-        os.chdir(old)
-    return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+run = prepare_in  # (conftest)
 
 
 @pytest.mark.parametrize("name", ["validation", "valid", "val"])

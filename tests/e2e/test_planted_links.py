@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import PRECIOUS
 from test_sweep import write_sweep
 
 from lrattn_lightning.cli import main
@@ -27,15 +28,6 @@ from lrattn_lightning.tools.export import export_hf
 from lrattn_lightning.train.checkpoint.lock import run_lock_path
 from lrattn_lightning.train.checkpoint.save import LastCheckpoint, temp_path
 from lrattn_lightning.train.store import store_lock_path
-
-PRECIOUS = "precious\n"
-
-
-@pytest.fixture
-def victim(tmp_path: Path) -> Path:
-    path = tmp_path / "victim"
-    path.write_text(PRECIOUS)
-    return path
 
 
 def fit(data: Path, *extra: str) -> list[str]:
