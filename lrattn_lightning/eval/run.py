@@ -52,6 +52,7 @@ from lrattn_lightning.train.checkpoint.load import (
     load_checkpoint,
     trust_routers,
 )
+from lrattn_lightning.train.runs_view import ensure_view
 from lrattn_lightning.train.schema import Param, Tag
 from lrattn_lightning.train.summary import ui_pointer
 
@@ -89,6 +90,7 @@ def open_eval_run(ckpt: LoadedCheckpoint, tracking_uri: str, experiment: str = "
               file=sys.stderr)
     exp = client.get_experiment_by_name(experiment)
     exp_id = exp.experiment_id if exp else client.create_experiment(experiment, artifact_location(tracking_uri))
+    ensure_view(client, exp_id, exp.tags if exp else {})  # the runs-table link ui_pointer prints opens this view
     run = client.create_run(exp_id, run_name=f"eval-{cfg.size.name}-{cfg.ablation.name}", tags={
         Tag.CHECKPOINT: str(ckpt.path.resolve()), Tag.EVAL_ONLY: "true", Tag.ABLATION: cfg.ablation.name,
         Tag.SIZE: cfg.size.name, Tag.TRAINING_RUN: run_id or "none", Tag.GLOBAL_STEP: str(ckpt.global_step)})

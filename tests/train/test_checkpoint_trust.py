@@ -124,6 +124,10 @@ def test_eval_writes_to_the_users_store_not_the_checkpoints(trained, tmp_path, m
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert run.data.tags["eval_only"] == "true" and "eval/val/loss" in run.data.metrics
+    # the eval-only run's experiment holds the saved view its printed runs-table link opens (issue 55)
+    from lrattn_lightning.train.runs_view import VIEW_TAG
+
+    assert VIEW_TAG in client.get_experiment(run.info.experiment_id).tags
 
 
 def test_eval_does_not_write_into_another_run_a_checkpoint_names(trained, tmp_path, monkeypatch, capsys):
