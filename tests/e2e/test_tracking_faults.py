@@ -266,7 +266,7 @@ def test_compare_leaves_out_runs_whose_last_validation_is_not_their_last_step(tm
     out = capsys.readouterr().out
     row = (tmp_path / "rep/table.csv").read_text().splitlines()[1].split(",")
     assert row[2:4] == ["3", "0;2;4"] and float(row[4]) == pytest.approx((3.1 + 3.0 + 3.2) / 3)
-    note = ("Not counted: 2 FINISHED run(s) whose last validation is not at their last step, so their val/loss is "
+    note = ("Not counted: 2 FINISHED runs whose last validation is not at their last step, so their val/loss is "
             "an earlier value, not their result: `tiny-baseline-seed1` (val/loss last at step 4 of 12; "
             "lrattn.tracking_gap: MLflow unreachable at steps 5-); `tiny-baseline-seed3` (val/loss last at step 4 "
             "of 8).")

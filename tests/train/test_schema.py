@@ -185,6 +185,17 @@ class Reads:
 
         monkeypatch.setattr(MlflowClient, "get_metric_history", get_metric_history)
         monkeypatch.setattr(MlflowClient, "search_runs", search_runs)
+        from lrattn_lightning.tools.compare import runs as compare_runs
+
+        histories = compare_runs._histories
+
+        def bulk_histories(client, run_ids):  # compare reads histories in bulk (one SQL query per 500 runs)
+            found = histories(client, run_ids)
+            for by_key in found.values():
+                reads.keys["metric"].update(by_key)
+            return found
+
+        monkeypatch.setattr(compare_runs, "_histories", bulk_histories)
 
     def undeclared(self) -> dict[str, list[str]]:
         return {kind: bad for kind, keys in self.keys.items() if (bad := schema.undeclared(kind, keys))}
