@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -42,6 +43,9 @@ if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN or os.environ.get("LRATTN_T
 # the start, the environment the tests give their commands does not change once a test has imported lm-eval (which
 # made each warm server started after that one more, tests/warm_cli.py). No command here downloads anything.
 os.environ.setdefault("HF_XET_HIGH_PERFORMANCE", "1")
+# hypothesis keeps its example database and constants cache under ./.hypothesis (the checkout) unless told otherwise:
+# the suite writes nothing into the checkout (tests/e2e/test_no_stray_writes.py), so they go under the temp folder
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "lrattn-tests-hypothesis"))
 
 # Where things are, for every test module wherever its folder (tests/ mirrors lrattn_lightning/: tests/model/routing/
 # holds the routing kinds' tests, tests/e2e/ the tests whose point is real processes): a test module takes paths from
