@@ -387,3 +387,13 @@ def victim(tmp_path: Path) -> Path:
     path = tmp_path / "victim"
     path.write_text(PRECIOUS)
     return path
+
+
+def sqlite_experiment(folder: Path, name: str):
+    """A new sqlite MLflow store in `folder` and an experiment `name` whose artifacts lie beside it (not ./mlruns):
+    (tracking URI, client, experiment id)."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    return uri, client, client.create_experiment(name, artifact_location=(folder / "artifacts").as_uri())

@@ -6,7 +6,7 @@ whose runs were left out is named although its row is gone. A real sqlite MLflow
 from __future__ import annotations
 
 import pytest
-from mlflow.tracking import MlflowClient
+from conftest import sqlite_experiment
 
 from lrattn_lightning.cli import main
 from lrattn_lightning.tools.compare.left_out import MAX_NAMED, LeftOut, terminal_line
@@ -31,9 +31,7 @@ def _run(client, exp, name, abl, seed, loss=None, status="FINISHED", tags=None):
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     root = tmp_path_factory.mktemp("left-out")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
-    client = MlflowClient(uri)
-    exp = client.create_experiment("sweep", artifact_location=(root / "artifacts").as_uri())
+    uri, client, exp = sqlite_experiment(root, "sweep")
     for seed in range(3):
         _run(client, exp, f"baseline-s{seed}", "baseline", seed, 3.0 + 0.01 * seed)
     _run(client, exp, "a-s0", "method-a", 0, 2.9)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from mlflow.tracking import MlflowClient
+from conftest import sqlite_experiment
 
 from lrattn_lightning.cli import main
 from lrattn_lightning.tools.compare.table import read_runs, summarise
@@ -47,9 +47,7 @@ def _run(client, exp, name, seed, loss, parts, betas):
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("rule")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
-    client = MlflowClient(uri)
-    exp = client.create_experiment("rule", artifact_location=(root / "artifacts").as_uri())
+    uri, client, exp = sqlite_experiment(root, "rule")
     assert fp.fingerprint(RULE_1_PARTS) == RULE_1_FINGERPRINT  # an old run's tag still reads as it was written
     _run(client, exp, "old-seed0", 0, 3.0, RULE_1_PARTS, (0.9, 0.95))
     _run(client, exp, "old-seed1", 1, 3.1, RULE_1_PARTS, (0.8, 0.9))  # rule 1 could not tell these apart

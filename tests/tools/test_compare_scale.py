@@ -9,6 +9,7 @@ import collections
 
 import pytest
 import sqlalchemy
+from conftest import sqlite_experiment
 from mlflow.entities import Metric, Param
 from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
 from mlflow.tracking import MlflowClient
@@ -23,9 +24,7 @@ STORE_CALLS = ("get_run", "get_metric_history", "get_metric_history_bulk", "sear
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     root = tmp_path_factory.mktemp("compare-scale")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
-    client = MlflowClient(uri)
-    exp = client.create_experiment("lab", artifact_location=(root / "artifacts").as_uri())
+    uri, client, exp = sqlite_experiment(root, "lab")
     for size in SIZES:
         for i, entry in enumerate(ENTRIES):
             for seed in range(SEEDS):
