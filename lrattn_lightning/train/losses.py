@@ -95,8 +95,7 @@ class FusedTokenLosses(torch.autograd.Function):
         counted_N = targets_N != IGNORE_INDEX
         safe_N = torch.where(counted_N, targets_N, 0)
         picked_N = logits_NV.gather(1, safe_N[:, None]).squeeze(1).to(dtype)  # x_it_i
-        ce = torch.where(counted_N, lse_N - picked_N, 0).sum() / counted_N.sum()
-        z = lse_N.square().mean()
+        ce, z = _losses(lse_N, picked_N, counted_N)
         ctx.save_for_backward(logits_NV, safe_N, counted_N, lse_N)
         ctx.rows = rows
         return ce, z
@@ -105,8 +104,7 @@ class FusedTokenLosses(torch.autograd.Function):
     def backward(ctx, g_ce: torch.Tensor, g_z: torch.Tensor):
         logits_NV, safe_N, counted_N, lse_N = ctx.saved_tensors
         N, rows = logits_NV.shape[0], ctx.rows
-        w_ce_N = counted_N.to(lse_N.dtype) * (g_ce / counted_N.sum())  # g_ce / N_ce on counted tokens, else 0
-        coef_N = w_ce_N + lse_N * (2.0 * g_z / N)
+        w_ce_N, coef_N = _coefficients(counted_N, lse_N, g_ce, g_z)
         grad_NV = torch.empty_like(logits_NV)
         in_place = logits_NV.dtype == lse_N.dtype  # float32 / float64 logits: work in the gradient's own rows
         for s in range(0, N, rows):
@@ -114,13 +112,33 @@ class FusedTokenLosses(torch.autograd.Function):
             # (rows, V) in the compute dtype, x - lse written by the subtraction (into the gradient's own rows for
             # float logits: no working set beyond it; one float32 chunk for bf16 ones, the promotion's result),
             # then worked in place
-            p = shifted(logits_NV[s:e], lse_N[s:e], out=grad_NV[s:e] if in_place else None)
-            p.exp_().mul_(coef_N[s:e, None])
-            p.scatter_add_(1, safe_N[s:e, None], -w_ce_N[s:e, None])
+            p = _logits_grad(logits_NV[s:e], lse_N[s:e], coef_N[s:e], safe_N[s:e], w_ce_N[s:e],
+                             out=grad_NV[s:e] if in_place else None)
             if not in_place:
                 grad_NV[s:e] = p
             del p  # before the next chunk's copy
         return grad_NV, None, None
+
+
+def _losses(lse_N: torch.Tensor, picked_N: torch.Tensor, counted_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ce, z) from each row's lse and target logit: ce over the counted rows, z over all."""
+    return torch.where(counted_N, lse_N - picked_N, 0).sum() / counted_N.sum(), lse_N.square().mean()
+
+
+def _coefficients(counted_N: torch.Tensor, lse_N: torch.Tensor, g_ce: torch.Tensor,
+                  g_z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_ce, coef) of the backward: g_ce / N_ce on counted rows (else 0), and w_ce + g_z 2 lse / N."""
+    w_ce_N = counted_N.to(lse_N.dtype) * (g_ce / counted_N.sum())
+    return w_ce_N, w_ce_N + lse_N * (2.0 * g_z / lse_N.shape[0])
+
+
+def _logits_grad(x_RV: torch.Tensor, lse_R: torch.Tensor, coef_R: torch.Tensor, safe_R: torch.Tensor,
+                 w_ce_R: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """d loss / d x for a chunk of rows, in the compute dtype: exp(x - lse) coef - [v = t] w_ce, worked in place in
+    the array the subtraction writes (`out`, or a new one)."""
+    p = shifted(x_RV, lse_R, out=out)
+    p.exp_().mul_(coef_R[:, None])
+    return p.scatter_add_(1, safe_R[:, None], -w_ce_R[:, None])
 
 
 def head_token_losses(features: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
@@ -158,8 +176,7 @@ class FusedHeadTokenLosses(torch.autograd.Function):
                 picked.append(logits_RV.gather(1, safe_N[s:s + rows, None]).squeeze(1).to(dtype))
                 del logits_RV
             lse_N, picked_N = torch.cat(lse), torch.cat(picked)
-        ce = torch.where(counted_N, lse_N - picked_N, 0).sum() / counted_N.sum()
-        z = lse_N.square().mean()
+        ce, z = _losses(lse_N, picked_N, counted_N)
         ctx.save_for_backward(x_ND, w_VD, safe_N, counted_N, lse_N)
         ctx.rows, ctx.mm_dtype = rows, mm_dtype
         return ce, z
@@ -168,17 +185,14 @@ class FusedHeadTokenLosses(torch.autograd.Function):
     def backward(ctx, g_ce: torch.Tensor, g_z: torch.Tensor):
         x_ND, w_VD, safe_N, counted_N, lse_N = ctx.saved_tensors
         N, rows, mm_dtype = x_ND.shape[0], ctx.rows, ctx.mm_dtype
-        w_ce_N = counted_N.to(lse_N.dtype) * (g_ce / counted_N.sum())
-        coef_N = w_ce_N + lse_N * (2.0 * g_z / N)
+        w_ce_N, coef_N = _coefficients(counted_N, lse_N, g_ce, g_z)
         with autocast_off(x_ND.device):
             x, w = x_ND.to(mm_dtype), w_VD.to(mm_dtype)
             grad_x = torch.empty_like(x)
             grad_w = torch.zeros(w.shape, dtype=lse_N.dtype, device=w.device)  # summed over chunks in float32
             for s in range(0, N, rows):
                 e = min(s + rows, N)
-                p = shifted(x[s:e] @ w.T, lse_N[s:e])  # (R, V) in the compute dtype: x W^T - lse
-                p.exp_().mul_(coef_N[s:e, None])
-                p.scatter_add_(1, safe_N[s:e, None], -w_ce_N[s:e, None])
+                p = _logits_grad(x[s:e] @ w.T, lse_N[s:e], coef_N[s:e], safe_N[s:e], w_ce_N[s:e])  # (R, V)
                 g_RV = p.to(mm_dtype)  # the logits' gradient, in the dtype autograd would hand the head's backward
                 del p
                 grad_x[s:e] = g_RV @ w
