@@ -32,6 +32,7 @@ import numpy as np
 from lrattn_lightning.core.errors import InputError, UsageError
 from lrattn_lightning.core.files import load_yaml_strict, read_yaml_text, refuse_link, replacing, write_file
 from lrattn_lightning.core.flags import Parser
+from lrattn_lightning.core.words import count
 from lrattn_lightning.data import pipeline, remote
 from lrattn_lightning.data.documents import Document, Spool
 from lrattn_lightning.data.formats import COMPRESSIONS, KINDS, ReadOptions
@@ -210,8 +211,8 @@ def _build(staging: Staging, corpora: dict[str, Corpus | None], recipe: dict[str
 
     done = finished_parts(root) if staging.resumed else []
     if staging.resumed:
-        say(f"continuing the interrupted prepare in {root}: {len(done)} part(s), "
-            f"{sum(p['documents'] for p in done):,} documents done")
+        say(f"continuing the interrupted prepare in {root}: {count(len(done), 'part')}, "
+            f"{count(sum(p['documents'] for p in done), 'document')} done")
     def train_texts() -> Iterator[str]:
         """BPE training: the train split's text, a long document in pieces."""
         for doc, side in stream():
@@ -244,17 +245,17 @@ def _build(staging: Staging, corpora: dict[str, Corpus | None], recipe: dict[str
         finally:
             bar.close()
     counts = _counts(records, train, val)
-    say(f"read {sum(c['documents'] for c in counts.values()):,} documents "
-        f"({sum(c['bytes'] for c in counts.values()):,} bytes of text) from {' '.join(train.specs)}"
+    say(f"read {count(sum(c['documents'] for c in counts.values()), 'document')} "
+        f"({count(sum(c['bytes'] for c in counts.values()), 'byte')} of text) from {' '.join(train.specs)}"
         f"{' and ' + ' '.join(val.specs) if val else ''}")
     for split in SPLITS:
         merge_index(root / split, split, records)
-        say(f"{split}: {counts[split]['documents']:,} documents, {counts[split]['tokens']:,} tokens written")
+        say(f"{split}: {count(counts[split]['documents'], 'document')}, {count(counts[split]['tokens'], 'token')} written")
     empty = train.empty + (val.empty if val else 0)
     if empty:
-        say(f"skipped {empty:,} empty document(s) (nothing but whitespace)")
+        say(f"skipped {count(empty, 'empty document')} (nothing but whitespace)")
     if too_long[0]:
-        say(f"skipped {too_long[0]:,} document(s) longer than --max_document_bytes {max_document_bytes:,}")
+        say(f"skipped {count(too_long[0], 'document')} longer than --max_document_bytes {max_document_bytes:,}")
     checksums = {split: shard_files(root / split) for split in SPLITS}
     for split in SPLITS:  # the largest id holds for these chunks only: rewritten ones are scanned before training
         counts[split]["max_token_id_of"] = ids_scanned_over(checksums[split])
