@@ -16,6 +16,8 @@ from lrattn_lightning.core.flags import Parser
 from lrattn_lightning.core.names import check_name
 from lrattn_lightning.train.summary import command
 
+DEMO_SOURCE = "stdlib-docs"  # the corpus the demo prepares: the bundled Python documentation
+
 
 def demo_main(argv: list[str]) -> int:
     """The README's main job: prepare the embedded corpus, train `small` briefly, point at MLflow."""
@@ -32,7 +34,7 @@ def demo_main(argv: list[str]) -> int:
     if not Path(args.data, "meta.json").exists():
         from lrattn_lightning.data.prepare import prepare_main
 
-        code = prepare_main(["--source", "stdlib-docs", "--tokenizer", "byte", "--out", args.data])
+        code = prepare_main(["--source", DEMO_SOURCE, "--tokenizer", "byte", "--out", args.data])
         if code:  # stopped by a signal, or a worker failed: it said why; no fit on a half-prepared folder
             return code
     recipe = Path("experiments/cpu-demo.yaml")
@@ -50,7 +52,20 @@ def demo_main(argv: list[str]) -> int:
         run_with_stops,
     )
 
-    return run_with_stops(lambda: run_lightning(fit), fit=True, prefix="[lrattn demo]", resume=resume)
+    return run_with_stops(lambda: run_lightning(fit), fit=True, prefix="[lrattn demo]", resume=resume,
+                          data_notes=not own_corpus(args.data))
+
+
+def own_corpus(data_dir: str) -> bool:
+    """Whether `data_dir` holds the demo's own set-up (the bundled corpus, byte-tokenised: what it prepares), whose
+    fit to the size (e.g. embedding rows a byte tokenizer never uses) is the demo's choice, not the user's."""
+    import json
+
+    try:
+        meta = json.loads(Path(data_dir, "meta.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return meta.get("source") == DEMO_SOURCE and meta.get("tokenizer", {}).get("kind") == "byte"
 
 
 def _without(flags: list[str], name: str) -> list[str]:

@@ -273,9 +273,9 @@ def run_subcommand(argv: list[str]) -> int:
 
 
 def run_with_stops(start: Callable[[], LRAttnCLI], *, fit: bool, prefix: str = "[lrattn fit]",
-                   resume: str = "continue with --ckpt_path last") -> int:
-    """Run `start()` (a LightningCLI run) and end as it ended: its summary lines (`prefix`) and 0, or one line
-    and 2 (bad input), 3 (a non-finite loss) or 128 + the stop signal's number, whose line names the signal, the
+                   resume: str = "continue with --ckpt_path last", data_notes: bool = True) -> int:
+    """Run `start()` (a LightningCLI run) and end as it ended: its summary lines (`prefix`, `data_notes`: fit_lines)
+    and 0, or one line and 2 (bad input), 3 (a non-finite loss) or 128 + the stop signal's number, whose line names the signal, the
     step and checkpoint saved then and `resume` (how to continue). `lrattn demo` runs its fit through this too."""
     import contextlib
 
@@ -285,7 +285,7 @@ def run_with_stops(start: Callable[[], LRAttnCLI], *, fit: bool, prefix: str = "
         with stop.stop_signals_noted() if fit else contextlib.nullcontext():
             cli = start()
             if cli.subcommand == "fit" and cli.trainer.is_global_zero:
-                print("\n".join(fit_lines(cli, prefix)))
+                print("\n".join(fit_lines(cli, prefix, data_notes)))
             elif cli.subcommand in ("validate", "test") and cli.trainer.is_global_zero:
                 print("\n".join(scoring_lines(cli)))
             late = stop.NOTED_SIGNAL if fit else 0

@@ -17,13 +17,14 @@ def run_end(trainer: Any, step: int) -> RunEnd:
                   experiment_id=getattr(logger, "experiment_id", None))
 
 
-def fit_lines(cli: Any, prefix: str = "[lrattn fit]") -> list[str]:
-    """fit_summary of a finished `lrattn fit` (or `lrattn demo`'s fit)."""
+def fit_lines(cli: Any, prefix: str = "[lrattn fit]", data_notes: bool = True) -> list[str]:
+    """fit_summary of a finished `lrattn fit` (or `lrattn demo`'s fit: `data_notes` False on its own corpus)."""
     cfg, size = cli.config[cli.subcommand], cli.model.cfg.size
     checkpoint = Path(cfg.runs_dir) / cfg.experiment / cfg.run_name / "checkpoints" / "last.ckpt"
     return fit_summary(run_end(cli.trainer, cli.trainer.global_step), run_name=cfg.run_name,
                        experiment=cfg.experiment, checkpoint=checkpoint, data_dir=cfg.data.data_dir,
-                       size_name=size.name, vocab_size=size.vocab_size, prefix=prefix)
+                       size_name=size.name, vocab_size=size.vocab_size, prefix=prefix,
+                       data_notes=data_notes)
 
 
 def scoring_lines(cli: Any) -> list[str]:

@@ -84,9 +84,10 @@ class RunEnd:
 
 
 def fit_summary(end: RunEnd, *, run_name: str, experiment: str, checkpoint: Path, data_dir: str, size_name: str,
-                vocab_size: int, prefix: str = "[lrattn fit]") -> list[str]:
+                vocab_size: int, prefix: str = "[lrattn fit]", data_notes: bool = True) -> list[str]:
     """The closing lines of a fit (rank zero): what it reached, where it is logged and saved, what next.
-    `checkpoint`: where its last.ckpt is (named only if it exists); size_name, vocab_size: the model's size."""
+    `checkpoint`: where its last.ckpt is (named only if it exists); size_name, vocab_size: the model's size;
+    `data_notes`: whether notes about the data's fit to the size concern the user (not `lrattn demo`'s own corpus)."""
     figures = _figures(end.metrics, lambda k: k in (Metric.VAL_LOSS, Metric.VAL_BPB)) or "no validation"
     lines = [f"finished at step {end.step}: {figures}"]
     run = end.run
@@ -94,7 +95,7 @@ def fit_summary(end: RunEnd, *, run_name: str, experiment: str, checkpoint: Path
         run_id, uri, experiment_id = run
         lines.append(f"MLflow run {run_id} ('{run_name}') in experiment '{experiment}' at {uri}")
         lines += ui_pointer(uri, experiment_id, run_id)
-    lines += _unused_rows(size_name, vocab_size, data_dir)
+    lines += _unused_rows(size_name, vocab_size, data_dir) if data_notes else []
     if checkpoint.exists():
         shown = _shown(checkpoint)
         lines.append(f"checkpoint {shown}")

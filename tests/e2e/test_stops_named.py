@@ -24,17 +24,9 @@ import pytest
 import warm_cli
 import yaml
 from conftest import prepared_corpus
+from helpers.prepare import JSONL_ARGS, prepare_env, prepare_in_parts, processes_naming, wait_for_part
+from helpers.runs import REGISTRY, fit_args, hooks, lrattn, run_cli, step_of
 from mlflow.tracking import MlflowClient
-from test_data_interrupted import ARGS as PREPARE_ARGS
-from test_data_interrupted import (
-    PART_BYTES,
-    corpus,  # noqa: F401  (the fixture: a 4 MB JSONL corpus and its BPE tokenizer)
-    processes_naming,
-    wait_for_part,
-)
-from test_data_interrupted import RUN as PREPARE_RUN
-from test_data_interrupted import env as prepare_env
-from test_resilience import REGISTRY, child_env, fit_args, hooks, lrattn, run_cli, step_of
 
 # what a short run needs of cpu-demo.yaml's recipe (150 steps of `small`) to be one of `tiny`
 TINY = ["--registry", REGISTRY, "--trainer.max_steps", "6", "--trainer.val_check_interval", "2",
@@ -52,7 +44,7 @@ def data(tmp_path_factory) -> Path:
 def launch(cmd: list[str], cwd: Path, group: bool, env: dict[str, str] | None = None):
     """A real process: in a process group of its own when `group` (a terminal's foreground job: its children are
     in it too), else forked from the tests' warm server. SIGINT is not ignored in it."""
-    env = env or child_env()
+    env = env or warm_cli.cli_env()
     if group:
         return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True,
@@ -138,6 +130,7 @@ def test_demo_stopped_names_the_signal_and_its_printed_commands_continue_and_sco
     assert again[again.index("--run_name") + 1] == run.info.run_name and again[again.index("--tracking_uri") + 1] == uri
     done = run_cli(again, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "never trained" not in done.stdout, done.stdout  # the demo's own corpus and size: not the user's concern
     (resumed,) = runs(f"sqlite:///{tmp_path / 'elsewhere.db'}", "cpu-demo")
     assert resumed.info.run_id == run.info.run_id and resumed.info.status == "FINISHED" and step_of(ckpt) == 6
     score = printed_command(next(line for line in done.stdout.splitlines() if line.startswith("[lrattn demo] score it:")))
@@ -218,13 +211,13 @@ def test_a_stopped_sweep_names_the_signal_and_its_printed_command_continues_it(d
 
 # ---- prepare (verified: the data package is someone else's) ---------------------------------------------------
 @pytest.mark.parametrize("group", [False, True])
-def test_ctrl_c_stops_prepare_as_sigint(corpus, tmp_path, group):  # noqa: F811
+def test_ctrl_c_stops_prepare_as_sigint(jsonl_corpus, tmp_path, group):
     """SIGINT to `prepare`, or to its group with its two tokenizer workers: exit 130, its line names SIGINT, no
     worker is left; the same command continues from the finished parts."""
     out = f"out-{'group' if group else 'process'}"
     for name in ("corpus.jsonl", "tok.json"):
-        (tmp_path / name).symlink_to(corpus / name)
-    cmd = [sys.executable, "-c", PREPARE_RUN, str(PART_BYTES), *PREPARE_ARGS, "--out", out]
+        (tmp_path / name).symlink_to(jsonl_corpus / name)
+    cmd = prepare_in_parts(*JSONL_ARGS, "--out", out)
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=prepare_env(), text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=group,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -282,7 +275,7 @@ def test_a_stopped_eval_names_the_signal_and_logs_nothing(checkpoint, tmp_path, 
     script.write_text(EVAL_PAUSED)
     cmd = [sys.executable, str(script), "eval", "--checkpoint", str(ckpt), "--tasks", "local", "--limit", "4",
            "--tracking_uri", uri, "--devices", str(devices), "--accelerator", "cpu"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env(), text=True, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=warm_cli.cli_env(), text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=group,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wait_for([tmp_path / f"paused-{rank}" for rank in range(devices)], proc)
@@ -301,7 +294,7 @@ def test_ctrl_c_where_a_command_does_not_take_it_is_one_line(checkpoint, tmp_pat
     """`lrattn chat` waiting for a line (as any command while its module is imported): Ctrl-C was a
     KeyboardInterrupt traceback; now one line and 130."""
     ckpt, _ = checkpoint
-    proc = subprocess.Popen(lrattn("chat", "--checkpoint", str(ckpt)), cwd=tmp_path, env=child_env(), text=True,
+    proc = subprocess.Popen(lrattn("chat", "--checkpoint", str(ckpt)), cwd=tmp_path, env=warm_cli.cli_env(), text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout.readline().startswith("lrattn chat:")  # then it waits for the first line
