@@ -153,6 +153,29 @@ def data(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """120 documents of the bundled stdlib docs with 20 cloze items and 10 perplexity documents, once per process."""
+    return prepared_corpus(tmp_path_factory, 120, cloze_items=20, perplexity_documents=10)
+
+
+@pytest.fixture(scope="module")
+def jsonl_corpus(tmp_path_factory) -> Path:
+    """corpus.jsonl (about 4 MB: the stdlib docs twice, each copy marked) and tok.json (a BPE of 2000 ids), for
+    `lrattn prepare` with helpers.prepare.JSONL_ARGS in a folder linking them."""
+    from lrattn_lightning.data.corpora import iter_documents
+    from lrattn_lightning.data.tokenizer import train_bpe
+
+    root = tmp_path_factory.mktemp("interrupted")
+    docs = [d.text for d in iter_documents("stdlib-docs")]
+    train_bpe(docs[:150], 2000, root / "tok.json")
+    with open(root / "corpus.jsonl", "w") as f:
+        for k in range(2):
+            for i, text in enumerate(docs):
+                f.write(json.dumps({"text": f"copy {k} of {i}\n{text}"}) + "\n")
+    return root
+
+
+@pytest.fixture(scope="session")
 def registry() -> Registry:
     return _REGISTRY
 

@@ -1,12 +1,16 @@
 """Callbacks the training tests inject through the CLI (`--config` with class_path run_hooks.X).
 
-They act on a real training process: SIGKILL it mid-run, send it a signal at an exact point, or poison a
-weight to force a NaN loss.
+They act on a real training process: SIGKILL it mid-run, send it a signal at an exact point, poison a
+weight to force a NaN loss, or fail its tracking store (kill the MLflow server and start it again, fill its disk).
 """
 
+import contextlib
 import os
 import signal
+import subprocess
 import time
+import urllib.request
+from pathlib import Path
 from signal import Signals
 
 import torch
@@ -167,3 +171,59 @@ class PlantLinkAtStep(Callback):
                 if os.path.lexists(path):
                     os.unlink(path)
                 os.symlink(self.target, path)
+
+
+def _alive(uri: str) -> bool:
+    try:
+        urllib.request.urlopen(uri + "/health", timeout=2).read()
+        return True
+    except OSError:
+        return False
+
+
+class ServerOutage(Callback):
+    """Kill the MLflow server (the process group whose pid is in `pidfile`) before step `down`; start it again,
+    the same command (same port, same store), before step `up`, and wait until it answers."""
+
+    def __init__(self, down: int, up: int, pidfile: str, command: list[str], cwd: str, uri: str):
+        self.down, self.up, self.pidfile, self.command, self.cwd, self.uri = down, up, Path(pidfile), command, cwd, uri
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.down and _alive(self.uri):
+            os.killpg(int(self.pidfile.read_text()), signal.SIGKILL)
+            while _alive(self.uri):
+                time.sleep(0.05)
+        if trainer.global_step == self.up and not _alive(self.uri):
+            start_server(self.command, self.cwd, self.uri, self.pidfile)
+
+
+def start_server(command: list[str], cwd: str, uri: str, pidfile: Path) -> None:
+    server = subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True, env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+    pidfile.write_text(str(server.pid))
+    deadline = time.time() + 300
+    while not _alive(uri):
+        assert time.time() < deadline and server.poll() is None, "mlflow server did not come up"
+        time.sleep(0.2)
+
+
+def fill_disk(folder: Path) -> None:
+    """Write `folder/ballast` until the filesystem has no byte left."""
+    with open(folder / "ballast", "ab", buffering=0) as f:
+        for size in (1 << 20, 4096, 1):
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * size)
+
+
+class FillDiskAtStep(Callback):
+    """Fill the filesystem of `folder` before step `step`; with `free`, delete the ballast before that step."""
+
+    def __init__(self, step: int, folder: str, free: int | None = None):
+        self.step, self.folder, self.free = step, Path(folder), free
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step and not (self.folder / "ballast").exists():
+            fill_disk(self.folder)
+        if trainer.global_step == self.free:
+            (self.folder / "ballast").unlink(missing_ok=True)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from test_resilience import REGISTRY, REPO, RUN, STRETCHABLE, ckpt_dir, fit_args, step_of, tmpfs
+from conftest import REPO_ROOT
+from helpers.runs import REGISTRY, RUN, STRETCHABLE, ckpt_dir, fit_args, step_of, tmpfs
 
 from lrattn_lightning.cli import main
 
@@ -131,7 +132,7 @@ def test_non_utf8_corpus_is_prepared_with_a_warning_that_counts(tmp_path, capsys
 def test_doc_and_control_edits_do_not_block_resume_and_limit_val_batches_1_warns(data, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    registry = yaml.safe_load((REPO / "registry.yaml").read_text())
+    registry = yaml.safe_load((REPO_ROOT / "registry.yaml").read_text())
     (tmp_path / "registry.yaml").write_text(yaml.safe_dump(registry, sort_keys=False))
     args = ["--registry", "registry.yaml", "--trainer.limit_val_batches", "1", *STRETCHABLE]
     assert main(fit_args(data, *args, ablation="s-lr-grid-n4-r16", steps=2)) == 0

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_resilience import REGISTRY, fit_args, run_cli
+from helpers.runs import REGISTRY, fit_args, run_cli
 
 LONG = "x" * 300
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_resilience import REGISTRY, assert_same_losses, fit_args, hooks, loss_history, run_cli, the_run
+from helpers.runs import REGISTRY, assert_same_losses, fit_args, hooks, metric_history, run_cli, the_run
 
 from lrattn_lightning.cli import main
 from lrattn_lightning.data import remote
@@ -146,7 +146,7 @@ def test_fit_from_s3_resumes_at_the_same_batch(s3_env, tmp_path, capsys):
     assert main(fit_args(url, "--experiment", "full", steps=steps)) == 0
     client, resumed = the_run(tmp_path, "stopped")
     _, full = the_run(tmp_path, "full")
-    a, b = loss_history(client, resumed.info.run_id), loss_history(client, full.info.run_id)
+    a, b = metric_history(client, resumed.info.run_id), metric_history(client, full.info.run_id)
     assert [s for s, _ in a] == list(range(steps))
     assert_same_losses(a, b)
     import torch

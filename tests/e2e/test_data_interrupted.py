@@ -20,55 +20,33 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO_ROOT
+from helpers.prepare import (
+    JSONL_ARGS,
+    PART_BYTES,
+    prepare_env,
+    prepare_in_parts,
+    processes_naming,
+    wait_for_part,
+)
 
 from lrattn_lightning.data import pipeline
-from lrattn_lightning.data.corpora import iter_documents
 from lrattn_lightning.data.prepare import prepare
 from lrattn_lightning.data.shards import read_meta, validate_data_dir
-from lrattn_lightning.data.tokenizer import train_bpe
 from lrattn_lightning.model.registry import load_registry
-
-REPO = REPO_ROOT
-PART_BYTES = 200_000
-# `lrattn prepare` with small parts (the only change): a kill lands between parts of a 4 MB corpus
-RUN = ("import sys; from lrattn_lightning.data import pipeline; pipeline.PART_BYTES = int(sys.argv[1]); "
-       "from lrattn_lightning.cli import main; sys.exit(main(['prepare', *sys.argv[2:]]))")
-
-
-def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1"}
 
 
 def start(args: list[str], cwd: Path, session: bool = False) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", RUN, str(PART_BYTES), *args], cwd=cwd, env=env(), text=True,
+    return subprocess.Popen(prepare_in_parts(*args), cwd=cwd, env=prepare_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=session)
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """corpus.jsonl (about 4 MB: the stdlib docs twice, each copy marked) and tok.json (a BPE of 2000 ids)."""
-    root = tmp_path_factory.mktemp("interrupted")
-    docs = [d.text for d in iter_documents("stdlib-docs")]
-    train_bpe(docs[:150], 2000, root / "tok.json")
-    with open(root / "corpus.jsonl", "w") as f:
-        for copy in range(2):
-            for i, text in enumerate(docs):
-                f.write(json.dumps({"text": f"copy {copy} of {i}\n{text}"}) + "\n")
-    return root
-
-
-ARGS = ["--source", "corpus.jsonl", "--tokenizer", "hf:tok.json", "--num_workers", "2"]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(corpus, tmp_path_factory) -> Path:
+def uninterrupted(jsonl_corpus, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("whole") / "data"
     saved = pipeline.PART_BYTES
     pipeline.PART_BYTES = PART_BYTES
     try:
-        prepare(str(corpus / "corpus.jsonl"), out, tokenizer=f"hf:{corpus / 'tok.json'}")
+        prepare(str(jsonl_corpus / "corpus.jsonl"), out, tokenizer=f"hf:{jsonl_corpus / 'tok.json'}")
     finally:
         pipeline.PART_BYTES = saved
     return out
@@ -79,34 +57,15 @@ def chunks(out: Path) -> dict[str, str]:
     return {f"{s}/{n}": r["sha256"] for s in ("train", "val") for n, r in meta["checksums"][s].items() if n != "index.json"}
 
 
-def wait_for_part(staging: Path, n: int, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 120
-    while not (staging / ".prepare" / "parts" / f"{n}.json").is_file():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no part was finished"
-        time.sleep(0.02)
-
-
-def processes_naming(marker: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGTERM to its process group", "a worker SIGKILLed"])
-def test_an_interrupted_prepare_continues_to_the_same_shards(how, corpus, uninterrupted, tmp_path):
+def test_an_interrupted_prepare_continues_to_the_same_shards(how, jsonl_corpus, uninterrupted, tmp_path):
     """SIGKILL (nothing runs after it), SIGTERM (exit 143, one line), SIGTERM to the process group as SLURM sends
     it (the workers die of it too: still exit 143 and the SIGTERM line), a worker killed under it (the OOM
     killer's way: one line, exit 1; multiprocessing.Pool would have waited for the lost batch forever)."""
     out = f"out-{how.split()[-1]}-{len(how)}"
-    args = [*ARGS, "--out", out]
-    (tmp_path / "corpus.jsonl").symlink_to(corpus / "corpus.jsonl")
-    (tmp_path / "tok.json").symlink_to(corpus / "tok.json")
+    args = [*JSONL_ARGS, "--out", out]
+    (tmp_path / "corpus.jsonl").symlink_to(jsonl_corpus / "corpus.jsonl")
+    (tmp_path / "tok.json").symlink_to(jsonl_corpus / "tok.json")
     proc = start(args, tmp_path, session=how.endswith("group"))
     staging = tmp_path / f".{out}.tmp-prepare"
     wait_for_part(staging, 2, proc)
@@ -136,7 +95,7 @@ def test_an_interrupted_prepare_continues_to_the_same_shards(how, corpus, uninte
     assert not (tmp_path / out).exists() and not (staging / "meta.json").exists()
     with pytest.raises(ValueError, match="meta.json is missing"):
         validate_data_dir(staging, load_registry().size("tiny"))
-    again = subprocess.run([sys.executable, "-c", RUN, str(PART_BYTES), *args], cwd=tmp_path, env=env(),
+    again = subprocess.run(prepare_in_parts(*args), cwd=tmp_path, env=prepare_env(),
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     resumed = [line for line in again.stderr.splitlines() if "continuing" in line]
@@ -147,13 +106,13 @@ def test_an_interrupted_prepare_continues_to_the_same_shards(how, corpus, uninte
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", out, "tok.json"]
 
 
-def test_a_second_prepare_of_the_same_out_is_one_line_while_the_first_runs(corpus, uninterrupted, tmp_path):
-    (tmp_path / "corpus.jsonl").symlink_to(corpus / "corpus.jsonl")
-    (tmp_path / "tok.json").symlink_to(corpus / "tok.json")
-    first = start([*ARGS, "--out", "data"], tmp_path)
+def test_a_second_prepare_of_the_same_out_is_one_line_while_the_first_runs(jsonl_corpus, uninterrupted, tmp_path):
+    (tmp_path / "corpus.jsonl").symlink_to(jsonl_corpus / "corpus.jsonl")
+    (tmp_path / "tok.json").symlink_to(jsonl_corpus / "tok.json")
+    first = start([*JSONL_ARGS, "--out", "data"], tmp_path)
     wait_for_part(tmp_path / ".data.tmp-prepare", 0, first)
-    second = subprocess.run([sys.executable, "-m", "lrattn_lightning.cli", "prepare", *ARGS, "--out", "data"],
-                            cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    second = subprocess.run([sys.executable, "-m", "lrattn_lightning.cli", "prepare", *JSONL_ARGS, "--out", "data"],
+                            cwd=tmp_path, env=prepare_env(), capture_output=True, text=True, timeout=300)
     assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr
     lines = second.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"lrattn: error: --out data is being written by another `lrattn "
@@ -219,7 +178,7 @@ def test_a_corpus_ten_times_larger_prepares_in_about_the_same_memory(tmp_path):
     for name, size in (("small", 3_000_000), ("large", 30_000_000)):
         write_corpus(tmp_path / f"{name}.jsonl", size, seed=1)
         done = subprocess.run([sys.executable, "-c", PEAK, "--source", f"{name}.jsonl", "--out", f"out-{name}",
-                               "--chunk_bytes", "1MB", "--val_fraction", "0.2"], cwd=tmp_path, env=env(),
+                               "--chunk_bytes", "1MB", "--val_fraction", "0.2"], cwd=tmp_path, env=prepare_env(),
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr
         peaks[name] = int(done.stdout.strip().splitlines()[-1])  # kB
@@ -298,7 +257,7 @@ def test_a_signal_waits_for_a_safe_point_and_a_second_one_does_not():
         assert staging._SIGNALS["pending"] is None
 
 
-def test_a_workers_answer_is_a_message_the_pipe_writes_whole(corpus, tmp_path):
+def test_a_workers_answer_is_a_message_the_pipe_writes_whole(jsonl_corpus, tmp_path):
     """ProcessPoolExecutor's reading thread waits forever on half a message, and a worker killed while writing a
     long answer leaves half of one (prepare hung after SIGTERM: once in a suite, once in 43 looped runs). The ids go
     through a file; the pipe's message, the file's name, is shorter than PIPE_BUF, so Linux writes it whole."""
@@ -308,11 +267,11 @@ def test_a_workers_answer_is_a_message_the_pipe_writes_whole(corpus, tmp_path):
 
     from lrattn_lightning.data.tokenizer import encode_texts, load_tokenizer
 
-    texts = [json.loads(line)["text"] for line in (corpus / "corpus.jsonl").read_text().splitlines()]
+    texts = [json.loads(line)["text"] for line in (jsonl_corpus / "corpus.jsonl").read_text().splitlines()]
     batch = []
     while sum(map(len, batch)) < pipeline.BATCH_BYTES and len(batch) < pipeline.BATCH_DOCUMENTS:
         batch.append(texts[len(batch)])
-    kwargs = {"spec_json": json.dumps(load_tokenizer(f"hf:{corpus / 'tok.json'}").spec()), "base_dir": str(corpus),
+    kwargs = {"spec_json": json.dumps(load_tokenizer(f"hf:{jsonl_corpus / 'tok.json'}").spec()), "base_dir": str(jsonl_corpus),
               "dtype": "uint16"}
     whole = encode_texts(batch, **kwargs)
     assert len(pickle.dumps(_ResultItem(10**9, result=whole))) > 16 * select.PIPE_BUF  # what it used to send

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.runs import fit_args, run_cli
 from mlflow.tracking import MlflowClient
-from test_resilience import fit_args, run_cli
 
 COUNTERS = ("train/batches", "train/samples", "train/lengths", "train/time", "validate/batches", "validate/time")
 

@@ -7,12 +7,24 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT
-from test_training import cli_subprocess, fit_args, four_window_corpus, losses_by_step, only_run
+from helpers.prepare import four_window_corpus
+from helpers.runs import (
+    assert_same_losses,
+    ckpt_dir,
+    fit_args,
+    hooks,
+    losses_by_step,
+    metric_history,
+    run_cli,
+    slr_fit_args,
+    step_of,
+    the_run,
+)
 
 
 @pytest.fixture(scope="module")
 def four_windows(tmp_path_factory) -> Path:
-    """The DDP test's corpus: a train split of exactly 4 windows (test_training.four_window_corpus)."""
+    """The DDP test's corpus: a train split of exactly 4 windows (helpers.prepare.four_window_corpus)."""
     return four_window_corpus(tmp_path_factory.mktemp("fsdp"))
 
 
@@ -20,14 +32,14 @@ def _pair(data: Path, tmp_path: Path, ablation: str, *extra: str, steps: int = 1
     common = ["--data.shuffle", "false", "--trainer.limit_val_batches", "1.0", "--trainer.val_check_interval",
               str(steps // 2), "--trainer.check_val_every_n_epoch", "null", "--model.warmup_steps", "2",
               "--trainer.gradient_clip_val", "1.0", *extra]
-    one = cli_subprocess(fit_args(data, *common, "--experiment", "one", ablation=ablation, steps=steps), tmp_path)
+    one = run_cli(slr_fit_args(data, *common, "--experiment", "one", ablation=ablation, steps=steps), tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = cli_subprocess(fit_args(data, *common, "--experiment", "two", "--data.batch_size", "2", "--trainer.devices",
-                                  "2", "--trainer.strategy", "fsdp", ablation=ablation, steps=steps), tmp_path,
-                         timeout=600)
+    two = run_cli(slr_fit_args(data, *common, "--experiment", "two", "--data.batch_size", "2", "--trainer.devices",
+                               "2", "--trainer.strategy", "fsdp", ablation=ablation, steps=steps), tmp_path,
+                  timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
-    client, r1 = only_run(f"sqlite:///{tmp_path}/mlflow.db", "one")
-    _, r2 = only_run(f"sqlite:///{tmp_path}/mlflow.db", "two")
+    client, r1 = the_run(tmp_path, "one")
+    _, r2 = the_run(tmp_path, "two")
     return client, r1, r2
 
 
@@ -72,28 +84,26 @@ def test_an_fsdp_run_stops_together_resumes_exactly_and_its_checkpoint_serves_ev
     gathered on rank 0) and exit 143. The resume crosses warmup-stable into the decay and equals the
     uninterrupted run at every later step and validation; the checkpoint then serves validate, generate and
     export in one process."""
-    from test_resilience import assert_same_losses, ckpt_dir, hooks, loss_history, run_cli, step_of, the_run
-    from test_resilience import fit_args as short_fit
 
     from lrattn_lightning.cli import main
 
     fsdp = ["--trainer.devices", "2", "--trainer.strategy", "fsdp", "--model.optimizer", "muon_adamw",
             "--model.muon_variant", "reference", "--ablation", "p-lr-block-n4-r32"]
-    stopped = run_cli(short_fit(data, *fsdp, "--experiment", "stopped", "--config",
-                                hooks(tmp_path, "term.yaml", ("SigtermAtStep", {"step": 3, "rank": 1})),
-                                steps=8, every=4), tmp_path, timeout=400)
+    stopped = run_cli(fit_args(data, *fsdp, "--experiment", "stopped", "--config",
+                               hooks(tmp_path, "term.yaml", ("SigtermAtStep", {"step": 3, "rank": 1})),
+                               steps=8, every=4), tmp_path, timeout=400)
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     assert "lrattn: stopped by SIGTERM at step 4" in stopped.stderr
     last = ckpt_dir(tmp_path, "stopped", "tiny-p-lr-block-n4-r32-seed0") / "last.ckpt"
     assert last.is_file() and step_of(last) == 4  # one file, not a folder of shards
-    resumed = run_cli(short_fit(data, *fsdp, "--experiment", "stopped", "--ckpt_path", "last", steps=8, every=4),
+    resumed = run_cli(fit_args(data, *fsdp, "--experiment", "stopped", "--ckpt_path", "last", steps=8, every=4),
                       tmp_path, timeout=400)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    full = run_cli(short_fit(data, *fsdp, "--experiment", "full", steps=8, every=4), tmp_path, timeout=400)
+    full = run_cli(fit_args(data, *fsdp, "--experiment", "full", steps=8, every=4), tmp_path, timeout=400)
     assert full.returncode == 0, full.stderr[-3000:]
     client, r1 = the_run(tmp_path, "stopped")
     _, r2 = the_run(tmp_path, "full")
-    assert_same_losses(loss_history(client, r1.info.run_id), loss_history(client, r2.info.run_id))
+    assert_same_losses(metric_history(client, r1.info.run_id), metric_history(client, r2.info.run_id))
     vals = [sorted((m.step, m.value) for m in client.get_metric_history(r.info.run_id, "val/loss")) for r in (r1, r2)]
     assert [s for s, _ in vals[0]] == [s for s, _ in vals[1]] == [2, 4, 6, 8]
     for (_, a), (_, b) in zip(*vals, strict=True):
@@ -128,13 +138,12 @@ def test_the_slurm_emission_of_the_fsdp_recipe_names_its_strategy(tmp_path, monk
 
 
 def test_fsdp_without_a_number_of_devices_is_one_line_before_any_work(data, tmp_path, monkeypatch, capsys):
-    from test_resilience import fit_args as short_fit
 
     from lrattn_lightning.cli import main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    args = short_fit(data, "--trainer.strategy", "fsdp", "--trainer.devices", "auto")
+    args = fit_args(data, "--trainer.strategy", "fsdp", "--trainer.devices", "auto")
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == "lrattn: error: --trainer.strategy fsdp needs --trainer.devices N (a number of devices per " \

@@ -22,8 +22,8 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import SERVER_ENV, free_port
+from helpers.runs import fit_args, run_cli
 from mlflow.tracking import MlflowClient
-from test_resilience import fit_args, run_cli
 
 from lrattn_lightning.tools.compare.summary_run import description, headline
 

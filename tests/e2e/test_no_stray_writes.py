@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import warm_cli
-from test_resilience import REPO, lrattn
+from conftest import REPO_ROOT
+from helpers.runs import lrattn
 
 GIVEN = {"data", "runs", "mlflow.db", "mlartifacts", "hf", "report", "sweep.yaml"}
 HOME_CACHES = (Path(".cache/matplotlib"), Path(".config/matplotlib"))  # matplotlib's font list
@@ -57,7 +58,7 @@ def sandbox(tmp_path):
 
 
 SWEEP = f"""doc: a one-run sweep for the stray-writes check
-recipe: {REPO / 'experiments' / 'cpu-demo.yaml'}
+recipe: {REPO_ROOT / 'experiments' / 'cpu-demo.yaml'}
 experiment: stray-check
 sizes: [tiny]
 ablations: [baseline]
@@ -70,7 +71,7 @@ def test_no_command_writes_outside_the_folders_it_was_given(sandbox, tmp_path):
     # (and setuptools' ignored build outputs, which test_packaging's wheel build rewrites meanwhile in the other
     # test process)
     skip = ("__pycache__", ".git", ".venv", ".pytest_cache", ".ruff_cache", "build", "lrattn_lightning.egg-info")
-    repo_before, parent_before = snapshot(REPO, skip), snapshot(tmp_path, ("work", "tmp"))
+    repo_before, parent_before = snapshot(REPO_ROOT, skip), snapshot(tmp_path, ("work", "tmp"))
     (work / "sweep.yaml").write_text(SWEEP)
 
     run("prepare", "--source", "stdlib-docs", "--tokenizer", "byte", "--out", "data", "--max_documents", "60")
@@ -89,7 +90,7 @@ def test_no_command_writes_outside_the_folders_it_was_given(sandbox, tmp_path):
     run("compare", "--experiment", "cpu-demo", "--out", "report")
 
     assert {p.name for p in work.iterdir()} <= GIVEN, sorted(p.name for p in work.iterdir())
-    assert changed(repo_before, snapshot(REPO, skip)) == [], "the checkout was written to"
+    assert changed(repo_before, snapshot(REPO_ROOT, skip)) == [], "the checkout was written to"
     strays = [p for p in changed(parent_before, snapshot(tmp_path, ("work", "tmp"))) if not home_cache(Path(p))]
     assert strays == [], strays
     left = [str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file()]

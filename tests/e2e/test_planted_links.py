@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import PRECIOUS
-from test_sweep import write_sweep
+from helpers.runs import write_sweep
 
 from lrattn_lightning.cli import main
 from lrattn_lightning.core.errors import InputError

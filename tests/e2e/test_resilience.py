@@ -7,109 +7,34 @@ Tests that mount a tmpfs (another filesystem for $TMPDIR, a full disk, a read-on
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import torch
 import warm_cli
 import yaml
-from conftest import REPO_ROOT, TESTS_DIR, mlflow_server
+from conftest import REPO_ROOT, mlflow_server
+from helpers.runs import (
+    REGISTRY,
+    RUN,
+    STRETCHABLE,
+    assert_same_losses,
+    ckpt_dir,
+    fit_args,
+    hooks,
+    lrattn,
+    metric_history,
+    run_cli,
+    step_of,
+    the_run,
+    tmpfs,
+)
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
-
-REPO = REPO_ROOT
-TESTS = TESTS_DIR
-REGISTRY = str(REPO / "registry.yaml")
-RUN = "tiny-baseline-seed0"
-
-
-# a schedule without warm-down or momentum cooldown, its warmup shorter than any run here: its length may change
-# on resume (--model.allow_schedule_change)
-STRETCHABLE = ("--model.warmup_steps", "1", "--model.decay_fraction", "0.0", "--model.muon_momentum_cooldown_steps",
-               "0", "--model.allow_schedule_change", "true")
-
-
-def fit_args(data: Path, *extra: str, steps: int = 4, every: int = 2, ablation: str = "baseline") -> list[str]:
-    return [
-        "fit", "--size", "tiny", "--ablation", ablation, "--registry", REGISTRY,
-        "--data.data_dir", str(data), "--data.batch_size", "2",
-        "--trainer.max_steps", str(steps), "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2",
-        "--trainer.num_sanity_val_steps", "0", "--trainer.log_every_n_steps", "1",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-        "--trainer.accelerator", "cpu", "--trainer.devices", "1",
-        "--model.warmup_steps", "2", "--checkpoint_every", str(every), *extra,
-    ]
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    return warm_cli.cli_env(**extra)
-
-
-def lrattn(*args: str) -> list[str]:
-    return [sys.executable, "-m", "lrattn_lightning.cli", *args]
-
-
-def run_cli(args: list[str], cwd: Path, timeout: int = 240, **env: str) -> subprocess.CompletedProcess:
-    """`lrattn ARGS` as a real process (forked from the tests' pre-imported server: tests/warm_cli.py)."""
-    return warm_cli.run(lrattn(*args), cwd=cwd, env=child_env(**env), timeout=timeout)
-
-
-def hooks(folder: Path, name: str, *callbacks: tuple[str, dict]) -> str:
-    """A --config file that adds run_hooks callbacks (tests/run_hooks.py) to the trainer."""
-    path = folder / name
-    path.write_text(yaml.safe_dump({"trainer": {"callbacks": [
-        {"class_path": f"run_hooks.{cls}", "init_args": args} for cls, args in callbacks]}}))
-    return str(path)
-
-
-def ckpt_dir(folder: Path, experiment: str = "lrattn", run: str = RUN) -> Path:
-    return folder / "runs" / experiment / run / "checkpoints"
-
-
-def step_of(path: Path) -> int:
-    return torch.load(path, map_location="cpu", weights_only=True)["global_step"]
-
-
-def the_run(folder: Path, experiment: str = "lrattn", uri: str | None = None):
-    client = MlflowClient(uri or f"sqlite:///{folder}/mlflow.db")
-    exp = client.get_experiment_by_name(experiment)
-    assert exp is not None
-    runs = client.search_runs([exp.experiment_id])
-    assert len(runs) == 1, [r.info.run_name for r in runs]
-    return client, runs[0]
-
-
-def loss_history(client: MlflowClient, run_id: str) -> list[tuple[int, float]]:
-    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/loss"))
-
-
-def assert_same_losses(resumed: list[tuple[int, float]], full: list[tuple[int, float]]) -> None:
-    assert [s for s, _ in resumed] == [s for s, _ in full]  # every step once: no duplicates after a resume
-    for (step, a), (_, b) in zip(resumed, full, strict=True):
-        assert a == pytest.approx(b, rel=1e-5, abs=1e-6), (step, resumed, full)
-
-
-@contextmanager
-def tmpfs(path: Path, options: str):
-    """A tmpfs mounted at `path` (root only; the test is skipped otherwise)."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root to mount a tmpfs")
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 # ---- item 4: SIGTERM ------------------------------------------------------------------------------
@@ -136,11 +61,7 @@ def test_sigterm_saves_the_current_step_exits_nonzero_and_resume_continues(data,
     _, full = the_run(tmp_path, "full")
     assert resumed.info.run_id == run.info.run_id and resumed.info.status == "FINISHED"
     assert step_of(last) == steps
-    assert_same_losses(loss_history(client, resumed.info.run_id), loss_history(client, full.info.run_id))
-
-
-def metric_history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
-    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+    assert_same_losses(metric_history(client, resumed.info.run_id), metric_history(client, full.info.run_id))
 
 
 def test_with_gradient_accumulation_the_logged_loss_is_the_global_batchs(data, tmp_path):
@@ -195,7 +116,7 @@ def ddp_uninterrupted(data, tmp_path_factory) -> list[tuple[int, float]]:
     full = run_cli(fit_args(data, *DDP, "--experiment", "full", steps=6, every=4), folder, timeout=400)
     assert full.returncode == 0, full.stderr[-3000:]
     client, run = the_run(folder, "full")
-    return loss_history(client, run.info.run_id)
+    return metric_history(client, run.info.run_id)
 
 
 @pytest.mark.slow
@@ -218,7 +139,7 @@ def test_ddp_ranks_stop_together_on_a_sigterm_to_one_or_all_of_them(data, tmp_pa
                       tmp_path, timeout=400)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     client, r1 = the_run(tmp_path, "stopped")
-    assert_same_losses(loss_history(client, r1.info.run_id), ddp_uninterrupted)
+    assert_same_losses(metric_history(client, r1.info.run_id), ddp_uninterrupted)
 
 
 def test_sweep_passes_a_sigterm_on_and_sees_the_run_did_not_finish(data, tmp_path, monkeypatch, capsys):
@@ -230,7 +151,7 @@ def test_sweep_passes_a_sigterm_on_and_sees_the_run_did_not_finish(data, tmp_pat
     sweep = {"name": "term", "doc": "one run, stopped by SIGTERM", "recipe": "recipe.yaml", "registry": REGISTRY,
              "sizes": ["tiny"], "ablations": ["baseline"], "seeds": [0]}
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep))
-    proc = warm_cli.Launches.Popen(lrattn("sweep", "sweep.yaml"), cwd=tmp_path, env=child_env(),
+    proc = warm_cli.Launches.Popen(lrattn("sweep", "sweep.yaml"), cwd=tmp_path, env=warm_cli.cli_env(),
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ckpt = ckpt_dir(tmp_path, "term") / "last.ckpt"
     deadline = time.time() + 120
@@ -277,7 +198,7 @@ def test_sigkill_during_a_checkpoint_write_keeps_the_previous_checkpoint(data, t
         marker = tmp_path / "writing"
         config = hooks(tmp_path, "ballast.yaml", ("BallastAtStep", {"step": 4, "mb": 96, "marker": str(marker)}))
         proc = subprocess.Popen(lrattn(*fit_args(data, "--config", config, steps=6)), cwd=tmp_path,
-                                env=child_env(TMPDIR=str(tmpdir)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                env=warm_cli.cli_env(TMPDIR=str(tmpdir)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         folder = ckpt_dir(tmp_path)
         deadline, partial = time.time() + 120, None
         while partial is None:
@@ -337,7 +258,7 @@ def test_mlflow_server_killed_mid_run_ends_in_bounded_time_with_one_warning(data
 # ---- item 7: concurrency --------------------------------------------------------------------------
 def test_two_fits_starting_together_on_a_new_sqlite_store_both_succeed(data, tmp_path):
     procs = [warm_cli.Launches.Popen(lrattn(*fit_args(data, "--run_name", name, steps=2)), cwd=tmp_path,
-                                     env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                     env=warm_cli.cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for name in ("a", "b")]
     errs = [p.communicate(timeout=240)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errs]
@@ -378,7 +299,7 @@ def test_a_run_folder_held_by_a_live_process_is_refused_and_a_stale_lock_is_take
 # ---- item 8: duplicate YAML keys --------------------------------------------------------------------
 def test_duplicate_yaml_keys_are_errors_naming_both_lines(data, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    text = (REPO / "registry.yaml").read_text().splitlines()
+    text = (REPO_ROOT / "registry.yaml").read_text().splitlines()
     at = next(i for i, line in enumerate(text) if line.strip().startswith("n_layers:"))
     text.insert(at + 1, text[at])  # the same key again, on the next line
     (tmp_path / "registry.yaml").write_text("\n".join(text) + "\n")

@@ -14,8 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_resilience import REGISTRY, fit_args, hooks, run_cli, step_of, the_run
-from test_signals import assert_same_run, histories, stop_line
+from helpers.runs import (
+    REGISTRY,
+    assert_same_run,
+    fit_args,
+    histories,
+    hooks,
+    run_cli,
+    step_of,
+    stop_line,
+    the_run,
+)
 
 STEPS = 5  # validations at 2 and 4 inside the fit, the final one at 5 after it (LRAttnCLI.after_fit)
 RUN = "tiny-baseline-seed0"

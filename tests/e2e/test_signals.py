@@ -18,15 +18,17 @@ import time
 from pathlib import Path
 
 import pytest
-from test_resilience import (
-    child_env,
+import warm_cli
+from helpers.runs import (
+    assert_same_run,
     ckpt_dir,
     fit_args,
+    histories,
     hooks,
     lrattn,
-    metric_history,
     run_cli,
     step_of,
+    stop_line,
     the_run,
     tmpfs,
 )
@@ -40,14 +42,6 @@ def args(data: Path, *extra: str, steps: int = STEPS) -> list[str]:
     return fit_args(data, "--experiment", "run", *extra, steps=steps, every=EVERY, ablation=ABLATION)
 
 
-def histories(folder: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every metric the run logged, its (step, value) pairs; not the measured speeds (train/device/*,
-    validate/device/*), which differ from run to run."""
-    client, run = the_run(folder, "run")
-    return {key: metric_history(client, run.info.run_id, key) for key in run.data.metrics
-            if "/device/" not in key}
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(data, tmp_path_factory) -> dict[str, list[tuple[int, float]]]:
     folder = tmp_path_factory.mktemp("uninterrupted")
@@ -57,20 +51,6 @@ def uninterrupted(data, tmp_path_factory) -> dict[str, list[tuple[int, float]]]:
     assert [s for s, _ in full["val/loss"]] == [2, 4, 6, 8, 10] and "val/bpb" in full
     assert any(key.startswith("routing/") for key in full)
     return full
-
-
-def assert_same_run(folder: Path, full: dict[str, list[tuple[int, float]]]) -> None:
-    """The resumed run logged exactly what the uninterrupted one did: every metric at every step once, equal."""
-    resumed = histories(folder)
-    assert sorted(resumed) == sorted(full)
-    differ = {key: (resumed[key], values) for key, values in full.items() if resumed[key] != values}
-    assert not differ, differ
-
-
-def stop_line(stderr: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.startswith("lrattn:")]
-    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
-    return lines[0]
 
 
 def test_validations_stopped_or_killed_midway_are_run_again_whole_on_resume(data, tmp_path, uninterrupted):
@@ -125,7 +105,7 @@ def test_sigint_and_sighup_stop_like_sigterm_with_their_exit_codes(data, tmp_pat
 def test_a_sighup_ignored_at_launch_stays_ignored(data, tmp_path):
     """`nohup lrattn fit ...` asks to survive the terminal: the run goes on to the end."""
     config = hooks(tmp_path, "hup.yaml", ("SignalAt", {"step": 1, "signal": "SIGHUP"}))
-    done = subprocess.run(lrattn(*args(data, "--config", config, steps=3)), cwd=tmp_path, env=child_env(),
+    done = subprocess.run(lrattn(*args(data, "--config", config, steps=3)), cwd=tmp_path, env=warm_cli.cli_env(),
                           capture_output=True, text=True, timeout=240,
                           preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -147,7 +127,7 @@ def test_closing_the_terminal_saves_and_stops_although_the_terminal_is_gone(data
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
     proc = subprocess.Popen(lrattn(*args(data, "--config", config, "--trainer.enable_progress_bar", "true", steps=6)),
-                            cwd=tmp_path, env=child_env(), stdin=slave, stdout=slave, stderr=slave,
+                            cwd=tmp_path, env=warm_cli.cli_env(), stdin=slave, stdout=slave, stderr=slave,
                             start_new_session=True, preexec_fn=controlling_terminal)
     os.close(slave)
     reading, output = threading.Event(), []

@@ -2,7 +2,7 @@
 and started again, a real sqlite store on a tmpfs that fills up (root only), a fit SIGKILLed before its first
 checkpoint, and `lrattn compare` on runs whose last validation is not at their last step.
 
-The callbacks below act inside the training process (`--config` with class_path test_tracking_faults.X).
+The callbacks that act inside the training process are tests/run_hooks.py's ServerOutage and FillDiskAtStep.
 """
 
 from __future__ import annotations
@@ -12,46 +12,19 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 from conftest import free_port
-from lightning.pytorch.callbacks import Callback
+from helpers.runs import RUN, ckpt_dir, fit_args, hooks, run_cli, step_of, the_run, tmpfs
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
-from test_resilience import RUN, ckpt_dir, fit_args, hooks, run_cli, step_of, the_run, tmpfs
+from run_hooks import start_server
 
 from lrattn_lightning.cli import main
 
 STEPS = 12  # validations at steps 4, 8 and 12 (the final one)
 VAL = ["--trainer.val_check_interval", "4", "--checkpoint_every", "4"]
-
-
-def _alive(uri: str) -> bool:
-    try:
-        urllib.request.urlopen(uri + "/health", timeout=2).read()
-        return True
-    except OSError:
-        return False
-
-
-class ServerOutage(Callback):
-    """Kill the MLflow server (the process group whose pid is in `pidfile`) before step `down`; start it again,
-    the same command (same port, same store), before step `up`, and wait until it answers."""
-
-    def __init__(self, down: int, up: int, pidfile: str, command: list[str], cwd: str, uri: str):
-        self.down, self.up, self.pidfile, self.command, self.cwd, self.uri = down, up, Path(pidfile), command, cwd, uri
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.down and _alive(self.uri):
-            os.killpg(int(self.pidfile.read_text()), signal.SIGKILL)
-            while _alive(self.uri):
-                time.sleep(0.05)
-        if trainer.global_step == self.up and not _alive(self.uri):
-            start_server(self.command, self.cwd, self.uri, self.pidfile)
 
 
 @contextlib.contextmanager
@@ -69,46 +42,6 @@ def one_worker_server(folder: Path):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(int(pidfile.read_text()), signal.SIGKILL)
-
-
-def start_server(command: list[str], cwd: str, uri: str, pidfile: Path) -> None:
-    server = subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True, env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
-    pidfile.write_text(str(server.pid))
-    deadline = time.time() + 300
-    while not _alive(uri):
-        assert time.time() < deadline and server.poll() is None, "mlflow server did not come up"
-        time.sleep(0.2)
-
-
-def fill_disk(folder: Path) -> None:
-    """Write `folder/ballast` until the filesystem has no byte left."""
-    with open(folder / "ballast", "ab", buffering=0) as f:
-        for size in (1 << 20, 4096, 1):
-            with contextlib.suppress(OSError):
-                while True:
-                    f.write(b"\0" * size)
-
-
-class FillDiskAtStep(Callback):
-    """Fill the filesystem of `folder` before step `step`; with `free`, delete the ballast before that step."""
-
-    def __init__(self, step: int, folder: str, free: int | None = None):
-        self.step, self.folder, self.free = step, Path(folder), free
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.step and not (self.folder / "ballast").exists():
-            fill_disk(self.folder)
-        if trainer.global_step == self.free:
-            (self.folder / "ballast").unlink(missing_ok=True)
-
-
-def callbacks(where: Path, name: str, cls: str, **args) -> str:
-    """A --config file adding this module's callback `cls` (run_hooks' through test_resilience.hooks)."""
-    path = where / name
-    path.write_text(yaml.safe_dump({"trainer": {"callbacks": [
-        {"class_path": f"test_tracking_faults.{cls}", "init_args": args}]}}))
-    return str(path)
 
 
 def steps_of(client: MlflowClient, run_id: str, key: str) -> list[int]:
@@ -130,8 +63,8 @@ def test_a_server_back_mid_run_gets_everything_and_compare_reads_the_last_valida
     compare as the result)."""
     steps = 14
     with one_worker_server(tmp_path) as (command, uri, pidfile):
-        config = callbacks(tmp_path, "outage.yaml", "ServerOutage", down=5, up=9, pidfile=str(pidfile),
-                           command=command, cwd=str(tmp_path), uri=uri)
+        config = hooks(tmp_path, "outage.yaml", ("ServerOutage", {"down": 5, "up": 9, "pidfile": str(pidfile),
+                                                                  "command": command, "cwd": str(tmp_path), "uri": uri}))
         env = {} if retry == "30" else {"LRATTN_TRACKING_RETRY_S": retry}
         proc = run_cli(fit_args(data, *VAL, "--tracking_uri", uri, "--config", config, steps=steps), tmp_path,
                        timeout=800, **env)
@@ -165,7 +98,7 @@ def test_a_full_store_disk_is_one_warning_and_training_goes_on(data, tmp_path, f
     Checkpoints live on another disk and are written throughout. Freed before step 6: everything is written."""
     with tmpfs(tmp_path / "store", "size=16m") as store:
         db = store / "mlflow.db"
-        config = callbacks(tmp_path, "fill.yaml", "FillDiskAtStep", step=3, folder=str(store), free=free)
+        config = hooks(tmp_path, "fill.yaml", ("FillDiskAtStep", {"step": 3, "folder": str(store), "free": free}))
         proc = run_cli(fit_args(data, *VAL, "--tracking_uri", f"sqlite:///{db}", "--config", config, steps=STEPS),
                        tmp_path, LRATTN_TRACKING_RETRY_S="0")
         assert proc.returncode == 0, proc.stderr[-3000:]

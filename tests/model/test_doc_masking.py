@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEEPER, randomize_routing, tiny_config
-from test_training import tiny_data  # noqa: F401  (the fixture)
+from helpers.runs import slr_fit_args
 
-from lrattn_lightning.model.decoder import KVCache, build_decoder, document_segments
+from lrattn_lightning.model.attention import KVCache, document_segments
+from lrattn_lightning.model.decoder import build_decoder
 
 SEP = 5
 ENTRIES = ["baseline", "attnres-block-n8", "s-lr-block-n8-r64", "p-lr-block-n8-r32", "vp-lr-block-n8-r32"]
@@ -90,14 +91,12 @@ def test_a_changed_earlier_document_changes_nothing_later(registry):
 def test_fit_with_document_masking_keeps_the_separator_for_evaluation(tiny_data, tmp_path, monkeypatch):  # noqa: F811
     """`--model.document_masking true`: the EOS id of the data masks training, and the checkpoint carries
     it, so evaluation (checkpoints.load_checkpoint) masks alike."""
-    from test_training import fit_args
-
     from lrattn_lightning.cli import main
     from lrattn_lightning.train.checkpoint.load import load_checkpoint
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert main(fit_args(tiny_data, "--model.document_masking", "true", steps=2)) == 0
+    assert main(slr_fit_args(tiny_data, "--model.document_masking", "true", steps=2)) == 0
     ckpt = next((tmp_path / "runs").rglob("last.ckpt"))
     hp = torch.load(ckpt, weights_only=True)["hyper_parameters"]
     assert hp["document_masking"] is True and hp["doc_separator"] == 256  # the byte tokenizer's EOS
@@ -131,32 +130,32 @@ def _dense_attention_float64(model, idx):
 def test_flex_attention_equals_the_dense_mask(registry, name):
     """--model.attention flex (FlexAttention's block mask) computes what the dense SDPA mask does, in float64,
     on rows with several documents and different boundaries (FlexAttention's CPU path: forward only)."""
-    from lrattn_lightning.model import decoder as decoder_module
+    from lrattn_lightning.model import attention as attention_module
 
     model = _model(registry, name).double()
     idx = torch.cat((_doc(3, 1), _doc(5, 2), _doc(5, 3)), dim=1).repeat(3, 1)
     idx[1, 6], idx[2, 1] = SEP, SEP  # rows whose documents differ
     seen = []
-    real = decoder_module.CausalSelfAttention.forward
+    real = attention_module.AttentionPass.attend
 
     def spy(self, *args, **kwargs):
-        seen.append(type(args[-1] if len(args) == 6 else kwargs.get("same_doc")).__name__)
+        seen.append(type(self.mask).__name__)
         return real(self, *args, **kwargs)
 
     with torch.no_grad():
         dense = model(idx)
         model.attention = "flex"
-        decoder_module.CausalSelfAttention.forward = spy
+        attention_module.AttentionPass.attend = spy
         try:
             flex = model(idx)
         finally:
-            decoder_module.CausalSelfAttention.forward = real
+            attention_module.AttentionPass.attend = real
     assert set(seen) == {"BlockMask"}  # the flex path ran, in every layer
     torch.testing.assert_close(flex, dense, rtol=1e-12, atol=1e-12)
     # and both are document masking itself: the mask from the separators, restated in Python
-    same_doc, _ = model._documents(idx, None)
-    model.attention = "sdpa"
-    assert torch.equal(model._documents(idx, None)[0] & decoder_module._prefix_causal_mask(idx.shape[1], idx.shape[1], idx.device),
+    same_doc, _ = attention_module.document_mask(idx, None, SEP, "flex")
+    dense_mask, _ = attention_module.document_mask(idx, None, SEP, "sdpa")
+    assert torch.equal(dense_mask & attention_module._prefix_causal_mask(idx.shape[1], idx.shape[1], idx.device),
                        _dense_attention_float64(model, idx))
     assert type(same_doc).__name__ == "BlockMask"
 
@@ -191,7 +190,7 @@ def test_document_masking_under_torch_compile(registry, name):
     one-document shortcut is data-dependent, so it is skipped while compiling: no graph break), and the
     compiled decoder's logits equal eager ones, for both attention paths. FlexAttention runs as its own frame
     (a graph break per attention): traced inline, Dynamo lost the residual stream's update after each
-    flex_attention call (compiled baseline logits off by 0.28 before decoder._flex_outside)."""
+    flex_attention call (compiled baseline logits off by 0.28 before attention._flex_outside)."""
     model = build_decoder(tiny_config(registry, name, DEEPER), impl="compiled")
     randomize_routing(model)
     model.doc_separator = SEP
@@ -216,13 +215,11 @@ def test_an_unknown_attention_is_one_line(registry):
 
 
 def test_a_cpu_fit_with_flex_attention_is_refused_before_any_work(tiny_data, tmp_path, monkeypatch, capsys):  # noqa: F811
-    from test_training import fit_args
-
     from lrattn_lightning.cli import main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    args = fit_args(tiny_data, "--model.document_masking", "true", "--model.attention", "flex", steps=2)
+    args = slr_fit_args(tiny_data, "--model.document_masking", "true", "--model.attention", "flex", steps=2)
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("lrattn: error: --model.attention flex: FlexAttention has no backward on CPU"), err

@@ -11,7 +11,7 @@ import time
 
 import torch
 from conftest import TESTS_DIR
-from test_export import make_checkpoint
+from helpers.models import make_checkpoint
 
 from lrattn_lightning.data.tokenizer import ByteTokenizer
 from lrattn_lightning.model import generate as generate_module

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -11,12 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import randomize_routing
-from test_training import tiny_data  # noqa: F401  (the fixture)
+from helpers.models import make_checkpoint
 
 from lrattn_lightning.data.tokenizer import ByteTokenizer
-from lrattn_lightning.model.config import ModelConfig, fit_to_size
-from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.model.generate import generate
 from lrattn_lightning.model.registry import load_registry
 from lrattn_lightning.tools.export import export_hf
@@ -28,21 +24,6 @@ ENTRIES = ["baseline", "attnres-block-n8", "s-lr-block-n8-r64", "p-lr-block-n8-r
            "vp-shared-lr-block-n8-r32", "p-lr-block-n8-r32-dynquery", "p-lr-block-n8-r32-projstatic-embkey",
            "gated-residual", "muddformer-ppn", "value-residual-learned", "laurel", "frac-connections-m2",
            "delta-attnres-block"]
-
-
-def make_checkpoint(path: Path, name: str, *, seq_len: int = 64, doc_separator: int | None = None) -> torch.nn.Module:
-    """A checkpoint in `lrattn fit`'s format (model_config, state_dict under model.*, tokenizer spec)."""
-    size = dataclasses.replace(REGISTRY.size("tiny"), seq_len=seq_len, name=f"tiny-{seq_len}")
-    cfg = ModelConfig(size, fit_to_size(REGISTRY.ablation(name), size))
-    model = build_decoder(cfg)
-    if cfg.ablation.routing == "attnres":
-        randomize_routing(model)
-    torch.save({"hyper_parameters": {"model_config": cfg.to_dict(), "document_masking": doc_separator is not None,
-                                     "doc_separator": doc_separator},
-                "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
-                "tokenizer": {"kind": "byte"}, "global_step": 7}, path)
-    model.doc_separator = doc_separator
-    return model.eval()
 
 
 def load_hf(folder: Path):

@@ -17,8 +17,8 @@ import pytest
 import torch
 import warm_cli
 from conftest import GOLDEN_DIR
+from helpers.runs import REGISTRY, fit_args
 from mlflow.tracking import MlflowClient
-from test_resilience import REGISTRY, child_env, fit_args
 
 from lrattn_lightning.cli import main
 
@@ -84,7 +84,7 @@ def test_no_command_imports_a_router_class_a_checkpoint_names(trained, evil, tmp
         "validate": ["validate", "--ckpt_path", str(ckpt), "--data.data_dir", str(data)],
         "zen": ["generate", "--checkpoint", str(zen), "--prompt", "x"],
     }
-    env = child_env(PYTHONPATH=f"{package}")
+    env = warm_cli.cli_env(PYTHONPATH=f"{package}")
     procs = {name: warm_cli.Launches.Popen([sys.executable, "-m", "lrattn_lightning.cli", *argv], cwd=work, env=env,
                                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                            text=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_losses import formula64
+from helpers.references import formula64
 
 from lrattn_lightning.tools.bench.profiling import peak_allocated_bytes
 from lrattn_lightning.train.lit_module import LRAttnModule

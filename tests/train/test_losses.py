@@ -6,22 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.references import formula64
 
 from lrattn_lightning.tools.bench.profiling import peak_allocated_bytes
 from lrattn_lightning.train.lit_module import LRAttnModule
 from lrattn_lightning.train.losses import IGNORE_INDEX, chunk_logsumexp, reference_token_losses, token_losses
 
 WHOLE = 2**40  # chunk_bytes that keeps every row in one chunk
-
-
-def formula64(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ce = mean over counted tokens of lse_i - x_it_i, z = mean over all tokens of lse_i^2, in float64."""
-    x_NV = logits.double().flatten(0, -2)
-    t_N = targets.flatten()
-    lse_N = (x_NV - x_NV.max(-1, keepdim=True).values).exp().sum(-1).log() + x_NV.max(-1).values
-    counted = t_N != IGNORE_INDEX
-    picked_N = x_NV[counted].gather(1, t_N[counted][:, None]).squeeze(1)
-    return (lse_N[counted] - picked_N).mean(), lse_N.pow(2).mean()
 
 
 def _case(dtype: torch.dtype, B: int = 3, T: int = 7, V: int = 301, seed: int = 0):

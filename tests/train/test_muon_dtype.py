@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 from conftest import tiny_config
-from test_optim import BF16_BOUND, polar_express_float64, rel_err
+from helpers.references import BF16_BOUND, polar_express_float64, rel_err
 from torch.utils.flop_counter import FlopCounterMode
 
 from lrattn_lightning.model.decoder import build_decoder

@@ -9,8 +9,9 @@ import signal
 import numpy as np
 import pytest
 import torch
-from conftest import GOLDEN_DIR, tiny_config
-from test_training import cli_subprocess, fit_args, losses_by_step, only_run, tiny_data  # noqa: F401
+from conftest import tiny_config
+from helpers.references import BF16_BOUND, muon_golden, polar_express_float64, rel_err
+from helpers.runs import REGISTRY, losses_by_step, run_cli, slr_fit_args, the_run
 
 from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.train.lit_module import LRAttnModule
@@ -18,11 +19,7 @@ from lrattn_lightning.train.muon import ORTHOGONALIZERS, POLAR_EXPRESS_COEFFS, n
 from lrattn_lightning.train.optim import MUON_VARIANTS, MuonWithAuxAdamW, build_optimizer, split_parameters
 from lrattn_lightning.train.schedule import MomentumSchedule, WarmupStableDecay
 
-GOLDEN = torch.load(GOLDEN_DIR / "muon_reference.pt", weights_only=True)
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+GOLDEN = muon_golden()
 
 
 # ---- the reference variant against the paper's code -------------------------------------------------
@@ -37,20 +34,7 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 #   - the bfloat16 Polar Express against the reference's output: at bfloat16 tolerance (BF16_BOUND);
 #   - the bfloat16 Polar Express bit for bit against the same operation sequence run here (same machine,
 #     same kernels, so no rounding can differ).
-BF16_BOUND = 2e-2  # five bfloat16 steps of the largest element: one flipped rounding per iteration at most
-
-
-def polar_express_float64(g: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The Polar Express iteration with every step in float64 (whatever `dtype` the optimiser asks for): X <- G /
-    (1.02 ||G||_F + 1e-6) on the wide orientation, then X <- a X + (b A + c A^2) X with A = X X^T (the golden
-    file's float64 run is the same). A matrix or a batch of them."""
-    tall = g.size(-2) > g.size(-1)
-    x = g.double().mT if tall else g.double()
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
-    for a, b, c in GOLDEN["polar_express_coefficients"]:
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
-    return x.mT if tall else x
+# (BF16_BOUND and the float64 Polar Express are helpers/references.py's.)
 
 
 @pytest.fixture
@@ -383,22 +367,21 @@ def test_resume_after_sigkill_in_decay_matches_uninterrupted_run(tiny_data, tmp_
     its steps 12-23 cross the momentum peak, the LR decay and the momentum cooldown, and every logged
     loss, learning rate and momentum, and the final validation loss, equal the uninterrupted run's."""
     steps = 24
-    full = cli_subprocess(fit_args(tiny_data, *SCHEDULE, "--experiment", "full", steps=steps), tmp_path)
+    full = run_cli(slr_fit_args(tiny_data, *SCHEDULE, "--experiment", "full", steps=steps), tmp_path)
     assert full.returncode == 0, full.stderr[-3000:]
     (tmp_path / "kill.yaml").write_text(
         "trainer:\n  callbacks:\n    - class_path: run_hooks.KillAtStep\n      init_args: {step: 19}\n")
-    killed = cli_subprocess(fit_args(tiny_data, *SCHEDULE, "--experiment", "killed", "--config", "kill.yaml",
-                                     steps=steps), tmp_path)
+    killed = run_cli(slr_fit_args(tiny_data, *SCHEDULE, "--experiment", "killed", "--config", "kill.yaml",
+                                  steps=steps), tmp_path)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     ckpt = tmp_path / "runs/killed/tiny-s-lr-grid-n4-r16-seed0/checkpoints/last.ckpt"
     assert torch.load(ckpt, weights_only=True)["global_step"] == 12
-    resumed = cli_subprocess(fit_args(tiny_data, *SCHEDULE, "--experiment", "killed", "--ckpt_path", "last",
-                                      steps=steps), tmp_path)
+    resumed = run_cli(slr_fit_args(tiny_data, *SCHEDULE, "--experiment", "killed", "--ckpt_path", "last",
+                                   steps=steps), tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    client, run_full = only_run(uri, "full")
-    _, run_resumed = only_run(uri, "killed")
+    client, run_full = the_run(tmp_path, "full")
+    _, run_resumed = the_run(tmp_path, "killed")
     for key, rel in [("train/loss", 1e-5), ("train/lr/muon", 1e-12), ("train/lr/adamw", 1e-12),
                      ("train/momentum/muon", 1e-12)]:
         a = losses_by_step(client, run_full.info.run_id, key)
@@ -427,7 +410,6 @@ def test_clipping_by_the_logged_norm_is_lightnings_clipping(tiny_data, clip):  #
     optimizer steps, with clipping that bites (1e-3) and without, the weights are those of Lightning's own
     configure_gradient_clipping (torch's clip_grad_norm_), and clipping changed them."""
     import lightning as L
-    from test_training import REGISTRY
 
     from lrattn_lightning.data.datamodule import TokenDataModule
 

@@ -8,68 +8,26 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import warm_cli
-from conftest import REPO_ROOT, TESTS_DIR, free_port, mlflow_server, prepared_corpus
-from mlflow.tracking import MlflowClient
+from conftest import free_port, mlflow_server
+from helpers.prepare import four_window_corpus
+from helpers.runs import REGISTRY, losses_by_step, run_cli, slr_fit_args, the_run
 
 from lrattn_lightning.cli import main
-from lrattn_lightning.data.prepare import prepare, split_of
+from lrattn_lightning.data.prepare import prepare
 from lrattn_lightning.model.accounting import added_flops_percent, count_params
 from lrattn_lightning.model.registry import load_registry
 from lrattn_lightning.train.muon import resolve_muon_dtype
-
-REPO = REPO_ROOT
-TESTS = TESTS_DIR
-REGISTRY = str(REPO / "registry.yaml")
-
-
-@pytest.fixture(scope="session")
-def tiny_data(tmp_path_factory) -> Path:
-    return prepared_corpus(tmp_path_factory, 120, cloze_items=20, perplexity_documents=10)
-
-
-def fit_args(data: Path, *extra: str, steps: int = 4, ablation: str = "s-lr-grid-n4-r16") -> list[str]:
-    return [
-        "fit", "--size", "tiny", "--ablation", ablation, "--registry", REGISTRY,
-        "--data.data_dir", str(data), "--data.batch_size", "4",
-        "--trainer.max_steps", str(steps), "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2",
-        "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
-        "--trainer.accelerator", "cpu", "--trainer.devices", "1",
-        "--model.warmup_steps", "2", "--checkpoint_every", "2", *extra,
-    ]
-
-
-def cli_subprocess(args: list[str], cwd: Path, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`lrattn ARGS` as a real process (forked from the tests' pre-imported server: tests/warm_cli.py)."""
-    return warm_cli.run([sys.executable, "-m", "lrattn_lightning.cli", *args], cwd=cwd,
-                        env=warm_cli.cli_env(**(env or {})), timeout=timeout)
-
-
-def only_run(uri: str, experiment: str = "lrattn"):
-    client = MlflowClient(uri)
-    exp = client.get_experiment_by_name(experiment)
-    assert exp is not None, f"experiment {experiment} not in {uri}"
-    runs = client.search_runs([exp.experiment_id])
-    assert len(runs) == 1
-    return client, runs[0]
-
-
-def losses_by_step(client: MlflowClient, run_id: str, key: str = "train/loss") -> dict[int, float]:
-    history = sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)
-    return {m.step: m.value for m in history}  # a resumed run's later values win
 
 
 def test_fit_logs_everything_to_sqlite_mlflow(tiny_data, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert main(fit_args(tiny_data)) == 0
-    client, run = only_run(f"sqlite:///{tmp_path}/mlflow.db")
+    assert main(slr_fit_args(tiny_data)) == 0
+    client, run = the_run(tmp_path)
     params, metrics, tags = run.data.params, run.data.metrics, run.data.tags
     reg = load_registry(REGISTRY)
     cfg = reg.model("tiny", "s-lr-grid-n4-r16")
@@ -128,7 +86,7 @@ def test_a_trainer_built_in_python_records_what_lrattn_fit_records(tiny_data, tm
                         callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)])
     module = LRAttnModule(size="tiny", ablation="s-lr-grid-n4-r16", registry=REGISTRY, warmup_steps=1)
     trainer.fit(module, datamodule=TokenDataModule(str(tiny_data), batch_size=2, seq_len=16))
-    client, run = only_run(uri, "py")
+    client, run = the_run(tmp_path, "py")
     assert run.data.tags["ablation"] == "s-lr-grid-n4-r16" and run.data.params["train_seq_len"] == "16"
     assert "routing/heatmap.png" in {a.path for a in client.list_artifacts(run.info.run_id, "routing")}
     ckpt = torch.load(tmp_path / "ck/last.ckpt", weights_only=True)
@@ -139,7 +97,7 @@ def test_provenance_is_not_a_command_line_argument(tiny_data, tmp_path, monkeypa
     """The resolved config, registry hash and git commit come from the registry and git, never a flag."""
     monkeypatch.chdir(tmp_path)
     for flag, value in (("--model.git_commit", "fake"), ("--model.registry_sha256", "0"), ("--model.model_config", "{}")):
-        assert main(fit_args(tiny_data, flag, value)) == 2  # jsonargparse: a link target
+        assert main(slr_fit_args(tiny_data, flag, value)) == 2  # jsonargparse: a link target
         err = capsys.readouterr().err.strip()
         assert err == f"lrattn: error: {flag} is recorded by lrattn from the registry and git, not set by a flag; drop it"
     assert not (tmp_path / "runs").exists()
@@ -147,16 +105,16 @@ def test_provenance_is_not_a_command_line_argument(tiny_data, tmp_path, monkeypa
 
 def test_validate_and_test_a_checkpoint_log_into_its_training_run(tiny_data, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert main(fit_args(tiny_data, steps=2)) == 0
+    assert main(slr_fit_args(tiny_data, steps=2)) == 0
     ckpt = tmp_path / "runs/lrattn/tiny-s-lr-grid-n4-r16-seed0/checkpoints/last.ckpt"
     common = ["--size", "tiny", "--ablation", "s-lr-grid-n4-r16", "--registry", REGISTRY, "--data.data_dir", str(tiny_data),
               "--data.batch_size", "4", "--trainer.limit_val_batches", "3", "--trainer.limit_test_batches", "3",
               "--trainer.enable_progress_bar", "false", "--ckpt_path", str(ckpt)]
-    client, run = only_run(f"sqlite:///{tmp_path}/mlflow.db")
+    client, run = the_run(tmp_path)
     client.set_terminated(run.info.run_id, "KILLED")  # as a preempted fit leaves it
     assert main(["validate", *common]) == 0
     assert main(["test", *common]) == 0
-    client, run = only_run(f"sqlite:///{tmp_path}/mlflow.db")  # still one run: the training run
+    client, run = the_run(tmp_path)  # still one run: the training run
     assert run.info.status == "KILLED"  # scoring a checkpoint does not finish its run (a sweep would skip it)
     fit_val = client.get_metric_history(run.info.run_id, "val/loss")
     assert [m.step for m in fit_val] == [2]  # the fit's own: validate and test log beside it, under their names
@@ -171,8 +129,8 @@ def test_validate_and_test_a_checkpoint_log_into_its_training_run(tiny_data, tmp
 def test_a_fit_always_validates_its_final_weights(tiny_data, tmp_path, monkeypatch):
     """max_steps 3 with validation every 2 steps: the fit still ends with val/loss and a heatmap at step 3."""
     monkeypatch.chdir(tmp_path)
-    assert main(fit_args(tiny_data, steps=3)) == 0
-    client, run = only_run(f"sqlite:///{tmp_path}/mlflow.db")
+    assert main(slr_fit_args(tiny_data, steps=3)) == 0
+    client, run = the_run(tmp_path)
     steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "val/loss"))
     assert steps == [2, 3]
     weights = json.loads(Path(client.download_artifacts(run.info.run_id, "routing/weights.json", str(tmp_path))).read_text())
@@ -182,9 +140,9 @@ def test_a_fit_always_validates_its_final_weights(tiny_data, tmp_path, monkeypat
 
 def test_checkpoint_under_other_ablation_is_an_error(tiny_data, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    assert main(fit_args(tiny_data, steps=2)) == 0
+    assert main(slr_fit_args(tiny_data, steps=2)) == 0
     ckpt = tmp_path / "runs/lrattn/tiny-s-lr-grid-n4-r16-seed0/checkpoints/last.ckpt"
-    rc = main(fit_args(tiny_data, "--ckpt_path", str(ckpt), "--run_name", "other", steps=3, ablation="baseline"))
+    rc = main(slr_fit_args(tiny_data, "--ckpt_path", str(ckpt), "--run_name", "other", steps=3, ablation="baseline"))
     assert rc == 2
     assert "different architecture" in capsys.readouterr().err
 
@@ -192,18 +150,18 @@ def test_checkpoint_under_other_ablation_is_an_error(tiny_data, tmp_path, monkey
 def test_resume_after_sigkill_continues_the_same_loss_sequence(tiny_data, tmp_path):
     """An uninterrupted run and a run SIGKILLed at step 5 then resumed from last.ckpt log the same losses."""
     steps = 8
-    full = cli_subprocess(fit_args(tiny_data, "--experiment", "full", steps=steps), tmp_path)
+    full = run_cli(slr_fit_args(tiny_data, "--experiment", "full", steps=steps), tmp_path)
     assert full.returncode == 0, full.stderr[-3000:]
     (tmp_path / "kill.yaml").write_text(
         "trainer:\n  callbacks:\n    - class_path: run_hooks.KillAtStep\n      init_args: {step: 5}\n")
-    killed = cli_subprocess(fit_args(tiny_data, "--experiment", "killed", "--config", "kill.yaml", steps=steps), tmp_path)
+    killed = run_cli(slr_fit_args(tiny_data, "--experiment", "killed", "--config", "kill.yaml", steps=steps), tmp_path)
     assert killed.returncode == -signal.SIGKILL
     ckpt_dir = tmp_path / "runs/killed/tiny-s-lr-grid-n4-r16-seed0/checkpoints"
     assert torch.load(ckpt_dir / "last.ckpt", weights_only=True)["global_step"] == 4  # lost at most one interval
-    resumed = cli_subprocess(fit_args(tiny_data, "--experiment", "killed", "--ckpt_path", "last", steps=steps), tmp_path)
+    resumed = run_cli(slr_fit_args(tiny_data, "--experiment", "killed", "--ckpt_path", "last", steps=steps), tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    client, run_full = only_run(f"sqlite:///{tmp_path}/mlflow.db", "full")
-    _, run_resumed = only_run(f"sqlite:///{tmp_path}/mlflow.db", "killed")  # the resumed run logs into the same MLflow run
+    client, run_full = the_run(tmp_path, "full")
+    _, run_resumed = the_run(tmp_path, "killed")  # the resumed run logs into the same MLflow run
     a = losses_by_step(client, run_full.info.run_id)
     b = losses_by_step(client, run_resumed.info.run_id)
     assert sorted(a) == sorted(b) == list(range(steps))
@@ -214,32 +172,12 @@ def test_resume_after_sigkill_continues_the_same_loss_sequence(tiny_data, tmp_pa
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tiny_data, tmp_path):
     (tmp_path / "poison.yaml").write_text(
         "trainer:\n  callbacks:\n    - class_path: run_hooks.PoisonAtStep\n      init_args: {step: 3}\n")
-    proc = cli_subprocess(fit_args(tiny_data, "--config", "poison.yaml", steps=6), tmp_path)
+    proc = run_cli(slr_fit_args(tiny_data, "--config", "poison.yaml", steps=6), tmp_path)
     assert proc.returncode == 3
     assert "non-finite training loss" in proc.stderr and "at step 3" in proc.stderr
     ckpt = torch.load(tmp_path / "runs/lrattn/tiny-s-lr-grid-n4-r16-seed0/checkpoints/last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 2
     assert all(torch.isfinite(t).all() for t in ckpt["state_dict"].values())
-
-
-def four_window_corpus(root: Path) -> Path:
-    """A prepared corpus whose train split is exactly 4 windows of 33 tokens (and as much validation): 2 ranks x
-    batch 2 and 1 rank x batch 4 both see the whole split at every step."""
-    corpus = root / "corpus"
-    corpus.mkdir()
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
-    picked = {"train": [], "val": []}
-    for i in range(200):  # choose file names whose documents land in the wanted split
-        side = split_of(f"doc{i:03d}.txt", 0.5)
-        if len(picked[side]) < 2:
-            picked[side].append(i)
-    for ids in picked.values():
-        for i in ids:  # 70 chars + EOS = 71 tokens; two documents = 142 tokens = 4 windows of 33
-            text = " ".join(words[(i + k) % len(words)] for k in range(20))[:70].ljust(70, ".")
-            (corpus / f"doc{i:03d}.txt").write_text(text)
-    data = root / "data"
-    prepare(source=str(corpus), out_dir=data, tokenizer="byte", val_fraction=0.5, cloze_items=0, perplexity_documents=0)
-    return data
 
 
 @pytest.mark.slow
@@ -249,13 +187,13 @@ def test_ddp_two_processes_gloo_match_one_process(tmp_path):
     data = four_window_corpus(tmp_path)
     common = ["--data.shuffle", "false", "--model.optimizer", "adamw", "--trainer.limit_val_batches", "1.0",
               "--trainer.val_check_interval", "1"]
-    one = cli_subprocess(fit_args(data, *common, "--experiment", "one", steps=4), tmp_path)
+    one = run_cli(slr_fit_args(data, *common, "--experiment", "one", steps=4), tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = cli_subprocess(fit_args(data, *common, "--experiment", "two", "--data.batch_size", "2",
-                                  "--trainer.devices", "2", "--trainer.strategy", "ddp", steps=4), tmp_path, timeout=600)
+    two = run_cli(slr_fit_args(data, *common, "--experiment", "two", "--data.batch_size", "2",
+                               "--trainer.devices", "2", "--trainer.strategy", "ddp", steps=4), tmp_path, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
-    client, r1 = only_run(f"sqlite:///{tmp_path}/mlflow.db", "one")
-    _, r2 = only_run(f"sqlite:///{tmp_path}/mlflow.db", "two")
+    client, r1 = the_run(tmp_path, "one")
+    _, r2 = the_run(tmp_path, "two")
     a, b = losses_by_step(client, r1.info.run_id), losses_by_step(client, r2.info.run_id)
     assert sorted(a) == sorted(b) == [0, 1, 2, 3]
     for step in a:
@@ -267,9 +205,9 @@ def test_ddp_two_processes_gloo_match_one_process(tmp_path):
 @pytest.mark.slow
 def test_logs_to_a_real_mlflow_server_over_http(tiny_data, tmp_path):
     with mlflow_server(tmp_path) as (_, uri):
-        proc = cli_subprocess(fit_args(tiny_data, "--tracking_uri", uri, steps=2), tmp_path)
+        proc = run_cli(slr_fit_args(tiny_data, "--tracking_uri", uri, steps=2), tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        client, run = only_run(uri)
+        client, run = the_run(None, uri=uri)
         assert run.data.params["ablation"] == "s-lr-grid-n4-r16"
         assert "val/loss" in run.data.metrics
         assert "routing/heatmap.png" in {a.path for a in client.list_artifacts(run.info.run_id, "routing")}
@@ -287,18 +225,18 @@ def _fails(tmp_path, monkeypatch, capsys, args, *needles):
 
 
 def test_unknown_names_suggest_closest(tiny_data, tmp_path, monkeypatch, capsys):
-    args = fit_args(tiny_data)
+    args = slr_fit_args(tiny_data)
     args[args.index("--ablation") + 1] = "s-lr-blok-n8-r64"
     _fails(tmp_path, monkeypatch, capsys, args, "unknown ablation 's-lr-blok-n8-r64'", "s-lr-block-n8-r64")
-    args = fit_args(tiny_data)
+    args = slr_fit_args(tiny_data)
     args[args.index("--size") + 1] = "tyni"
     _fails(tmp_path, monkeypatch, capsys, args, "unknown size 'tyni'", "tiny")
 
 
 def test_missing_and_empty_data(tmp_path, monkeypatch, capsys):
-    _fails(tmp_path, monkeypatch, capsys, fit_args(tmp_path / "nope"), "lrattn prepare")
+    _fails(tmp_path, monkeypatch, capsys, slr_fit_args(tmp_path / "nope"), "lrattn prepare")
     (tmp_path / "empty").mkdir()
-    _fails(tmp_path, monkeypatch, capsys, fit_args(tmp_path / "empty"), "empty")
+    _fails(tmp_path, monkeypatch, capsys, slr_fit_args(tmp_path / "empty"), "empty")
 
 
 def test_corrupted_shard(tiny_data, tmp_path, monkeypatch, capsys):
@@ -306,22 +244,22 @@ def test_corrupted_shard(tiny_data, tmp_path, monkeypatch, capsys):
     shutil.copytree(tiny_data, broken)
     chunk = sorted((broken / "train").glob("chunk-*.bin"))[0]
     chunk.write_bytes(chunk.read_bytes()[:100])
-    _fails(tmp_path, monkeypatch, capsys, fit_args(broken), str(chunk.name))
+    _fails(tmp_path, monkeypatch, capsys, slr_fit_args(broken), str(chunk.name))
 
 
 def test_sequence_longer_than_size(tiny_data, tmp_path, monkeypatch, capsys):
-    _fails(tmp_path, monkeypatch, capsys, fit_args(tiny_data, "--data.seq_len", "64"), "seq_len", "tiny")
+    _fails(tmp_path, monkeypatch, capsys, slr_fit_args(tiny_data, "--data.seq_len", "64"), "seq_len", "tiny")
 
 
 def test_data_vocab_larger_than_model(tmp_path, monkeypatch, capsys):
     data = tmp_path / "bpe"
     prepare(source="stdlib-docs", out_dir=data, tokenizer="bpe:600", max_documents=60, val_fraction=0.2,
             cloze_items=0, perplexity_documents=0)
-    _fails(tmp_path, monkeypatch, capsys, fit_args(data), "vocab_size 600", "512")
+    _fails(tmp_path, monkeypatch, capsys, slr_fit_args(data), "vocab_size 600", "512")
 
 
 def test_unreachable_server_fails_or_falls_back(tiny_data, tmp_path, monkeypatch, capsys):
     dead = f"http://127.0.0.1:{free_port()}"
-    _fails(tmp_path, monkeypatch, capsys, fit_args(tiny_data, "--tracking_uri", dead), "unreachable", "--mlflow_fallback_local")
-    assert main(fit_args(tiny_data, "--tracking_uri", dead, "--mlflow_fallback_local", "true", steps=2)) == 0
-    only_run(f"sqlite:///{tmp_path}/mlflow.db")
+    _fails(tmp_path, monkeypatch, capsys, slr_fit_args(tiny_data, "--tracking_uri", dead), "unreachable", "--mlflow_fallback_local")
+    assert main(slr_fit_args(tiny_data, "--tracking_uri", dead, "--mlflow_fallback_local", "true", steps=2)) == 0
+    the_run(tmp_path)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.runs import slr_fit_args
 from mlflow.tracking import MlflowClient
-from test_training import fit_args, tiny_data  # noqa: F401  (the fixture)
 
 from lrattn_lightning.cli import main
 
@@ -24,7 +24,7 @@ def baseline(tiny_data, tmp_path_factory):  # noqa: F811
     with pytest.MonkeyPatch.context() as mp:  # (module scope: monkeypatch itself is per test)
         mp.chdir(root)
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-        assert main(fit_args(tiny_data, "--run_name", "base", ablation="baseline", steps=2)) == 0
+        assert main(slr_fit_args(tiny_data, "--run_name", "base", ablation="baseline", steps=2)) == 0
     return root, next((root / "runs").rglob("base/checkpoints/last.ckpt"))
 
 
@@ -35,8 +35,8 @@ def test_an_attnres_run_starts_from_a_baselines_core(baseline, tiny_data, monkey
     monkeypatch.chdir(root)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     capsys.readouterr()
-    args = fit_args(tiny_data, "--run_name", "up", "--init_from", str(ckpt), "--model.lr", "0", "--model.muon_lr", "0",
-                    ablation="attnres-block-n4", steps=2)
+    args = slr_fit_args(tiny_data, "--run_name", "up", "--init_from", str(ckpt), "--model.lr", "0", "--model.muon_lr", "0",
+                        ablation="attnres-block-n4", steps=2)
     assert main(args) == 0
     out = capsys.readouterr().out
     source = _weights(ckpt)
@@ -67,7 +67,7 @@ def test_a_shape_conflict_is_one_line_before_any_work(baseline, tiny_data, tmp_p
     _, ckpt = baseline
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert main(fit_args(tiny_data, "--init_from", str(ckpt), ablation=ablation, steps=2)) == 2
+    assert main(slr_fit_args(tiny_data, "--init_from", str(ckpt), ablation=ablation, steps=2)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("lrattn: error: --init_from ") and says in err[-1], err
     assert list(tmp_path.iterdir()) == []  # nothing written
@@ -76,7 +76,7 @@ def test_a_shape_conflict_is_one_line_before_any_work(baseline, tiny_data, tmp_p
 def test_a_missing_source_is_one_line(tiny_data, tmp_path, monkeypatch, capsys):  # noqa: F811
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert main(fit_args(tiny_data, "--init_from", "nowhere.ckpt", steps=2)) == 2
+    assert main(slr_fit_args(tiny_data, "--init_from", "nowhere.ckpt", steps=2)) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == "lrattn: error: --init_from: checkpoint nowhere.ckpt: no such file"
     assert list(tmp_path.iterdir()) == []
 
@@ -94,7 +94,7 @@ def test_the_compared_methods_train_and_upcycle_from_a_baseline(baseline, tiny_d
     _, ckpt = baseline
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert main(fit_args(tiny_data, "--init_from", str(ckpt), ablation=ablation, steps=2)) == 0
+    assert main(slr_fit_args(tiny_data, "--init_from", str(ckpt), ablation=ablation, steps=2)) == 0
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     cfg = load_registry().model("tiny", ablation)

@@ -16,7 +16,6 @@ import torch
 import warm_cli
 import yaml
 from mlflow.tracking import MlflowClient
-from test_training import tiny_data  # noqa: F401  (the fixture)
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, core_flops, count_params
