@@ -210,7 +210,7 @@ def test_a_registry_size_past_the_budget_is_refused_at_load(tmp_path):
 
 
 def _exported(tmp_path: Path) -> Path:
-    from test_export import make_checkpoint
+    from helpers.models import make_checkpoint
 
     from lrattn_lightning.tools.export import export_hf
 
@@ -238,7 +238,7 @@ def test_an_exported_config_past_the_budget_is_refused_before_building(tmp_path)
 
 
 def test_a_checkpoint_past_the_budget_is_refused_before_building(tmp_path):
-    from test_export import make_checkpoint
+    from helpers.models import make_checkpoint
 
     make_checkpoint(tmp_path / "last.ckpt", "baseline")
     ckpt = torch.load(tmp_path / "last.ckpt", weights_only=True)

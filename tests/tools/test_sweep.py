@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 import warm_cli
-import yaml
 from conftest import REPO_ROOT, prepared_corpus
+from helpers.runs import SWEEP_ABLATIONS as ABLATIONS
+from helpers.runs import sweep_runs, write_sweep
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
@@ -27,39 +28,12 @@ from lrattn_lightning.tools.sweep.file import load_sweep
 
 REPO = REPO_ROOT
 REGISTRY = str(REPO / "registry.yaml")
-ABLATIONS = ["baseline", "s-lr-grid-n4-r16"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
     return prepared_corpus(tmp_path_factory, 80)
-
-
-def write_sweep(folder: Path, data: Path, **changes) -> Path:
-    """A tiny recipe and a sweep file of ABLATIONS x seeds 0, 1 in `folder`; `changes` edit the sweep."""
-    recipe = {
-        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 3, "val_check_interval": 3,
-                    "limit_val_batches": 2, "num_sanity_val_steps": 0, "log_every_n_steps": 1,
-                    "enable_progress_bar": False, "enable_model_summary": False},
-        "model": {"warmup_steps": 1},
-        "data": {"data_dir": str(data), "batch_size": 2},
-        "checkpoint_every": 2,
-    }
-    (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    sweep = {"name": "two-by-two", "doc": "test sweep", "recipe": "recipe.yaml", "experiment": "sweep-test",
-             "registry": REGISTRY, "sizes": ["tiny"], "ablations": ABLATIONS, "seeds": [0, 1],
-             "env": {"OMP_NUM_THREADS": "1"}, **changes}
-    path = folder / "sweep.yaml"
-    path.write_text(yaml.safe_dump(sweep, sort_keys=False))
-    return path
-
-
-def sweep_runs(uri: str, experiment: str = "sweep-test") -> list:
-    client = MlflowClient(uri)
-    exp = client.get_experiment_by_name(experiment)
-    assert exp is not None
-    return [r for r in client.search_runs([exp.experiment_id]) if "lrattn.summary" not in r.data.tags]
 
 
 def read_csv(path: Path) -> dict[str, dict[str, str]]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import free_port, prepared_corpus
-from test_sweep import write_sweep
+from helpers.runs import write_sweep
 
 from lrattn_lightning.cli import main
 from lrattn_lightning.tools.sweep.file import load_sweep
@@ -112,7 +112,7 @@ def test_fit_parser_accepts_what_fit_accepts(data_dir, tmp_path):
     from lrattn_lightning.cli.sweep import fit_parser
     from lrattn_lightning.tools.sweep.sweep import check_fit_args
 
-    args = {"trainer.callbacks+": "lrattn_lightning.eval.run.EvalCallback", "trainer.callbacks.tasks": "local",
+    args = {"trainer.callbacks+": "lrattn_lightning.eval.callback.EvalCallback", "trainer.callbacks.tasks": "local",
             "model.lr": 0.01, "data.seq_len": 16, "runs_dir": "elsewhere"}
     sweep, _ = load_sweep(write_sweep(tmp_path, data_dir, args=args))
     check_fit_args(sweep, "sqlite:///x.db", ["--mlflow_fallback_local", "true"], fit_parser())

@@ -16,8 +16,8 @@ import pytest
 import warm_cli
 import yaml
 from conftest import REPO_ROOT, prepared_corpus
+from helpers.runs import sweep_runs, write_sweep
 from mlflow.tracking import MlflowClient
-from test_sweep import sweep_runs, write_sweep
 
 from lrattn_lightning.cli import main
 

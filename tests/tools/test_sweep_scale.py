@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import prepared_corpus
-from test_sweep import write_sweep
+from helpers.runs import write_sweep
 
 from lrattn_lightning.cli import main
 from lrattn_lightning.cli.sweep import fit_parser
