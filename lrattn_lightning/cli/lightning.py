@@ -7,7 +7,7 @@ folder is claimed (a lock), the MLflow store opened (under a lock), and training
 run writes). The registry is read once, here: (--size, --ablation) resolve to one ModelConfig, which the checks
 use and LRAttnModule is built from, with the run's provenance (the config as plain values, the registry's hash,
 the git commit: link targets, never flags). Only LightningCLI's public hooks are overridden; the trainer gets the
-MLflow logger, atomic checkpoint writes, last.ckpt and the step monitors of train/callbacks.py as
+MLflow logger, atomic checkpoint writes, last.ckpt and the step monitors of train/callbacks/ as
 `instantiate_trainer` arguments. `cli/__init__.py` is the `lrattn` dispatcher that imports this module only for
 these subcommands.
 """

@@ -81,7 +81,7 @@ class RunOutputs:
     def instantiate_trainer(self, **kwargs: Any):
         """Lightning's trainer with this run's defaults where the command line gives none: the MLflow
         logger, atomic checkpoint writes, the run folder; `fit` adds last.ckpt and the step monitors
-        (learning rate, Muon momentum, tokens/s: train/callbacks.py)."""
+        (learning rate, Muon momentum, tokens/s: train/callbacks/monitors.py)."""
         cfg, given = self.config[self.subcommand], self.config_init[self.subcommand].trainer
         if given.logger is None:
             kwargs["logger"] = self._tracking_logger(cfg)

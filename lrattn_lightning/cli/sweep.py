@@ -35,7 +35,7 @@ def fit_parser():
 
 
 def sweep_main(argv: list[str]) -> int:
-    """`lrattn sweep` with fit's parser (tools/sweep.py)."""
+    """`lrattn sweep` with fit's parser (tools/sweep/sweep.py)."""
     from lrattn_lightning.tools.sweep.sweep import main
 
     return main(argv, fit_parser=fit_parser)

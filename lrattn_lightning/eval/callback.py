@@ -1,5 +1,5 @@
-"""`EvalCallback`: the evaluation of `lrattn eval` at the end of `lrattn fit`, on the in-memory model (eval/run.py
-holds the evaluation; `lrattn_lightning.eval.run.EvalCallback` still names this class)."""
+"""`EvalCallback`: the evaluation of `lrattn eval` at the end of `lrattn fit`, on the in-memory model (eval/evaluate.py
+holds the evaluation, eval/run.py the command)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from lrattn_lightning.model.decoder import Decoder
 class EvalCallback(Callback):
     """Evaluate the in-memory model when training ends and log to the training's MLflow run.
 
-        lrattn fit ... --trainer.callbacks+=lrattn_lightning.eval.run.EvalCallback --trainer.callbacks.tasks=local
+        lrattn fit ... --trainer.callbacks+=lrattn_lightning.eval.callback.EvalCallback --trainer.callbacks.tasks=local
 
     Every rank evaluates its shard (through the trainer's strategy); rank 0 logs.
     """

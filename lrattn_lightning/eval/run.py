@@ -14,7 +14,7 @@ MLflow: metrics `eval/<task>/<metric>` (lm-eval's `acc,none` -> `acc`, `acc_stde
 `acc_stderr`) at the checkpoint's global step, on the training run recorded in the checkpoint, plus
 the results JSON as an artifact `eval/results-stepNNNNNN-<time>-<id>.json`. Without a training run (none
 recorded, or not in this tracking store) a new run tagged with the checkpoint is created.
-`EvalCallback` runs the same evaluation at the end of `lrattn fit` on the in-memory model.
+`EvalCallback` (eval/callback.py) runs the same evaluation at the end of `lrattn fit` on the in-memory model.
 """
 
 from __future__ import annotations
@@ -263,13 +263,3 @@ def report(ckpt: LoadedCheckpoint, results: dict[str, Any] | None, val: dict[str
     experiment_id = client.get_run(run_id).info.experiment_id
     print("\n".join(f"[lrattn eval] {line}" for line in ui_pointer(uri, experiment_id, run_id)))
     return metrics
-
-
-def __getattr__(name: str) -> Any:
-    """`lrattn_lightning.eval.run.EvalCallback` (the name users pass to --trainer.callbacks+=) lives in
-    eval/callback.py, imported when asked for: `lrattn eval` itself needs no Lightning callback."""
-    if name == "EvalCallback":
-        from lrattn_lightning.eval.callback import EvalCallback
-
-        return EvalCallback
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """The MLflow schema: every tag, param and metric name the platform writes, each with what it holds.
 
 Writers (train/callbacks/, train/tracking.py, the LightningModule, eval/, `lrattn compare`, a sweep's run tags) and
-readers (`lrattn compare`, `lrattn sweep`, `lrattn eval`) take their names from here; tests/test_schema.py checks
+readers (`lrattn compare`, `lrattn sweep`, `lrattn eval`) take their names from here; tests/train/test_schema.py checks
 that a real store written by a fit, its validation, an evaluation and compare holds no key this module does not
 declare, and that compare and sweep read no other. The strings are the ones existing stores hold: changing one
 orphans every run logged before it (compare would no longer read them).

@@ -53,7 +53,7 @@ def trained(tmp_path_factory) -> dict:
                    "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2",
                    "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu", "--model.warmup_steps", "2",
                    "--checkpoint_every", "2", "--trainer.log_every_n_steps", "1", "--tracking_uri", uri,
-                   "--trainer.callbacks+=lrattn_lightning.eval.run.EvalCallback",
+                   "--trainer.callbacks+=lrattn_lightning.eval.callback.EvalCallback",
                    "--trainer.callbacks.tasks=lrattn_cloze", "--trainer.callbacks.limit=4"])
     finally:
         os.chdir(cwd)

@@ -11,7 +11,7 @@ Every name of an MLflow tag, param, metric or artifact they write is in train/sc
 
 `LRAttnModule.configure_callbacks` installs the first three, so a Trainer built in Python records what
 `lrattn fit` records; `lrattn fit` adds the monitors and, without a progress bar, the progress lines
-(cli/lightning.py). Every name is importable from here, as it was when this was one module.
+(cli/lightning.py). Every name above is importable from here.
 """
 
 from lrattn_lightning.train.callbacks.contents import CheckpointContents
@@ -43,8 +43,6 @@ from lrattn_lightning.train.callbacks.run_params import (
     strategy_name,
     tokens_per_step,
 )
-
-_mlflow = mlflow_logger  # (its name before the split)
 
 __all__ = [
     "EXPERIMENT_KIND", "PAPER_SIZE", "TRAIN_PARAMS", "CheckpointContents", "MuonMomentumMonitor", "RoutingArtifacts",
