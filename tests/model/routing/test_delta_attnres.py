@@ -7,6 +7,7 @@ formula in float64 for both block sources, where they part, accounting, diagnost
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import pytest
@@ -23,6 +24,7 @@ from conftest import (
     tiny_config,
     tokens,
 )
+from helpers.models import kind_config, randomized
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, count_params, routing_params
@@ -35,19 +37,13 @@ from lrattn_lightning.train.optim import split_parameters
 SIZE = DEEPER  # three layers, d = 32
 
 
-def config(null_source=False, size=SIZE) -> ModelConfig:
-    raw = {"sizes": {}, "ablations": {"delta": {"doc": "d", "control": None, "routing": "delta_attnres",
-                                                "null_source": null_source}}}
-    return ModelConfig(size, parse_registry(raw).ablation("delta"))
+config = functools.partial(kind_config, "delta_attnres")
 
 
-def randomized(cfg, seed=0):
-    torch.manual_seed(seed)
-    model = build_decoder(cfg).double().eval()
-    with torch.no_grad():
-        for name, p in model.router.named_parameters():
-            p.copy_(torch.randn_like(p) * (1.0 if name == "queries" else 0.3) + (1.0 if name == "key_norm_weight" else 0))
-    return model
+def draw(name: str, p: torch.Tensor) -> torch.Tensor:
+    """Queries N(0, 1), key norm gains 1 + N(0, 0.3), every other router parameter N(0, 0.3): routing far from
+    uniform."""
+    return torch.randn_like(p) * (1.0 if name == "queries" else 0.3) + (1.0 if name == "key_norm_weight" else 0)
 
 
 def reads_float64(model, trace, null):
@@ -77,7 +73,7 @@ def reads_float64(model, trace, null):
 
 @pytest.mark.parametrize("null", [False, True])
 def test_every_read_is_the_stream_plus_the_formulas_delta_read(null):
-    model = randomized(config(null))
+    model = randomized(config(null_source=null), draw)
     trace = capture(model, tokens(SIZE.vocab_size, batch=2, length=10))
     reads, final = reads_float64(model, trace, null)
     for j, h in enumerate(reads):
@@ -89,7 +85,7 @@ def test_every_read_is_the_stream_plus_the_formulas_delta_read(null):
 
 def test_the_added_reads_matter():
     cfg = config()
-    model, base = randomized(cfg), build_decoder(ModelConfig(SIZE, parse_registry(
+    model, base = randomized(cfg, draw), build_decoder(ModelConfig(SIZE, parse_registry(
         {"sizes": {}, "ablations": {"b": {"doc": "b", "control": None}}}).ablation("b"))).double().eval()
     base.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("router.")})
     idx = tokens(SIZE.vocab_size, batch=2, length=10)
@@ -99,7 +95,7 @@ def test_the_added_reads_matter():
 
 @pytest.mark.parametrize("null", [False, True])
 def test_parameters_and_flops_are_counted(null):
-    cfg = config(null)
+    cfg = config(null_source=null)
     model = build_decoder(cfg)
     M, d = 2 * SIZE.n_layers, SIZE.d_model
     sites = M if null else M - 1
@@ -110,24 +106,24 @@ def test_parameters_and_flops_are_counted(null):
 
 
 def test_causal_and_decodes_with_the_kv_cache():
-    model = randomized(config(True)).float()
+    model = randomized(config(null_source=True), draw).float()
     assert_causal_and_decodes_with_the_kv_cache(model)
 
 
 def test_float64_gradients_of_the_router():
-    model = randomized(config(True, size=GRAD))
+    model = randomized(config(GRAD, null_source=True), draw)
     idx = tokens(GRAD.vocab_size, batch=1, length=5)
     assert_router_gradcheck(model, idx)
 
 
 def test_bf16_autocast_reads_in_float32():
-    model = randomized(config()).float()
+    model = randomized(config(), draw).float()
     idx = tokens(SIZE.vocab_size, batch=2, length=10)
     assert_bf16_autocast_close(model, idx)
 
 
 def test_adamw_takes_every_router_parameter():
-    model = build_decoder(config(True))
+    model = build_decoder(config(null_source=True))
     muon, _ = split_parameters(model)
     assert not any(p is q for p in model.router.parameters() for q in muon)
 
@@ -143,9 +139,7 @@ FIVE = dataclasses.replace(DEEPER, name="tiny-l5", n_layers=5)  # five layers: P
 
 
 def block_config(size=FIVE, null=False, **block) -> ModelConfig:
-    entry = {"doc": "d", "control": None, "routing": "delta_attnres", "null_source": null, "delta_mode": "delta_block",
-             **block}
-    return ModelConfig(size, parse_registry({"sizes": {}, "ablations": {"x": entry}}).ablation("x"))
+    return config(size, null_source=null, delta_mode="delta_block", **block)
 
 
 def block_sources(emb, outputs, P, recursive):
@@ -180,7 +174,7 @@ def block_reads_float64(model, trace, P, recursive, null):
 @pytest.mark.parametrize("P, sources, null", [(2, "recursive", False), (2, "true_delta", True),
                                               (1, "recursive", True), (1, "true_delta", False)])
 def test_every_read_is_the_formula_with_block_sources(P, sources, null):
-    model = randomized(block_config(null=null, delta_block_layers=P, delta_block_sources=sources))
+    model = randomized(block_config(null=null, delta_block_layers=P, delta_block_sources=sources), draw)
     trace = capture(model, tokens(FIVE.vocab_size, batch=2, length=10))
     reads, final = block_reads_float64(model, trace, P, sources == "recursive", null)
     for j, h in enumerate(reads):
@@ -237,18 +231,19 @@ def test_parameters_flops_and_recorded_sources_are_counted(P, null):
 
 @pytest.mark.parametrize("sources", ["recursive", "true_delta"])
 def test_block_causal_and_decodes_with_the_kv_cache(sources):
-    model = randomized(block_config(DEEPER, null=True, delta_block_layers=1, delta_block_sources=sources)).float()
+    cfg = block_config(DEEPER, null=True, delta_block_layers=1, delta_block_sources=sources)
+    model = randomized(cfg, draw).float()
     assert_causal_and_decodes_with_the_kv_cache(model)
 
 
 def test_block_float64_gradients_of_the_router():
-    model = randomized(block_config(GRAD, null=True, delta_block_layers=1))
+    model = randomized(block_config(GRAD, null=True, delta_block_layers=1), draw)
     idx = tokens(GRAD.vocab_size, batch=1, length=5)
     assert_router_gradcheck(model, idx)
 
 
 def test_block_bf16_autocast_reads_in_float32():
-    model = randomized(block_config(delta_block_layers=2)).float()
+    model = randomized(block_config(delta_block_layers=2), draw).float()
     idx = tokens(FIVE.vocab_size, batch=2, length=10)
     assert_bf16_autocast_close(model, idx)
 
@@ -262,7 +257,7 @@ def test_diagnostics_name_every_block_source(sources, labels):
     axes = cfg.kind.diagnostic_axes(cfg)
     assert axes["source_labels"] == labels and axes["embedding_column"] == 1
     with torch.no_grad():
-        out = randomized(cfg).float()(tokens(FIVE.vocab_size, batch=2, length=6), return_routing=True)
+        out = randomized(cfg, draw).float()(tokens(FIVE.vocab_size, batch=2, length=6), return_routing=True)
     table = weights_table(cfg, out.routing)
     assert table["site_labels"] == [str(j) for j in range(10)] and table["source_labels"] == labels
     assert [len(row) for row in table["sites_by_sources"]] == [1, 2, 2, 3, 3, 4, 4, 5, 5, 6]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from conftest import (
@@ -12,6 +14,7 @@ from conftest import (
     tiny_config,
     tokens,
 )
+from helpers.models import kind_config, randomized
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, count_params, routing_params
@@ -23,20 +26,12 @@ from lrattn_lightning.train.optim import split_parameters
 SIZE = DEEPER  # three layers: dilation 2 and period 2 have something to skip
 
 
-def config(registry, dilation=1, period=1) -> ModelConfig:
-    raw = {"sizes": {}, "ablations": {"baseline": {"doc": "b", "control": None},
-                                      "dwa": {"doc": "d", "control": "baseline", "routing": "denseformer",
-                                              "dilation": dilation, "period": period}}}
-    return ModelConfig(SIZE, parse_registry(raw).ablation("dwa"))
+config = functools.partial(kind_config, "denseformer")
 
 
-def randomized(cfg, seed=0):
-    torch.manual_seed(seed)
-    model = build_decoder(cfg).double().eval()
-    with torch.no_grad():
-        for w in model.router.dwa.values():
-            w.normal_(std=0.7)
-    return model
+def draw(name: str, w: torch.Tensor) -> torch.Tensor:
+    """Every DWA weight N(0, 0.7): reads far from the identity start."""
+    return torch.empty_like(w).normal_(std=0.7)
 
 
 def dwa_inputs_float64(model, trace, dilation, period):
@@ -58,9 +53,9 @@ def dwa_inputs_float64(model, trace, dilation, period):
 
 
 @pytest.mark.parametrize("dilation, period", [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1)])
-def test_every_read_is_the_weighted_average_of_the_formula(registry, dilation, period):
-    cfg = config(registry, dilation, period)
-    model = randomized(cfg)
+def test_every_read_is_the_weighted_average_of_the_formula(dilation, period):
+    cfg = config(dilation=dilation, period=period)
+    model = randomized(cfg, draw)
     idx = tokens(SIZE.vocab_size, batch=2, length=10)
     trace = capture(model, idx)
     reads, final = dwa_inputs_float64(model, trace, dilation, period)
@@ -70,7 +65,7 @@ def test_every_read_is_the_weighted_average_of_the_formula(registry, dilation, p
 
 
 def test_identity_start_is_the_baseline_exactly(registry):
-    cfg = config(registry)
+    cfg = config()
     dwa, base = build_decoder(cfg), build_decoder(ModelConfig(SIZE, registry.ablation("baseline")))
     dwa.load_state_dict({**base.state_dict(), **{f"router.{k}": v for k, v in dwa.router.state_dict().items()}})
     idx = tokens(SIZE.vocab_size, batch=2, length=12)
@@ -82,21 +77,21 @@ def test_identity_start_is_the_baseline_exactly(registry):
 
 @pytest.mark.parametrize("dilation, period, expected", [(1, 1, 2 + 3 + 4), (2, 1, 1 + 2 + 2), (1, 2, 3), (2, 2, 2),
                                                          (3, 1, 1 + 1 + 2)])
-def test_parameters_and_flops_are_counted(registry, dilation, period, expected):
-    cfg = config(registry, dilation, period)
+def test_parameters_and_flops_are_counted(dilation, period, expected):
+    cfg = config(dilation=dilation, period=period)
     model = build_decoder(cfg)
     assert sum(p.numel() for p in model.router.parameters()) == routing_params(cfg) == expected
     assert count_params(cfg) == sum(p.numel() for p in model.parameters())
     assert added_flops(cfg) == 2 * SIZE.d_model * expected
 
 
-def test_causal_and_decodes_with_the_kv_cache(registry):
-    model = randomized(config(registry, 2, 1)).float()
+def test_causal_and_decodes_with_the_kv_cache():
+    model = randomized(config(dilation=2), draw).float()
     assert_causal_and_decodes_with_the_kv_cache(model)
 
 
-def test_float64_gradients_of_the_weights(registry):
-    model = randomized(config(registry, 2, 1))
+def test_float64_gradients_of_the_weights():
+    model = randomized(config(dilation=2), draw)
     idx = tokens(SIZE.vocab_size, batch=1, length=6)
     names = list(model.router.dwa.keys())
 
@@ -109,8 +104,8 @@ def test_float64_gradients_of_the_weights(registry):
     assert torch.autograd.gradcheck(loss, inputs, eps=1e-6, atol=1e-7)
 
 
-def test_adamw_takes_the_weight_vectors(registry):
-    model = build_decoder(config(registry))
+def test_adamw_takes_the_weight_vectors():
+    model = build_decoder(config())
     muon, adamw = split_parameters(model)
     assert all(any(p is q for q in adamw) for p in model.router.parameters())
 
@@ -131,7 +126,7 @@ def test_options_belong_to_their_kind():
     with pytest.raises(InputError, match="ablations.x: field 'dilation': only routing denseformer reads it; routing is 'residual'"):
         parse_registry(raw)
     with pytest.raises(InputError, match="period=4 exceeds the 3 layers"):
-        config(None, 1, 4)
+        config(period=4)
 
 
 def test_registry_entries_and_mlflow_params(registry):

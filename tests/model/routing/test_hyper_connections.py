@@ -6,6 +6,8 @@ implementation, accounting, decoding, gradients, diagnostics, refusals."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,7 @@ from conftest import (
     ref_rms_norm,
     tokens,
 )
+from helpers.models import kind_config, randomized
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, count_params, routing_params
@@ -33,9 +36,7 @@ SIZE = DEEPER
 BASELINE = parse_registry({"sizes": {}, "ablations": {"b": {"doc": "b", "control": None}}}).ablation("b")
 
 
-def config(size=SIZE, **options) -> ModelConfig:
-    raw = {"sizes": {}, "ablations": {"hc": {"doc": "d", "control": None, "routing": "hyper_connections", **options}}}
-    return ModelConfig(size, parse_registry(raw).ablation("hc"))
+config = functools.partial(kind_config, "hyper_connections")
 
 
 def with_baseline_core(cfg):
@@ -181,13 +182,9 @@ def test_bad_options_are_one_line(fields, says):
 FRAC = {"streams": 1, "fractions": 2, "hc_norm": "layer"}  # the registry's frac-connections-m2
 
 
-def randomized(cfg, seed=1):
-    torch.manual_seed(seed)
-    model = build_decoder(cfg).double().eval()
-    with torch.no_grad():
-        for name, p in model.router.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if name == "scales" else 0.5))
-    return model
+def draw(name: str, p: torch.Tensor) -> torch.Tensor:
+    """Every router parameter moved off its start: the scales by N(0, 0.3), the rest by N(0, 0.5)."""
+    return p + torch.randn_like(p) * (0.3 if name == "scales" else 0.5)
 
 
 def norm_float64(H, r, i):
@@ -258,7 +255,7 @@ def test_streams_times_fractions_start_as_copies_of_the_baseline_stream():
 @pytest.mark.parametrize("options", [FRAC, {**FRAC, "dynamic": False}, {"streams": 1, "fractions": 4},
                                      {"streams": 2, "fractions": 2}])
 def test_frac_every_read_is_the_formula_with_random_coefficients(options):
-    model = randomized(config(**options))
+    model = randomized(config(**options), draw, seed=1)
     trace = capture(model, tokens(SIZE.vocab_size, batch=2, length=9))
     reads, final, rows = frac_reads_float64(model, trace)
     for j, x in enumerate(reads):
@@ -303,17 +300,17 @@ def test_frac_parameters_and_flops_are_counted(options):
 
 @pytest.mark.parametrize("options", [FRAC, {"streams": 2, "fractions": 2}])
 def test_frac_causal_and_decodes_with_the_kv_cache(options):
-    assert_causal_and_decodes_with_the_kv_cache(randomized(config(**options), seed=2).float())
+    assert_causal_and_decodes_with_the_kv_cache(randomized(config(**options), draw, seed=2).float())
 
 
 def test_frac_float64_gradients_of_the_router():
-    model = randomized(config(GRAD, **FRAC), seed=3)
+    model = randomized(config(GRAD, **FRAC), draw, seed=3)
     idx = tokens(GRAD.vocab_size, batch=1, length=4)
     assert_router_gradcheck(model, idx)
 
 
 def test_bf16_autocast_is_close_to_float32():
-    model = randomized(config(**FRAC), seed=4).float()
+    model = randomized(config(**FRAC), draw, seed=4).float()
     idx = tokens(SIZE.vocab_size, batch=2, length=10)
     assert_bf16_autocast_close(model, idx)
 

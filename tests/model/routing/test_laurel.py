@@ -3,6 +3,7 @@ accounting, decoding, gradients, bf16, diagnostics, the optimiser split and bad 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -15,6 +16,7 @@ from conftest import (
     ref_rms_norm,
     tokens,
 )
+from helpers.models import kind_config, randomized
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, count_params, routing_params
@@ -34,8 +36,7 @@ def ablation(**options):
     return parse_registry(raw).ablation("x")
 
 
-def config(**options) -> ModelConfig:
-    return ModelConfig(SIZE, ablation(**options))
+config = functools.partial(kind_config, "laurel")
 
 
 def mode_config(mode: str, rank: int) -> ModelConfig:
@@ -43,14 +44,9 @@ def mode_config(mode: str, rank: int) -> ModelConfig:
     return config(laurel_mode=mode) if mode == "rw" else config(laurel_mode=mode, laurel_rank=rank)
 
 
-def randomized(cfg: ModelConfig, seed: int = 1) -> torch.nn.Module:
+def draw(name: str, p: torch.Tensor) -> torch.Tensor:
     """Every router parameter off its start: w ~ N(0, 1), A and B ~ N(0, 0.3) (x A B about the stream's size)."""
-    torch.manual_seed(seed)
-    model = build_decoder(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.router.named_parameters():
-            p.normal_(std=1.0 if name == "mix_logits" else 0.3)
-    return model
+    return torch.empty_like(p).normal_(std=1.0 if name == "mix_logits" else 0.3)
 
 
 def streams_float64(model, trace, mode):
@@ -76,7 +72,7 @@ def streams_float64(model, trace, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_every_stream_is_the_formula_with_random_parameters(mode):
-    model = randomized(mode_config(mode, 5)).double()
+    model = randomized(mode_config(mode, 5), draw, seed=1, float64=False).double()
     trace = capture(model, tokens(SIZE.vocab_size, batch=2, length=9))
     reads, final = streams_float64(model, trace, mode)
     assert len(reads) == len(trace.inputs) == 2 * SIZE.n_layers
@@ -122,19 +118,19 @@ def test_parameters_and_flops_are_counted(mode, rank):
 
 @pytest.mark.parametrize("mode", ["rw", "rw_lr"])
 def test_causal_and_decodes_with_the_kv_cache(mode):
-    assert_causal_and_decodes_with_the_kv_cache(randomized(config(laurel_mode=mode)))
+    assert_causal_and_decodes_with_the_kv_cache(randomized(config(laurel_mode=mode), draw, seed=1, float64=False))
 
 
 def test_float64_gradients_of_the_router():
     small = SizeConfig(name="grad", doc="tests: gradcheck", n_layers=2, d_model=8, n_heads=2, d_mlp=16,
                        vocab_size=31, seq_len=8)  # 4 x (2 + 2 d r) = 136 parameters, each checked
-    model = randomized(ModelConfig(small, ablation(laurel_rank=2))).double()
+    model = randomized(config(small, laurel_rank=2), draw, seed=1, float64=False).double()
     idx = tokens(small.vocab_size, batch=1, length=4)
     assert_router_gradcheck(model, idx)
 
 
 def test_bf16_autocast_is_close_to_float32():
-    model = randomized(config())
+    model = randomized(config(), draw, seed=1, float64=False)
     idx = tokens(SIZE.vocab_size, batch=2, length=10)
     with torch.no_grad():
         exact = model(idx)
@@ -146,7 +142,7 @@ def test_bf16_autocast_is_close_to_float32():
 @pytest.mark.parametrize("mode", MODES)
 def test_a_recording_pass_keeps_the_mixing_per_sublayer(mode):
     cfg = config(laurel_mode=mode)
-    model = randomized(cfg)
+    model = randomized(cfg, draw, seed=1, float64=False)
     idx = tokens(SIZE.vocab_size, batch=2, length=8)
     with torch.no_grad():
         out = model(idx, return_routing=True)
