@@ -62,13 +62,16 @@ BACKEND_CASES = {**CASES,
                                                                       "block_summary": "rms"})}
 
 
-def config(case: str) -> ModelConfig:
+def case_config(case: str) -> ModelConfig:
+    """The registry entry of BACKEND_CASES[case] with its changes, at SIZE (not helpers.models.kind_config: the
+    cases are registry entries changed, not a kind's options alone)."""
     name, changes = BACKEND_CASES[case]
     return ModelConfig(SIZE, REGISTRY.ablation(name).replace(**changes))
 
 
 def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Random queries, gates and key gains (far from their init), so routing is far from uniform."""
+    """Random queries, gates and key gains (far from their init), so routing is far from uniform; from a generator of
+    its own, whatever the model's dtype (not helpers.models.randomized: the backends' models share these values)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.router.named_parameters():
@@ -81,7 +84,7 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 def model_for(case: str, impl: str = "reference", dtype=torch.float64) -> torch.nn.Module:
     torch.manual_seed(0)
-    return randomize(build_decoder(config(case), impl=impl)).to(dtype)
+    return randomize(build_decoder(case_config(case), impl=impl)).to(dtype)
 
 
 # ---- the formula, written out (docs/method.md §10; rms-block-attnres HiddenNormalizedSum; hcfactory depth_attention) ----
@@ -258,7 +261,7 @@ def test_the_triton_backend_agrees_in_its_interpreter():
 ])
 def test_parameter_counts(case, expected):
     """Analytic count = the router's parameters (+ P-LR's key rows, in the output projections) = accounting's."""
-    cfg = config(case)
+    cfg = case_config(case)
     model = build_decoder(cfg)
     rows = SIZE.n_layers * 16 * (D + SIZE.d_mlp) if cfg.options.key_source == "projected" else 0
     assert routing_params(cfg) == expected == sum(p.numel() for p in model.router.parameters()) + rows
@@ -266,7 +269,7 @@ def test_parameter_counts(case, expected):
 
 
 def test_adamw_takes_the_key_gains():
-    model = build_decoder(config("mhar-h4"))
+    model = build_decoder(case_config("mhar-h4"))
     muon, _ = split_parameters(model)
     assert not any(p is q for p in model.router.parameters() for q in muon)
     assert model.router.key_gain.shape == (M, D)
