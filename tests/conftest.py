@@ -50,19 +50,15 @@ os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gett
 # Where things are, for every test module wherever its folder (tests/ mirrors lrattn_lightning/: tests/model/routing/
 # holds the routing kinds' tests, tests/e2e/ the tests whose point is real processes): a test module takes paths from
 # here, never from its own `__file__`.
-TESTS_DIR = Path(__file__).resolve().parent  # this file, warm_cli.py and run_hooks.py: what subprocesses import
+TESTS_DIR = Path(__file__).resolve().parent  # this file, helpers/, warm_cli.py and run_hooks.py
 REPO_ROOT = TESTS_DIR.parent
 GOLDEN_DIR = TESTS_DIR / "golden"
 REGISTRY_PATH = REPO_ROOT / "registry.yaml"
-# Every folder holding test modules. Test modules import helpers from each other by basename (`from test_resilience
-# import fit_args`), as they did when the folder was flat: with pytest's default (prepend) import mode a module's own
-# folder is on sys.path only once pytest has imported it, so all of them are put there now, before collection
-# (basenames are unique across folders: tests/test_layers.py checks it). warm_cli.cli_env() hands the same folders to
-# the `lrattn` processes the tests start (a --config may name a test module's callback: test_tracking_faults.X).
-TEST_DIRS = sorted({p.parent for p in TESTS_DIR.rglob("test_*.py")})
-for _folder in TEST_DIRS:
-    if str(_folder) not in sys.path:
-        sys.path.append(str(_folder))
+# With pytest's default (prepend) import mode this file's folder, tests/, is on sys.path: a test module imports what
+# it shares with others from tests/helpers/ (`from helpers.runs import fit_args`), never from another test module
+# (tests/test_layers.py checks it), and the `lrattn` processes the tests start get tests/ too (warm_cli.cli_env: a
+# --config names run_hooks' callbacks).
+
 # RMSNorm epsilon of float32 tensors: torch's default finfo(float32).eps, as in the paper's code
 EPS = torch.finfo(torch.float32).eps
 

@@ -383,7 +383,8 @@ def test_the_size_check_would_catch_one(tmp_path):
 
 def test_the_tests_mirror_the_package():
     """Every folder of tests names a folder of the package (tests/e2e/: real processes; tests/golden/: data), and a
-    test module's name is unique across folders (pytest's default import mode imports it by that name)."""
+    test module's name is unique across folders (pytest's default import mode imports it by that name, from a folder
+    without __init__.py; tests/helpers/ is the one package, of what test modules share)."""
     names: dict[str, list[str]] = {}
     for path in sorted(TESTS_DIR.rglob("test_*.py")):
         names.setdefault(path.name, []).append(str(path.relative_to(TESTS_DIR)))
@@ -391,4 +392,36 @@ def test_the_tests_mirror_the_package():
         if folder.parts and folder.parts[0] not in ("e2e", "golden"):
             assert (PACKAGE / folder).is_dir(), f"tests/{folder} mirrors no folder of lrattn_lightning/"
     assert {n: p for n, p in names.items() if len(p) > 1} == {}
-    assert not list(TESTS_DIR.rglob("__init__.py")), "tests/ holds no __init__.py (rootdir-relative imports)"
+    packages = [p for p in TESTS_DIR.rglob("__init__.py") if p.parent != TESTS_DIR / "helpers"]
+    assert not packages, "a folder of test modules holds no __init__.py (rootdir-relative imports)"
+
+
+def imports_of_test_modules(root: Path) -> list[str]:
+    """`file: module` for each import of a test module (a `test_*` name), lazy ones included, in the Python files
+    under `root`: what test modules share is tests/helpers/'s (or a conftest fixture's), not another test module's."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:  # (a relative import names no test module)
+                names = [node.module]
+            else:
+                continue
+            found += [f"{path.relative_to(root)}: {n}" for n in names if n.split(".")[0].startswith("test_")]
+    return found
+
+
+def test_no_test_module_imports_another():
+    assert imports_of_test_modules(TESTS_DIR) == [], "move what both use to tests/helpers/ (or a conftest fixture)"
+
+
+def test_the_test_import_check_would_catch_one(tmp_path):
+    """`from test_x import ...`, `import test_y` and a lazy one inside a function are named; helpers and a name
+    merely containing test_ are not."""
+    (tmp_path / "e2e").mkdir()
+    (tmp_path / "e2e" / "test_a.py").write_text("from test_x import helper\nimport test_y as y\n")
+    (tmp_path / "test_b.py").write_text("def f():\n    from test_z.deep import g\n    return g\n")
+    (tmp_path / "test_c.py").write_text("from helpers.runs import fit_args\nimport my_test_tools\nfrom . import x\n")
+    assert imports_of_test_modules(tmp_path) == ["e2e/test_a.py: test_x", "e2e/test_a.py: test_y",
+                                                 "test_b.py: test_z.deep"]

@@ -65,15 +65,12 @@ PRELOAD = ("lightning.pytorch", "torchmetrics", "mlflow", "mlflow.tracking", "ml
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
-# the folders of test modules (tests/e2e/, tests/model/routing/, ...: conftest.TEST_DIRS), for a --config naming a
-# test module's callback (test_tracking_faults.X)
-TEST_DIRS = sorted({p.parent for p in TESTS.rglob("test_*.py")} - {TESTS})
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    """The environment of an `lrattn` process in the tests: the checkout, tests/ (run_hooks) and the folders of the
-    test modules importable, one OpenMP thread, no MLflow store inherited from the shell."""
-    path = [str(REPO), str(TESTS), *map(str, TEST_DIRS), os.environ.get("PYTHONPATH", "")]
+    """The environment of an `lrattn` process in the tests: the checkout and tests/ (run_hooks' callbacks)
+    importable, one OpenMP thread, no MLflow store inherited from the shell."""
+    path = [str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1", **extra}
     env.pop("MLFLOW_TRACKING_URI", None)
     return env
