@@ -144,6 +144,67 @@ def test_the_bootstrap_is_reproducible():
     assert analyse(points, resamples=60, seed=4).low == first.low  # the interval is Welch's: no resampling in it
 
 
+def test_the_refits_need_the_design_points_moments_not_every_run(monkeypatch):
+    """The law takes one value per (method, compute), so a set of losses enters a refit only through its _Moments
+    (the mean at each design point, the sum of squares within them, the smallest loss): the cost over every run,
+    written out, equals n_d-weighted squares at the means plus the within sum, for any parameters; and the bootstrap's
+    moments, built one resample at a time, equal those of every resample's losses drawn as before, resample by
+    resample (the same seeded draws: the report's median is reproduced)."""
+    from lrattn_lightning.tools.compare.scaling import _cells, _Moments
+
+    points = ladder(np.random.default_rng(8), seeds=4)
+    points += [Point("s-lr", "size3", 9, points[-1].compute, points[-1].loss)]  # a design point of 5 runs among 4s
+    data = _Data(points, ["baseline", "s-lr"])
+    design, counts = data.design()
+    assert len(counts) == 8 and sorted(counts) == [4] * 7 + [5]
+    losses = data.y + np.random.default_rng(1).normal(0, 0.01, (7, len(data.y)))
+    moments = _Moments.of(losses, design, counts)
+    cells, weight = data.at_design()
+    for shared, row in itertools.product((True, False), range(7)):
+        na = 1 if shared else 2
+        theta = np.r_[1.3, [0.21] * na, 1.1, 1.0]
+        data.y = losses[row]
+        terms = theta[0] + np.exp(theta[1 + na + cells.index] - theta[1 + (cells.index if na > 1 else 0)] * cells.lx)
+        by_moments = np.sum(weight * (terms - moments.means[row]) ** 2) + moments.within[row]
+        assert by_moments == pytest.approx(law_cost(data, shared, theta), rel=1e-12)
+    # the bootstrap's draws, as _bootstrap made them before it streamed (every resample's losses held at once)
+    data.y = np.array([p.loss for p in points])
+    y, rng = data.y, np.random.default_rng(5)
+    held = np.tile(y, (40, 1))
+    for r in range(40):
+        for idx in (np.array(i) for i in _cells(points).values() if len(i) > 1):
+            mean, inflate = y[idx].mean(), math.sqrt(len(idx) / (len(idx) - 1))
+            held[r, idx] = mean + inflate * (y[idx][rng.integers(0, len(idx), len(idx))] - mean)
+    expected = _Moments.of(held, design, counts)
+    seen = {}
+
+    def spy(data_, moments_, shared_, theta_):
+        seen["moments"] = moments_
+        return np.tile(theta_, (len(moments_.means), 1)), np.zeros(len(moments_.means), dtype=bool)
+
+    monkeypatch.setattr("lrattn_lightning.tools.compare.scaling._refit_moments", spy)
+    analyse(points, resamples=40, seed=5)
+    for got, want in zip(seen["moments"], expected, strict=True):
+        assert np.allclose(got, want, rtol=1e-12, atol=1e-15)
+
+
+def test_the_refits_of_a_ladder_with_no_floor_converge_with_E_held_at_zero():
+    """The stored scaling study's losses follow a pure power law (E fitted at its bound 0): every bootstrap refit
+    used to end unconverged, E held at 0 while the clipped steps of the others crept ("1000 of 1000 bootstrap
+    resamples failed to refit: no median"). A parameter a bound holds now takes no step: the refits converge, E at
+    0, and the median sits by the fitted k."""
+    rng, points = np.random.default_rng(0), []
+    for method, a in (("baseline", 30.0), ("s-lr", 30.0 * 1.2**-0.0957)):
+        for i, c in enumerate(np.geomspace(6e10, 1.2e13, 5)):
+            points += [Point(method, f"size{i}", s, float(c), float(a * c**-0.0957 * (1 + rng.normal(0, 0.01))))
+                       for s in range(3)]
+    for shared in (True, False):
+        result = analyse(points, shared=shared, resamples=200)
+        assert result.refusal is None and result.fit.E < 1e-6, (result.refusal, result.fit)
+        assert result.failed <= 10, result.failed
+        assert result.median["s-lr"] == pytest.approx(result.k["s-lr"], rel=0.05)
+
+
 def test_too_few_sizes_is_one_line_and_no_multiplier():
     result = analyse(ladder(np.random.default_rng(3), sizes=2), resamples=20)
     assert result.fit is None and not result.k
