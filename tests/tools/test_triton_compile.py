@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 from conftest import REPO_ROOT  # noqa: E402
 
 from lrattn_lightning.model.registry import load_registry  # noqa: E402
-from lrattn_lightning.model.routing.attnres.triton import ops as triton_ops  # noqa: E402
+from lrattn_lightning.model.routing.attnres.triton import launch as triton_launch  # noqa: E402
 from lrattn_lightning.tools.kernels import compile_check as triton_compile
 from lrattn_lightning.tools.kernels import specs as triton_specs
 
@@ -131,7 +131,7 @@ def test_the_check_flags_what_breaks_the_budget(records):
     assert triton_compile.violations({**ok, "shared": 164 * 1024}, 80) == [
         f"{164 * 1024} B shared > {163 * 1024} B per program"]
     assert triton_compile.violations({"error": "CompilationError: x"}, 90) == ["compile error: CompilationError: x"]
-    assert triton_compile.REG_BUDGET == triton_ops.REG_BUDGET
+    assert triton_compile.REG_BUDGET == triton_launch.REG_BUDGET
 
 
 def test_programs_per_sm():
@@ -152,10 +152,10 @@ def test_two_phase_groups_are_split_to_fit_the_tile():
         small = build_router(REGISTRY.model("paper-0.5b", "s-lr-block-n8-r64"), "triton")
         big = build_router(REGISTRY.model("d4096-7b", "s-lr-block-n8-r64"), "triton")
     sizes = [len(s) for s in small.group_sites.values()]
-    assert triton_ops.group_limit(1024, 1, 64) == 4 and max(sizes) <= 4
+    assert triton_launch.group_limit(1024, 1, 64) == 4 and max(sizes) <= 4
     assert sizes[:2] == [2, 3] and sizes[2:4] == [3, 3]
     assert sorted(j for s in small.group_sites.values() for j in s) == sorted(small.site_group)
-    assert triton_ops.group_limit(4096, 1, 64) == 1 and big.group_sites == {}
+    assert triton_launch.group_limit(4096, 1, 64) == 1 and big.group_sites == {}
 
 
 def test_recorded_int_classes():

@@ -41,32 +41,28 @@ ARCHS = {80: {"gpu": "A100", "smem_sm": 164 * 1024, "smem_block": 163 * 1024},
          90: {"gpu": "H100/H200", "smem_sm": 228 * 1024, "smem_block": 227 * 1024},
          100: {"gpu": "B200", "smem_sm": 228 * 1024, "smem_block": 227 * 1024}}
 REGS_SM, THREADS_SM, PROGRAMS_SM, RESERVED_SMEM = 65536, 2048, 32, 1024
-# the kernel files (model/routing/attnres/triton/), each importing only triton and the files before it
-KERNELS_PACKAGE = "lrattn_lightning.model.routing.attnres.triton"
-KERNELS_DIR = Path(__file__).resolve().parents[2] / "model" / "routing" / "attnres" / "triton"
-KERNEL_FILES = ("kernel_parts", "read_kernels", "group_kernels", "kernels")
+# the kernels (model/routing/attnres/triton/kernels.py: every kernel, importing only triton)
+KERNELS_MODULE = "lrattn_lightning.model.routing.attnres.triton.kernels"
+KERNELS_FILE = Path(__file__).resolve().parents[2] / "model" / "routing" / "attnres" / "triton" / "kernels.py"
 _kernels = None
 
 
 def kernels():
-    """The kernels module (triton/kernels.py: every kernel by name). The kernel files are loaded by path in
-    order, each under its own name in sys.modules, so that their imports of one another find them there and
-    no package __init__ runs (no torch); a file already imported (the package is in use here) is taken as is."""
+    """The kernels module (triton/kernels.py: every kernel by name), loaded by path under its own name in
+    sys.modules so that no package __init__ runs (no torch); already imported (the package is in use here), it is
+    taken as is."""
     global _kernels
     if _kernels is None:
-        for name in KERNEL_FILES:
-            full = f"{KERNELS_PACKAGE}.{name}"
-            if full in sys.modules:
-                continue
-            spec = importlib.util.spec_from_file_location(full, KERNELS_DIR / f"{name}.py")
+        if KERNELS_MODULE not in sys.modules:
+            spec = importlib.util.spec_from_file_location(KERNELS_MODULE, KERNELS_FILE)
             module = importlib.util.module_from_spec(spec)
-            sys.modules[full] = module
+            sys.modules[KERNELS_MODULE] = module
             try:
                 spec.loader.exec_module(module)
             except BaseException:
-                del sys.modules[full]
+                del sys.modules[KERNELS_MODULE]
                 raise
-        _kernels = sys.modules[f"{KERNELS_PACKAGE}.kernels"]
+        _kernels = sys.modules[KERNELS_MODULE]
     return _kernels
 
 

@@ -1,7 +1,7 @@
 """Which Triton kernel specialisations the `triton` backend launches, and the check that each compiles for
 the GPUs researchers use within the register budget (compile_check.py compiles; this module records).
 
-`recorded_launches()` sends every kernel launch (model/routing/attnres/triton/ops.py) to a recorder that
+`recorded_launches()` sends every kernel launch (model/routing/attnres/triton/ops.py, through launch.py) to a recorder that
 keeps what Triton specialises a kernel on and runs nothing: kernel, argument types (a tensor's dtype and
 whether its address is 16-byte aligned; an int as a representative of its class: 1, a multiple of 16, other,
 and the same past 2^31), constexprs and compile options (num_warps, maxnreg). The outputs stay
@@ -43,7 +43,7 @@ from lrattn_lightning.core.files import write_file
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.registry import Registry, load_registry
 from lrattn_lightning.model.routing._math import rms_norm
-from lrattn_lightning.model.routing.attnres.triton import ops as triton_ops
+from lrattn_lightning.model.routing.attnres.triton import launch as triton_launch
 from lrattn_lightning.model.routing.kinds import kind_of
 from lrattn_lightning.model.routing.router import build_router
 
@@ -108,11 +108,11 @@ def recorded_launches() -> Iterator[list[dict]]:
     docstring); yields the list they are appended to."""
     records: list[dict] = []
     recorder = _Recorder(records)
-    triton_ops.set_launch_target(recorder)
+    triton_launch.set_launch_target(recorder)
     try:
         yield records
     finally:
-        triton_ops.set_launch_target(None)
+        triton_launch.set_launch_target(None)
 
 
 def _drive(cfg: ModelConfig, tokens: int, autocast: bool, backward: bool, record: bool, device) -> None:

@@ -47,14 +47,8 @@ from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.routing._math import PartialBlock, compute_dtype, count_prior, rms_norm
 from lrattn_lightning.model.routing.attnres.reference import AttnResRouter
-from lrattn_lightning.model.routing.attnres.triton.ops import (
-    attnres_group,
-    attnres_merge,
-    attnres_read,
-    availability_error,
-    check_device,
-    group_limit,
-)
+from lrattn_lightning.model.routing.attnres.triton.launch import availability_error, check_device, group_limit
+from lrattn_lightning.model.routing.attnres.triton.ops import attnres_group, attnres_merge, attnres_read
 
 
 @dataclass
