@@ -52,5 +52,5 @@ class RmsPartialBlock(PartialBlock):
         self.normed = None
 
     def completed(self) -> PartialBlock:
-        """The block as its summary sees it: the normalised sum as the value, the emitted keys' sum as before."""
+        """The block as its summary sees it: the normalised sum as the value, the emitted keys' sum unchanged."""
         return PartialBlock(self.normed, self.key, self.count, self.last)
