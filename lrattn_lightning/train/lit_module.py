@@ -4,7 +4,7 @@ Built from typed groups (train/settings.py): the ModelConfig, OptimiserSettings,
 kinds' training options. `lrattn fit|validate|test` resolves (--size, --ablation) through the registry once and hands
 the module the result with its provenance (`model_config`, `registry_sha256`, `git_commit`): given those, the module
 reads no registry and runs no git. Built by names alone (`LRAttnModule(size=..., ablation=...)`, a Python
-convenience) it resolves them itself, as before. `LRAttnModule.from_config(cfg, optimiser, runtime)` builds one for
+convenience) it resolves them itself. `LRAttnModule.from_config(cfg, optimiser, runtime)` builds one for
 a ModelConfig (`lrattn bench`, Python).
 
 The settings keep their flat names (`--model.lr`, `--model.gate_freeze_steps`, the checkpoint's hyper_parameters):
@@ -54,7 +54,7 @@ from lrattn_lightning.train.settings import (
 )
 from lrattn_lightning.train.validation import Validation
 
-__all__ = ["LRAttnModule", "current_git_commit"]  # current_git_commit lives in settings.py, still importable here
+__all__ = ["LRAttnModule"]
 
 
 class LRAttnModule(Validation, Optimization, L.LightningModule):
