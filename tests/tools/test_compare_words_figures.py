@@ -14,8 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lrattn_lightning.core.words import count
 from lrattn_lightning.tools.compare import words
 from lrattn_lightning.tools.compare.notes import recipe_notes
+from lrattn_lightning.tools.compare.power import pairwise_section
 from lrattn_lightning.tools.compare.scaling import Point, analyse
 from lrattn_lightning.tools.compare.scaling_local import local_multipliers
 from lrattn_lightning.tools.compare.scaling_report import local_section
@@ -83,8 +85,8 @@ def layout_warnings_are_errors():
 
 # ---- words -------------------------------------------------------------------------------------------------------
 def test_count_and_plural():
-    assert words.count(1, "ablation") == "1 ablation" and words.count(2, "ablation") == "2 ablations"
-    assert words.count(0, "run") == "0 runs" and words.count(1200, "run") == "1,200 runs"
+    assert count(1, "ablation") == "1 ablation" and count(2, "ablation") == "2 ablations"
+    assert count(0, "run") == "0 runs" and count(1200, "run") == "1,200 runs"
     assert words.ladder(["ladder-m", "ladder-s", "ladder-xs"], {"ladder-xs": 1, "ladder-s": 2, "ladder-m": 3}) == LADDER
 
 
@@ -104,6 +106,15 @@ def test_sizes_come_in_ladder_order_and_ablations_are_counted_once():
     assert "all 1 runs" not in notes and "its only run" in notes, notes
     assert "shared by all 2 runs" in recipe_notes(summarise(_records(sizes={"ladder-s": SIZES["ladder-s"]},
                                                                      ablations=("baseline",))))
+
+
+def test_the_pairwise_section_takes_the_sizes_in_ladder_order_and_counts_one_pair_as_one():
+    """It listed the sizes alphabetically (ladder-m first) and said "2 rows, 1 pairs", "the other 1 row(s)"."""
+    text = pairwise_section(summarise(_records(ablations=("baseline", "attnres-block-n8"), seeds=(0, 1, 2))))
+    heads = [line.split(",")[0] for line in text.splitlines() if line.startswith("Size ")]
+    assert heads == [f"Size {size}" for size in LADDER], heads
+    assert "2 rows, 1 pair: " in text and "1 pairs" not in text, text
+    assert "(s)" not in text and "other 1 rows" not in text and "1 row are" not in text, text
 
 
 def _points() -> list[Point]:

@@ -10,9 +10,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from lrattn_lightning.core.words import count
 from lrattn_lightning.tools.compare.figures import DPI, pyplot, row_names, run_artifacts, save_figure
 from lrattn_lightning.tools.compare.table import Row
-from lrattn_lightning.tools.compare.words import count, size_list
+from lrattn_lightning.tools.compare.words import size_list
 from lrattn_lightning.train.schema import Artifact
 
 

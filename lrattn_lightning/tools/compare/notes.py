@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from lrattn_lightning.tools.compare import words
+from lrattn_lightning.core.words import count as counted
 from lrattn_lightning.tools.compare.evals import pooling_note
 from lrattn_lightning.tools.compare.power import POWER
 from lrattn_lightning.tools.compare.table import GAP_TAG, Row, RunRecord
@@ -66,7 +66,7 @@ def recipe_notes(rows: list[Row]) -> str:
         for group in sorted(groups):
             row = groups[group][0]
             names = ", ".join(f"`{r.label}`" for r in groups[group])
-            runs = words.count(count[group], "run")
+            runs = counted(count[group], "run")
             head = f"- **{group}** (`{row.recipe}`{legacy if row.recipe.startswith(fp.LEGACY) else ''}; {runs}: {names})"
             if group == "A":
                 lines.append(f"{head}: {describe(row.parts)}.")
@@ -136,7 +136,7 @@ def stale_note(stale: list[RunRecord]) -> str:
         return ""
     names = "; ".join(f"`{r.name}` (val/loss last at step {r.last_val_step} of {r.final_step}"
                       + (f"; {GAP_TAG}: {r.gap}" if r.gap else "") + ")" for r in stale)
-    return (f"\nNot counted: {words.count(len(stale), 'FINISHED run')} whose last validation is not at their last step, so their "
+    return (f"\nNot counted: {counted(len(stale), 'FINISHED run')} whose last validation is not at their last step, so their "
             f"val/loss is an earlier value, not their result: {names}.\n")
 
 

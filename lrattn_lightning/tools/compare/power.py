@@ -36,7 +36,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lrattn_lightning.core.words import count
 from lrattn_lightning.tools.compare.significance import welch
+from lrattn_lightning.tools.compare.words import size_list
 
 if TYPE_CHECKING:
     from lrattn_lightning.tools.compare.table import Row
@@ -180,12 +182,12 @@ def ordering(mine: list[Row], pairs: list[Pair]) -> str:
     mine_pairs = [p for p in pairs if lowest in (p.low, p.high)]
     if all(p.resolved and p.low is lowest for p in mine_pairs):
         return (f"`{lowest.label}` has the lowest validation loss of the group, resolved against each of the "
-                f"other {len(mine) - 1} row(s) (Holm-adjusted p < {ALPHA}).")
+                f"other {count(len(mine) - 1, 'row')} (Holm-adjusted p < {ALPHA}).")
     open_ = sorted((p for p in mine_pairs if not p.resolved), key=lambda p: p.high.mean)
     leading = ", ".join(f"`{r.label}`" for r in [lowest, *(p.high for p in open_)])
     needs = "; ".join(f"`{p.high.label}` {need_text(p.need)}" for p in open_)
     return (f"No row is resolved as the lowest. The lowest mean is `{lowest.label}`'s, but its differences to "
-            f"{len(open_)} row(s) are not resolved, so the leading group {leading} has no established order "
+            f"{count(len(open_), 'row')} are not resolved, so the leading group {leading} has no established order "
             f"(seeds per arm that would resolve each difference from the lowest at 80 % power: {needs}).")
 
 
@@ -203,13 +205,15 @@ def pairwise_section(rows: list[Row]) -> str:
              "pair: enough to resolve the pair after the correction) if the observed difference and the two rows' "
              "spreads were the true ones; with two or three seeds the spread is itself uncertain, so read it as a size, not a "
              "promise.\n"]
-    for (size, group), pairs in sorted(groups.items()):
+    order = {size: i for i, size in enumerate(size_list(rows))}  # the ladder's order, not the alphabet's
+    for (size, group), pairs in sorted(groups.items(), key=lambda item: (order.get(item[0][0], len(order)), item[0])):
         mine = [r for r in rows if (r.size, r.group) == (size, group)]
         if not pairs:
             continue
         resolved = sum(p.resolved for p in pairs)
         where = f"Size {size}, recipe {group}: " if several else ""
-        parts.append(f"{where}{len(mine)} rows, {len(pairs)} pairs: {resolved} resolved, {len(pairs) - resolved} not. "
+        parts.append(f"{where}{count(len(mine), 'row')}, {count(len(pairs), 'pair')}: {resolved} resolved, "
+                     f"{len(pairs) - resolved} not. "
                      + ordering(mine, pairs) + "\n")
         parts.append("| lower mean | higher mean | Δ | p | Holm p | resolved | seeds needed |\n"
                      "|---|---|---:|---:|---:|---|---:|")

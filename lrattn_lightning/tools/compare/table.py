@@ -1,6 +1,6 @@
 """The table of `lrattn compare`: finished training runs read back from MLflow, one row per (size, ablation,
 recipe) with its seeds, the differences to its control and to the reference (Welch's t-test,
-tools/significance.py), the Pareto front of (added FLOPs %, mean val loss), as markdown and CSV.
+tools/compare/significance.py), the Pareto front of (added FLOPs %, mean val loss), as markdown and CSV.
 
 One row is one recipe. Each run carries its recipe fingerprint (tag lrattn.recipe, train/fingerprint.py;
 runs from before it: rebuilt from their params, `legacy-...`). Runs of different fingerprints are never

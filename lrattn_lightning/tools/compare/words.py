@@ -1,7 +1,7 @@
 """The report's counted nouns and its order of sizes, one rule each for every table, line and figure of
 `lrattn compare`.
 
-    count(1, "ablation") -> "1 ablation"; count(3, "run") -> "3 runs"; count(2, "bus", "buses")
+    (counted nouns: core/words.py's plural and count, the same rule as every command's)
     ladder(sizes, params) -> the sizes smallest model first (parameters; a size without a count after the
                              others, by name): the order of a size ladder, never the alphabet's
 """
@@ -10,15 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-
-def plural(n: int, noun: str, many: str | None = None) -> str:
-    """`noun` as counted by n: singular for exactly 1, else `many` (default noun + "s")."""
-    return noun if n == 1 else (many or noun + "s")
-
-
-def count(n: int, noun: str, many: str | None = None) -> str:
-    """"1 ablation", "2 ablations", "0 runs" (thousands grouped)."""
-    return f"{n:,} {plural(n, noun, many)}"
+from lrattn_lightning.core.words import count, plural
 
 
 def ladder(sizes: Iterable[str], params: Mapping[str, float] | None = None) -> list[str]:
