@@ -1,5 +1,6 @@
 """What more than one test module uses, one module per job; a test module imports these, never another test module
-(tests/test_layers.py checks it), and fixtures shared across folders are tests/conftest.py's.
+(tests/test_layers.py checks it). Fixtures shared across folders are tests/conftest.py's, as are, for now, the paths,
+the test sizes and the small model, corpus and server helpers many modules import from it.
 
 runs.py        `lrattn fit` and sweeps as the tests run them (arguments, real processes) and what they leave (the
                MLflow run, its metric histories, checkpoints)

@@ -30,8 +30,8 @@ STRETCHABLE = ("--model.warmup_steps", "1", "--model.decay_fraction", "0.0", "--
 def fit_args(data: Path, *extra: str, steps: int = 4, every: int = 2, ablation: str = "baseline", batch_size: int = 2,
              lightning_checks: bool = False) -> list[str]:
     """`lrattn fit` of the tiny size on `data`, on the CPU: validation (2 batches) every 2 steps, a checkpoint every
-    `every`, warmup 2, then `extra`. Without Lightning's sanity validation and model summary unless
-    `lightning_checks` (the stop and resume tests count every validation and read stderr)."""
+    `every`, warmup 2, then `extra`; without Lightning's sanity validation and model summary (a shorter, quieter
+    run) unless `lightning_checks`, as a user's fit has them."""
     return [
         "fit", "--size", "tiny", "--ablation", ablation, "--registry", REGISTRY,
         "--data.data_dir", str(data), "--data.batch_size", str(batch_size),
