@@ -21,8 +21,9 @@ from lrattn_lightning.tools.compare.power import pairwise_section
 from lrattn_lightning.tools.compare.scaling import Point, analyse
 from lrattn_lightning.tools.compare.scaling_local import local_multipliers
 from lrattn_lightning.tools.compare.scaling_report import local_section
+from lrattn_lightning.tools.compare.summary_run import compared, description
 from lrattn_lightning.tools.compare.table import RunRecord, markdown_table, summarise
-from lrattn_lightning.train.schema import Metric
+from lrattn_lightning.train.schema import Metric, Param
 
 # alphabetical order would be ladder-m, ladder-s, ladder-xs; the ladder's is xs < s < m
 SIZES = {"ladder-xs": (1_000, 60), "ladder-s": (2_000, 120), "ladder-m": (4_000, 400)}  # params, steps
@@ -115,6 +116,17 @@ def test_the_pairwise_section_takes_the_sizes_in_ladder_order_and_counts_one_pai
     assert heads == [f"Size {size}" for size in LADDER], heads
     assert "2 rows, 1 pair: " in text and "1 pairs" not in text, text
     assert "(s)" not in text and "other 1 rows" not in text and "1 row are" not in text, text
+
+
+def test_the_summary_runs_description_takes_the_sizes_in_ladder_order_and_counts_its_nouns():
+    """MLflow's Description of the summary run said "size(s) ladder-m,ladder-s,ladder-xs, 1/2 seed(s) per row"."""
+    rows = summarise(_records(seeds=(0, 1)))
+    head = description("study", rows, "baseline", {}).splitlines()[0]
+    assert "12 finished runs, sizes ladder-xs, ladder-s, ladder-m, 2 seeds per row;" in head, head
+    one = summarise(_records(sizes={"ladder-s": SIZES["ladder-s"]}, ablations=("baseline",), seeds=(0,)))
+    head = description("study", one, "baseline", {}).splitlines()[0]
+    assert "1 finished run, size ladder-s, 1 seed per row;" in head and "(s)" not in head, head
+    assert compared("study", rows, "baseline")[Param.REPORT_SIZES] == ",".join(LADDER)
 
 
 def _points() -> list[Point]:

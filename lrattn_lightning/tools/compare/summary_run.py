@@ -16,8 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lrattn_lightning.core.words import count, plural
 from lrattn_lightning.tools.compare.runs import search_all
 from lrattn_lightning.tools.compare.table import SUMMARY_TAG, Row
+from lrattn_lightning.tools.compare.words import size_list
 from lrattn_lightning.train.runs_view import ensure_view, runs_table
 from lrattn_lightning.train.schema import Artifact, ExperimentTag, Metric, Param, Tag
 from lrattn_lightning.train.summary import LOCAL_UI, command, run_page
@@ -70,16 +72,18 @@ def headline(rows: list[Row], files: list[Path]) -> dict[str, float]:
 def compared(experiment: str, rows: list[Row], reference: str) -> dict[str, str]:
     seeds = sorted({len(row.runs) for row in rows})
     return {Param.REPORT_EXPERIMENT: experiment, Param.REPORT_REFERENCE: reference,
-            Param.REPORT_SIZES: ",".join(sorted({row.size for row in rows})), Param.REPORT_METHODS: str(len(rows)),
+            Param.REPORT_SIZES: ",".join(size_list(rows)), Param.REPORT_METHODS: str(len(rows)),
             Param.REPORT_SEEDS: "/".join(map(str, seeds)), Param.REPORT_RUNS: str(sum(len(row.runs) for row in rows))}
 
 
 def description(experiment: str, rows: list[Row], reference: str, numbers: dict[str, float]) -> str:
     """The run's Description: what was compared, the headline numbers one per line, where the report is."""
     params = compared(experiment, rows, reference)
-    head = [f"**Comparison of `{experiment}`**: {params[Param.REPORT_RUNS]} finished runs, size(s) "
-            f"{params[Param.REPORT_SIZES]}, {params[Param.REPORT_SEEDS]} seed(s) per row; Δ is the mean final "
-            f"val loss (nats/token) minus `{reference}`'s.", ""]
+    sizes, seeds = size_list(rows), sorted({len(row.runs) for row in rows})
+    head = [f"**Comparison of `{experiment}`**: {count(int(params[Param.REPORT_RUNS]), 'finished run')}, "
+            f"{plural(len(sizes), 'size')} {', '.join(sizes)}, {params[Param.REPORT_SEEDS]} "
+            f"{plural(max(seeds, default=0), 'seed')} per row; Δ is the mean final val loss (nats/token) minus "
+            f"`{reference}`'s.", ""]
     lines = []
     for key, value in numbers.items():
         if key.startswith(Metric.DELTA):
