@@ -18,7 +18,10 @@ import torch
 import warm_cli
 import yaml
 from conftest import REPO_ROOT
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from lrattn_lightning.core import files
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.core.files import MAX_ALIAS_NODES, MAX_YAML_DEPTH, check_yaml_limits, load_yaml_strict
 from lrattn_lightning.model.accounting import MAX_LAYERS, MAX_PARAMS, count_params
@@ -113,6 +116,116 @@ def test_anchors_merges_and_the_repos_own_files_load_as_before():
     for path in files:
         text = path.read_text()
         assert load_yaml_strict(text, path) == yaml.safe_load(text), path
+
+
+# ---- the C path (libyaml): it only ever accepts; what it refuses the Python loader words -------------------
+needs_libyaml = pytest.mark.skipif(not yaml.__with_libyaml__, reason="PyYAML built without libyaml")
+
+# what the strict loader refuses besides the limits: a key given twice, a tag that would run code, bad YAML
+REFUSED = {
+    "duplicate key": "a: 1\nb: 2\na: 3\n",
+    "duplicate key in a flow mapping": "x: {k: 1, k: 2}\n",
+    "python tag": "!!python/object/apply:os.system ['echo hi']\n",
+    "python name tag": "x: !!python/name:os.system\n",
+    "unknown tag": "x: !shell 'rm -rf ~'\n",
+    "undefined alias": "a: *nowhere\n",
+    "tab indentation": "a:\n\t- 1\n",
+    "unclosed flow": "a: [1, 2\n",
+    "two documents": "a: 1\n---\nb: 2\n",
+    "control character": "a: \x01\n",
+}
+
+
+def outcome(load, text: str) -> tuple[str, str]:
+    """('ok', repr of the data) or ('refused', the error's type and text): two loaders compared whole."""
+    try:
+        return "ok", repr(load(text, "doc.yaml"))
+    except Exception as err:  # noqa: BLE001 (any refusal, compared by type and words)
+        return "refused", f"{type(err).__name__}: {err}"
+
+
+@needs_libyaml
+@pytest.mark.parametrize("case", list(HOSTILE) + list(REFUSED))
+def test_the_c_path_refuses_what_the_strict_loader_refuses_with_its_words(case):
+    """libyaml never accepts a hostile document (nor a duplicate key, a code tag, invalid YAML), and the one line
+    said is the Python loader's, word for word."""
+    text = HOSTILE[case][0] if case in HOSTILE else REFUSED[case]
+    with pytest.raises(Exception):  # noqa: B017 (any: it only has to refuse)
+        files._load_fast(text)
+    said = outcome(load_yaml_strict, text)
+    assert said[0] == "refused" and said == outcome(files._load_python, text), said
+
+
+@needs_libyaml
+def test_the_c_path_takes_documents_up_to_the_limits_itself(monkeypatch):
+    """At the limits (nesting MAX_YAML_DEPTH deep, aliases standing for MAX_ALIAS_NODES nodes) libyaml reads the
+    document without the Python loader; one level or one alias more, it refuses."""
+    nested = "[" * MAX_YAML_DEPTH + "]" * MAX_YAML_DEPTH
+    anchor = "[" + ", ".join(["x"] * 99) + "]"
+    aliases = f"a: &a {anchor}\nb: [{', '.join(['*a'] * (MAX_ALIAS_NODES // 100))}]\n"
+    merges = "base: &b {x: 1, y: [1, 2]}\nc:\n  <<: *b\n  y: 3\n"
+    monkeypatch.setattr(files, "_load_python", lambda *a: pytest.fail("the Python loader was used"))
+    for text in (nested, aliases, merges, REPO.joinpath("registry.yaml").read_text()):
+        assert load_yaml_strict(text, "ok.yaml") == yaml.safe_load(text)
+        files.check_yaml_limits(text, "ok.yaml")
+    for text in (f"[{nested}]", aliases.replace("*a]", "*a, *a]")):
+        with pytest.raises(Exception):  # noqa: B017
+            files._load_fast(text)
+
+
+@needs_libyaml
+def test_nesting_far_past_the_c_composers_stack_is_refused_by_the_scan():
+    """libyaml's composer recurses in C without a bound: a million levels would overflow its stack (a crash, not
+    an error). The scan of its events refuses the document first."""
+    for text in ("[" * 1_000_000 + "]" * 1_000_000, "- " * 200_000 + "x\n", "{a: " * 200_000 + "1" + "}" * 200_000):
+        start = time.perf_counter()
+        with pytest.raises(InputError, match=f"nested deeper than {MAX_YAML_DEPTH} levels"):
+            load_yaml_strict(text, "deep.yaml")
+        assert time.perf_counter() - start < 10
+
+
+def yaml_values(leaves=None):
+    """Nested YAML-able data (mappings with scalar keys, lists, the scalars YAML resolves)."""
+    scalars = leaves or (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=12)
+                         | st.sampled_from(["1e-3", "0x1F", "0o17", "yes", "~", "2024-01-01", "<<", "1_000", ".inf",
+                                            "12:30:00", "-.5", "+1", "=", "a: b", "- x", "&a", "*a", "!!str"]))
+    keys = st.text(max_size=8) | st.integers() | st.booleans()
+    return st.recursive(scalars, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(keys, kids, max_size=4),
+                        max_leaves=20)
+
+
+@needs_libyaml
+@settings(max_examples=300, deadline=None)
+@given(data=yaml_values(), flow=st.sampled_from([None, True, False]), unicode=st.booleans(),
+       width=st.sampled_from([20, 80, 10_000]), style=st.sampled_from([None, "'", '"', "|"]))
+def test_both_loaders_agree_on_generated_documents(data, flow, unicode, width, style):
+    """Documents PyYAML writes (every style): both loaders give equal data, or both refuse in the same words."""
+    text = yaml.safe_dump(data, default_flow_style=flow, allow_unicode=unicode, width=width, default_style=style)
+    assert outcome(load_yaml_strict, text) == outcome(files._load_python, text)
+
+
+YAMLISH = st.lists(st.sampled_from(["a", "b", "1", "0x1", "-", ": ", ":", ",", "[", "]", "{", "}", "&a ", "*a", "<<",
+                                    "!!str ", "!!python/name:os.system ", "!x ", "'", '"', "|", ">", "#", "\n", "  ",
+                                    "\t", "? ", "---\n", "...\n", "%YAML 1.1\n", "\u00e9", "\ufeff", "~", "null",
+                                    "1e3", "2001-12-14", "\\", "\x85"]), max_size=40).map("".join)
+
+
+@needs_libyaml
+@settings(max_examples=1500, deadline=None)
+@given(text=YAMLISH)
+def test_both_loaders_agree_on_yaml_shaped_noise(text):
+    """Token soup (anchors, aliases, merges, tags, flow and block, documents, odd characters): the same data or
+    the same refusal, word for word, with or without libyaml."""
+    assert outcome(load_yaml_strict, text) == outcome(files._load_python, text)
+    assert outcome(lambda t, w: files.check_yaml_limits(t, w), text) == \
+        outcome(lambda t, w: python_check_yaml_limits(t, w), text)
+
+
+def python_check_yaml_limits(text: str, where: str) -> None:
+    """check_yaml_limits without the C path (PyYAML's Python loader only)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(files.yaml, "__with_libyaml__", False)
+        files.check_yaml_limits(text, where)
 
 
 # ---- through the real command -----------------------------------------------------------------------------
