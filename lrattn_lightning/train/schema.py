@@ -127,7 +127,7 @@ class Param:
     REPORT_EXPERIMENT = "report_experiment"  # the experiment compared
     REPORT_REFERENCE = "report_reference"  # the ablation every Δ is taken against (--reference)
     REPORT_SIZES = "report_sizes"  # the sizes compared, comma-separated
-    REPORT_METHODS = "report_methods"  # how many rows (ablations, variants) the table has
+    REPORT_METHODS = "report_methods"  # how many ablations (a variant its own) the table compares, at any size
     REPORT_SEEDS = "report_seeds"  # the seeds per row, `2` or `2/3`
     REPORT_RUNS = "report_runs"  # how many finished runs the report is made from
 

@@ -136,7 +136,6 @@ def test_the_summary_runs_metrics_hold_each_methods_multiplier_and_interval(tmp_
             SimpleNamespace(size="small", label="baseline", ablation="baseline", group="A", delta_baseline=None)]
     numbers = headline(rows, [tmp_path / "table.md", scaling])
     assert numbers == {"delta/small/s-lr": -0.02, "delta/small/s-lr_lr2 recipe B": 0.01, "multiplier/s-lr": 1.25,
-                       "multiplier_lo/s-lr": 1.1, "multiplier_hi/s-lr": 1.4, "multiplier/baseline": 1.0,
-                       "multiplier_lo/baseline": 1.0, "multiplier_hi/baseline": 1.0}
-    text = description("study", [SimpleNamespace(size="small", runs=[1, 2]) for _ in range(2)], "baseline", numbers)
+                       "multiplier_lo/s-lr": 1.1, "multiplier_hi/s-lr": 1.4}  # not the reference's own: 1 by definition
+    text = description("study", [SimpleNamespace(size="small", label=name, runs=[1, 2]) for name in ("baseline", "s-lr")], "baseline", numbers)
     assert "- compute multiplier s-lr: 1.25x [1.10, 1.40]" in text and "- Δ small/s-lr: -0.0200" in text

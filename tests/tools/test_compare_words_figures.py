@@ -126,7 +126,8 @@ def test_the_summary_runs_description_takes_the_sizes_in_ladder_order_and_counts
     one = summarise(_records(sizes={"ladder-s": SIZES["ladder-s"]}, ablations=("baseline",), seeds=(0,)))
     head = description("study", one, "baseline", {}).splitlines()[0]
     assert "1 finished run, size ladder-s, 1 seed per row;" in head and "(s)" not in head, head
-    assert compared("study", rows, "baseline")[Param.REPORT_SIZES] == ",".join(LADDER)
+    params = compared("study", rows, "baseline")
+    assert params[Param.REPORT_SIZES] == ",".join(LADDER) and params[Param.REPORT_METHODS] == "2", params  # not 6 rows
 
 
 def _points() -> list[Point]:

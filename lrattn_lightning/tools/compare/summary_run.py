@@ -19,7 +19,7 @@ from typing import Any
 from lrattn_lightning.core.words import count, plural
 from lrattn_lightning.tools.compare.runs import search_all
 from lrattn_lightning.tools.compare.table import SUMMARY_TAG, Row
-from lrattn_lightning.tools.compare.words import size_list
+from lrattn_lightning.tools.compare.words import ablation_names, size_list
 from lrattn_lightning.train.runs_view import ensure_view, runs_table
 from lrattn_lightning.train.schema import Artifact, ExperimentTag, Metric, Param, Tag
 from lrattn_lightning.train.summary import LOCAL_UI, command, run_page
@@ -52,7 +52,8 @@ def metric_key(text: str) -> str:
 
 
 def headline(rows: list[Row], files: list[Path]) -> dict[str, float]:
-    """Δ to the reference per row, and each method's compute multiplier with its interval (scaling.csv)."""
+    """Δ to the reference per row, and each method's compute multiplier with its interval (scaling.csv; not the
+    reference's own, 1 by definition)."""
     out = {}
     for row in rows:
         if row.delta_baseline is not None:
@@ -62,6 +63,8 @@ def headline(rows: list[Row], files: list[Path]) -> dict[str, float]:
     if scaling is not None and scaling.is_file():
         with scaling.open() as f:
             for r in csv.DictReader(f):
+                if r["method"] == r.get("reference"):
+                    continue  # the reference's own multiplier is 1 by definition (it logged 0.9999999999999996)
                 for prefix, column in ((Metric.MULTIPLIER, "multiplier"), (Metric.MULTIPLIER_LO, "low"),
                                        (Metric.MULTIPLIER_HI, "high")):
                     if r.get(column):
@@ -72,7 +75,7 @@ def headline(rows: list[Row], files: list[Path]) -> dict[str, float]:
 def compared(experiment: str, rows: list[Row], reference: str) -> dict[str, str]:
     seeds = sorted({len(row.runs) for row in rows})
     return {Param.REPORT_EXPERIMENT: experiment, Param.REPORT_REFERENCE: reference,
-            Param.REPORT_SIZES: ",".join(size_list(rows)), Param.REPORT_METHODS: str(len(rows)),
+            Param.REPORT_SIZES: ",".join(size_list(rows)), Param.REPORT_METHODS: str(len(ablation_names(rows))),
             Param.REPORT_SEEDS: "/".join(map(str, seeds)), Param.REPORT_RUNS: str(sum(len(row.runs) for row in rows))}
 
 
