@@ -40,13 +40,16 @@ TRAINING_COLUMNS = (column("metrics", Metric.VAL_LOSS), column("metrics", Metric
 
 
 # pixels, so that the five fit beside the run name and Created in a 1600-pixel window with MLflow's assistant
-# panel open (as a fresh browser has it); a metric shows 7 digits, an ablation's name 17 letters
-WIDTHS = {column("params", Param.ABLATION): 130, column("params", Param.SIZE): 70, column("params", Param.SEED): 85}
+# panel open (as a fresh browser has it); a metric shows 5 digits, an ablation's name 17 letters, a size's 10
+# (ladder-xs, paper-0.5b: at 70 the size read "ladder..."), a sweep's run name (size-ablation-seedN) 34
+WIDTHS = {column("metrics", Metric.VAL_LOSS): 90, column("metrics", Metric.VAL_BPB): 90,
+          column("params", Param.ABLATION): 130, column("params", Param.SIZE): 95, column("params", Param.SEED): 80}
+NAME_WIDTH = 230
 
 
 def view_state(name: str, columns: tuple[str, ...] | list[str], now_ms: int | None = None) -> str:
     """The tag value of a saved view showing `columns` right after the run name, each wide enough to read."""
-    widths = {RUN_NAME: 200, **{c: WIDTHS.get(c, 110) for c in columns}}
+    widths = {RUN_NAME: NAME_WIDTH, **{c: WIDTHS.get(c, 110) for c in columns}}
     state = {"selectedColumns": list(columns), "columnWidths": widths, "columnOrder": list(widths),  # widths apply
              "runListHidden": False, "viewMaximized": False}  # only to ordered columns: the figures come first
     now = int(time.time() * 1000) if now_ms is None else now_ms
