@@ -2,13 +2,13 @@
 
 Depth routing is per token: the read at site j for token t mixes only token t's own sublayer
 outputs. So an incremental step needs the token attention's cached keys/values of earlier
-positions (`decoder.KVCache`, one entry per layer) and nothing else; the gated residual's causal
+positions (`attention.KVCache`, one entry per layer) and nothing else; the gated residual's causal
 means continue from cached running sums. `generate(..., use_cache=True)` prefills the cache with
 the prompt, then feeds one token per step; `use_cache=False` recomputes the whole window every
 step. Both call `Decoder.forward`, so greedy decoding gives the same tokens either way (tested for
 every registry ablation).
 
-`cache="static"` (issue 54): a `decoder.StaticKVCache` of fixed shape, written in place at a position tensor,
+`cache="static"` (issue 54): an `attention.StaticKVCache` of fixed shape, written in place at a position tensor,
 the attention over the whole buffer under a mask, so a one-token step has the same shapes at every position:
 `compile=True` compiles it once (fullgraph, no recompiles across steps; mode reduce-overhead, CUDA graphs, on
 CUDA), replacing a step's hundreds of Python-driven launches by one graph replay. The same greedy tokens as the
@@ -35,9 +35,9 @@ import torch
 from torch import Tensor
 
 from lrattn_lightning.core.errors import InputError
-from lrattn_lightning.model.decoder import Decoder, KVCache, StaticKVCache
+from lrattn_lightning.model.attention import KVCache, StaticKVCache
+from lrattn_lightning.model.decoder import Decoder, build_router
 from lrattn_lightning.model.routing.attnres import resolve_impl
-from lrattn_lightning.model.routing.router import build_router
 
 CACHES = ("dynamic", "static", "none")  # generate_stream's `cache`: how earlier positions are kept
 COMPILE_BACKEND = "inductor"  # torch.compile's backend for the static decode step, unless a caller names one
@@ -101,8 +101,7 @@ class StaticDecoding:
 
 def supports_static(model: Decoder) -> bool:
     """Whether the model's router decodes with the static cache: it keeps no decoding state of its own."""
-    new_cache = getattr(model.router, "new_cache", None)
-    return not callable(new_cache) or new_cache() is None
+    return model.router.new_cache() is None
 
 
 def _traceable_twin(model: Decoder) -> Decoder:

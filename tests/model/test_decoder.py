@@ -261,7 +261,7 @@ def test_forward_in_float32_and_bfloat16(registry, name, dtype):
 def test_rope_rotates_each_pair_bit_for_bit(dtype):
     """apply_rope (x * cos + swap(x) * sin, either table layout, q and k stacked or not) against the pair formula
     (x0 cos - x1 sin, x0 sin + x1 cos) computed on the unbound pairs: the same products and sums, so equal bits."""
-    from lrattn_lightning.model.decoder import apply_rope, rope_angles, rope_tables
+    from lrattn_lightning.model.rope import apply_rope, rope_angles, rope_tables
 
     torch.manual_seed(0)
     x = torch.randn(2, 16, 2, 3, 8, dtype=dtype)  # (B, T, q/k, H, hd)
@@ -283,7 +283,7 @@ def test_a_compiled_forward_computes_the_rope_tables_once_through_their_op(regis
     offset too (KV-cache decoding), and its fake has their shape; compiled logits equal eager ones."""
     import torch._dynamo
 
-    from lrattn_lightning.model.decoder import positions_rope, rope_angles, rope_tables
+    from lrattn_lightning.model.rope import positions_rope, rope_angles, rope_tables
 
     cfg = tiny_config(registry, "baseline")
     hd, theta = cfg.size.d_model // cfg.size.n_heads, cfg.size.rope_theta

@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import ALL_ABLATIONS, randomize_routing, tiny_config, tokens
 
-from lrattn_lightning.model.decoder import KVCache, build_decoder
+from lrattn_lightning.model.attention import KVCache
+from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.model.generate import generate, sample_next
 
 

@@ -9,7 +9,8 @@ import torch
 from conftest import ALL_ABLATIONS, randomize_routing, tiny_config, tokens
 
 from lrattn_lightning.core.errors import InputError
-from lrattn_lightning.model.decoder import KVCache, StaticKVCache, build_decoder
+from lrattn_lightning.model.attention import KVCache, StaticKVCache
+from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.model.generate import generate
 
 PAPER = ["baseline", "s-lr-block-n8-r64", "p-lr-block-n8-r32", "attnres-block-n8", "attnres-full"]

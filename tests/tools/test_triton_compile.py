@@ -147,7 +147,7 @@ def test_two_phase_groups_are_split_to_fit_the_tile():
     """paper-0.5b, 8 blocks: the 5 and 6 read sites between block ends as sub-groups of at most 4 (2 + 3, 3 + 3);
     at d = 4096 with one depth head no two sites fit: no groups."""
     with triton_specs.recorded_launches():  # (builds the backend on CPU; nothing launched)
-        from lrattn_lightning.model.routing.router import build_router
+        from lrattn_lightning.model.decoder import build_router
 
         small = build_router(REGISTRY.model("paper-0.5b", "s-lr-block-n8-r64"), "triton")
         big = build_router(REGISTRY.model("d4096-7b", "s-lr-block-n8-r64"), "triton")

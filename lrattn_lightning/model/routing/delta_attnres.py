@@ -65,6 +65,7 @@ from lrattn_lightning.model.config import ModelConfig, SizeConfig
 from lrattn_lightning.model.options import PositiveInt
 from lrattn_lightning.model.routing._math import autocast_off, compute_dtype
 from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
+from lrattn_lightning.model.routing.router import Router
 
 NORM_EPS = 1e-6  # the public code's RMSNorm eps (its config default)
 PUBLIC_BLOCKS = 4  # the public code's block count in every published delta_block run (--num_blocks 4)
@@ -86,7 +87,7 @@ class DeltaState:
     block_start: Tensor | None = None  # delta_block, true_delta: H_{k-1}, the stream entering the last block
 
 
-class DeltaAttnResRouter(nn.Module):
+class DeltaAttnResRouter(Router):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.d, self.std, self.null = cfg.size.d_model, cfg.size.init_std, cfg.options.null_source

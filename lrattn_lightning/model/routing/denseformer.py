@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.options import PositiveInt
 from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
+from lrattn_lightning.model.routing.router import Router
 
 
 def averaged_layers(cfg: ModelConfig) -> list[int]:
@@ -49,7 +50,7 @@ class DWAState:
     weights: list[Tensor] | None = field(default=None)  # recording: per DWA, w over x_0..x_t as [t + 1, 1, 1, 1]
 
 
-class DenseFormerRouter(nn.Module):
+class DenseFormerRouter(Router):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.d, self.dilation = cfg.size.d_model, cfg.options.dilation

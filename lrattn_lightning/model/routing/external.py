@@ -9,15 +9,17 @@
         router_options: {width: 4}           # keyword arguments: MyRouter(cfg, width=4)
 
 The contract (docs/extending.md, "Writing your own router"; kept stable): the class is an `nn.Module` built as
-`Class(cfg, **router_options)` (cfg: the resolved ModelConfig) with the Router protocol of router.py,
-`start(emb, *, record=False, cache=None, segments=None) -> state`, `read(state, j)`, `write(state, i, out)`,
-`reset_parameters()` and optionally `new_cache()` (KV-cache decoding: an object kept across passes, or
-None). Optional: `added_flops_per_token() -> int` (forward FLOPs per token it adds to the core; without it
-the added FLOPs are recorded as unknown) and `adamw_parameter_names() -> iterable of its own parameter
-names` (those go to AdamW, the rest by the usual rule: matrices to Muon; without it every parameter of the
-router goes to AdamW), and the protocol's two extensions `read_attention` / `mix_values` (router.py). `write`'s `out` is [B, T, D], exactly d wide. A recording state (`start(record=True)`)
-may carry `weights`: a list of one tensor [S, B, T] or [S, B, T, m] per heatmap row (the weights of its S
-sources), logged as routing/weights.json and drawn by compare (train/diagnostics.py).
+`Class(cfg, **router_options)` (cfg: the resolved ModelConfig) with the required part of the Router of router.py,
+`start(emb, *, record=False, cache=None, segments=None) -> state`, `read(state, j)`, `write(state, i, out)` and
+`reset_parameters()`; router.py's optional methods (`new_cache`, `read_attention`, `mix_values`,
+`recorded_weights`) it may define or leave to their defaults: a class that does not derive Router is built as
+`with_router_defaults(Class)`, a subclass of the same name that adds only those defaults (the same parameters and
+state-dict keys). Optional for the external kind: `added_flops_per_token() -> int` (forward FLOPs per token it adds
+to the core; without it the added FLOPs are recorded as unknown) and `adamw_parameter_names() -> iterable of its own
+parameter names` (those go to AdamW, the rest by the usual rule: matrices to Muon; without it every parameter of the
+router goes to AdamW). `write`'s `out` is [B, T, D], exactly d wide. A recording state (`start(record=True)`) may
+carry `weights`: a list of one tensor [S, B, T] or [S, B, T, m] per heatmap row (the weights of its S sources),
+logged as routing/weights.json and drawn by compare (train/diagnostics.py).
 
 Only classes named in the registry the user passes (or by `--trust_router`) are imported (routing/trust.py): a
 checkpoint or an exported folder that names another class is refused before anything is imported. A missing module
@@ -27,6 +29,7 @@ The class's parameter count is its real one: the analytic counts build it once o
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +40,7 @@ from torch import nn
 from lrattn_lightning.core.errors import InputError, config_error
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.routing.kind import KindOptions, NotExpressible, RoutingKind
+from lrattn_lightning.model.routing.router import OPTIONAL, REQUIRED, Router
 from lrattn_lightning.model.routing.trust import IMPORT_PATH, is_trusted, untrusted_error
 
 
@@ -50,30 +54,65 @@ def router_class(cfg: ModelConfig) -> type[nn.Module]:
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # ModuleNotFoundError, or the module failing on import
-        raise config_error(where, "router", f"cannot import module '{module_name}' ({type(err).__name__}: {err}); "
-                           "install the package that provides it or put its folder on PYTHONPATH") from None
+        raise config_error(
+            where,
+            "router",
+            f"cannot import module '{module_name}' ({type(err).__name__}: {err}); "
+            "install the package that provides it or put its folder on PYTHONPATH",
+        ) from None
     cls = getattr(module, class_name, None)
     if not isinstance(cls, type) or not issubclass(cls, nn.Module):
         found = "not found" if cls is None else f"is a {type(cls).__name__}, not an nn.Module class"
-        raise config_error(where, "router", f"'{class_name}' in module '{module_name}' {found}; name an nn.Module "
-                           "class as 'package.module:Class'")
+        raise config_error(
+            where,
+            "router",
+            f"'{class_name}' in module '{module_name}' {found}; name an nn.Module "
+            "class as 'package.module:Class'",
+        )
     return cls
 
 
-def build_external(cfg: ModelConfig) -> nn.Module:
-    cls = router_class(cfg)
+def build_external(cfg: ModelConfig) -> Router:
+    cls = with_router_defaults(router_class(cfg))
     options = dict(cfg.options.router_options or {})
     try:
         router = cls(cfg, **options)
     except TypeError as err:
-        raise config_error(f"ablations.{cfg.ablation.name}", "router_options",
-                           f"{cfg.options.router}(cfg, **{options!r}) failed: {err}") from None
-    missing = [m for m in ("start", "read", "write", "reset_parameters") if not callable(getattr(router, m, None))]
+        raise config_error(
+            f"ablations.{cfg.ablation.name}",
+            "router_options",
+            f"{cfg.options.router}(cfg, **{options!r}) failed: {err}",
+        ) from None
+    missing = [m for m in REQUIRED if not _defines(router, m)]
     if missing:
-        raise config_error(f"ablations.{cfg.ablation.name}", "router",
-                           f"{cfg.options.router} lacks {', '.join(missing)} of the Router protocol (docs/extending.md, "
-                           "'Writing your own router')")
+        raise config_error(
+            f"ablations.{cfg.ablation.name}",
+            "router",
+            f"{cfg.options.router} lacks {', '.join(missing)} of the Router protocol (docs/extending.md, "
+            "'Writing your own router')",
+        )
     return router
+
+
+@functools.cache
+def with_router_defaults(cls: type[nn.Module]) -> type[Router]:
+    """The user's class as a Router: itself if it derives Router, else a subclass of the same name whose bases are
+    (cls, Router), so the class's own methods come first and Router gives the optional ones it lacks (or sets to
+    None, as an absent one). No attribute, parameter or state-dict key of the class changes."""
+    if issubclass(cls, Router):
+        return cls
+    defaults = {m: getattr(Router, m) for m in OPTIONAL if not callable(getattr(cls, m, None))}
+    return type(
+        cls.__name__,
+        (cls, Router),
+        {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__, **defaults},
+    )
+
+
+def _defines(router: Router, name: str) -> bool:
+    """Whether the router has a method `name` of its own, not Router's placeholder that raises."""
+    method = getattr(router, name, None)
+    return callable(method) and getattr(method, "__func__", None) is not getattr(Router, name)
 
 
 _FACTS: dict[str, tuple[int, int | None]] = {}
@@ -85,9 +124,15 @@ def facts(cfg: ModelConfig) -> tuple[int, int | None]:
     if key not in _FACTS:
         with torch.device("meta"):
             router = build_external(cfg)
-        flops = router.added_flops_per_token() if callable(getattr(router, "added_flops_per_token", None)) else None
+        flops = (
+            router.added_flops_per_token()
+            if callable(getattr(router, "added_flops_per_token", None))
+            else None
+        )
         if flops is not None and (isinstance(flops, bool) or not isinstance(flops, int) or flops < 0):
-            raise InputError(f"{cfg.options.router}.added_flops_per_token() must return an integer >= 0, got {flops!r}")
+            raise InputError(
+                f"{cfg.options.router}.added_flops_per_token() must return an integer >= 0, got {flops!r}"
+            )
         _FACTS[key] = (sum(p.numel() for p in router.parameters()), flops)
     return _FACTS[key]
 
@@ -100,8 +145,10 @@ def adamw_names(router: nn.Module) -> set[str] | None:
     names = set(method())
     known = {n for n, _ in router.named_parameters()}
     if names - known:
-        raise InputError(f"adamw_parameter_names() of {type(router).__name__} names {sorted(names - known)[:3]}, "
-                         f"which are not its parameters ({sorted(known)[:5]})")
+        raise InputError(
+            f"adamw_parameter_names() of {type(router).__name__} names {sorted(names - known)[:3]}, "
+            f"which are not its parameters ({sorted(known)[:5]})"
+        )
     return names
 
 
@@ -114,13 +161,20 @@ class ExternalOptions(KindOptions):
     def rules(self, where: str) -> None:
         """router: an import path; router_options: a mapping of identifier keys (or null)."""
         if not isinstance(self.router, str) or not IMPORT_PATH.fullmatch(self.router):
-            raise self.error(where, "router", f"routing external needs the class as 'package.module:Class', got "
-                                               f"{self.router!r}")
+            raise self.error(
+                where,
+                "router",
+                f"routing external needs the class as 'package.module:Class', got {self.router!r}",
+            )
         options = self.router_options
-        if options is not None and (not isinstance(options, dict) or not all(isinstance(k, str) and k.isidentifier()
-                                                                             for k in options)):
-            raise self.error(where, "router_options", f"must be a mapping of keyword arguments (identifier keys) "
-                                                       f"or null, got {options!r}")
+        if options is not None and (
+            not isinstance(options, dict) or not all(isinstance(k, str) and k.isidentifier() for k in options)
+        ):
+            raise self.error(
+                where,
+                "router_options",
+                f"must be a mapping of keyword arguments (identifier keys) or null, got {options!r}",
+            )
 
 
 class ExternalKind(RoutingKind):
@@ -131,14 +185,19 @@ class ExternalKind(RoutingKind):
     user_code = True
 
     def diagnostic_axes(self, cfg: ModelConfig) -> dict:
-        return {"site_labels": None, "source_labels": None, "site_axis": "row of the router's state.weights",
-                "source_axis": f"source, as {cfg.options.router} orders them", "value": "mean weight",
-                "embedding_column": None}
+        return {
+            "site_labels": None,
+            "source_labels": None,
+            "site_axis": "row of the router's state.weights",
+            "source_axis": f"source, as {cfg.options.router} orders them",
+            "value": "mean weight",
+            "embedding_column": None,
+        }
 
     def code_paths(self, options: ExternalOptions) -> list[str]:
         return [options.router]
 
-    def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
+    def build(self, cfg: ModelConfig, impl: str) -> Router:
         return build_external(cfg)
 
     def routing_params(self, cfg: ModelConfig) -> int:

@@ -46,6 +46,7 @@ from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.options import Range, complaint
 from lrattn_lightning.model.routing._math import compute_dtype
 from lrattn_lightning.model.routing.kind import KindOptions, NotExpressible, RoutingKind
+from lrattn_lightning.model.routing.router import Router
 
 GRAD_NORM_EPS = 1e-6
 
@@ -124,7 +125,7 @@ class GatedState:
     continues: Tensor | None = None  # [B, 1, 1]: 1 where the first new position continues the cached document
 
 
-class GatedRouter(nn.Module):
+class GatedRouter(Router):
     """The gated write: gate matrices W_q, W_k per sublayer, optional biases b_i, the hold buffer."""
 
     def __init__(self, cfg: ModelConfig):

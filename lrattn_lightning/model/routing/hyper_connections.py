@@ -66,6 +66,7 @@ from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.options import PositiveInt
 from lrattn_lightning.model.routing._math import autocast_off, compute_dtype
 from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
+from lrattn_lightning.model.routing.router import Router
 
 SCALE0 = 1e-2  # the public code's initial scales of the dynamic terms
 Norm = Literal["rms", "layer"]
@@ -87,7 +88,7 @@ class StreamsState:
     weights: list[Tensor] | None = None  # recording: per read site, [read | width | beta] as [C, B, T, 1]
 
 
-class HyperConnectionsRouter(nn.Module):
+class HyperConnectionsRouter(Router):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         a = cfg.options

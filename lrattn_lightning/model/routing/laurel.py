@@ -48,6 +48,7 @@ from lrattn_lightning.model.config import ModelConfig, SizeConfig
 from lrattn_lightning.model.options import PositiveInt
 from lrattn_lightning.model.routing._math import autocast_off, compute_dtype
 from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
+from lrattn_lightning.model.routing.router import Router
 
 LaurelMode = Literal["rw", "lr", "rw_lr"]
 DEFAULT_RANK = 16  # the factory's default
@@ -59,7 +60,7 @@ class LaurelState:
     weights: list[Tensor] | None = field(default=None)  # recording: per sublayer [(a, b) | |xAB|/|x|] as [S, B, T, 1]
 
 
-class LaurelRouter(nn.Module):
+class LaurelRouter(Router):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         a = cfg.options
@@ -81,9 +82,6 @@ class LaurelRouter(nn.Module):
                 rows = torch.arange(self.d)
                 self.down[:, rows, rows % self.r] = 1.0 / math.sqrt(self.r * self.d)
                 self.up.zero_()
-
-    def new_cache(self) -> None:
-        return None
 
     def start(self, emb_BTD: Tensor, *, record: bool = False, cache: None = None,
               segments: Tensor | None = None) -> LaurelState:

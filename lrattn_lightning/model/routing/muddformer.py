@@ -52,6 +52,7 @@ from torch import Tensor, nn
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.routing._math import autocast_off, compute_dtype
 from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
+from lrattn_lightning.model.routing.router import Router
 
 EPS = 1e-6  # the public code's RMSNorm eps
 POST_GAIN0 = 1e-3  # PrePostDANorm's post-norm gain at init
@@ -78,7 +79,7 @@ class MuddState:
     weights: list[Tensor] | None = field(default=None)  # recording: per layer and way, w [n, B, T, 1]
 
 
-class MuddFormerRouter(nn.Module):
+class MuddFormerRouter(Router):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         a, d, L = cfg.options, cfg.size.d_model, cfg.size.n_layers
@@ -109,9 +110,6 @@ class MuddFormerRouter(nn.Module):
             if self.ppn:
                 self.pre_gain.fill_(1.0)
                 self.post_gain.fill_(POST_GAIN0)
-
-    def new_cache(self) -> None:
-        return None
 
     def _source(self, x: Tensor, j: int) -> Tensor:
         return F.rms_norm(x, (self.d,), eps=EPS) * self.pre_gain[j].to(x.dtype) if self.ppn else x

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.routing.kind import RoutingKind
+from lrattn_lightning.model.routing.router import Router
 
 
 @dataclass
@@ -24,16 +25,13 @@ class ResidualState:
     weights: list[Tensor] | None = None  # recording: stays empty (no routing weights)
 
 
-class ResidualRouter(nn.Module):
+class ResidualRouter(Router):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.d = cfg.size.d_model
 
     def reset_parameters(self) -> None:
         pass
-
-    def new_cache(self) -> None:
-        return None
 
     def start(self, emb_BTD: Tensor, *, record: bool = False, cache: None = None,
               segments: Tensor | None = None) -> ResidualState:

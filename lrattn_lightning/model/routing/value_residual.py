@@ -33,6 +33,7 @@ from lrattn_lightning.core.errors import config_error
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.options import Range
 from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
+from lrattn_lightning.model.routing.router import Router
 
 Lambda = Annotated[float, Range(0, 1, note="0: the baseline, ResFormer: 0.5")]
 
@@ -44,7 +45,7 @@ class ValueResidualState:
     weights: list[Tensor] | None = None  # recording: per layer n >= 2, (lambda_n, 1 - lambda_n) as [2, 1, 1, 1]
 
 
-class ValueResidualRouter(nn.Module):
+class ValueResidualRouter(Router):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         a = cfg.options
@@ -57,9 +58,6 @@ class ValueResidualRouter(nn.Module):
         if self.learned:
             with torch.no_grad():
                 self.lambdas.fill_(self.start_lambda)
-
-    def new_cache(self) -> None:
-        return None
 
     def start(self, emb_BTD: Tensor, *, record: bool = False, cache: None = None,
               segments: Tensor | None = None) -> ValueResidualState:

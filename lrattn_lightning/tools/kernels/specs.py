@@ -41,11 +41,11 @@ from torch import nn
 
 from lrattn_lightning.core.files import write_file
 from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.decoder import build_router
 from lrattn_lightning.model.registry import Registry, load_registry
 from lrattn_lightning.model.routing._math import rms_norm
 from lrattn_lightning.model.routing.attnres.triton import launch as triton_launch
 from lrattn_lightning.model.routing.kinds import kind_of
-from lrattn_lightning.model.routing.router import build_router
 
 COMPILER = Path(__file__).with_name("compile_check.py")
 SIZES = ("paper-0.5b", "d4096-7b")

@@ -82,6 +82,11 @@ class EmbeddingKV(MixRouter):
 
     def mix_values(self, state, layer, v):
         return 0.5 * v
+
+
+class NoRead(MixRouter):
+    """Lacks a required method."""
+    read = None
 '''
 
 
@@ -135,7 +140,8 @@ def test_an_own_router_may_use_the_protocols_extensions(package):
     """read_attention and mix_values (router.py) reach an external router's attention as they reach MUDDFormer's."""
     from conftest import ref_rms_norm
 
-    from lrattn_lightning.model.decoder import rope_angles
+    from lrattn_lightning.model.attention import AttentionPass
+    from lrattn_lightning.model.rope import rope_angles
 
     reg = parse_registry(registry_dict(kv=entry(f"{PACKAGE}.routers:EmbeddingKV"), mix=entry()))
     model, plain = build_decoder(reg.model("tiny", "kv")).double(), build_decoder(reg.model("tiny", "mix")).double()
@@ -147,12 +153,33 @@ def test_an_own_router_may_use_the_protocols_extensions(package):
         outputs = [emb]
         for layer in model.layers:
             read = lambda: sum(w[len(outputs) - 1, i] * o for i, o in enumerate(outputs))  # noqa: E731
-            outputs.append(layer.attn(ref_rms_norm(read()), cos, sin, kv_inputs=(ref_rms_norm(emb),) * 2,
-                                      values=lambda v: 0.5 * v))
+            halved = AttentionPass(cos, sin, mix_values=lambda layer, v: 0.5 * v)
+            outputs.append(layer.attn(ref_rms_norm(read()), ref_rms_norm(emb), ref_rms_norm(emb), halved, 0))
             outputs.append(layer.mlp(ref_rms_norm(read())))
         written = model.head(ref_rms_norm(sum(w[len(outputs) - 1, i] * o for i, o in enumerate(outputs))))
         torch.testing.assert_close(model(idx), written, rtol=1e-10, atol=1e-10)
         assert (model(idx) - plain(idx)).abs().max() > 1e-3  # the extensions are used, not ignored
+
+
+def test_a_router_of_the_required_part_only_gets_the_optional_defaults(package):
+    """A plain nn.Module class is built as itself plus Router's defaults (router.py): the same name, parameters and
+    state-dict keys; new_cache None, one stream read thrice, values unchanged, no recorded weights."""
+    from lrattn_lightning.model.routing.external import with_router_defaults
+    from lrattn_lightning.model.routing.residual import ResidualRouter
+    from lrattn_lightning.model.routing.router import Router
+
+    model = build_decoder(parse_registry(registry_dict(mix=entry())).model("tiny", "mix"))
+    router, user_class = model.router, sys.modules[f"{PACKAGE}.routers"].MixRouter
+    assert isinstance(router, user_class) and isinstance(router, Router) and type(router).__name__ == "MixRouter"
+    assert list(router.state_dict()) == ["w"] and with_router_defaults(user_class) is type(router)
+    assert with_router_defaults(ResidualRouter) is ResidualRouter  # a Router already
+    emb = torch.randn(2, 3, 32)
+    state = router.start(emb, record=True)
+    v = torch.randn(2, 3, 2, 16)
+    assert router.new_cache() is None and router.mix_values(state, 0, v) is v
+    h_q, h_k, h_v = router.read_attention(state, 0)
+    assert h_k is h_q and h_v is h_q and torch.equal(h_q, router.read(state, 0))
+    assert router.recorded_weights(state) is None  # its State keeps none
 
 
 def test_the_router_decides_what_adamw_takes(package):
@@ -172,6 +199,7 @@ def test_the_router_decides_what_adamw_takes(package):
     ({"router": "no_such_pkg_xyz.mod:R"}, "field 'router': cannot import module 'no_such_pkg_xyz.mod'"),
     ({"router": f"{PACKAGE}.routers:Nope"}, "'Nope' in module"),
     ({"router": f"{PACKAGE}.routers:State"}, "is a type, not an nn.Module class"),
+    ({"router": f"{PACKAGE}.routers:NoRead"}, "routers:NoRead lacks read of the Router protocol"),
     ({"router": "not a path"}, "needs the class as 'package.module:Class'"),
     ({"router_options": {"width": 4}}, "field 'router_options': user_routers_for_lrattn_tests.routers:MixRouter(cfg"),
     ({"router_options": [1]}, "must be a mapping of keyword arguments"),

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from conftest import DEEPER, capture, tokens, variant
 
+from lrattn_lightning.model.attention import KVCache
 from lrattn_lightning.model.config import ModelConfig
-from lrattn_lightning.model.decoder import KVCache, build_decoder
+from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.model.generate import generate
 from lrattn_lightning.model.registry import load_registry, model_config_from_dict
 from lrattn_lightning.model.routing.gated import NormalizedGateGrad

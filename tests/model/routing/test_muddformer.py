@@ -17,9 +17,11 @@ from conftest import (
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, count_params, routing_params
+from lrattn_lightning.model.attention import AttentionPass
 from lrattn_lightning.model.config import ModelConfig
-from lrattn_lightning.model.decoder import build_decoder, rope_angles
+from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.model.registry import parse_registry
+from lrattn_lightning.model.rope import apply_rope, rope_angles
 from lrattn_lightning.train.optim import split_parameters
 
 SIZE = DEEPER  # three layers, d = 32
@@ -63,7 +65,7 @@ def logits_float64(model, idx, options):
     sources = [rms(x0) * r.pre_gain[0] if ppn else x0]
     q = k = v = res = x0
     for i, layer in enumerate(model.layers, start=1):
-        a = layer.attn(ref_rms_norm(q), cos, sin, kv_inputs=(ref_rms_norm(k), ref_rms_norm(v)))
+        a = layer.attn(ref_rms_norm(q), ref_rms_norm(k), ref_rms_norm(v), AttentionPass(cos, sin), 0)
         y = res + a
         X = y + layer.mlp(ref_rms_norm(y))
         sources.append(rms(X) * r.pre_gain[i] if ppn else X)
@@ -83,23 +85,22 @@ def logits_float64(model, idx, options):
 
 
 def test_the_attention_takes_separate_query_key_and_value_inputs():
-    """kv_inputs: the same qkv weight's key and value rows on other inputs, against the attention written out."""
+    """Separate inputs: the same qkv weight's key and value rows on them, against the attention written out."""
     torch.manual_seed(0)
     attn = build_decoder(config()).double().layers[0].attn
     B, T, d, H = 2, 6, SIZE.d_model, SIZE.n_heads
     xq, xk, xv = (torch.randn(B, T, d, dtype=torch.float64) for _ in range(3))
     cos, sin = rope_angles(torch.arange(T), d // H, SIZE.rope_theta)
-    same = attn(xq, cos, sin)
-    torch.testing.assert_close(attn(xq, cos, sin, kv_inputs=(xq, xq)), same, rtol=1e-12, atol=1e-12)
+    same = attn(xq, xq, xq, AttentionPass(cos, sin), 0)  # one input: the fused projection
+    torch.testing.assert_close(attn(xq, xq.clone(), xq.clone(), AttentionPass(cos, sin), 0), same, rtol=1e-12,
+                               atol=1e-12)  # the same input as three: the separate projections, the same
     wq, wk, wv = attn.qkv.weight.chunk(3)
     heads = lambda x, w: (x @ w.T).view(B, T, H, d // H)  # noqa: E731
-    from lrattn_lightning.model.decoder import apply_rope
-
     q, k = apply_rope(ref_rms_norm(heads(xq, wq)), cos, sin), apply_rope(ref_rms_norm(heads(xk, wk)), cos, sin)
     scores = torch.einsum("bthe,bshe->bhts", q, k) / math.sqrt(d // H)
     scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
     y = torch.einsum("bhts,bshe->bthe", scores.softmax(-1), heads(xv, wv)).reshape(B, T, d)
-    torch.testing.assert_close(attn(xq, cos, sin, kv_inputs=(xk, xv)), attn.proj(y), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(attn(xq, xk, xv, AttentionPass(cos, sin), 0), attn.proj(y), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("options", VARIANTS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "default")

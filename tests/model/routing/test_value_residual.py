@@ -18,8 +18,9 @@ from conftest import (
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, count_params, routing_params
 from lrattn_lightning.model.config import ModelConfig
-from lrattn_lightning.model.decoder import apply_rope, build_decoder, rope_angles
+from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.model.registry import parse_registry
+from lrattn_lightning.model.rope import apply_rope, rope_angles
 from lrattn_lightning.train.optim import split_parameters
 
 SIZE = DEEPER  # three layers, d = 32, 4 heads

@@ -48,9 +48,10 @@ from lrattn_lightning.model.routing._math import (
 from lrattn_lightning.model.routing.attnres.keys import key_source
 from lrattn_lightning.model.routing.attnres.options import key_dim, logit_scale
 from lrattn_lightning.model.routing.attnres.summary import RmsPartialBlock
+from lrattn_lightning.model.routing.router import Router
 
 
-class AttnResRouter(nn.Module):
+class AttnResRouter(Router):
     """The parameters of AttnRes routing (queries, query gates, key-source parameters) and their rules."""
 
     def __init__(self, cfg: ModelConfig):
@@ -90,10 +91,6 @@ class AttnResRouter(nn.Module):
                 nn.init.ones_(p)
             elif name != "queries":
                 nn.init.normal_(p, std=self.std)
-
-    def new_cache(self) -> None:
-        """Routing is per token: KV-cache decoding needs no routing state."""
-        return None
 
     def new_partial(self) -> PartialBlock:
         """An empty running block (rms summaries also sum the normalised outputs)."""

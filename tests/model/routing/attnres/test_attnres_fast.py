@@ -12,15 +12,15 @@ import pytest
 import torch
 from conftest import randomize_routing
 
+from lrattn_lightning.model.attention import KVCache
 from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig, fit_to_size
-from lrattn_lightning.model.decoder import KVCache, build_decoder
+from lrattn_lightning.model.decoder import build_decoder, build_router
 from lrattn_lightning.model.registry import load_registry
 from lrattn_lightning.model.routing.attnres import AttnResOptions, compile_impl
 from lrattn_lightning.model.routing.attnres.backends import PORTABLE_IMPLS as IMPLS
 from lrattn_lightning.model.routing.attnres.compiled import CompiledAttnRes
 from lrattn_lightning.model.routing.attnres.fast import FastAttnRes
 from lrattn_lightning.model.routing.attnres.reference import ReferenceAttnRes
-from lrattn_lightning.model.routing.router import build_router
 
 torch.set_num_threads(1)
 

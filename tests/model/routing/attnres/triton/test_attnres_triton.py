@@ -149,7 +149,7 @@ def _bf16(name: str) -> dict:
 
 
 def _kv(name: str) -> float:
-    from lrattn_lightning.model.decoder import KVCache
+    from lrattn_lightning.model.attention import KVCache
 
     _, tri = _pair(name)
     idx = torch.randint(0, tri.cfg.size.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2))
