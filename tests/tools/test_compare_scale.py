@@ -116,6 +116,7 @@ def test_a_slow_phase_prints_a_progress_line(report):
     runs = len(SIZES) * len(ENTRIES) * SEEDS
     for done in (20, 40, runs):
         assert f"[lrattn compare] read histories of {done}/{runs} runs" in report["err"], report["err"]
+    assert f"[lrattn compare] searched {runs} runs (" in report["err"], report["err"]  # its pages: one here
 
 
 def test_a_phase_quicker_than_the_threshold_prints_none(study, report, capsys):
@@ -150,3 +151,69 @@ def test_the_summary_runs_description_of_many_rows_is_not_cut_mid_line(study):
     assert 100 < len(deltas) < 600 and all(line.endswith(": +0.1000") for line in deltas)
     assert f"- ... {600 - len(deltas)} more rows: see the report artifact `compare/report.md`" in lines
     assert lines[-1].startswith("The full report (table, p-values, figures)")
+
+
+# ---- what is kept of a history, and what the curves figure makes of it ---------------------------------------
+def test_a_long_curve_is_thinned_to_its_first_last_and_each_buckets_extremes():
+    """A run that logged 20,000 points keeps at most CURVE_POINTS + 2 of them: its first and last, and in each
+    bucket of steps its first, lowest and highest point (a spike stays in the figure); two seeds logged alike keep
+    the same steps (their mean is still taken step by step); a short curve is kept whole."""
+    import numpy as np
+
+    steps = np.arange(1, 20_001) * 5
+    values = 3.0 + np.sin(steps / 997.0)
+    values[7_321], values[12_000] = 9.0, -1.0  # a spike up and one down
+    values[15_000] = np.nan
+    kept_steps, kept = runs_module.thin(steps, values)
+    assert len(kept_steps) <= runs_module.CURVE_POINTS + 2 and len(kept_steps) > runs_module.CURVE_POINTS // 2
+    assert kept_steps[0] == steps[0] and kept_steps[-1] == steps[-1] and np.all(np.diff(kept_steps) > 0)
+    assert {steps[7_321], steps[12_000]} <= set(kept_steps.tolist())
+    assert np.nanmax(kept) == 9.0 and np.nanmin(kept) == -1.0
+    assert np.array_equal(kept, values[np.searchsorted(steps, kept_steps)], equal_nan=True)  # values, not averages
+    other_steps, _ = runs_module.thin(steps, 3.0 + np.cos(steps / 991.0))
+    firsts = set(kept_steps.tolist()) & set(other_steps.tolist())  # each bucket's first step at least
+    assert len(firsts) >= len(kept_steps) // 3
+    short_steps, short = runs_module.thin(steps[:100], values[:100])
+    assert np.array_equal(short_steps, steps[:100]) and np.array_equal(short, values[:100])
+
+
+def test_histories_keep_a_resumed_runs_later_value_of_a_step_and_the_median_of_every_speed(tmp_path):
+    """Points of one (run, key, step) logged twice (a resumed run): the later timestamp wins; tokens/s is the
+    median of every point logged, duplicates included; a run with no history has none."""
+    from lrattn_lightning.tools.compare.table import RunRecord
+
+    uri, client, exp = sqlite_experiment(tmp_path, "resumed")
+    rids = [client.create_run(exp).info.run_id for _ in range(2)]
+    points = [("train/loss", 5.0, 1, 10), ("train/loss", 4.0, 2, 20), ("train/loss", 3.5, 9, 20),
+              ("train/loss", 3.9, 5, 20), ("val/loss", 3.0, 3, 20), ("val/loss", 2.9, 8, 20),
+              ("train/device/items_per_sec", 100.0, 1, 10), ("train/device/items_per_sec", 300.0, 2, 20),
+              ("train/device/items_per_sec", 200.0, 9, 20), ("train/device/items_per_sec", 400.0, 9, 30)]
+    client.log_batch(rids[0], metrics=[Metric(k, v, t, s) for k, v, t, s in points])
+    records = [RunRecord(rid, rid, "tiny", "baseline", None, 0, 0, 2.9, 1, 0.0, {}) for rid in rids]
+    runs_module.read_histories(MlflowClient(uri), records)
+    first, empty = records
+    assert list(first.curves["train/loss"]) == [(10, 5.0), (20, 3.5)] and list(first.curves["val/loss"]) == [(20, 2.9)]
+    assert first.tokens_per_s == 250.0 and first.last_val_step == 20 and first.final_step == 21
+    assert empty.tokens_per_s is None and empty.last_val_step is None and not empty.curves["train/loss"]
+
+
+def test_the_curves_figures_seed_mean_is_taken_over_the_steps_every_seed_logged():
+    """_seed_mean (numpy over the row's points) equals the mean, min and max over seeds written out per step, at
+    the steps every seed logged only; a row one of whose runs has no curve draws nothing."""
+    import statistics
+
+    from lrattn_lightning.tools.compare.figures import _seed_mean
+    from lrattn_lightning.tools.compare.runs import Curve
+    from lrattn_lightning.tools.compare.table import Row, RunRecord
+
+    def run(pairs):
+        record = RunRecord("r", "r", "tiny", "baseline", None, 0, 0, 1.0, 1, 0.0, {})
+        record.curves = {"train/loss": Curve(pairs)}
+        return record
+
+    seeds = [[(10, 3.0), (20, 2.5), (30, 2.0)], [(10, 3.2), (20, 2.1), (30, 2.2), (40, 1.0)], [(10, 2.9), (30, 2.4)]]
+    steps, mean, low, high = _seed_mean(Row("tiny", "baseline", None, [run(p) for p in seeds]), "train/loss")
+    assert steps == [10, 30]
+    assert mean == pytest.approx([statistics.fmean([3.0, 3.2, 2.9]), statistics.fmean([2.0, 2.2, 2.4])], rel=1e-15)
+    assert low == [2.9, 2.0] and high == [3.2, 2.4]
+    assert _seed_mean(Row("tiny", "baseline", None, [run(seeds[0]), run([])]), "train/loss") == ([], [], [], [])

@@ -190,9 +190,8 @@ class Reads:
         histories = compare_runs._histories
 
         def bulk_histories(client, run_ids):  # compare reads histories in bulk (one SQL query per 500 runs)
-            found = histories(client, run_ids)
-            for by_key in found.values():
-                reads.keys["metric"].update(by_key)
+            found = histories(client, run_ids)  # columns: each point's key an index into HISTORY_KEYS
+            reads.keys["metric"].update(compare_runs.HISTORY_KEYS[k] for k in set(found.key.tolist()))
             return found
 
         monkeypatch.setattr(compare_runs, "_histories", bulk_histories)

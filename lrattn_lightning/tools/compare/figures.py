@@ -18,12 +18,14 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from lrattn_lightning.core.files import replacing
 from lrattn_lightning.tools.compare import labels as labels_mod
+from lrattn_lightning.tools.compare.runs import Curve
 from lrattn_lightning.tools.compare.table import Row
 from lrattn_lightning.tools.compare.words import size_list
 from lrattn_lightning.train.schema import Artifact, Metric
@@ -264,8 +266,8 @@ def curves_figure(rows: list[Row], title: str) -> Any:
     handles = {}  # label -> a line of it, for the shared legend
     for size, (ax_t, ax_z, ax_v) in zip(sizes, grid, strict=True):
         mine = [r for r in rows if r.size == size]
-        last = max([s for r in mine for run in r.runs for key in (Metric.TRAIN_LOSS, Metric.VAL_LOSS)
-                    for s, _ in run.curves.get(key, [])] + [run.final_step or 0 for r in mine for run in r.runs] + [1])
+        last = max([_last_step(run.curves.get(key, [])) for r in mine for run in r.runs
+                    for key in (Metric.TRAIN_LOSS, Metric.VAL_LOSS)] + [run.final_step or 0 for r in mine for run in r.runs] + [1])
         zoom_from = last // 2
         for row in sorted(mine, key=lambda r: names[id(r)]):
             i = order.index(names[id(row)])
@@ -302,14 +304,35 @@ def curves_figure(rows: list[Row], title: str) -> Any:
     return fig
 
 
+def _curve_arrays(curve: Any) -> tuple[Any, Any]:
+    """(steps, values) of a run's curve as numpy arrays: a runs.Curve's own arrays, or any (step, value) pairs."""
+    if isinstance(curve, Curve):
+        return np.frombuffer(curve.steps, dtype=np.int64), np.frombuffer(curve.values, dtype=np.float64)
+    pairs = np.array(list(curve), dtype=float).reshape(-1, 2)
+    return pairs[:, 0].astype(np.int64), pairs[:, 1]
+
+
+def _last_step(curve: Any) -> int:
+    steps, _ = _curve_arrays(curve)
+    return int(steps.max()) if len(steps) else 0
+
+
 def _seed_mean(row: Row, key: str) -> tuple[list[int], list[float], list[float], list[float]]:
-    by_step: dict[int, list[float]] = defaultdict(list)
-    for run in row.runs:
-        for step, value in run.curves.get(key, []):
-            by_step[step].append(value)
-    steps = sorted(s for s, v in by_step.items() if len(v) == len(row.runs))  # steps every seed logged
-    return (steps, [statistics.fmean(by_step[s]) for s in steps], [min(by_step[s]) for s in steps],
-            [max(by_step[s]) for s in steps])
+    """The steps every seed of the row logged, and the mean, min and max over its seeds there (one pass of numpy
+    over the row's points, not a Python loop over them)."""
+    arrays = [_curve_arrays(run.curves[key]) for run in row.runs if run.curves.get(key)]
+    if len(arrays) < len(row.runs) or not arrays:
+        return [], [], [], []
+    steps = np.concatenate([s for s, _ in arrays])
+    values = np.concatenate([v for _, v in arrays])
+    order = np.argsort(steps, kind="stable")
+    steps, values = steps[order], values[order]
+    starts = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]])
+    counts = np.diff(np.r_[starts, len(steps)])
+    every = counts == len(row.runs)  # steps every seed logged
+    mean = np.add.reduceat(values, starts) / counts
+    low, high = np.minimum.reduceat(values, starts), np.maximum.reduceat(values, starts)
+    return (steps[starts][every].tolist(), mean[every].tolist(), low[every].tolist(), high[every].tolist())
 
 
 def _smooth(values: list[float], window: int = 5) -> list[float]:
