@@ -1,14 +1,15 @@
 """Where the `triton` backend's kernels run and how they are launched: whether they can run here
 (availability_error), where launches go (the kernels, or a recorder: set_launch_target), the launch geometry
 under the register budget, and `ReadLaunch`, what every kernel needs of one read (rows, key mode, the pointer
-table, the geometry), and the helpers the custom ops share (launch_kernels, as_rows, out_dtype, source_grads,
-fold_keys). The custom ops that launch: ops.py.
+table, the geometry), the table's way to the device (device_table, float_words), and the helpers the custom ops
+share (launch_kernels, as_rows, out_dtype, source_grads, fold_keys). The custom ops that launch: ops.py.
 Importing this module never needs triton: the kernels (kernels.py) are imported when a launch first asks.
 """
 
 from __future__ import annotations
 
 import os
+import struct
 
 import torch
 from torch import Tensor
@@ -62,6 +63,29 @@ def as_rows(x: Tensor) -> tuple[Tensor, int]:
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     return x2, (x2.stride(0) if x2.shape[0] > 1 else x2.shape[-1])
+
+
+def float_words(xs: list[float]) -> list[int]:
+    """Float64 values as int64 words (their bits): the table's priors and eps (the kernels read them as float64)."""
+    return list(struct.unpack(f"<{len(xs)}q", struct.pack(f"<{len(xs)}d", *xs)))
+
+
+def device_table(words: list[int], device: torch.device) -> Tensor:
+    """The int64 table `words` (pointers, strides, float64 bits) on `device`, without blocking the host.
+
+    A launch's table holds the data pointers of its sources and, in backward, of the gradient buffers it
+    writes: the partial block and those buffers exist only at that launch, so the table is built there, on
+    the host (data_ptr() is a host value). torch.tensor(words).to(cuda) copies from pageable memory, which
+    PyTorch does with cudaMemcpyAsync and then a stream synchronisation: the host waited at every launch
+    for the kernels queued before it, so no launch overlapped the GPU's work. Here the host tensor is pinned
+    and copied with non_blocking=True: the copy is queued on the stream like a kernel, ahead of the kernel
+    that reads it, and the host goes on; PyTorch's caching host allocator records an event at the copy and
+    reuses the pinned block only after it, so the host tensor may be dropped at once. Not chosen: caching
+    tables by content (pointers change whenever the allocator hands out other buffers, and a cached device
+    table outliving a stream's use is a hazard), and one table per step (its entries do not exist until
+    their launch). On CPU (Triton's interpreter) the host tensor is the table: no copy at all."""
+    host = torch.tensor(words, dtype=torch.int64, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 def _dtype_name(dtypes: list[torch.dtype]) -> str:
@@ -153,7 +177,7 @@ class ReadLaunch:
         self.values, self.keys = [v for v, _ in vt], [k for k, _ in kt]
         self.ints = ([v.data_ptr() for v, _ in vt] + [s for _, s in vt] + [k.data_ptr() for k, _ in kt]
                      + [s for _, s in kt])
-        self.consts = torch.tensor(consts, dtype=torch.float64).view(torch.int64).tolist()
+        self.consts = float_words(consts)
         self.query, self.query_per_token = query.contiguous(), query.dim() > 1 and not group
         self.cdtype = torch.promote_types(emb_v.dtype, torch.float32)
         self.E, self.K = D // heads, R // heads
@@ -169,8 +193,9 @@ class ReadLaunch:
         self.bwd_grid = (triton_cdiv(self.N, self.bwd_block_n), heads)
 
     def meta(self, extra: list[int] = ()) -> tuple[Tensor, Tensor]:
-        """The table on the device (one host-to-device copy per launch), as int64 and as float64."""
-        meta = torch.tensor(self.ints + self.consts + list(extra), dtype=torch.int64).to(self.ev.device)
+        """The table on the device (device_table: one copy per launch, queued, not waited on), as int64 and
+        as float64."""
+        meta = device_table(self.ints + self.consts + list(extra), self.ev.device)
         return meta, meta.view(torch.float64)
 
     def dtypes(self) -> dict:

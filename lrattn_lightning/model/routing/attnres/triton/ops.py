@@ -27,6 +27,8 @@ from torch import Tensor
 from lrattn_lightning.model.routing.attnres.triton.launch import (
     ReadLaunch,
     as_rows,
+    device_table,
+    float_words,
     fold_keys,
     launch_kernels,
     out_dtype,
@@ -225,7 +227,7 @@ def attnres_merge(out_c: Tensor, lse_c: Tensor, part_v: Tensor, part_k: Tensor |
     rd = _merge_read(part_v, part_k, query, heads, key_offset)
     out = torch.empty(part_v.shape, dtype=torch.promote_types(out_c.dtype, part_v.dtype), device=part_v.device)
     w = torch.empty(rd.N, heads, dtype=lse_c.dtype, device=part_v.device)
-    fmeta = torch.tensor([prior, eps], dtype=torch.float64).to(part_v.device)
+    fmeta = device_table(float_words([prior, eps]), part_v.device).view(torch.float64)
     cx = rd.constexprs()
     launch_kernels().merge_fwd[rd.grid](
         rd.ev, rd.sev, rd.ek, rd.sek, fmeta, rd.query, out_c.contiguous(), lse_c.contiguous(), out, w,
@@ -251,7 +253,7 @@ def attnres_merge_bwd(grad: Tensor, out_c: Tensor, w: Tensor, part_v: Tensor, pa
     d_out = torch.empty(out_c.shape, dtype=out_c.dtype, device=out_c.device)
     d_lse = torch.empty(w.shape, dtype=w.dtype, device=w.device)
     dq = torch.empty((rd.grid[0], rd.R), dtype=rd.cdtype, device=part_v.device)
-    fmeta = torch.tensor([prior, eps], dtype=torch.float64).to(part_v.device)
+    fmeta = device_table(float_words([prior, eps]), part_v.device).view(torch.float64)
     cx = rd.constexprs()
     g, _ = as_rows(grad.contiguous())
     launch_kernels().merge_bwd[rd.grid](
