@@ -3,12 +3,13 @@ arrays split at the cluster's MaxArraySize; a progress line for slow work. bench
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import prepared_corpus
+from conftest import free_port, prepared_corpus
 from helpers.runs import write_sweep
 
 from lrattn_lightning.cli import main
@@ -146,3 +147,79 @@ def test_progress_speaks_only_for_slow_work(capsys):
     slow.done()
     lines = capsys.readouterr().err.splitlines()
     assert lines[:3] == ["slow: 0/10", "slow: 1/10", "slow: 2/10"] and lines[3].startswith("slow: done in ")
+
+
+# ---- the check in a child, the recipe read once, the emitted files written as they are made ------------------
+class Refusing(Counting):
+    """The real fit parser, refusing every run's arguments (argparse's way)."""
+
+    def parse_args(self, args):
+        raise argparse.ArgumentError(None, f"bad value for --run_name {args[args.index('--run_name') + 1]}")
+
+
+def test_the_fit_check_says_its_verdict_where_it_is_awaited(data_dir, tmp_path, parser):
+    """FitCheck (forked where it may be) raises the check's SweepError, or a RuntimeError for a check that broke,
+    in this process, at wait(); an error meanwhile is said after the check's own (`first`)."""
+    sweep, _ = load_sweep(write_sweep(tmp_path, data_dir))
+    sweep_module.FitCheck(sweep, None, [], lambda: Counting(parser)).wait()  # good flags: nothing
+
+    check = sweep_module.FitCheck(sweep, None, [], lambda: Refusing(parser))
+    with pytest.raises(sweep_module.SweepError, match=r"run tiny-baseline-seed0: bad value for --run_name"):
+        with check.first():
+            raise OSError("the store is down")  # the bad flag is the one line said, not this
+
+    def broken():
+        raise KeyError("no parser")
+
+    with pytest.raises(RuntimeError, match="checking the sweep's fit flags failed: KeyError"):
+        sweep_module.FitCheck(sweep, None, [], broken).wait()
+
+
+def test_a_bad_flag_is_said_before_an_unreachable_store(data_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    path = write_sweep(tmp_path, data_dir, args={"trainer.max_steps": "many"})
+    assert main(["sweep", str(path), "--tracking_uri", f"http://127.0.0.1:{free_port()}", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("lrattn: error: ") and "trainer.max_steps" in err and "many" in err, err
+
+
+def test_the_recipe_is_read_once_for_every_run(data_dir, tmp_path, monkeypatch, capsys):
+    """An emitted SLURM script asks for each run's checkpoint (runs_dir): the recipe was read and parsed once per
+    run (100,000 reads for a lab's sweep); now once per command, plus fit's own parse per configuration."""
+    from lrattn_lightning.tools.sweep import file as file_module
+
+    monkeypatch.chdir(tmp_path)
+    reads = []
+    read = file_module.read_yaml_text
+    monkeypatch.setattr(file_module, "read_yaml_text", lambda path, what: reads.append(what) or read(path, what))
+    path = write_sweep(tmp_path, data_dir, ablations=["baseline"], seeds=list(range(30)))
+    assert main(["sweep", str(path), "--emit", "slurm", "--tracking_uri", f"sqlite:///{tmp_path}/e.db"]) == 0
+    assert reads.count("recipe") == 1, reads
+
+
+@pytest.mark.parametrize("emit, size", [("commands", None), ("slurm", 1001), ("slurm", 4)])
+def test_emitted_files_are_the_texts_the_emitters_make(data_dir, tmp_path, monkeypatch, capsys, emit, size):
+    """What `--emit` writes line by line (a file or several, or stdout) is byte for byte emit_commands' or
+    emit_slurm_parts' text, and --dry-run's listing is a line per run as print() wrote it."""
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/e.db"
+    path = write_sweep(tmp_path, data_dir, seeds=list(range(5)), runs=variants(3))
+    sweep, _ = load_sweep(path)
+    steps = sweep_module.plan(sweep, uri)
+    limit = ["--max_array_size", str(size)] if size else []
+    if emit == "commands":
+        expected = [sweep_module.emit_commands(sweep, steps, uri)]
+    else:
+        expected = sweep_module.emit_slurm_parts(sweep, steps, uri, max_array_size=size)
+    out = tmp_path / "out" / f"emitted.{'sh' if emit == 'commands' else 'sbatch'}"
+    assert main(["sweep", str(path), "--emit", emit, "--tracking_uri", uri, "--out", str(out), *limit]) == 0
+    written = sorted(out.parent.iterdir())
+    assert [p.read_text() for p in written] == expected and len(expected) == (4 if size == 4 else 1)
+    if len(expected) == 1:
+        capsys.readouterr()
+        assert main(["sweep", str(path), "--emit", emit, "--tracking_uri", uri, "--out", "-", *limit]) == 0
+        assert capsys.readouterr().out == expected[0]
+    capsys.readouterr()
+    assert main(["sweep", str(path), "--dry-run", "--tracking_uri", uri]) == 0
+    listing = capsys.readouterr().out.splitlines(keepends=True)
+    assert listing[1:] == [f"  {state:9s} {run.name}\n" for run, state in steps]

@@ -27,6 +27,7 @@ each run's name, its `lrattn fit` arguments and where its last checkpoint would 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -82,19 +83,29 @@ class Sweep:
         """The run's extra fit flags in the order they apply (a later one wins): the sweep's, its size's, its own."""
         return [*self.args.items(), *self.size_args.get(run.size, {}).items(), *run.args]
 
+    @functools.cached_property
+    def recipe_settings(self) -> Any:
+        """The recipe as read once per Sweep (an emitted SLURM script asks for runs_dir once per run)."""
+        return load_yaml_strict(read_yaml_text(Path(self.recipe), "recipe"), self.recipe) or {}
+
     def setting(self, dotted: str, default: Any = None) -> Any:
         """A fit setting as the runs will see it: the sweep's `args`, else the recipe, else `default`."""
         if dotted in self.args:
             return self.args[dotted]
-        node: Any = load_yaml_strict(read_yaml_text(Path(self.recipe), "recipe"), self.recipe) or {}
+        node: Any = self.recipe_settings
         for part in dotted.split("."):
             if not isinstance(node, dict) or part not in node:
                 return default
             node = node[part]
         return node
 
+    @functools.cached_property
+    def experiment_dir(self) -> Path:
+        """RUNS_DIR/EXPERIMENT: the run folders' folder."""
+        return Path(self.setting("runs_dir", "runs")) / self.experiment
+
     def checkpoint(self, run: SweepRun) -> Path:
-        return Path(self.setting("runs_dir", "runs")) / self.experiment / run.name / "checkpoints" / "last.ckpt"
+        return self.experiment_dir / run.name / "checkpoints" / "last.ckpt"
 
     def fit_args(self, run: SweepRun, tracking_uri: str | None = None) -> list[str]:
         """The `lrattn fit` arguments of one run (without --ckpt_path)."""

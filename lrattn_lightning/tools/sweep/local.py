@@ -39,14 +39,15 @@ def finished_runs(sweep: Sweep, tracking_uri: str) -> set[SweepRun]:
     """Runs of this sweep that MLflow holds as FINISHED: a run of the experiment with the run's name (its
     folder) and tags size, ablation, seed (and variant), whichever sweep file ran it: two sweeps of one
     experiment that share a run (a screen's seed-0 runs reused by the study) share its folder and its result."""
-    from mlflow.tracking import MlflowClient
-
-    from lrattn_lightning.tools.compare.runs import search_all
     from lrattn_lightning.train.store import sqlite_file, store_lock
 
     db = sqlite_file(tracking_uri)
     if db is not None and not db.exists():  # nothing has finished there; opening it would create the file
         return set()
+    from mlflow.tracking import MlflowClient  # (~2 s to import: not for a store that does not exist)
+
+    from lrattn_lightning.tools.compare.runs import search_all
+
     with store_lock(tracking_uri):  # a new sqlite store is created by the first client, once
         client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(sweep.experiment)
@@ -66,14 +67,15 @@ def finished_runs(sweep: Sweep, tracking_uri: str) -> set[SweepRun]:
 def diverged_runs(sweep: Sweep, tracking_uri: str) -> dict[SweepRun, str]:
     """Runs of this sweep whose MLflow run ended FAILED with a non-finite loss (tag lrattn.diverged -> where):
     resuming them repeats the same steps to the same divergence, so a sweep does not."""
-    from mlflow.tracking import MlflowClient
-
-    from lrattn_lightning.tools.compare.runs import search_all
     from lrattn_lightning.train.store import DIVERGED_TAG, sqlite_file
 
     db = sqlite_file(tracking_uri)
     if db is not None and not db.exists():
         return {}
+    from mlflow.tracking import MlflowClient
+
+    from lrattn_lightning.tools.compare.runs import search_all
+
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(sweep.experiment)
     if exp is None:
@@ -95,11 +97,13 @@ def plan(sweep: Sweep, tracking_uri: str) -> list[tuple[SweepRun, str]]:
     """(run, state) in order; state is 'finished', 'diverged' (FAILED on a non-finite loss: not resumed),
     'resume' (has last.ckpt) or 'new'."""
     done, diverged = finished_runs(sweep, tracking_uri), diverged_runs(sweep, tracking_uri)
-    folder = Path(sweep.setting("runs_dir", "runs")) / sweep.experiment
+    folder = sweep.experiment_dir
     try:  # the run folders that exist: one listing, not a lookup per run (a lab's sweep has 100,000 runs)
         present = {entry.name for entry in os.scandir(folder) if entry.is_dir()}
     except OSError:
         present = set()
+    if not (done or diverged or present):  # a new sweep: nothing to look up for each of its runs
+        return [(run, "new") for run in sweep.runs]
     return [(run, "finished" if run in done else "diverged" if run in diverged
              else "resume" if run.name in present and sweep.checkpoint(run).is_file() else "new")
             for run in sweep.runs]
@@ -404,8 +408,8 @@ sys.exit(2 if failed else 0)
 def check_routers(sweep: Sweep, registry: Registry, env: dict[str, str]) -> None:
     """Every external router of the sweep imported (and built on the meta device) in the runs' environment
     before the first run starts: a missing module is one line, not a failed run after the others trained."""
-    pairs = sorted({(run.size, run.ablation) for run in sweep.runs
-                    if registry.ablation(run.ablation).kind.user_code})
+    pairs = sorted(pair for pair in {(run.size, run.ablation) for run in sweep.runs}  # each pair once
+                   if registry.ablation(pair[1]).kind.user_code)
     if not pairs:
         return
     done = subprocess.run([sys.executable, "-c", _ROUTER_CHECK, sweep.registry or "", *[f"{a} {b}" for a, b in pairs]],

@@ -10,22 +10,30 @@ and tasks per node come from the recipe's trainer.num_nodes and trainer.devices)
 Every run's full argument list is parsed by `fit`'s own parser before the first run starts (also for
 --dry-run and --emit), so a typo in the sweep's `args` or its recipe is one line, not a failed fit per run;
 every external router the sweep names is imported in the runs' environment before the first local run (and
-for --dry-run).
+for --dry-run). That check runs in a forked child (`FitCheck`) while this process plans the runs: importing
+Lightning for fit's parser costs about as much as planning 100,000 runs, and nothing is printed, written or run
+before the check has passed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
+import os
 import shlex
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterator
+import traceback
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from lrattn_lightning.core.errors import InputError, one_line
-from lrattn_lightning.core.files import load_yaml_strict, read_yaml_text, write_file
+from lrattn_lightning.core.files import load_yaml_strict, read_yaml_text, replacing
 from lrattn_lightning.core.flags import Parser
 from lrattn_lightning.core.names import closest_names
 from lrattn_lightning.tools.sweep.file import MAX_ARRAY_SIZE, Sweep, SweepError, SweepRun, load_sweep
@@ -84,6 +92,80 @@ def check_fit_args(sweep: Sweep, tracking_uri: str | None, extra: list[str], par
             raise SweepError(f"sweep '{sweep.name}', run {run.name}: {one_line(err)} (recipe {sweep.recipe}, "
                              f"args of {sweep.path})") from None
     progress.done()
+
+
+class FitCheck:
+    """check_fit_args for a sweep, begun at once and done in a forked child while this process plans the runs;
+    `wait()` (before anything is printed, written or run) raises its SweepError here. Without os.fork, or with
+    threads running in this process (a fork copies only the calling one, and whatever lock another held), it
+    checks at once, here. `first()`: an error meanwhile waits for the check, so a bad fit flag is still the one
+    line said (as when the check came first)."""
+
+    def __init__(self, sweep: Sweep, tracking_uri: str | None, extra: list[str],
+                 fit_parser: Callable[[], Any] | None) -> None:
+        self.pid: int | None = None
+        if fit_parser is None:
+            return
+        if not hasattr(os, "fork") or threading.active_count() > 1:
+            check_fit_args(sweep, tracking_uri, extra, fit_parser())
+            return
+        read, write = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: check, say how it went on the pipe, leave without the parent's exit handlers
+            os.close(read)
+            status, said = 0, ""
+            try:
+                check_fit_args(sweep, tracking_uri, extra, fit_parser())
+            except InputError as err:
+                status, said = 2, str(err)
+            except BaseException as err:  # noqa: B036 (anything: the parent says it; the child only exits)
+                traceback.print_exc()
+                status, said = 1, f"{type(err).__name__}: {one_line(err)}"
+            with contextlib.suppress(BaseException):
+                os.write(write, said.encode())
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(status)
+        os.close(write)
+        self.pid, self.read = pid, read
+
+    def wait(self) -> None:
+        """The check's verdict: nothing, its SweepError, or a RuntimeError for a check that failed inside."""
+        if self.pid is None:
+            return
+        chunks = []
+        while chunk := os.read(self.read, 65536):
+            chunks.append(chunk)
+        os.close(self.read)
+        _, status = os.waitpid(self.pid, 0)
+        self.pid = None
+        said, code = b"".join(chunks).decode(errors="replace"), os.waitstatus_to_exitcode(status)
+        if code == 2:
+            raise SweepError(said)
+        if code != 0:
+            raise RuntimeError(f"checking the sweep's fit flags failed: {said or f'exit {code}'}")
+
+    def stop(self) -> None:
+        """End the check unheard (this process is stopping)."""
+        if self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
+            os.waitpid(self.pid, 0)
+            os.close(self.read)
+            self.pid = None
+
+    @contextlib.contextmanager
+    def first(self) -> Iterator[None]:
+        try:
+            yield
+        except Exception:
+            self.wait()  # a bad fit flag is the line said
+            raise
+        except BaseException:
+            self.stop()
+            raise
 
 
 class Progress:
@@ -149,6 +231,12 @@ def emit_commands(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri:
     """One shell line per unfinished run that runs as written from any folder: it changes to the folder the sweep
     was emitted from (where the recipe, its data_dir, runs_dir and the default ./mlflow.db are, as for a local
     sweep) and calls this environment's lrattn by its path."""
+    return "".join(line + "\n" for line in command_lines(sweep, steps, tracking_uri, extra))
+
+
+def command_lines(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: str | None,
+                  extra: list[str] | None = None, progress: Progress | None = None) -> Iterator[str]:
+    """emit_commands' lines, each made when it is written (`progress`: counts the runs)."""
     here = shlex.quote(str(Path.cwd().resolve()))
     env = " ".join(_env_words(sweep))
     lrattn = lrattn_command()
@@ -160,12 +248,15 @@ def emit_commands(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri:
              f"#   {XARGS} < FILE",
              f"# `lrattn sweep {sweep.path} --parallel 2` runs them so too, OMP_NUM_THREADS=1 each. For several GPUs",
              "# or nodes put srun/torchrun before a line's lrattn, or set the recipe's trainer.devices/num_nodes."]
-    for run, state in steps:
+    yield from lines
+    start = f"cd {here} && " + (f"env {env} " if env else "") + f"{lrattn} "
+    for i, (run, state) in enumerate(steps):
         if state in DONE:
             continue
+        if progress is not None and i % 1000 == 0:
+            progress.update(i)
         args = sweep.fit_args(run, tracking_uri) + (extra or []) + (["--ckpt_path", "last"] if state == "resume" else [])
-        lines.append(f"cd {here} && " + (f"env {env} " if env else "") + f"{lrattn} {shlex.join(args)}")
-    return "\n".join(lines) + "\n"
+        yield start + shlex.join(args)
 
 
 def emit_slurm_parts(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: str | None,
@@ -173,14 +264,31 @@ def emit_slurm_parts(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_u
     """emit_slurm's scripts: one, or where the unfinished runs are more than the cluster's MaxArraySize
     (`max_array_size`, else the sweep file's slurm.max_array_size, else SLURM's default 1001: indices from 0 to
     MaxArraySize - 1), one script per MaxArraySize runs, each an array from 0."""
+    return list(slurm_parts(sweep, steps, tracking_uri, extra, max_array_size))
+
+
+def slurm_parts(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: str | None,
+                extra: list[str] | None = None, max_array_size: int | None = None,
+                progress: Progress | None = None) -> Iterator[str]:
+    """emit_slurm_parts' scripts, each made when it is written (`slurm_part_count` of them; `progress` counts
+    them)."""
     size = max_array_size or sweep.slurm.get("max_array_size", MAX_ARRAY_SIZE)
     todo = [(run, state) for run, state in steps if state not in DONE]
     if len(todo) <= size:
-        return [emit_slurm(sweep, steps, tracking_uri, extra)]
-    chunks = [todo[i:i + size] for i in range(0, len(todo), size)]
+        yield emit_slurm(sweep, steps, tracking_uri, extra)
+        return
+    parts = -(-len(todo) // size)
     skipped = len(steps) - len(todo)
-    return [emit_slurm(sweep, chunk, tracking_uri, extra, part=(k, len(chunks), skipped, len(todo)))
-            for k, chunk in enumerate(chunks, 1)]
+    for k in range(1, parts + 1):
+        if progress is not None:
+            progress.update(k - 1)
+        chunk = todo[(k - 1) * size:k * size]
+        yield emit_slurm(sweep, chunk, tracking_uri, extra, part=(k, parts, skipped, len(todo)))
+
+
+def slurm_part_count(steps: list[tuple[SweepRun, str]], size: int) -> int:
+    """How many scripts slurm_parts makes at MaxArraySize `size`."""
+    return max(1, -(-sum(state not in DONE for _, state in steps) // size))
 
 
 def emit_slurm(sweep: Sweep, steps: list[tuple[SweepRun, str]], tracking_uri: str | None,
@@ -286,18 +394,19 @@ def main(argv: list[str] | None = None, fit_parser: Callable[[], Any] | None = N
 
     sweep, registry = load_sweep(args.file)  # the one read of the registry in this command
     extra = ["--mlflow_fallback_local", "true"] if args.mlflow_fallback_local else []
-    if fit_parser is not None:  # every run's arguments, before any store is opened
-        check_fit_args(sweep, args.tracking_uri, extra, fit_parser())
-    uri = resolve_tracking_uri(args.tracking_uri, fallback_local=args.mlflow_fallback_local)
+    check = FitCheck(sweep, args.tracking_uri, extra, fit_parser)  # every run's arguments, in a child meanwhile
+    with check.first():
+        uri = resolve_tracking_uri(args.tracking_uri, fallback_local=args.mlflow_fallback_local)
+        if args.dry_run:
+            check_routers(sweep, registry, run_env(sweep))
+        steps = plan(sweep, uri) if args.dry_run or args.emit else []
+    check.wait()  # before anything is printed, written or run
     if args.dry_run:
-        check_routers(sweep, registry, run_env(sweep))
-        steps = plan(sweep, uri)
         print(f"sweep '{sweep.name}' ({sweep.path}): {len(steps)} runs, experiment '{sweep.experiment}', recipe {sweep.recipe}")
-        for run, state in steps:
-            print(f"  {state:9s} {run.name}")
+        _write_lines(sys.stdout, (f"  {state:9s} {run.name}" for run, state in steps))
         return 0
     if args.emit:
-        return _emit(sweep, plan(sweep, uri), args, extra)
+        return _emit(sweep, steps, args, extra)
     again = shlex.join([command("lrattn"), "sweep", *(sys.argv[2:] if argv is None else argv)])  # as it was typed
     return run_local(sweep, registry, uri, stop_on_failure=args.stop_on_failure, extra=extra, again=again,
                      parallel=args.parallel)
@@ -305,35 +414,58 @@ def main(argv: list[str] | None = None, fit_parser: Callable[[], Any] | None = N
 
 def _emit(sweep: Sweep, steps: list[tuple[SweepRun, str]], args: argparse.Namespace, extra: list[str]) -> int:
     # a local sqlite store is this machine's; launched elsewhere the runs resolve their own store
-    if args.emit == "commands":
-        texts = [emit_commands(sweep, steps, args.tracking_uri, extra)]
-    else:
-        texts = emit_slurm_parts(sweep, steps, args.tracking_uri, extra, args.max_array_size)
     suffix = "sh" if args.emit == "commands" else "sbatch"
-    out = args.out or str(Path(sweep.setting("runs_dir", "runs")) / sweep.experiment / f"sweep-{sweep.name}.{suffix}")
+    out = args.out or str(sweep.experiment_dir / f"sweep-{sweep.name}.{suffix}")
     runs = sum(s not in DONE for _, s in steps)
     size = args.max_array_size or sweep.slurm.get("max_array_size", MAX_ARRAY_SIZE)
+    # each file's lines, made as they are written (100,000 commands are ~80 MB of text)
+    if args.emit == "commands":
+        parts = 1
+        progress = Progress(f"[sweep {sweep.name}] writing the commands of {len(steps)} runs", len(steps),
+                            after=2.0, every=5.0)
+        files: Iterator[Iterable[str]] = iter([command_lines(sweep, steps, args.tracking_uri, extra, progress)])
+    else:
+        parts = slurm_part_count(steps, size)
+        progress = Progress(f"[sweep {sweep.name}] writing {parts} sbatch scripts", parts, after=2.0, every=5.0)
+        scripts = slurm_parts(sweep, steps, args.tracking_uri, extra, args.max_array_size, progress)
+        first = next(scripts)  # every run finished: that error before anything is written
+        files = ([text.removesuffix("\n")] for text in itertools.chain([first], scripts))
     if out == "-":
-        if len(texts) > 1:
-            raise SweepError(f"sweep '{sweep.name}': {runs} runs need {len(texts)} sbatch scripts at MaxArraySize "
+        if parts > 1:
+            raise SweepError(f"sweep '{sweep.name}': {runs} runs need {parts} sbatch scripts at MaxArraySize "
                              f"{size}: give --out FILE (the parts are written beside it) or the cluster's larger "
                              "--max_array_size")
-        sys.stdout.write(texts[0])
+        _write_lines(sys.stdout, next(files))
+        progress.done()
         return 0
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    paths = [out] if len(texts) == 1 else [_part_path(out, k, len(texts)) for k in range(1, len(texts) + 1)]
-    for path, text in zip(paths, texts, strict=True):
-        write_file(path, text, "sweep script")
+    paths = [out] if parts == 1 else [_part_path(out, k, parts) for k in range(1, parts + 1)]
+    for path, lines in zip(paths, files, strict=True):
+        with replacing(path, "w", "sweep script") as file:
+            _write_lines(file, lines)
+    progress.done()
     if args.emit == "slurm":  # sbatch does not create the folder of --output
-        (Path(sweep.setting("runs_dir", "runs")) / sweep.experiment / "slurm").mkdir(parents=True, exist_ok=True)
+        (sweep.experiment_dir / "slurm").mkdir(parents=True, exist_ok=True)
     if len(paths) == 1:
         print(f"[sweep {sweep.name}] wrote {out} ({runs} runs)")
     else:
-        pattern = _part_path(out, "*", len(texts))
+        pattern = _part_path(out, "*", parts)
         print(f"[sweep {sweep.name}] wrote {len(paths)} sbatch scripts, {paths[0]} to {paths[-1]} ({runs} runs, at "
               f"most {size} a script: MaxArraySize {size}, --max_array_size); submit them with: "
               f"for f in {shlex.quote(pattern).replace('*', chr(39) + '*' + chr(39))}; do sbatch \"$f\"; done")
     return 0
+
+
+def _write_lines(file: Any, lines: Iterable[str], batch: int = 4096) -> None:
+    """Each line and a newline, as print() would, `batch` lines a write (100,000 print calls cost ~1 s)."""
+    chunk: list[str] = []
+    for line in lines:
+        chunk.append(line)
+        if len(chunk) == batch:
+            file.write("\n".join(chunk) + "\n")
+            chunk.clear()
+    if chunk:
+        file.write("\n".join(chunk) + "\n")
 
 
 def _part_path(out: str, k: int | str, parts: int) -> str:
