@@ -115,7 +115,7 @@ def test_the_pairwise_section_takes_the_sizes_in_ladder_order_and_counts_one_pai
     heads = [line.split(",")[0] for line in text.splitlines() if line.startswith("Size ")]
     assert heads == [f"Size {size}" for size in LADDER], heads
     assert "2 rows, 1 pair: " in text and "1 pairs" not in text, text
-    assert "(s)" not in text and "other 1 rows" not in text and "1 row are" not in text, text
+    assert "(s)" not in text and "other 1 row" not in text and "1 row are" not in text, text
 
 
 def test_the_summary_runs_description_takes_the_sizes_in_ladder_order_and_counts_its_nouns():

@@ -181,8 +181,9 @@ def ordering(mine: list[Row], pairs: list[Pair]) -> str:
     lowest = min(mine, key=lambda r: r.mean)
     mine_pairs = [p for p in pairs if lowest in (p.low, p.high)]
     if all(p.resolved and p.low is lowest for p in mine_pairs):
-        return (f"`{lowest.label}` has the lowest validation loss of the group, resolved against each of the "
-                f"other {count(len(mine) - 1, 'row')} (Holm-adjusted p < {ALPHA}).")
+        others = "the other row" if len(mine) == 2 else f"each of the other {count(len(mine) - 1, 'row')}"
+        return (f"`{lowest.label}` has the lowest validation loss of the group, resolved against {others} "
+                f"(Holm-adjusted p < {ALPHA}).")
     open_ = sorted((p for p in mine_pairs if not p.resolved), key=lambda p: p.high.mean)
     leading = ", ".join(f"`{r.label}`" for r in [lowest, *(p.high for p in open_)])
     needs = "; ".join(f"`{p.high.label}` {need_text(p.need)}" for p in open_)
