@@ -3,6 +3,7 @@ float64 with random parameters, the baseline at init, accounting, decoding, grad
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from conftest import (
     ref_rms_norm,
     tokens,
 )
+from helpers.models import kind_config, randomized
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, count_params, routing_params
@@ -29,10 +31,7 @@ VARIANTS = [{}, {"mudd_prepost_norm": True}, {"mudd_dynamic": False}, {"mudd_mul
             {"mudd_prepost_norm": True, "mudd_multiway": False}]
 
 
-def config(**options) -> ModelConfig:
-    raw = {"sizes": {}, "ablations": {"m": {"doc": "d", "control": None, "routing": "muddformer", **options},
-                                      "b": {"doc": "b", "control": None}}}
-    return ModelConfig(SIZE, parse_registry(raw).ablation("m"))
+config = functools.partial(kind_config, "muddformer")
 
 
 def baseline_of(model) -> torch.nn.Module:
@@ -42,13 +41,9 @@ def baseline_of(model) -> torch.nn.Module:
     return base.eval()
 
 
-def randomized(cfg, seed=0):
-    torch.manual_seed(seed)
-    model = build_decoder(cfg).double().eval()
-    with torch.no_grad():
-        for name, p in model.router.named_parameters():
-            p.add_(torch.randn_like(p) * (0.5 if "gain" in name or "static" in name else 0.2))
-    return model
+def draw(name: str, p: torch.Tensor) -> torch.Tensor:
+    """Every router parameter moved off its start: gains and static weights by N(0, 0.5), the rest by N(0, 0.2)."""
+    return p + torch.randn_like(p) * (0.5 if "gain" in name or "static" in name else 0.2)
 
 
 def rms(x):
@@ -105,7 +100,7 @@ def test_the_attention_takes_separate_query_key_and_value_inputs():
 
 @pytest.mark.parametrize("options", VARIANTS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "default")
 def test_logits_are_the_formulas_with_random_parameters(options):
-    model = randomized(config(**options))
+    model = randomized(config(**options), draw)
     idx = tokens(SIZE.vocab_size, batch=2, length=10)
     with torch.no_grad():
         ours, written = model(idx), logits_float64(model, idx, options)
@@ -142,11 +137,11 @@ def test_parameters_and_flops_are_counted(options):
 
 @pytest.mark.parametrize("options", [{}, {"mudd_prepost_norm": True}], ids=["default", "ppn"])
 def test_causal_and_decodes_with_the_kv_cache(options):
-    assert_causal_and_decodes_with_the_kv_cache(randomized(config(**options)).float())
+    assert_causal_and_decodes_with_the_kv_cache(randomized(config(**options), draw).float())
 
 
 def test_float64_gradients_of_the_router():
-    model = randomized(config(mudd_prepost_norm=True))
+    model = randomized(config(mudd_prepost_norm=True), draw)
     idx = tokens(SIZE.vocab_size, batch=1, length=4)
     params = dict(model.router.named_parameters())
     # every kind of router parameter, a slice of each (a gradcheck costs two passes per number)
@@ -168,7 +163,7 @@ def test_float64_gradients_of_the_router():
 
 
 def test_bf16_autocast_keeps_the_aggregation_in_float32():
-    model = randomized(config(mudd_prepost_norm=True)).float()
+    model = randomized(config(mudd_prepost_norm=True), draw).float()
     idx = tokens(SIZE.vocab_size, batch=2, length=10)
     assert_bf16_autocast_close(model, idx)
 

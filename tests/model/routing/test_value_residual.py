@@ -3,6 +3,7 @@ against the attention written out, lambda = 0 as the baseline, accounting, decod
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from conftest import (
     ref_rms_norm,
     tokens,
 )
+from helpers.models import kind_config
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, count_params, routing_params
@@ -26,12 +28,12 @@ from lrattn_lightning.train.optim import split_parameters
 SIZE = DEEPER  # three layers, d = 32, 4 heads
 
 
-def config(**options) -> ModelConfig:
-    raw = {"sizes": {}, "ablations": {"v": {"doc": "d", "control": None, "routing": "value_residual", **options}}}
-    return ModelConfig(SIZE, parse_registry(raw).ablation("v"))
+config = functools.partial(kind_config, "value_residual")
 
 
 def model_of(cfg, seed=0):
+    """The float64 model of `cfg` in eval mode; learned lambdas set to fixed values off the fixed 0.5, the same in
+    every test."""
     torch.manual_seed(seed)
     model = build_decoder(cfg).double().eval()
     if cfg.ablation.routing == "value_residual" and cfg.options.value_lambda_learned:
