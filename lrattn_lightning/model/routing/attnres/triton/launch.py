@@ -1,8 +1,9 @@
 """Where the `triton` backend's kernels run and how they are launched: whether they can run here
 (availability_error), where launches go (the kernels, or a recorder: set_launch_target), the launch geometry
 under the register budget, and `ReadLaunch`, what every kernel needs of one read (rows, key mode, the pointer
-table, the geometry), the table's way to the device (device_table, float_words), and the helpers the custom ops
-share (launch_kernels, as_rows, out_dtype, source_grads, fold_keys). The custom ops that launch: ops.py.
+table, the geometry), and the helpers the custom ops share (launch_kernels, as_rows, out_dtype, source_grads,
+fold_keys). A launch's table reaches the device without blocking the host: device_table (float_words packs its
+float64 entries). The custom ops that launch: ops.py.
 Importing this module never needs triton: the kernels (kernels.py) are imported when a launch first asks.
 """
 
