@@ -24,14 +24,14 @@ their gradient is added to the value's in registers; KEY_MODE 1, the key is load
 (carried keys, and sliced keys whose head slices straddle value heads), as a tile as wide as the value's.
 
 The forward kernels hold a head's whole row per token (BLOCK_E >= e, masked: any D and r); the backward read
-walks the row in chunks of CH columns (two passes per source: the row's reductions, then the gradients), so
-no tile in it is wider than BLOCK_N x CH at any width. Accumulation (ACC) in float32, or float64 for float64
-models. BLOCK_N, CH and num_warps (launch.geometry) keep a tile at 4 elements per thread (8 in the
-4096-element tiles), and every launch passes maxnreg = 128: the register budget of docs/benchmarks.md,
-checked by tests/tools/test_triton_compile.py. Token counts, head counts, loop bounds and the runtime flags (N,
-heads, S_t, G, key_norm, write_alpha, ...) are not constexprs and the counts are not specialised on (a value
-of 1 or a multiple of 16 would otherwise compile a kernel of its own: decoding's N = 1, the first block's
-S_t = 1); widths and strides are.
+walks the row in chunks of CH columns (per source the key's columns twice, for alpha and then for dk; the
+value's once, <g, v> and dv from the same tiles), so no tile in it is wider than BLOCK_N x CH at any width.
+Accumulation (ACC) in float32, or float64 for float64 models. BLOCK_N, CH and num_warps (launch.geometry)
+keep a tile at 4 elements per thread (8 in the 4096-element tiles), and every launch passes maxnreg = 128:
+the register budget of docs/benchmarks.md, checked by tests/tools/test_triton_compile.py. Token counts, head
+counts, loop bounds and the runtime flags (N, heads, S_t, G, key_norm, write_alpha, ...) are not constexprs
+and the counts are not specialised on (a value of 1 or a multiple of 16 would otherwise compile a kernel of
+its own: decoding's N = 1, the first block's S_t = 1); widths and strides are.
 
 meta layout (S_t table sources, S = S_t + 1 slots: embedding 0, table 1..S_t, the partial last when present):
     [0, S_t) value pointers  [S_t, 2S_t) value row strides  [2S_t, 3S_t) key pointers  [3S_t, 4S_t) key strides
@@ -167,10 +167,13 @@ def read_fwd(ev, sev, ek, sek, meta, fmeta, q, sq, out, lse, alpha, N, D, R, KOF
 
 
 # ---- the backward read, in chunks of CH columns: no tensor wider than a [BLOCK_N, CH] tile ----------------
-# Per source, two passes over its columns: the first sums <g, v>, <x, q> and <x, x> (the row's reductions),
-# the second writes dv = alpha g, and on the key's columns dk = scale rstd dl q - dl (l - b) rstd^2 x / k
-# (plus alpha g where the key lies in the value: there dk is the value's gradient on those columns). The
-# query's gradient accumulates across sources in its output, read back by the program that wrote it.
+# Per source, three passes, no tile wider than [BLOCK_N, CH]: the key's columns (<x, q>, <x, x>, and <g, x> where
+# the key is part of the value: alpha needs only the key), then the value's own columns once (<g, v> summed and
+# dv = alpha g written from the same tiles), then the key's columns again (dk = scale rstd dl q - dl (l - b)
+# rstd^2 x / k, plus alpha g where the key lies in the value: there dk is the value's gradient on those
+# columns; dl needs all of <g, v>). The value's columns (all E for a key of its own) and the output gradient on
+# them are read once; only the key's k columns twice. The query's gradient accumulates across sources in its
+# output, read back by the program that wrote it.
 
 
 @triton.jit
@@ -186,13 +189,8 @@ def _bwd_source(vp, sv, kp, sk, dvp, dkp, sdk, prior, eps, rows, rmask, pid_n, h
                 ACC: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr):
     """One source's value and key gradients (written) and its share of the query's gradient (added to dq)."""
     cc = tl.arange(0, CH)
-    # pass 1: <g, v> over the value's own columns [0, VE) (all E, or those left of a key lying in the value),
-    # then over the key's columns <x, q>, <x, x>, and <g, x> where the key is part of the value
+    # the key's columns: <x, q>, <x, x>, and <g, x> where the key is part of the value
     gv = tl.zeros([BLOCK_N], dtype=tl.float32).to(ACC)
-    for c0 in range(0, VE, CH):
-        cm = c0 + cc < VE
-        g = _tile(gout, D, rows, rmask, h * E + c0 + cc, cm, ACC)
-        gv += tl.sum(g * _tile(vp, sv, rows, rmask, h * E + c0 + cc, cm, ACC), 1)
     xq = tl.zeros([BLOCK_N], dtype=tl.float32).to(ACC)
     xx = tl.zeros([BLOCK_N], dtype=tl.float32).to(ACC)
     for c0 in range(0, K, CH):
@@ -204,15 +202,17 @@ def _bwd_source(vp, sv, kp, sk, dvp, dkp, sdk, prior, eps, rows, rmask, pid_n, h
     rstd = _rstd(xx, K, eps, key_norm)
     lraw = scale * rstd * xq
     a = tl.exp(lraw + prior - lse_n)
-    dl = a * (gv - delta)  # d loss / d logit
-    c1 = scale * rstd * dl
-    c2 = tl.where(key_norm, dl * lraw * rstd * rstd / K, 0.0)  # through rstd: d rstd / dx = -rstd^3 x / k
-    # pass 2: the gradients
+    # the value's own columns [0, VE) (all E, or those left of a key lying in the value), once: <g, v> and dv
     for c0 in range(0, VE, CH):
         cm = c0 + cc < VE
         g = _tile(gout, D, rows, rmask, h * E + c0 + cc, cm, ACC)
+        gv += tl.sum(g * _tile(vp, sv, rows, rmask, h * E + c0 + cc, cm, ACC), 1)
         tl.store(dvp + rows[:, None] * D + (h * E + c0 + cc)[None, :], (a[:, None] * g).to(dvp.dtype.element_ty),
                  mask=rmask[:, None] & cm[None, :])
+    dl = a * (gv - delta)  # d loss / d logit
+    c1 = scale * rstd * dl
+    c2 = tl.where(key_norm, dl * lraw * rstd * rstd / K, 0.0)  # through rstd: d rstd / dx = -rstd^3 x / k
+    # the key's columns again: its gradient, and the query's share
     for c0 in range(0, K, CH):
         cm = c0 + cc < K
         kc = h * K + c0 + cc
