@@ -34,7 +34,8 @@ from lrattn_lightning.model.attention import (
 )
 from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig
 from lrattn_lightning.model.routing._math import rms_norm
-from lrattn_lightning.model.routing.attnres import DEFAULT_IMPL, resolve_impl
+from lrattn_lightning.model.routing.attnres import DEFAULT_IMPL
+from lrattn_lightning.model.routing.attnres.backends import check_impl
 from lrattn_lightning.model.routing.router import Router
 
 
@@ -77,9 +78,10 @@ class DecoderOutput:
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig, impl: str = DEFAULT_IMPL, attention: str = "sdpa"):
-        """impl: the AttnRes backend, `fast`, `reference`, `compiled` or `triton` (routing/attnres/backends.py): how
-        routing is computed, not what; the same parameters and results. Residual and gated routing ignore it.
+    def __init__(self, cfg: ModelConfig, impl: str = DEFAULT_IMPL, attention: str = "sdpa", compiled: bool = False):
+        """impl: the AttnRes backend, `auto`, `fast`, `reference`, `compiled` or `triton` (routing/attnres/backends.py):
+        how routing is computed, not what; the same parameters and results. Residual and gated routing ignore it.
+        The kind resolves it once (`self.impl`: the backend that runs; compiled: the one torch.compile traces).
         attention: how document masking reaches the token attention, `sdpa` or `flex` (attention.py)."""
         super().__init__()
         if attention not in ATTENTIONS:
@@ -87,11 +89,12 @@ class Decoder(nn.Module):
         self.attention = attention
         if attention == "flex":
             ready_flex_outside()
-        self.cfg, self.impl = cfg, impl
+        check_impl(impl)  # an unknown name is one line, whatever the kind
+        self.cfg, self.impl = cfg, cfg.kind.resolve_impl(cfg, impl, compiled)
         size = cfg.size
         self.embed = nn.Embedding(size.vocab_size, size.d_model)
         self.layers = nn.ModuleList(Layer(size, cfg.extra_out) for _ in range(size.n_layers))
-        self.router = build_router(cfg, impl)
+        self.router = cfg.kind.build(cfg, self.impl)
         self.head = nn.Linear(size.d_model, size.vocab_size, bias=False)
         # document masking: the separator (EOS) id, or None to attend across documents (set by the
         # training recipe, stored in checkpoints); not part of the architecture, which has no weights for it
@@ -167,17 +170,19 @@ def build_decoder(
     *,
     impl: str = DEFAULT_IMPL,
     attention: str = "sdpa",
+    compiled: bool = False,
 ) -> Decoder:
     """Build the decoder for a (size, ablation) pair; works under `torch.device("meta")`.
 
     impl (the AttnRes backend) and attention (document masking's path) are runtime choices, not part of the
-    architecture: the same parameters and results.
+    architecture: the same parameters and results; compiled: the backend torch.compile traces (the kind's choice).
     """
     cfg = size if isinstance(size, ModelConfig) else ModelConfig(size, ablation)
-    return Decoder(cfg, impl, attention)
+    return Decoder(cfg, impl, attention, compiled)
 
 
 def build_router(cfg: ModelConfig, impl: str = DEFAULT_IMPL) -> Router:
-    """The router of `cfg`'s routing kind; for AttnRes computed by backend `impl` (attnres/backends.py)."""
-    resolve_impl(impl)  # an unknown name is one line, whatever the kind
-    return cfg.kind.build(cfg, impl)
+    """The router of `cfg`'s routing kind; for AttnRes computed by backend `impl` (attnres/backends.py) as the kind
+    resolves it."""
+    check_impl(impl)  # an unknown name is one line, whatever the kind
+    return cfg.kind.build(cfg, cfg.kind.resolve_impl(cfg, impl))

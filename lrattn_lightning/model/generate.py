@@ -37,7 +37,6 @@ from torch import Tensor
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.attention import KVCache, StaticKVCache
 from lrattn_lightning.model.decoder import Decoder, build_router
-from lrattn_lightning.model.routing.attnres import resolve_impl
 
 CACHES = ("dynamic", "static", "none")  # generate_stream's `cache`: how earlier positions are kept
 COMPILE_BACKEND = "inductor"  # torch.compile's backend for the static decode step, unless a caller names one
@@ -106,9 +105,9 @@ def supports_static(model: Decoder) -> bool:
 
 def _traceable_twin(model: Decoder) -> Decoder:
     """The model itself, or where its AttnRes backend cannot be traced (`fast`) a twin sharing every module and
-    parameter whose router is the backend's compiled substitute (attnres/backends.py resolve_impl; the same
+    parameter whose router is the backend's compiled substitute (the kind's resolve_impl; the same
     parameters, assigned, so the same tensors; the same results)."""
-    impl = resolve_impl(model.impl, compiled=True)
+    impl = model.cfg.kind.resolve_impl(model.cfg, model.impl, compiled=True)
     if impl == model.impl:
         return model
     param = next(model.parameters())

@@ -32,7 +32,6 @@ from lrattn_lightning.model.accounting import model_flops_per_token
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.model.registry import Registry, load_registry, model_config_from_dict
-from lrattn_lightning.model.routing.attnres import resolve_impl
 from lrattn_lightning.train.callbacks import (
     CheckpointContents,
     RoutingArtifacts,
@@ -85,7 +84,7 @@ class LRAttnModule(Validation, Optimization, L.LightningModule):
         self.cfg, self.optimiser, self.runtime = cfg, chosen.optimiser, chosen.runtime
         self.momentum_schedule = chosen.optimiser.momentum_schedule()
         run = chosen.runtime  # how AttnRes is computed, not part of the architecture; compiled: what torch.compile traces
-        self.model = build_decoder(cfg, impl=resolve_impl(run.impl, compiled=run.compile), attention=run.attention)
+        self.model = build_decoder(cfg, impl=run.impl, attention=run.attention, compiled=run.compile)
         self.model.doc_separator = run.doc_separator if run.document_masking else None
         # Lightning's model summary counts the FLOPs of one forward of this (one window; was "Total FLOPs: 0")
         self.example_input_array = torch.zeros(1, cfg.size.seq_len, dtype=torch.long)

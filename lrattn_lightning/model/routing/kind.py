@@ -8,7 +8,8 @@ the built-in ones). A registry entry's `routing: NAME` names a kind; everything 
     training_class        the control's class, whose keyword parameters give their types and defaults, and
     training_control(router, flags)  what training does with them (the gated residual's gate hold)
     validate(options, where)  checks of its options that need no size; validate_model(cfg, where) the rest
-    build(cfg, impl)      its router module (the Router protocol of router.py)
+    resolve_impl(cfg, impl, compiled)  the one resolution of `--model.impl` (AttnRes: its backends; others: as given)
+    build(cfg, impl)      its router module (the Router protocol of router.py), impl as resolve_impl returned it
     extra_out, key_dim, block_ends, initial_gates   what the decoder and accounting read from it
     routing_params, added_flops    the analytic parameter count and forward FLOPs per token it adds
                                    (added_flops None: unknown)
@@ -83,6 +84,11 @@ class RoutingKind:
 
     def validate_model(self, cfg: ModelConfig, where: str) -> None:
         """Checks that need the size."""
+
+    def resolve_impl(self, cfg: ModelConfig, requested: str, compiled: bool = False) -> str:
+        """The backend that runs for `--model.impl` (`requested`) in this kind, under torch.compile if `compiled`:
+        a kind without backends (takes_impl False) takes it as given and ignores it."""
+        return requested
 
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         raise NotImplementedError

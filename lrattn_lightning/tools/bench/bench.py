@@ -45,7 +45,7 @@ from typing import Any
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.core.files import write_file
 from lrattn_lightning.core.flags import Parser
-from lrattn_lightning.model.routing.attnres.backends import IMPLS, availability
+from lrattn_lightning.model.routing.attnres.backends import AUTO, IMPLS, availability
 from lrattn_lightning.tools.bench.steps import OPTIMIZERS
 
 PHASES = ("train", "forward", "generate")
@@ -62,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--registry", default=None, help="registry.yaml path (default: the packaged one)")
     p.add_argument("--phase", choices=PHASES, default="train")
     p.add_argument("--mode", choices=(*MODES, "both"), default="eager", help="eager, torch.compile, or both")
-    p.add_argument("--impl", choices=IMPLS, default="fast",
-                   help="AttnRes backend (--mode compile runs fast as compiled; triton: CUDA or TRITON_INTERPRET=1)")
+    p.add_argument("--impl", choices=(AUTO, *IMPLS), default=AUTO,
+                   help="AttnRes backend (auto: fast, or compiled for query gated_dynamic; --mode compile runs fast as "
+                        "compiled; triton: CUDA or TRITON_INTERPRET=1)")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --mode compile")
     p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                    help="set a torch._inductor.config option for every model (repeatable), e.g. cpp_wrapper=true")

@@ -9,11 +9,11 @@ from typing import Any
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.core.files import write_file
 from lrattn_lightning.core.flags import Parser
-from lrattn_lightning.model.routing.attnres.backends import IMPLS, availability
+from lrattn_lightning.model.routing.attnres.backends import AUTO, IMPLS, availability
 from lrattn_lightning.tools.fidelity.interface import flag_language
 
 
-def fidelity_rows(golden_path: str, registry_path: str | None = None, impl: str = "fast",
+def fidelity_rows(golden_path: str, registry_path: str | None = None, impl: str = AUTO,
                   only: list[str] | None = None) -> list[dict[str, Any]]:
     """One row per registry entry: params (ours, the reference's), max |Δlogit| and the gradients'
     relative error against the golden data, and the reference flags."""
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="lrattn fidelity", description=__doc__.splitlines()[0])
     parser.add_argument("--golden", required=True, help="golden data file (tests/golden/reference.pt)")
     parser.add_argument("--registry", default=None)
-    parser.add_argument("--impl", default="fast", choices=IMPLS,
+    parser.add_argument("--impl", default=AUTO, choices=(AUTO, *IMPLS),
                         help="AttnRes backend (triton: CUDA or TRITON_INTERPRET=1; the golden numbers are CPU tensors)")
     parser.add_argument("--out", default=None, help="write the markdown table here (default: print it)")
     parser.add_argument("--entries", default=None, help="comma-separated registry entries (default: all)")

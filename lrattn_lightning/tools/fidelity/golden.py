@@ -83,7 +83,7 @@ def gradient_record(name: str, grad: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"u": grad @ u, "v": grad.t() @ v}
 
 
-def compare(cfg: ModelConfig, entry: dict[str, Any], data: dict[str, Any], *, impl: str = "fast",
+def compare(cfg: ModelConfig, entry: dict[str, Any], data: dict[str, Any], *, impl: str = "auto",
             dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Our decoder with the entry's weights against its golden numbers: max |Δlogit|, the worst relative
     gradient error (max |Δ| / max |g| per stored gradient) and |Δloss|."""
@@ -124,7 +124,7 @@ def load(path: str) -> dict[str, Any]:
 LOSS_ENTRIES = ("baseline", "attnres-block-n8", "s-lr-full-r16", "p-lr-block-n8-r32")
 
 
-def train_losses(cfg: ModelConfig, *, steps: int = 20, impl: str = "fast") -> list[float]:
+def train_losses(cfg: ModelConfig, *, steps: int = 20, impl: str = "auto") -> list[float]:
     """Losses of `steps` AdamW steps (CE + 1e-5 z-loss, clip 1.0) on fixed patterned tokens.
 
     Weights are drawn per parameter *name* (queries and gates zero, as at init), so a refactor that

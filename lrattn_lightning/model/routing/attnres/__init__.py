@@ -16,6 +16,7 @@
 """
 
 from lrattn_lightning.model.routing.attnres.backends import (
+           AUTO,
            BACKENDS,
            DEFAULT_IMPL,
            IMPLS,
@@ -28,5 +29,5 @@ from lrattn_lightning.model.routing.attnres.backends import (
 from lrattn_lightning.model.routing.attnres.kind import KIND
 from lrattn_lightning.model.routing.attnres.options import AttnResOptions, key_dim, logit_scale
 
-__all__ = ["BACKENDS", "DEFAULT_IMPL", "IMPLS", "KIND", "PORTABLE_IMPLS", "AttnResOptions", "availability",
+__all__ = ["AUTO", "BACKENDS", "DEFAULT_IMPL", "IMPLS", "KIND", "PORTABLE_IMPLS", "AttnResOptions", "availability",
            "compile_impl", "key_dim", "logit_scale", "needs_parity_check", "resolve_impl"]

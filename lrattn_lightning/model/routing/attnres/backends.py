@@ -17,12 +17,14 @@ Every backend serves every option, block_summary rms and MHAR's depth_head_norm 
 over as carried keys with the kernels' norm off; triton/router.py).
 
 Callers ask the table, never a backend's name: `availability(impl, device)` (None: it runs there; else the
-one-line reason, from the backend's own check), `resolve_impl(impl, compiled)` (the backend that runs, under
-torch.compile its substitute; an unknown name is one line naming the closest), `needs_parity_check(impl)` (its
-own kernels: a benchmark checks them against `reference` before it times them).
+one-line reason, from the backend's own check), `resolve_impl(impl, compiled, per_token_queries)` (the backend
+that runs, under torch.compile its substitute; an unknown name is one line naming the closest; the kind calls it
+once, KIND.resolve_impl), `needs_parity_check(impl)` (its own kernels: a benchmark checks them against `reference`
+before it times them).
 
-`fast` is not traceable by torch.compile (its compiled substitute is `compiled`) and does not fold per-token
-queries into write-time logits: for `query: gated_dynamic` the kind takes `compiled`, run eagerly. KV-cache
+`auto` (the default) is `fast`, or `compiled` for `query: gated_dynamic`: `fast` is not traceable by torch.compile
+(its compiled substitute is `compiled`) and does not fold per-token queries into write-time logits, so asking for
+`fast` there by name is one line naming `compiled` (the backend that runs is the one asked for). KV-cache
 decoding runs the named backend too (on CPU `reference` / `compiled` decode faster than `fast`: ~0.10 s against
 ~0.13 s for 64 tokens at `small`, s-lr-block-n8-r64). A router class is imported when first asked for (the
 triton module registers torch custom ops on import).
@@ -52,6 +54,8 @@ class Backend:
     # it launches kernels of its own (Triton), not PyTorch's: a benchmark checks their forward and backward
     # against `reference` before it times them (benchmarks/gpu-check; the tests check every backend)
     own_kernels: bool = False
+    # it serves per-token queries (`query: gated_dynamic`); `fast` folds the queries into write-time logits
+    per_token_queries: bool = True
 
     @property
     def portable(self) -> bool:
@@ -59,14 +63,15 @@ class Backend:
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
-    Backend("fast", "fast", "FastAttnRes", under_compile="compiled"),
+    Backend("fast", "fast", "FastAttnRes", under_compile="compiled", per_token_queries=False),
     Backend("reference", "reference", "ReferenceAttnRes", under_compile="reference"),
     Backend("compiled", "compiled", "CompiledAttnRes", under_compile="compiled"),
     Backend("triton", "triton.router", "TritonAttnRes", under_compile="triton",
             needs="a CUDA GPU, or TRITON_INTERPRET=1 for Triton's CPU interpreter",
             check="triton.launch:availability_error", own_kernels=True),
 )}
-DEFAULT_IMPL = "fast"
+AUTO = "auto"  # the kind's choice: `fast`, or `compiled` where the queries are per token (resolve_impl)
+DEFAULT_IMPL = AUTO
 IMPLS = tuple(BACKENDS)  # every backend
 PORTABLE_IMPLS = tuple(name for name, b in BACKENDS.items() if b.portable)  # those that run anywhere
 
@@ -74,8 +79,15 @@ PORTABLE_IMPLS = tuple(name for name, b in BACKENDS.items() if b.portable)  # th
 def backend(name: str) -> Backend:
     if name not in BACKENDS:
         raise InputError(f"impl: unknown AttnRes backend {with_closest(repr(name), list(BACKENDS))}; use one of "
-                         f"{', '.join(BACKENDS)}")
+                         f"{', '.join((AUTO, *BACKENDS))}")
     return BACKENDS[name]
+
+
+def check_impl(impl: str) -> str:
+    """`impl` when it names a backend or `auto`; else one line (InputError) naming the closest."""
+    if impl != AUTO:
+        backend(impl)
+    return impl
 
 
 def router_class(name: str) -> type:
@@ -86,7 +98,9 @@ def router_class(name: str) -> type:
 def availability(impl: str, device=None) -> str | None:
     """None when backend `impl` can run on `device` (a torch.device or its type: "cuda", "cpu"; None: on this
     machine, whichever device), else the one-line reason naming the fix. Its check module is imported only
-    here (the triton one needs no triton to answer)."""
+    here (the triton one needs no triton to answer). `auto` chooses among backends that run anywhere."""
+    if impl == AUTO:
+        return None
     b = backend(impl)
     if b.check is None:
         return None
@@ -97,13 +111,19 @@ def availability(impl: str, device=None) -> str | None:
 def needs_parity_check(impl: str) -> bool:
     """Whether backend `impl` is a hand-written kernel path (its own kernels, not PyTorch's ops), whose forward
     and backward a benchmark checks against `reference` before it times them."""
-    return backend(impl).own_kernels
+    return impl != AUTO and backend(impl).own_kernels
 
 
-def resolve_impl(impl: str, compiled: bool = False) -> str:
-    """The backend that runs for `impl`: itself, or under torch.compile its substitute (`fast` -> `compiled`:
-    same parameters and results). An unknown name is one line (InputError) naming the closest."""
+def resolve_impl(impl: str, compiled: bool = False, per_token_queries: bool = False) -> str:
+    """The backend that runs for `impl`: `auto` is `fast`, or `compiled` for per-token queries; a named one is
+    itself, or under torch.compile its substitute (`fast` -> `compiled`: same parameters and results). An unknown
+    name, or `fast` named for per-token queries, is one line (InputError) naming the fix."""
+    if impl == AUTO:
+        impl = "compiled" if per_token_queries else "fast"
     b = backend(impl)
+    if per_token_queries and not b.per_token_queries:
+        raise InputError(f"impl {b.name!r} does not serve query 'gated_dynamic' (per-token queries); use --model.impl "
+                         f"'compiled' (or auto, which takes it), 'reference' or 'triton'")
     return b.under_compile if compiled else b.name
 
 

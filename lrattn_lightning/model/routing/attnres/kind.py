@@ -73,10 +73,13 @@ class AttnResKind(RoutingKind):
         return []
 
     # ---- the router ------------------------------------------------------------------------------
+    def resolve_impl(self, cfg: ModelConfig, requested: str, compiled: bool = False) -> str:
+        """The one resolution of `--model.impl` (backends.resolve_impl): `auto` takes `compiled` for per-token
+        queries (`fast` has no write-time logits for them), else `fast`; `fast` named for them is one line."""
+        return backends.resolve_impl(requested, compiled, per_token_queries=cfg.options.query == "gated_dynamic")
+
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
-        """By backend (backends.py): how AttnRes is computed, never what."""
-        if impl == "fast" and cfg.options.query == "gated_dynamic":
-            impl = "compiled"  # per-token queries: no write-time logits, the premise of the buffered backend
+        """By backend (backends.py, `impl` as resolve_impl returned it): how AttnRes is computed, never what."""
         return backends.router_class(impl)(cfg)
 
     def adamw_names(self, router: nn.Module) -> set[str]:

@@ -87,8 +87,12 @@ def _pair(name: str, dtype=torch.float32, impl: str = "fast"):
 IDX = torch.randint(0, SIZE.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("impl", ["fast", "compiled"])
-@pytest.mark.parametrize("name", ATTNRES + list(GRID))
+def _served(names: list[str], impls=IMPLS) -> list[tuple[str, str]]:
+    """(entry, backend) pairs a decoder builds for: `fast` refuses per-token queries (gated_dynamic) by name."""
+    return [(n, i) for n in names for i in impls if not (i == "fast" and n.endswith("-dynquery"))]
+
+
+@pytest.mark.parametrize(("name", "impl"), _served(ATTNRES + list(GRID), ("fast", "compiled")))
 def test_backend_matches_reference_float32(name, impl):
     """Every AttnRes registry entry (and the grid): equal forward, backward and routing weights."""
     ref, fast = _pair(name, impl=impl)
@@ -178,6 +182,22 @@ def test_the_default_backend_serves_every_registry_entry():
             assert type(model.router) is CompiledAttnRes
 
 
+def test_the_kind_resolves_impl_once_and_never_swaps_a_named_backend():
+    """`auto` (the default) takes `compiled` for the gated dynamic query and `fast` elsewhere; `fast` asked for by
+    name for per-token queries is one line naming `compiled`, never another backend in its place."""
+    from lrattn_lightning.core.errors import InputError
+
+    dynamic, static = _config("p-lr-block-n8-r32-dynquery"), _config("p-lr-block-n8-r32")
+    assert build_decoder(dynamic).impl == "compiled" and build_decoder(static).impl == "fast"
+    assert build_decoder(static, compiled=True).impl == "compiled"
+    assert dynamic.kind.resolve_impl(dynamic, "auto", compiled=True) == "compiled"
+    for ask in (lambda: build_decoder(dynamic, impl="fast"), lambda: build_router(dynamic, "fast")):
+        with pytest.raises(InputError) as info:
+            ask()
+        message = str(info.value)
+        assert "\n" not in message and "'fast'" in message and "'compiled'" in message and "gated_dynamic" in message
+
+
 def _one_line_error(fn) -> str:
     with pytest.raises(ValueError) as info:
         fn()
@@ -228,8 +248,8 @@ def test_the_backend_table_answers_where_a_backend_runs_and_which_runs(monkeypat
             ask()
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("name", ["s-lr-block-n8-r64", "p-lr-full-r32", "attnres-block-n4", "p-lr-block-n8-r32-dynquery"])
+@pytest.mark.parametrize(("name", "impl"), _served(["s-lr-block-n8-r64", "p-lr-full-r32", "attnres-block-n4",
+                                                    "p-lr-block-n8-r32-dynquery"]))
 def test_kv_cache_decoding_matches_full_forward(name, impl):
     ref, other = _pair(name, impl=impl)
     model = ref if impl == "reference" else other
@@ -250,9 +270,9 @@ def test_buffers_do_not_leak_between_steps():
         torch.testing.assert_close(second[n], g, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("name", ["s-lr-block-n8-r64-refdefault", "p-lr-block-n4-r32", "attnres-full",
-                                  "vp-lr-block-n8-r32", "grid-sliced-block-h4", "p-lr-block-n8-r32-dynquery"])
+@pytest.mark.parametrize(("name", "impl"), _served(["s-lr-block-n8-r64-refdefault", "p-lr-block-n4-r32", "attnres-full",
+                                                    "vp-lr-block-n8-r32", "grid-sliced-block-h4",
+                                                    "p-lr-block-n8-r32-dynquery"]))
 def test_repeated_backward_accumulates_exactly(name, impl):
     """backward(retain_graph=True) twice gives twice the gradients of one backward (no stale buffers)."""
     ref, fast = _pair(name, impl=impl)

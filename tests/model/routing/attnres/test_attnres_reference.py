@@ -317,7 +317,7 @@ ROUTING_CASES = [
 ]
 
 
-@pytest.mark.parametrize("impl", ["reference", "fast"])
+@pytest.mark.parametrize("impl", ["reference", "auto"])  # auto: fast, compiled for the dynamic query
 @pytest.mark.parametrize("name, changes", ROUTING_CASES)
 def test_routing_matches_the_spec_reference(registry, name, changes, impl):
     cfg = ModelConfig(DEEPER, variant(registry.ablation(name), **changes))
