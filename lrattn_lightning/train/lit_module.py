@@ -1,11 +1,11 @@
 """The LightningModule: loss, optimiser groups, schedule, metrics (train/*, val/*, routing/mean/*).
 
 Built from typed groups (train/settings.py): the ModelConfig, OptimiserSettings, RuntimeSettings and the routing
-kinds' training options. `lrattn fit|validate|test` resolves (--size, --ablation) through the registry once and hands
-the module the result with its provenance (`model_config`, `registry_sha256`, `git_commit`): given those, the module
-reads no registry and runs no git. Built by names alone (`LRAttnModule(size=..., ablation=...)`, a Python
-convenience) it resolves them itself. `LRAttnModule.from_config(cfg, optimiser, runtime)` builds one for
-a ModelConfig (`lrattn bench`, Python).
+kinds' training options. The module is built from one validated ModelConfig: `LRAttnModule.from_config(cfg, optimiser,
+runtime)` (`lrattn bench`, Python) hands it over as is; `LRAttnModule.from_names(size, ablation)` resolves the names in
+the registry first (the registry's hash and the git commit recorded). Lightning builds it from plain values
+(LightningCLI, load_from_checkpoint): `model_config` is the config's dict (the CLI's, resolved once with its
+provenance `registry_sha256`, `git_commit`; a checkpoint's), read once; the module reads no registry and runs no git.
 
 The settings keep their flat names (`--model.lr`, `--model.gate_freeze_steps`, the checkpoint's hyper_parameters):
 every recipe, sweep file and checkpoint of before the groups means what it meant; train/settings.py says why.
@@ -60,26 +60,25 @@ class LRAttnModule(Validation, Optimization, L.LightningModule):
     def __init__(self, size: str = "small", ablation: str = "baseline", registry: str | None = None,
                  model_config: dict | None = None, registry_sha256: str | None = None, git_commit: str | None = None,
                  **settings: Any):
-        """size/ablation name registry entries; model_config (resolved by the CLI, or a checkpoint's) wins over them.
+        """model_config: the resolved ModelConfig (from_config, from_names) or its dict (LightningCLI's, a
+        checkpoint's: read once); size/ablation/registry are recorded, never resolved here (from_names does).
 
         settings: the flat settings of train/settings.py (OptimiserSettings, RuntimeSettings, the routing kinds'
         training options), each `--model.NAME` on the command line."""
         super().__init__()
         chosen = module_settings(**settings)  # the typed groups; a bad value is one line, before any work
-        self.resolved_from: Registry | None = None  # the registry the names were resolved in, when this module did
         if model_config is None:
-            self.resolved_from = load_registry(registry)
-            cfg = self.resolved_from.model(size, ablation)
-            model_config, registry_sha256 = cfg.to_dict(), self.resolved_from.sha256
-            git_commit = git_commit or current_git_commit()
-        else:
-            cfg = model_config_from_dict(model_config)
-            size, ablation = cfg.size.name, cfg.ablation.name
-        self.save_hyperparameters(logger=False)
+            raise InputError(f"LRAttnModule needs its ModelConfig: LRAttnModule.from_names({size!r}, {ablation!r}) "
+                             "resolves the names in the registry, LRAttnModule.from_config(cfg) takes a resolved one")
+        self.resolved_from: Registry | None = None  # the registry the names were resolved in (from_names)
+        given = isinstance(model_config, ModelConfig)  # validated already: no round trip through a dict
+        cfg = model_config if given else model_config_from_dict(model_config)
+        self.save_hyperparameters(ignore=["model_config"] if given else None, logger=False)
         for key, value in chosen.flat().items():  # every setting, given or not (checkpoints, MLflow params)
             self.hparams.setdefault(key, value)
-        # LightningCLI hands save_hyperparameters its own config; the resolved values must win.
-        self.hparams.update(size=size, ablation=ablation, model_config=model_config,
+        # LightningCLI hands save_hyperparameters its own config; the resolved values win, the config as plain
+        # values (its one dict: ModelConfig.to_dict) so checkpoints load with torch.load(weights_only=True).
+        self.hparams.update(size=cfg.size.name, ablation=cfg.ablation.name, model_config=cfg.to_dict(),
                             registry_sha256=registry_sha256, git_commit=git_commit)
         self.cfg, self.optimiser, self.runtime = cfg, chosen.optimiser, chosen.runtime
         self.momentum_schedule = chosen.optimiser.momentum_schedule()
@@ -105,8 +104,18 @@ class LRAttnModule(Validation, Optimization, L.LightningModule):
         flat = {f.name: getattr(group, f.name) for group in (optimiser or OptimiserSettings(),
                                                               runtime or RuntimeSettings())
                 for f in dataclasses.fields(group)}
-        return cls(model_config=provenance.model_config, registry_sha256=provenance.registry_sha256,
-                   git_commit=provenance.git_commit, **flat, **(routing or {}))
+        return cls(model_config=cfg, registry_sha256=provenance.registry_sha256, git_commit=provenance.git_commit,
+                   **flat, **(routing or {}))
+
+    @classmethod
+    def from_names(cls, size: str, ablation: str, registry: str | None = None, **settings: Any) -> LRAttnModule:
+        """The module for registry names (a Python convenience): the registry read once (unknown names list the
+        closest), its hash and the git commit recorded; settings as in __init__."""
+        reg = load_registry(registry)
+        module = cls(model_config=reg.model(size, ablation), registry=registry, registry_sha256=reg.sha256,
+                     git_commit=current_git_commit(), **settings)
+        module.resolved_from = reg
+        return module
 
     # ---- model ---------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:

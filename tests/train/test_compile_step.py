@@ -21,7 +21,7 @@ def _loss_and_grads(module: LRAttnModule, batch: torch.Tensor, losses) -> tuple[
 
 def test_compiled_loss_region_matches_the_eager_step():
     torch.manual_seed(0)
-    eager = LRAttnModule(size="tiny", ablation="p-lr-block-n4-r32", impl="compiled")
+    eager = LRAttnModule.from_names(size="tiny", ablation="p-lr-block-n4-r32", impl="compiled")
     randomize_routing(eager.model)
     compiled = copy.deepcopy(eager)
     compiled.compile_step(backend="aot_eager")
@@ -41,7 +41,7 @@ def test_the_compiled_loss_region_has_no_graph_break(ablation, loss_impl):
     """torch._dynamo.explain of what compile_step compiles (the decoder and the loss, the `compiled` AttnRes
     backend): one graph, no break, for the paper's entries and both losses (issue 54)."""
     torch._dynamo.reset()
-    module = LRAttnModule(size="tiny", ablation=ablation, impl="compiled", loss_impl=loss_impl)
+    module = LRAttnModule.from_names(size="tiny", ablation=ablation, impl="compiled", loss_impl=loss_impl)
     randomize_routing(module.model)
     batch = tokens(module.cfg.size.vocab_size, batch=2, length=17)
     explained = torch._dynamo.explain(module.model_losses)(batch[:, :-1], batch[:, 1:])

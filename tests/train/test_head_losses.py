@@ -86,8 +86,8 @@ def test_the_modules_chunked_loss_is_its_logits_loss():
     """LRAttnModule's two paths (`--model.loss_impl logits|chunked`): the same losses and parameter gradients; on
     CPU `auto` takes the logits."""
     torch.manual_seed(0)
-    base = LRAttnModule(size="tiny", ablation="p-lr-block-n4-r32", z_loss=0.05)
-    chunked = LRAttnModule(size="tiny", ablation="p-lr-block-n4-r32", z_loss=0.05, loss_impl="chunked")
+    base = LRAttnModule.from_names(size="tiny", ablation="p-lr-block-n4-r32", z_loss=0.05)
+    chunked = LRAttnModule.from_names(size="tiny", ablation="p-lr-block-n4-r32", z_loss=0.05, loss_impl="chunked")
     chunked.load_state_dict(base.state_dict())
     with torch.no_grad():
         for m in (base, chunked):

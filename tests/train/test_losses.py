@@ -93,7 +93,7 @@ def test_inductor_compiles_it_whole_and_agrees_with_eager(dtype, chunk_bytes):
 def test_the_modules_loss_and_gradients_are_the_formulas():
     """The training step's loss ce + z_loss * z (z_loss large enough that the z term's gradient counts)."""
     torch.manual_seed(0)
-    module = LRAttnModule(size="tiny", ablation="p-lr-block-n4-r32", z_loss=0.05)
+    module = LRAttnModule.from_names(size="tiny", ablation="p-lr-block-n4-r32", z_loss=0.05)
     batch = torch.randint(0, module.cfg.size.vocab_size, (2, 17))
     inputs, targets = batch[:, :-1], batch[:, 1:]
 

@@ -182,17 +182,17 @@ def test_torchs_own_probes_answer_on_this_machine():
 def test_the_module_passes_its_muon_dtype_to_the_optimizer():
     for setting, expected in (("auto", resolve_muon_dtype("auto", "cpu")), ("float32", "float32"),
                               ("bfloat16", "bfloat16")):
-        module = LRAttnModule(size="tiny", ablation="baseline", muon_dtype=setting)
+        module = LRAttnModule.from_names(size="tiny", ablation="baseline", muon_dtype=setting)
         opt = module.make_optimizer()
         assert muon_dtype_of([opt]) == expected
         assert {g["orthogonalizer_dtype"] for g in opt.param_groups if g["use_muon"]} == {expected}
-    plain = LRAttnModule(size="tiny", ablation="baseline", optimizer="adamw").make_optimizer()
+    plain = LRAttnModule.from_names(size="tiny", ablation="baseline", optimizer="adamw").make_optimizer()
     assert muon_dtype_of([plain]) is None
 
 
 def test_a_bad_muon_dtype_is_one_line_naming_the_field():
     with pytest.raises(ValueError, match=r"^model\.muon_dtype: 'float16' is not one of auto, bfloat16, float32$"):
-        LRAttnModule(size="tiny", ablation="baseline", muon_dtype="float16")
+        LRAttnModule.from_names(size="tiny", ablation="baseline", muon_dtype="float16")
     with pytest.raises(ValueError, match=r"orthogonalizer_dtype: 'half' is not one of auto, bfloat16, float32"):
         MuonWithAuxAdamW([{"params": [torch.nn.Parameter(torch.zeros(4, 4))], "use_muon": True,
                            "orthogonalizer_dtype": "half"}])

@@ -330,7 +330,7 @@ def test_other_bad_options(registry):
     with pytest.raises(ValueError, match="muon_momentum_cooldown_steps"):
         MomentumSchedule(cooldown_steps=-1)
     with pytest.raises(ValueError, match="model.muon_variant"):
-        LRAttnModule(size="tiny", ablation="baseline", muon_variant="keller")
+        LRAttnModule.from_names(size="tiny", ablation="baseline", muon_variant="keller")
     _, opt, _ = _small_setup()
     with pytest.raises(ValueError, match="MuonAdamW"):
         opt.load_state_dict({"optimizers": [{}, {}]})
@@ -421,7 +421,7 @@ def test_clipping_by_the_logged_norm_is_lightnings_clipping(tiny_data, clip):  #
         trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, limit_val_batches=0,
                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                             gradient_clip_val=clip_val)
-        module = cls(size="tiny", ablation="baseline", registry=REGISTRY, warmup_steps=1, lr=1e-2)
+        module = cls.from_names(size="tiny", ablation="baseline", registry=REGISTRY, warmup_steps=1, lr=1e-2)
         trainer.fit(module, datamodule=TokenDataModule(str(tiny_data), batch_size=2, seq_len=16))
         return torch.cat([p.detach().flatten() for p in module.model.parameters()])
 

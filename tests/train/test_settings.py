@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lrattn_lightning.cli import main
+from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model import registry as registry_module
 from lrattn_lightning.model.routing import kinds
 from lrattn_lightning.model.routing.kind import RoutingKind
@@ -55,7 +56,17 @@ def test_a_module_given_its_model_config_reads_no_registry_and_runs_no_git(regis
     assert built.cfg == cfg and built.hparams.impl == "reference" and built.hparams.optimizer == "adamw"
     assert built.routing_control.release_loss == 3.0 and built.hparams.git_commit == "c0ffee"
     assert built.hparams.model_config == cfg.to_dict()
-    with pytest.raises(AssertionError, match="git"):  # by names, the module resolves (and asks git) itself
+    with pytest.raises(AssertionError, match="git"):  # by names, from_names resolves them (and asks git)
+        LRAttnModule.from_names(size="tiny", ablation="baseline")
+
+
+def test_a_resolved_config_is_taken_as_is_and_names_resolve_in_from_names(registry, no_git):
+    """from_config keeps the validated ModelConfig itself (no round trip through a dict); the constructor resolves
+    no names (one line naming from_names); checkpoints still hold the config as plain values."""
+    cfg = registry.model("tiny", "s-lr-grid-n4-r16")
+    module = LRAttnModule.from_config(cfg)
+    assert module.cfg is cfg and module.hparams.model_config == cfg.to_dict() and module.hparams.size == "tiny"
+    with pytest.raises(InputError, match=r"LRAttnModule.from_names\('tiny', 'baseline'\)"):
         LRAttnModule(size="tiny", ablation="baseline")
 
 

@@ -84,7 +84,7 @@ def test_a_trainer_built_in_python_records_what_lrattn_fit_records(tiny_data, tm
     trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=logger, limit_val_batches=1, val_check_interval=2,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)])
-    module = LRAttnModule(size="tiny", ablation="s-lr-grid-n4-r16", registry=REGISTRY, warmup_steps=1)
+    module = LRAttnModule.from_names(size="tiny", ablation="s-lr-grid-n4-r16", registry=REGISTRY, warmup_steps=1)
     trainer.fit(module, datamodule=TokenDataModule(str(tiny_data), batch_size=2, seq_len=16))
     client, run = the_run(tmp_path, "py")
     assert run.data.tags["ablation"] == "s-lr-grid-n4-r16" and run.data.params["train_seq_len"] == "16"

@@ -245,7 +245,7 @@ class _Recorder(L.Callback):
 
 def _train(ablation: str, steps: int, **flags) -> tuple[LRAttnModule, _Recorder]:
     torch.manual_seed(0)
-    module = LRAttnModule(size="tiny", ablation=ablation, optimizer="muon_adamw", lr=3e-3, muon_lr=1e-2,
+    module = LRAttnModule.from_names(size="tiny", ablation=ablation, optimizer="muon_adamw", lr=3e-3, muon_lr=1e-2,
                           muon_variant="torch", warmup_steps=1, routing_diagnostics=False, **flags)
     data = torch.utils.data.DataLoader(torch.randint(0, 256, (steps * 2, 17)), batch_size=2)
     recorder = _Recorder()
@@ -327,7 +327,7 @@ def test_gate_fields_are_registry_fields(tmp_path):
 ])
 def test_bad_gate_flags_name_the_flag(ablation, flags, field):
     with pytest.raises(ValueError, match=f"^model.{field}:") as err:
-        LRAttnModule(size="tiny", ablation=ablation, **flags)
+        LRAttnModule.from_names(size="tiny", ablation=ablation, **flags)
     assert "\n" not in str(err.value)
 
 
