@@ -137,8 +137,7 @@ class LRAttnCLI(RunOutputs, LightningCLI):
             router = f" (routing external, router {ablation.get('router')})" if ablation.get("routing") == "external" else ""
             raise UsageError(f"ablation '{cfg.ablation}'{router} of --ckpt_path {cfg.ckpt_path} is not in registry "
                              f"{registry.path}; pass --registry FILE, the registry the checkpoint was trained with")
-        model_cfg = registry.model(cfg.size, cfg.ablation)  # unknown names list the closest
-        cfg.model.size, cfg.model.ablation = cfg.size, cfg.ablation
+        model_cfg = registry.model(cfg.size, cfg.ablation)  # unknown names list the closest; the module records its names
         if cfg.data.seq_len is None:
             cfg.data.seq_len = model_cfg.size.seq_len
         elif cfg.data.seq_len > model_cfg.size.seq_len:
