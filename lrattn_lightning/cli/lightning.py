@@ -146,10 +146,11 @@ class LRAttnCLI(RunOutputs, LightningCLI):
         validate_data_dir(cfg.data.data_dir, model_cfg.size, cfg.data.seq_len, registry.sizes.values())
         if self.subcommand == "fit":
             checks.check_one_batch(cfg)
-        if model_cfg.kind.takes_impl:  # the backend runs here (triton: CUDA or the interpreter)
+        if model_cfg.kind.takes_impl:  # the backend the kind resolves (fast for gated_dynamic: one line) runs here
             from lrattn_lightning.model.routing.attnres import DEFAULT_IMPL, availability
 
-            if (error := availability(cfg.model.get("impl") or DEFAULT_IMPL)) is not None:
+            impl = model_cfg.kind.resolve_impl(model_cfg, cfg.model.get("impl") or DEFAULT_IMPL)
+            if (error := availability(impl)) is not None:  # (triton: CUDA or the interpreter)
                 raise UsageError(error)
         checks.check_attention(self.subcommand, cfg)
         if cfg.trainer.get("strategy") == "fsdp":  # checked now: instantiate_trainer builds it after the run folder

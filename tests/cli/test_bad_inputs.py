@@ -72,6 +72,19 @@ BAD_INPUTS = {
 }
 
 
+def test_fast_asked_for_the_gated_dynamic_query_is_one_line_before_any_work(data, tmp_path, monkeypatch, capsys):
+    """`--model.impl fast` with per-token queries names the backend that serves them, before a run folder exists (it
+    was swapped for `compiled` without a word); the default (auto) takes `compiled` there."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "dyn.yaml").write_text("include: builtin\nablations:\n  dynquery-tiny:\n    extends: "
+                                       "p-lr-block-n8-r32-dynquery\n    doc: the dynamic query at tiny\n    attnres: {blocks: 4}\n")
+    assert main([*fit_args(data, "--model.impl", "fast", ablation="dynquery-tiny"), "--registry", "dyn.yaml"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lrattn:")]
+    assert len(lines) == 1 and "impl 'fast' does not serve query 'gated_dynamic'" in lines[0], lines
+    assert "'compiled'" in lines[0] and not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_is_one_line_and_exit_2(case, data, tmp_path, monkeypatch, capsys):
     inputs = tmp_path / "INPUTS"
