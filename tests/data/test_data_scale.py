@@ -333,7 +333,7 @@ def test_a_tokenizer_that_cannot_be_cut_refuses_a_long_document_in_one_line(smal
     code = _cli(["prepare", "--source", *source, "--tokenizer", f"hf:{tok_path}", "--out", str(tmp_path / "out"),
                  "--max_document_bytes", "2000", "--val_fraction", "0.5"])
     err = capsys.readouterr().err
-    assert code == 0 and "skipped 1 document(s) longer than --max_document_bytes 2,000" in err, err
+    assert code == 0 and "skipped 1 document longer than --max_document_bytes 2,000" in err, err
     meta = read_meta(tmp_path / "out")
     assert meta["long_documents_skipped"] == 1 and meta["limits"]["max_document_bytes"] == 2000
     assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == 2
