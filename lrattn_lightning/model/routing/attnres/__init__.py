@@ -3,8 +3,8 @@
     options.py         AttnResOptions (what an entry chooses, checked), the key width r and logit scale s
     kind.py            KIND: its size checks, accounting, build by backend
     backends.py        the one table of backends: name, router class, compiled substitute, what it needs;
-                       availability(impl, device), resolve_impl(impl, compiled), needs_parity_check(impl):
-                       what callers ask of it
+                       availability(impl, device), resolve_impl(impl, compiled, per_token_queries) (the kind's
+                       one resolution, KIND.resolve_impl), needs_parity_check(impl): what callers ask of it
     reference.py       the readable backend (nanoGPT-style): sources, block summaries, depth_read
     keys.py            key sources (value, projected, sliced, value_projected[_shared]) with their parameters
     summary.py         RMS Block AttnRes's summaries (block_summary rms): the normalised outputs' sum

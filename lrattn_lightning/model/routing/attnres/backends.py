@@ -4,7 +4,7 @@ Every backend computes the same routing with the same parameters (tests compare 
 decoding with `reference` for every entry):
 
     name       router class                  under torch.compile   needs
-    fast       fast.FastAttnRes              compiled               any machine (the default): buffered autograd
+    fast       fast.FastAttnRes              compiled               any machine (auto's choice): buffered autograd
                                                                     Functions, logits at write time
     reference  reference.ReferenceAttnRes    reference              any machine: readable, stacks the sources
     compiled   compiled.CompiledAttnRes      compiled               any machine: plain tensor ops Dynamo traces
