@@ -59,12 +59,21 @@ DPI = 150  # PNGs at 100 % zoom: 9-point labels are 19 pixels tall
 
 
 def save_figure(fig: Any, out: Path, stem: str) -> list[Path]:
-    """`fig` as out/STEM.png (at DPI) and out/STEM.svg, then closed."""
+    """`fig` as out/STEM.png (at DPI) and out/STEM.svg, then closed. Laid out (its layout engine) and measured (the
+    tight box, padded as savefig pads it) once, at the PNG's DPI, for both files: savefig with bbox_inches="tight"
+    lays the figure out and draws it twice for each file (a dry draw to measure it, then its own). The PNG is the
+    one savefig makes; the SVG's box and layout are the PNG's (measured at 150 dpi, not 72)."""
+    import matplotlib
+
     paths = [out / f"{stem}.png", out / f"{stem}.svg"]
+    fig.set_dpi(DPI)
+    fig.draw_without_rendering()
+    box = fig.get_tightbbox().padded(matplotlib.rcParams["savefig.pad_inches"])
+    fig.set_layout_engine(None)  # laid out: the axes keep their places
     with replacing(paths[0], "wb", "figure") as png:  # never through a link (core/files.py)
-        fig.savefig(png, format="png", dpi=DPI, bbox_inches="tight")
+        fig.savefig(png, format="png", dpi=DPI, bbox_inches=box)
     with replacing(paths[1], "wb", "figure") as svg:
-        fig.savefig(svg, format="svg", bbox_inches="tight")
+        fig.savefig(svg, format="svg", bbox_inches=box)
     pyplot().close(fig)
     return paths
 
