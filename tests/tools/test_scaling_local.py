@@ -10,9 +10,9 @@ import math
 import numpy as np
 import pytest
 
+from lrattn_lightning.tools.compare.power import welch
 from lrattn_lightning.tools.compare.scaling import Point
 from lrattn_lightning.tools.compare.scaling_local import interval, local_multipliers, reference_compute
-from lrattn_lightning.tools.compare.significance import welch
 
 SIZES = {"xs": 1e11, "s": 4e11, "m": 2e12, "l": 1e13}
 

@@ -1,11 +1,11 @@
-"""Welch's t-test (tools/compare/significance.py) against scipy's recorded numbers, and the paged run search."""
+"""Welch's t-test (tools/compare/power.py) against scipy's recorded numbers, and the paged run search."""
 
 from __future__ import annotations
 
 import pytest
 
+from lrattn_lightning.tools.compare.power import regularized_beta, student_t_two_sided_p, welch
 from lrattn_lightning.tools.compare.runs import search_all
-from lrattn_lightning.tools.compare.significance import regularized_beta, student_t_two_sided_p, welch
 
 # 2 * scipy.stats.t.sf(t, df), scipy 1.x
 T_TABLE = [(2.0, 10, 0.07338803477074037), (1.0, 1, 0.5), (3.5, 4.2, 0.02299374245547738),

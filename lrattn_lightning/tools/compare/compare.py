@@ -42,7 +42,7 @@ with its reason in one line on the terminal and in the report's appendix, and a 
 (left_out.py).
 A run a sweep tagged with a `variant` (its own training flags) is its own row, `ablation+variant`,
 whose control is the plain ablation. The rows and their statistics: table.py (Welch's test:
-significance.py); the figures: figures.py; here: the report, the summary run, the CLI.
+power.py); the figures: figures.py; here: the report, the summary run, the CLI.
 """
 
 from __future__ import annotations

@@ -1,8 +1,14 @@
-"""Power and multiplicity for `lrattn compare`: how many seeds a difference needs, and every pair of methods tested.
+"""Welch's t-test across seeds, its power and multiplicity for `lrattn compare`: a difference's p, how many seeds
+it needs, and every pair of methods tested.
 
+    welch(a, b)          (mean a - mean b, two-sided p): two means over na, nb seeds with sample variances va, vb,
+                             t = (mean a - mean b) / sqrt(va / na + vb / nb)
+                             df = (va / na + vb / nb)^2 / ((va / na)^2 / (na - 1) + (vb / nb)^2 / (nb - 1))
+                         (Welch-Satterthwaite), p = 2 P(T >= |t|) for Student's t with df degrees of freedom (scipy;
+                         equal to the regularised incomplete beta function I_x(df / 2, 1 / 2) at x = df / (df + t^2))
     seeds_needed(Δ, s_a, s_b)
-                         seeds per arm for power 0.8 in Welch's two-sided test at α = 0.05 (the test whose p is
-                         printed beside it, significance.py), equal arms of n, a true difference Δ and the arms' true
+                         seeds per arm for power 0.8 in Welch's two-sided test at α = 0.05 (welch: the test whose p
+                         is printed beside it), equal arms of n, a true difference Δ and the arms' true
                          stds s_a, s_b: the smallest n (>= 2) with power(n) >= 0.8, where
                              power(n) = E[ P(|Δ̂| > t_{1-α/2, ν̂} ŝe) ]     Δ̂ ~ N(Δ, (s_a² + s_b²) / n)
                          over the two sample variances (s² χ²_{n-1} / (n - 1) each, independent of Δ̂), ŝe and ν̂
@@ -17,7 +23,7 @@
                          made non-decreasing by a running maximum, capped at 1; a pair is resolved when its adjusted
                          p < α. It bounds the chance of any false "resolved" in the family by α, whatever the tests'
                          dependence.
-    pairwise(rows)       Welch's test (significance.py) for every pair of rows of one size and recipe, Holm-adjusted
+    pairwise(rows)       Welch's test for every pair of rows of one size and recipe, Holm-adjusted
                          within that group (pairs with a one-seed side have no p and are not in the family); a
                          pair's seeds needed at α / m, the level Holm asks of the first of m pairs: enough to
                          resolve it after the correction, whatever the other pairs do
@@ -36,8 +42,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.core.words import count
-from lrattn_lightning.tools.compare.significance import welch
 from lrattn_lightning.tools.compare.words import size_list
 
 if TYPE_CHECKING:
@@ -46,6 +52,35 @@ if TYPE_CHECKING:
 ALPHA, POWER = 0.05, 0.8
 MAX_SEEDS = 100_000  # beyond this the answer is "more than" (a difference far inside the noise)
 NODES, QUADRATURE_MAX = 48, 100  # power(): the quadrature's nodes per chi-square, and the n it is used up to
+
+
+def welch(a: list[float], b: list[float]) -> tuple[float, float | None]:
+    """(mean(a) - mean(b), two-sided p of Welch's t-test); p is None below two seeds a side."""
+    diff = statistics.fmean(a) - statistics.fmean(b)
+    if len(a) < 2 or len(b) < 2:
+        return diff, None
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    if va == 0 and vb == 0:
+        return diff, (1.0 if diff == 0 else 0.0)
+    t = diff / math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    return diff, student_t_two_sided_p(t, df)
+
+
+def student_t_two_sided_p(t: float, df: float) -> float:
+    """P(|T| >= |t|) for Student's t with `df` (> 0, not necessarily whole) degrees of freedom."""
+    if df <= 0:
+        raise InputError(f"degrees of freedom must be positive, got {df}")
+    from scipy import stats
+
+    return float(2.0 * stats.t.sf(abs(t), df))
+
+
+def regularized_beta(x: float, a: float, b: float) -> float:
+    """I_x(a, b) = B(x; a, b) / B(a, b) for 0 <= x <= 1, a, b > 0 (scipy's betainc)."""
+    from scipy import special
+
+    return float(special.betainc(a, b, min(max(x, 0.0), 1.0)))
 
 
 def power(n: int, delta: float, std_a: float, std_b: float | None = None, alpha: float = ALPHA) -> float:

@@ -1,6 +1,6 @@
 """The table of `lrattn compare`: finished training runs read back from MLflow, one row per (size, ablation,
 recipe) with its seeds, the differences to its control and to the reference (Welch's t-test,
-tools/compare/significance.py), the Pareto front of (added FLOPs %, mean val loss), as markdown and CSV.
+tools/compare/power.py), the Pareto front of (added FLOPs %, mean val loss), as markdown and CSV.
 
 One row is one recipe. Each run carries its recipe fingerprint (tag lrattn.recipe, train/fingerprint.py;
 runs from before it: rebuilt from their params, `legacy-...`). Runs of different fingerprints are never
@@ -33,9 +33,8 @@ from typing import Any
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.core.names import closest_names
 from lrattn_lightning.tools.compare.evals import cell_text, eval_columns, run_configs
-from lrattn_lightning.tools.compare.power import need_text, seeds_needed, spreads
+from lrattn_lightning.tools.compare.power import need_text, seeds_needed, spreads, welch
 from lrattn_lightning.tools.compare.runs import read_histories, search_all
-from lrattn_lightning.tools.compare.significance import welch
 from lrattn_lightning.tools.compare.words import size_list
 from lrattn_lightning.train import fingerprint as fp
 from lrattn_lightning.train.schema import Metric, Param, Tag
