@@ -185,7 +185,7 @@ def test_loss_vs_flops_has_one_legend_entry_for_the_controls():
 
 
 def test_scaling_figure_fills_its_width_and_shows_the_per_size_multipliers():
-    from lrattn_lightning.tools.compare.scaling_figure import scaling_figure
+    from lrattn_lightning.tools.compare.scaling_report import scaling_figure
 
     points = _points()
     result = analyse(points, "baseline", resamples=20)

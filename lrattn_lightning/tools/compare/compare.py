@@ -26,7 +26,7 @@ meets it; it prints the summary run's address and the study's runs table with it
                              panels per size (ladder order), each on its own steps
     scaling.*                runs over two or more sizes (a ladder): each method's compute multiplier against the
                              reference from a fitted L(C) = E + A_m C^-alpha, with its bootstrap interval, residuals
-                             and figure, the per-size multipliers beside it (scaling_report.py, scaling_figure.py;
+                             and figure, the per-size multipliers beside it (scaling_report.py;
                              --per-method-exponents: one alpha per method)
     report.md                all of the above on one page, with the runs it was made from and an appendix
                              of lm-eval's bookkeeping numbers (bootstrap stderr, sample counts)
