@@ -18,8 +18,7 @@ from lrattn_lightning.core.words import count
 from lrattn_lightning.tools.compare import words
 from lrattn_lightning.tools.compare.notes import recipe_notes
 from lrattn_lightning.tools.compare.power import pairwise_section
-from lrattn_lightning.tools.compare.scaling import Point, analyse
-from lrattn_lightning.tools.compare.scaling_local import local_multipliers
+from lrattn_lightning.tools.compare.scaling import Point, analyse, local_multipliers
 from lrattn_lightning.tools.compare.scaling_report import local_section
 from lrattn_lightning.tools.compare.summary_run import compared, description
 from lrattn_lightning.tools.compare.table import RunRecord, markdown_table, summarise

@@ -1,4 +1,4 @@
-"""Per-size multipliers read off the reference's ladder (tools/compare/scaling_local.py) against ladders built with a
+"""Per-size multipliers read off the reference's ladder (tools/compare/scaling.py) against ladders built with a
 known answer: a method that is the reference at k times its compute reads k at every size, whatever the ladder's
 shape; beyond the ladder's end it is marked; a reference whose loss does not fall gives no reading, said in a line;
 the interval leaves out the true multiplier in at most ~5 % of simulated studies at 2, 3 and 5 seeds (issue 52)."""
@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from lrattn_lightning.tools.compare.power import welch
-from lrattn_lightning.tools.compare.scaling import Point
-from lrattn_lightning.tools.compare.scaling_local import interval, local_multipliers, reference_compute
+from lrattn_lightning.tools.compare.scaling import Point, interval, local_multipliers, reference_compute
 
 SIZES = {"xs": 1e11, "s": 4e11, "m": 2e12, "l": 1e13}
 

@@ -10,7 +10,7 @@ and the multipliers of scaling.py, and their files
                                 run a small dot, the mean over seeds of each size a ring, the fitted law a line;
                                 each legend entry carries the method's multiplier k and its interval (when the
                                 multipliers are refused, the axes' title says why)
-                         right  the per-size multipliers read off the reference's own ladder (scaling_local.py): k
+                         right  the per-size multipliers read off the reference's own ladder (scaling.py): k
                                 at each size, sizes in ladder order, its interval as a bar, a hollow marker where
                                 the reading is extrapolated beyond the reference's ladder; k = 1 (the reference) a
                                 dotted line
@@ -37,8 +37,16 @@ from lrattn_lightning.core.files import write_file
 from lrattn_lightning.model.accounting import core_flops
 from lrattn_lightning.model.config import SizeConfig
 from lrattn_lightning.tools.compare.figures import save_figure
-from lrattn_lightning.tools.compare.scaling import LEVEL, POOR_FIT, RESAMPLES, Point, Scaling, analyse
-from lrattn_lightning.tools.compare.scaling_local import LocalMultiplier, local_multipliers
+from lrattn_lightning.tools.compare.scaling import (
+    LEVEL,
+    POOR_FIT,
+    RESAMPLES,
+    LocalMultiplier,
+    Point,
+    Scaling,
+    analyse,
+    local_multipliers,
+)
 from lrattn_lightning.tools.compare.table import Row, RunRecord
 from lrattn_lightning.tools.compare.words import ladder, size_list
 from lrattn_lightning.train.schema import Metric, Param
@@ -182,7 +190,7 @@ def _residuals(result: Scaling) -> str:
 
 
 def local_section(rows: list[LocalMultiplier], notes: list[str], reference: str) -> str:
-    """The per-size multipliers (scaling_local.py): methods x sizes, k and its interval, Δ beside it."""
+    """The per-size multipliers (scaling.local_multipliers): methods x sizes, k and its interval, Δ beside it."""
     lines = ["### Per-size multipliers, the reference's ladder read directly\n",
              f"At each size, the compute at which `{reference}`'s seed-mean losses (ln loss linear in ln compute "
              "between its sizes) reach the method's mean loss, over the method's own compute there: no law fitted, so "
@@ -311,7 +319,7 @@ def _local(ax: Any, rows: list[LocalMultiplier], reference: str, colors: dict[st
         ax.text(0.5, 0.5, f"no per-size multipliers: `{reference}`'s ladder cannot be read", ha="center",
                 va="center", fontsize=9, transform=ax.transAxes, wrap=True)
         return
-    order = list(dict.fromkeys(r.size for r in rows))  # scaling_local gives them in the ladder's order
+    order = list(dict.fromkeys(r.size for r in rows))  # local_multipliers gives them in the ladder's order
     sizes = ladder(order, {s: i for i, s in enumerate(order)})
     methods = [m for m in colors if any(r.method == m for r in read)]
     width = 0.7 / max(1, len(methods))
