@@ -55,7 +55,7 @@ def test_a_train_step_reads_no_device_value(optimizer, loss_impl):
         cfg = ModelConfig(SIZE, fit_to_size(REGISTRY.ablation(name), SIZE))
         with torch.device("meta"):
             module = LRAttnModule.from_config(cfg, OptimiserSettings(optimizer=optimizer),
-                                              RuntimeSettings(impl="fast", loss_impl=loss_impl))
+                                              RuntimeSettings(impl="auto", loss_impl=loss_impl))
         batch = torch.zeros(2, 17, dtype=torch.long, device="meta")
         try:
             ce, z = module.model_losses(batch[:, :-1], batch[:, 1:])
