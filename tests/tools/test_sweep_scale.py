@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -157,9 +158,28 @@ class Refusing(Counting):
         raise argparse.ArgumentError(None, f"bad value for --run_name {args[args.index('--run_name') + 1]}")
 
 
-def test_the_fit_check_says_its_verdict_where_it_is_awaited(data_dir, tmp_path, parser):
-    """FitCheck (forked where it may be) raises the check's SweepError, or a RuntimeError for a check that broke,
-    in this process, at wait(); an error meanwhile is said after the check's own (`first`)."""
+@pytest.fixture(params=["forked", "in place"])
+def check_where(request):
+    """Where FitCheck checks: forked (this process has one thread), or in place (another thread runs, as under
+    pytest-xdist's worker, where it raised at construction, before any `first()` could hold it)."""
+    if request.param == "forked":
+        if threading.active_count() > 1:
+            pytest.skip("threads run in this process (pytest-xdist's worker): FitCheck checks in place here")
+        yield request.param
+        return
+    done = threading.Event()
+    other = threading.Thread(target=done.wait)
+    other.start()
+    try:
+        yield request.param
+    finally:
+        done.set()
+        other.join()
+
+
+def test_the_fit_check_says_its_verdict_where_it_is_awaited(data_dir, tmp_path, parser, check_where):
+    """FitCheck (forked where it may be, else in place) raises the check's SweepError, or a RuntimeError for a
+    check that broke, in this process, at wait(); an error meanwhile is said after the check's own (`first`)."""
     sweep, _ = load_sweep(write_sweep(tmp_path, data_dir))
     sweep_module.FitCheck(sweep, None, [], lambda: Counting(parser)).wait()  # good flags: nothing
 

@@ -98,16 +98,23 @@ class FitCheck:
     """check_fit_args for a sweep, begun at once and done in a forked child while this process plans the runs;
     `wait()` (before anything is printed, written or run) raises its SweepError here. Without os.fork, or with
     threads running in this process (a fork copies only the calling one, and whatever lock another held), it
-    checks at once, here. `first()`: an error meanwhile waits for the check, so a bad fit flag is still the one
-    line said (as when the check came first)."""
+    checks at once, here, and keeps the verdict for `wait()` (the same errors either way). `first()`: an error
+    meanwhile waits for the check, so a bad fit flag is still the one line said (as when the check came first)."""
 
     def __init__(self, sweep: Sweep, tracking_uri: str | None, extra: list[str],
                  fit_parser: Callable[[], Any] | None) -> None:
         self.pid: int | None = None
+        self.verdict: Exception | None = None  # the in-place check's error, said at wait()
         if fit_parser is None:
             return
         if not hasattr(os, "fork") or threading.active_count() > 1:
-            check_fit_args(sweep, tracking_uri, extra, fit_parser())
+            try:
+                check_fit_args(sweep, tracking_uri, extra, fit_parser())
+            except InputError as err:
+                self.verdict = err if isinstance(err, SweepError) else SweepError(str(err))
+            except Exception as err:  # noqa: BLE001 - as the forked check's exit 1: said at wait()
+                self.verdict = RuntimeError(f"checking the sweep's fit flags failed: {type(err).__name__}: "
+                                            f"{one_line(err)}")
             return
         read, write = os.pipe()
         sys.stdout.flush()
@@ -133,6 +140,9 @@ class FitCheck:
 
     def wait(self) -> None:
         """The check's verdict: nothing, its SweepError, or a RuntimeError for a check that failed inside."""
+        if self.verdict is not None:
+            verdict, self.verdict = self.verdict, None
+            raise verdict
         if self.pid is None:
             return
         chunks = []
