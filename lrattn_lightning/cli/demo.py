@@ -59,11 +59,12 @@ def demo_main(argv: list[str]) -> int:
 def own_corpus(data_dir: str) -> bool:
     """Whether `data_dir` holds the demo's own set-up (the bundled corpus, byte-tokenised: what it prepares), whose
     fit to the size (e.g. embedding rows a byte tokenizer never uses) is the demo's choice, not the user's."""
-    import json
+    from lrattn_lightning.core.errors import InputError
+    from lrattn_lightning.data.shards import read_meta
 
     try:
-        meta = json.loads(Path(data_dir, "meta.json").read_text())
-    except (OSError, ValueError):
+        meta = read_meta(data_dir)
+    except InputError:  # not a prepared folder: fit says so in its own line
         return False
     return meta.get("source") == DEMO_SOURCE and meta.get("tokenizer", {}).get("kind") == "byte"
 

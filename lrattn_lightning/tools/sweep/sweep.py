@@ -94,6 +94,11 @@ def check_fit_args(sweep: Sweep, tracking_uri: str | None, extra: list[str], par
     progress.done()
 
 
+def broken_check(err: BaseException) -> RuntimeError:
+    """A check of fit's flags that failed inside (not a bad flag), as wait() says it, forked or in place."""
+    return RuntimeError(f"checking the sweep's fit flags failed: {type(err).__name__}: {one_line(err)}")
+
+
 class FitCheck:
     """check_fit_args for a sweep, begun at once and done in a forked child while this process plans the runs;
     `wait()` (before anything is printed, written or run) raises its SweepError here. Without os.fork, or with
@@ -111,10 +116,9 @@ class FitCheck:
             try:
                 check_fit_args(sweep, tracking_uri, extra, fit_parser())
             except InputError as err:
-                self.verdict = err if isinstance(err, SweepError) else SweepError(str(err))
+                self.verdict = SweepError(str(err))
             except Exception as err:  # noqa: BLE001 - as the forked check's exit 1: said at wait()
-                self.verdict = RuntimeError(f"checking the sweep's fit flags failed: {type(err).__name__}: "
-                                            f"{one_line(err)}")
+                self.verdict = broken_check(err)
             return
         read, write = os.pipe()
         sys.stdout.flush()
@@ -129,7 +133,7 @@ class FitCheck:
                 status, said = 2, str(err)
             except BaseException as err:  # noqa: B036 (anything: the parent says it; the child only exits)
                 traceback.print_exc()
-                status, said = 1, f"{type(err).__name__}: {one_line(err)}"
+                status, said = 1, str(broken_check(err))
             with contextlib.suppress(BaseException):
                 os.write(write, said.encode())
                 sys.stdout.flush()
@@ -155,7 +159,7 @@ class FitCheck:
         if code == 2:
             raise SweepError(said)
         if code != 0:
-            raise RuntimeError(f"checking the sweep's fit flags failed: {said or f'exit {code}'}")
+            raise RuntimeError(said or f"checking the sweep's fit flags failed: exit {code}")
 
     def stop(self) -> None:
         """End the check unheard (this process is stopping)."""
