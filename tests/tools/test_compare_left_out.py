@@ -80,3 +80,28 @@ def test_the_terminal_line_stays_one_line_past_ten_runs():
     assert "\n" not in line and line.count("(FAILED)") == MAX_NAMED
     assert line.startswith(f"[lrattn compare] left out {MAX_NAMED + 5} runs:") and "and 5 more" in line
     assert terminal_line([]) is None
+
+
+def test_a_failed_attempt_that_a_later_run_retried_is_named_as_replaced_and_loses_no_seed(tmp_path, capsys):
+    """A sweep re-run after a failure: the FAILED attempt is named as replaced by the finished run of its size,
+    ablation and seed (not a bare "FAILED"), and the row keeps every seed (nothing was lost)."""
+    uri, client, exp = sqlite_experiment(tmp_path, "retried")
+    for seed in range(2):
+        _run(client, exp, f"baseline-s{seed}", "baseline", seed, 3.0 + 0.01 * seed)
+    _run(client, exp, "a-s0", "method-a", 0, 2.9)
+    _run(client, exp, "a-s1-try1", "method-a", 1, status="FAILED", tags={"lrattn.diverged": "non-finite loss at step 3"})
+    _run(client, exp, "a-s1", "method-a", 1, 2.91)  # started after the failed attempt
+    _run(client, exp, "b-s0", "method-b", 0, status="FAILED")  # no retry: still FAILED
+    out = tmp_path / "report"
+    assert main(["compare", "--experiment", "retried", "--tracking_uri", uri, "--out", str(out), "--no-summary-run"]) == 0
+    line = next(line for line in capsys.readouterr().err.splitlines() if "left out" in line)
+    assert line.startswith("[lrattn compare] left out 2 runs: "), line
+    assert "a-s1-try1 (replaced by `a-s1`, a later finished run of its size, ablation, seed and recipe; this attempt " \
+           "FAILED, diverged)" in line, line
+    assert "b-s0 (FAILED)" in line, line
+    appendix = (out / "report.md").read_text().split("## Appendix: runs left out")[1]
+    row = next(r for r in appendix.splitlines() if r.startswith("| a-s1-try1 |"))
+    assert "this attempt FAILED, diverged: non-finite loss at step 3" in row, row
+    table = (out / "table.md").read_text().split("## Pairwise")[0]
+    a_row = next(r for r in table.splitlines() if r.startswith(("| method-a |", "| **method-a** |")))
+    assert "| 2 (0,1) |" in a_row and "lost" not in a_row, a_row

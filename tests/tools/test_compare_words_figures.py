@@ -16,7 +16,7 @@ import pytest
 
 from lrattn_lightning.core.words import count
 from lrattn_lightning.tools.compare import words
-from lrattn_lightning.tools.compare.notes import recipe_notes
+from lrattn_lightning.tools.compare.notes import delta_notes, recipe_notes
 from lrattn_lightning.tools.compare.power import pairwise_section
 from lrattn_lightning.tools.compare.scaling import Point, analyse, local_multipliers
 from lrattn_lightning.tools.compare.scaling_report import local_section
@@ -117,15 +117,27 @@ def test_the_pairwise_section_takes_the_sizes_in_ladder_order_and_counts_one_pai
     assert "(s)" not in text and "other 1 row" not in text and "1 row are" not in text, text
 
 
+def test_a_control_missing_at_every_size_is_one_not_compared_line_naming_the_sizes_in_ladder_order():
+    """It said "Not compared: Δ vs control and vs baseline — where `baseline` did not run at size ladder-m ..." once a
+    size, one line for each: the same reason at three sizes is one line, the sizes named once, in ladder order."""
+    rows = summarise(_records(ablations=("attnres-block-n8",)))
+    text = delta_notes(rows, "baseline")
+    lines = [line for line in text.splitlines() if line.startswith("- ")]
+    assert lines == ["- Δ vs control and vs baseline — where `baseline` did not run at that size in this experiment: "
+                     "`attnres-block-n8` at ladder-xs, ladder-s, ladder-m."], text
+    one = summarise(_records(sizes={"ladder-s": SIZES["ladder-s"]}, ablations=("attnres-block-n8",)))
+    assert delta_notes(one, "baseline").splitlines()[-1].endswith(": `attnres-block-n8`."), delta_notes(one, "baseline")
+
+
 def test_the_summary_runs_description_takes_the_sizes_in_ladder_order_and_counts_its_nouns():
     """MLflow's Description of the summary run said "size(s) ladder-m,ladder-s,ladder-xs, 1/2 seed(s) per row"."""
     rows = summarise(_records(seeds=(0, 1)))
-    head = description("study", rows, "baseline", {}).splitlines()[0]
+    head = description(compared("study", rows, "baseline"), {}).splitlines()[0]
     assert "12 finished runs, sizes ladder-xs, ladder-s, ladder-m, 2 seeds per row;" in head, head
     one = summarise(_records(sizes={"ladder-s": SIZES["ladder-s"]}, ablations=("baseline",), seeds=(0,)))
-    head = description("study", one, "baseline", {}).splitlines()[0]
+    head = description(compared("study", one, "baseline"), {}).splitlines()[0]
     assert "1 finished run, size ladder-s, 1 seed per row;" in head and "(s)" not in head, head
-    params = compared("study", rows, "baseline")
+    params = compared("study", rows, "baseline").params()
     assert params[Param.REPORT_SIZES] == ",".join(LADDER) and params[Param.REPORT_METHODS] == "2", params  # not 6 rows
 
 
@@ -181,6 +193,49 @@ def test_loss_vs_flops_has_one_legend_entry_for_the_controls():
     # its legend sits under the axes, past the canvas: save_figure writes it with bbox_inches="tight"
     named = " ".join(t.get_text() for t in fig.axes[0].texts) + " ".join(legend)
     assert all(size in named for size in LADDER)
+
+
+def test_loss_vs_flops_gives_a_method_one_colour_at_every_size_and_a_size_one_marker():
+    """It coloured each (size, ablation): three sizes of one method in three colours, two methods' colours mixed."""
+    from lrattn_lightning.tools.compare.figures import SIZE_MARKERS, loss_vs_flops_figure
+
+    rows = summarise(_records())
+    fig = loss_vs_flops_figure(rows, words.title("study", rows))
+    ax = fig.axes[0]
+    points = [line for line in ax.get_lines() if len(line.get_xdata()) == 1 and line.get_marker() in SIZE_MARKERS]
+    assert len(points) == len(rows)  # one a row
+    colour = {}
+    for line, row in zip(sorted(points, key=lambda p: (float(p.get_xdata()[0]), float(p.get_ydata()[0]))),
+                         sorted(rows, key=lambda r: (r.added_flops_pct, r.mean)), strict=True):
+        colour.setdefault(row.ablation, set()).add(line.get_color() if isinstance(line.get_color(), str)
+                                                   else tuple(line.get_color()))
+        assert line.get_marker() == SIZE_MARKERS[LADDER.index(row.size)], (row.size, line.get_marker())
+    assert all(len(c) == 1 for c in colour.values()), colour  # one colour a method, whatever the size
+    assert len({next(iter(c)) for c in colour.values()}) == 2  # and the two methods apart
+    assert all(f"size {size}" in _legend_texts(fig) for size in LADDER), _legend_texts(fig)
+
+
+def test_a_recipe_that_validates_once_gets_its_validation_panel_as_points_side_by_side():
+    """A recipe validating only at its end gave one point a run at the right edge of a whole-run panel (mostly
+    empty): its rows now stand side by side, each with its seeds' range, and the title says the step."""
+    from lrattn_lightning.tools.compare.figures import curves_figure
+
+    records = _records()
+    for r in records:
+        r.curves[Metric.VAL_LOSS] = [(r.final_step, r.val_loss)]
+    rows = summarise(records)
+    fig = curves_figure(rows, words.title("study", rows))
+    assert not _text_outside(fig)
+    for i, size in enumerate(LADDER):
+        val = fig.axes[3 * i + 2]
+        assert val.get_title() == (f"{size}: validation loss at step {SIZES[size][1]}, its only one "
+                                   "(bar: seed range)"), val.get_title()
+        xs = sorted(float(line.get_xdata()[0]) for line in val.get_lines() if len(line.get_xdata()) == 1
+                    and line.get_marker() not in ("_", "", "None", None))
+        assert xs == [0.0, 1.0], xs  # two methods, side by side
+        assert val.get_xlim() == (-0.7, 1.7)
+    whole = summarise(_records())  # several validations: the whole-run curves as before
+    assert curves_figure(whole, "t").axes[2].get_title().endswith("validation loss, whole run (mean over seeds)")
 
 
 def test_scaling_figure_fills_its_width_and_shows_the_per_size_multipliers():

@@ -43,16 +43,32 @@ def pyplot():
 
 def row_names(rows: list[Row]) -> dict[int, str]:
     """id(row) -> its name in figures: size/ if several sizes, the label, [recipe] if several recipes."""
-    multi_size, recipes = len({r.size for r in rows}) > 1, any(r.group != "A" for r in rows)
-    return {id(r): (f"{r.size}/" if multi_size else "") + (r.label or r.ablation) + (f" [{r.group}]" if recipes else "")
-            for r in rows}
+    multi_size = len({r.size for r in rows}) > 1
+    return {key: (f"{r.size}/" if multi_size else "") + name for r, (key, name) in zip(rows, ablation_names(rows).items(),
+                                                                                     strict=True)}
 
 
-def _colors(rows: list[Row]) -> dict[str, Any]:
+def ablation_names(rows: list[Row]) -> dict[int, str]:
+    """id(row) -> its method's name in figures, whatever its size: the label, [recipe] if several recipes."""
+    recipes = any(r.group != "A" for r in rows)
+    return {id(r): (r.label or r.ablation) + (f" [{r.group}]" if recipes else "") for r in rows}
+
+
+def _colors(rows: list[Row]) -> dict[int, Any]:
+    """id(row) -> its colour: one a method (label and recipe), the same at every size."""
     plt = pyplot()
-    names = sorted(set(row_names(rows).values()))
-    cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
-    return {name: cmap(i % cmap.N) for i, name in enumerate(names)}
+    methods = ablation_names(rows)
+    order = sorted(set(methods.values()))
+    cmap = plt.get_cmap("tab10" if len(order) <= 10 else "tab20")
+    return {key: cmap(order.index(name) % cmap.N) for key, name in methods.items()}
+
+
+SIZE_MARKERS = ("o", "s", "D", "v", "P", "X", "h", "<", ">", "p")  # ^ marks a point off the scale
+
+
+def _markers(rows: list[Row]) -> dict[str, str]:
+    """size -> its marker in the FLOPs figure (ladder order)."""
+    return {size: SIZE_MARKERS[i % len(SIZE_MARKERS)] for i, size in enumerate(size_list(rows))}
 
 
 DPI = 150  # PNGs at 100 % zoom: 9-point labels are 19 pixels tall
@@ -90,7 +106,7 @@ def loss_vs_flops_figure(rows: list[Row], title: str) -> Any:
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter
 
-    names, colors = row_names(rows), _colors(rows)
+    names, colors, markers = row_names(rows), _colors(rows), _markers(rows)
     fig, ax = plt.subplots(figsize=(8.0, 5.4), dpi=DPI)
     xs = [r.added_flops_pct for r in rows if r.added_flops_pct > 0]
     if xs and max(xs) / min(xs) > 5:  # costs over decades (the paper's 0.06 % .. 2.4 %): log beyond the smallest
@@ -99,8 +115,8 @@ def loss_vs_flops_figure(rows: list[Row], title: str) -> Any:
     top = _clip_top(rows)
     shown = [r for r in rows if top is None or r.mean <= top]
     for row in shown:
-        ax.errorbar(row.added_flops_pct, row.mean, yerr=row.std or 0.0, fmt="o", ms=7, capsize=3,
-                    color=colors[names[id(row)]], zorder=3)
+        ax.errorbar(row.added_flops_pct, row.mean, yerr=row.std or 0.0, fmt=markers[row.size], ms=7, capsize=3,
+                    color=colors[id(row)], zorder=3)
     fronts = sorted({(r.size, r.group) for r in rows})
     for size, group in fronts:
         front = sorted((r for r in shown if (r.size, r.group) == (size, group) and r.pareto),
@@ -124,7 +140,7 @@ def loss_vs_flops_figure(rows: list[Row], title: str) -> Any:
         ax.set_ylim(low - 0.08 * (top - low), top)
         for row in rows:
             if row.mean > top:  # off the scale: an arrow at the top edge, the value in the label
-                ax.plot(row.added_flops_pct, top, "^", ms=9, color=colors[names[id(row)]], clip_on=False, zorder=5)
+                ax.plot(row.added_flops_pct, top, "^", ms=9, color=colors[id(row)], clip_on=False, zorder=5)
     ax.set_xlabel("added FLOPs % of the non-embedding core (forward, per token)", fontsize=10)
     ax.set_ylabel("validation loss (nats/token), mean ± std over seeds", fontsize=10)
     ax.set_title(title, fontsize=11)
@@ -136,8 +152,12 @@ def loss_vs_flops_figure(rows: list[Row], title: str) -> Any:
     if len(shown) < len(rows):
         handles.append(Line2D([], [], ls="none", marker="^", ms=9, color="0.35"))
         labels.append("off the scale (its value in its label)")
+    if len(markers) > 1:  # a colour is a method at every size; the marker says which size
+        for size, marker in markers.items():
+            handles.append(Line2D([], [], ls="none", marker=marker, ms=7, color="0.35"))
+            labels.append(f"size {size}")
     _legend(ax, handles, labels)
-    _name_points(fig, ax, rows, top, names, colors, handles, labels)
+    _name_points(fig, ax, rows, top, names, colors, markers, handles, labels)
     return fig
 
 
@@ -153,7 +173,7 @@ def _legend(ax: Any, handles: list, labels: list[str]) -> None:
 
 
 def _name_points(fig: Any, ax: Any, rows: list[Row], top: float | None, names: dict[int, str], colors: dict,
-                 handles: list, labels: list[str]) -> None:
+                 markers: dict[str, str], handles: list, labels: list[str]) -> None:
     """Name every point beside it where its name covers nothing (labels.py); where one name finds no such place
     near its point, number the points instead and key the numbers, with each point's marker, in the legend."""
     from matplotlib.lines import Line2D
@@ -179,15 +199,15 @@ def _name_points(fig: Any, ax: Any, rows: list[Row], top: float | None, names: d
     def off(r: Row) -> str:
         return f" ({r.mean:.3f}, off scale)" if top is not None and r.mean > top else ""
 
-    items = [(xy(r), names[id(r)] + off(r), colors[names[id(r)]]) for r in ordered]
+    items = [(xy(r), names[id(r)] + off(r), colors[id(r)]) for r in ordered]
     if labels_mod.place(fig, ax, items, marks(), inside=True, reach=60, fontsize=LABEL_PT) is not None:
         return
     for i, r in enumerate(ordered, start=1):
-        handles.append(Line2D([], [], ls="none", marker="o", ms=7, color=colors[names[id(r)]]))
+        handles.append(Line2D([], [], ls="none", marker=markers[r.size], ms=7, color=colors[id(r)]))
         labels.append(f"{i}: {names[id(r)]}{off(r)}")
     _legend(ax, handles, labels)
     fig.canvas.draw()  # the legend grew: measure it again
-    numbers = [(xy(r), str(i), colors[names[id(r)]]) for i, r in enumerate(ordered, start=1)]
+    numbers = [(xy(r), str(i), colors[id(r)]) for i, r in enumerate(ordered, start=1)]
     labels_mod.place(fig, ax, numbers, marks(), inside=False, fontsize=LABEL_PT)
 
 
@@ -265,8 +285,7 @@ def curves_figure(rows: list[Row], title: str) -> Any:
     plt = pyplot()
     sizes = size_list(rows)
     several = len(sizes) > 1
-    recipes = any(r.group != "A" for r in rows)
-    names = {id(r): (r.label or r.ablation) + (f" [{r.group}]" if recipes else "") for r in rows}  # no size/: rows say it
+    names = ablation_names(rows)  # no size/: the panel rows say it
     order = sorted(set(names.values()))
     cmap = plt.get_cmap("tab10" if len(order) <= 10 else "tab20")
     colors = {name: cmap(i % cmap.N) for i, name in enumerate(order)}
@@ -278,13 +297,18 @@ def curves_figure(rows: list[Row], title: str) -> Any:
         last = max([_last_step(run.curves.get(key, [])) for r in mine for run in r.runs
                     for key in (Metric.TRAIN_LOSS, Metric.VAL_LOSS)] + [run.final_step or 0 for r in mine for run in r.runs] + [1])
         zoom_from = last // 2
-        for row in sorted(mine, key=lambda r: names[id(r)]):
+        ends = {len(_seed_mean(r, Metric.VAL_LOSS)[0]) for r in mine} <= {0, 1}  # each row validated once (or never)
+        for k, row in enumerate(sorted(mine, key=lambda r: names[id(r)])):
             i = order.index(names[id(row)])
             style = {"color": colors[names[id(row)]], "ls": LINE_STYLES[i % len(LINE_STYLES)],
                      "marker": MARKERS[i % len(MARKERS)], "lw": 1.5, "ms": 8 - 1.5 * (i % 4), "label": names[id(row)]}
             for key in (Metric.TRAIN_LOSS, Metric.VAL_LOSS):
                 steps, mean, lo, hi = _seed_mean(row, key)
                 if not steps:
+                    continue
+                if key == Metric.VAL_LOSS and ends:  # one point a row: side by side, each with its seeds' range
+                    ax_v.errorbar([k], mean, yerr=[[mean[0] - lo[0]], [hi[0] - mean[0]]], fmt=style["marker"],
+                                  ms=style["ms"], color=style["color"], capsize=4, lw=1.5)
                     continue
                 if key == Metric.VAL_LOSS:
                     handles[style["label"]] = ax_v.plot(steps, mean, **style)[0]
@@ -298,13 +322,22 @@ def curves_figure(rows: list[Row], title: str) -> Any:
         at = f"{size}: " if several else ""
         ax_t.set_title(f"{at}train loss, whole run (moving average of 5 logged steps; band: seed min-max)", fontsize=9)
         ax_z.set_title(f"{at}train loss, steps {zoom_from}-{last} (zoom)", fontsize=9)
-        ax_v.set_title(f"{at}validation loss, whole run (mean over seeds)", fontsize=9)
+        if ends:
+            steps = sorted({_seed_mean(r, Metric.VAL_LOSS)[0][0] for r in mine if _seed_mean(r, Metric.VAL_LOSS)[0]})
+            at_step = f"step {steps[0]}" if len(steps) == 1 else "steps " + ", ".join(map(str, steps))
+            ax_v.set_title(f"{at}validation loss at {at_step}, its only one (bar: seed range)", fontsize=9)
+        else:
+            ax_v.set_title(f"{at}validation loss, whole run (mean over seeds)", fontsize=9)
         for ax in (ax_t, ax_z, ax_v):
             ax.set_xlabel("step")
             ax.set_ylabel("loss (nats/token)")
             ax.grid(alpha=0.3)
-        for ax in (ax_t, ax_v):  # the whole run, whatever each row's length
+        for ax in (ax_t, ax_v) if not ends else (ax_t,):  # the whole run, whatever each row's length
             ax.set_xlim(0, last * 1.02)
+        if ends:  # the rows side by side, in the legend's order; their colour and marker say which is which
+            ax_v.set_xlim(-0.7, len(mine) - 0.3)
+            ax_v.set_xticks([])
+            ax_v.set_xlabel("method (legend below)")
         _zoom(ax_z, mine, zoom_from, last)
     fig.suptitle(title, fontsize=10)
     if handles:

@@ -46,19 +46,33 @@ def left_out(client: Any, experiment: str, sweep: str | None, records: list[RunR
         record = counted.get(run_id)
         if record is not None and not record.stale:
             continue
-        if record is not None:
-            why = f"its last validation is at step {record.last_val_step} of {record.final_step}, not its result"
-        elif run_id in replaced:
-            why = f"replaced by `{replaced[run_id].name}`, a later run of its size, ablation, seed and recipe"
-        else:
-            why = _reason(run.info.status, tags, params, metrics)
         ablation = params.get(Param.ABLATION) or tags.get(Tag.ABLATION) or "?"
         if tags.get(Tag.VARIANT):
             ablation = f"{ablation}+{tags[Tag.VARIANT]}"
         given = tags.get(Tag.SEED) or params.get(Param.SEED) or ""
-        out.append(LeftOut(run.info.run_name or run_id, run_id, params.get(Param.SIZE) or tags.get(Tag.SIZE) or "?",
-                           ablation, int(given) if given.lstrip("-").isdigit() else None, tags.get(Tag.RECIPE), why))
+        size, seed = params.get(Param.SIZE) or tags.get(Tag.SIZE) or "?", int(given) if given.lstrip("-").isdigit() else None
+        if record is not None:
+            why = f"its last validation is at step {record.last_val_step} of {record.final_step}, not its result"
+        elif run_id in replaced:
+            why = f"replaced by `{replaced[run_id].name}`, a later run of its size, ablation, seed and recipe"
+        elif (later := _retried(records, size, ablation, seed, tags.get(Tag.RECIPE), run.info.start_time)) is not None:
+            why = (f"replaced by `{later.name}`, a later finished run of its size, ablation, seed and recipe; this "
+                   f"attempt {_reason(run.info.status, tags, params, metrics)}")
+        else:
+            why = _reason(run.info.status, tags, params, metrics)
+        out.append(LeftOut(run.info.run_name or run_id, run_id, size, ablation, seed, tags.get(Tag.RECIPE), why))
     return sorted(out, key=lambda r: (r.size, r.ablation, -1 if r.seed is None else r.seed, r.name))
+
+
+def _retried(records: list[RunRecord], size: str, ablation: str, seed: int | None, recipe: str | None,
+             started: int | None) -> RunRecord | None:
+    """The counted run that retried a run which did not finish (FAILED, KILLED, left RUNNING): one of its size,
+    ablation, seed (and recipe, where the attempt's tags name one) started after it; None where there is none."""
+    if seed is None:
+        return None
+    later = [r for r in records if (r.size, r.ablation, r.seed) == (size, ablation, seed) and not r.stale
+             and (recipe is None or r.recipe == recipe) and r.start_time > (started or 0)]
+    return max(later, key=lambda r: r.start_time, default=None)
 
 
 def _reason(status: str, tags: dict[str, str], params: dict[str, str], metrics: dict[str, float]) -> str:

@@ -90,19 +90,26 @@ def rule_note(rows: list[Row]) -> str:
 
 
 def delta_notes(rows: list[Row], reference: str) -> str:
-    """One line per reason a Δ is —, naming the rows it applies to."""
-    reasons: dict[str, list[str]] = defaultdict(list)
+    """One line per reason a Δ is —, naming the rows it applies to; a label that stands at several sizes is named
+    once, with its sizes in ladder order (one line for the study, not one a size)."""
+    reasons: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     for row in rows:
         if row.why_no_control and row.why_no_control == row.why_no_reference:
-            reasons[f"Δ vs control and vs {reference} — where {row.why_no_control}"].append(row.label)
+            reasons[f"Δ vs control and vs {reference} — where {row.why_no_control}"][row.label].append(row.size)
             continue
         if row.why_no_control:
-            reasons[f"Δ vs control — where {row.why_no_control}"].append(row.label)
+            reasons[f"Δ vs control — where {row.why_no_control}"][row.label].append(row.size)
         if row.why_no_reference:
-            reasons[f"Δ vs {reference} — where {row.why_no_reference}"].append(row.label)
+            reasons[f"Δ vs {reference} — where {row.why_no_reference}"][row.label].append(row.size)
     if not reasons:
         return ""
-    lines = [f"- {why}: {', '.join(f'`{label}`' for label in labels)}." for why, labels in reasons.items()]
+    several = len({row.size for row in rows}) > 1
+
+    def named(label: str, sizes: list[str]) -> str:
+        return f"`{label}`" + (f" at {', '.join(dict.fromkeys(sizes))}" if several else "")
+
+    lines = [f"- {why}: {'; '.join(named(label, sizes) for label, sizes in labels.items())}."
+             for why, labels in reasons.items()]
     return "\nNot compared:\n" + "\n".join(lines) + "\n"
 
 

@@ -323,7 +323,7 @@ def _partner(row: Row, ablation: str, rows: list[Row]) -> tuple[Row | None, str 
     if len(here) > 1:
         return None, f"`{ablation}` ran with {len(here)} settings of its routing's training options under this recipe"
     if not same:
-        return None, f"`{ablation}` did not run at size {row.size} in this experiment"
+        return None, f"`{ablation}` did not run at that size in this experiment"
     others = ", ".join(sorted({r.group for r in same}))
     return None, f"`{ablation}` ran only under recipe {others}, not {row.group}"
 
