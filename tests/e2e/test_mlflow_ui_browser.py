@@ -25,7 +25,7 @@ from conftest import SERVER_ENV, free_port
 from helpers.runs import fit_args, run_cli
 from mlflow.tracking import MlflowClient
 
-from lrattn_lightning.tools.compare.summary_run import description, headline
+from lrattn_lightning.tools.compare.summary_run import compared, description, headline
 
 BROWSER = next((found for name in ("chromium", "chromium-browser", "google-chrome") if (found := shutil.which(name))),
                None)
@@ -137,5 +137,6 @@ def test_the_summary_runs_metrics_hold_each_methods_multiplier_and_interval(tmp_
     numbers = headline(rows, [tmp_path / "table.md", scaling])
     assert numbers == {"delta/small/s-lr": -0.02, "delta/small/s-lr_lr2 recipe B": 0.01, "multiplier/s-lr": 1.25,
                        "multiplier_lo/s-lr": 1.1, "multiplier_hi/s-lr": 1.4}  # not the reference's own: 1 by definition
-    text = description("study", [SimpleNamespace(size="small", label=name, runs=[1, 2]) for name in ("baseline", "s-lr")], "baseline", numbers)
+    text = description(compared("study", [SimpleNamespace(size="small", label=name, ablation=name, runs=[1, 2])
+                                     for name in ("baseline", "s-lr")], "baseline"), numbers)
     assert "- compute multiplier s-lr: 1.25x [1.10, 1.40]" in text and "- Δ small/s-lr: -0.0200" in text

@@ -171,10 +171,10 @@ def test_many_seeds_are_counted_not_listed(report):
 def test_the_summary_runs_description_of_many_rows_is_not_cut_mid_line(study):
     """600 rows' Δ lines are more than MLflow keeps of a tag (8,000 characters): the description keeps the rows
     that fit, whole, says how many more the report holds, and ends with where the report is."""
-    from lrattn_lightning.tools.compare.summary_run import description
+    from lrattn_lightning.tools.compare.summary_run import compared, description
 
     numbers = {f"delta/ladder-m/s-lr-block-n8-r64+lr{i}": 0.1 for i in range(600)}
-    text = description("lab", [], "baseline", numbers)
+    text = description(compared("lab", [], "baseline"), numbers)
     client = MlflowClient(study["uri"])
     rid = client.create_run(client.create_experiment("lab-reports-test")).info.run_id
     client.set_tag(rid, "mlflow.note.content", text)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,21 +73,34 @@ def headline(rows: list[Row], files: list[Path]) -> dict[str, float]:
     return out
 
 
-def compared(experiment: str, rows: list[Row], reference: str) -> dict[str, str]:
-    seeds = sorted({len(row.runs) for row in rows})
-    return {Param.REPORT_EXPERIMENT: experiment, Param.REPORT_REFERENCE: reference,
-            Param.REPORT_SIZES: ",".join(size_list(rows)), Param.REPORT_METHODS: str(len(ablation_names(rows))),
-            Param.REPORT_SEEDS: "/".join(map(str, seeds)), Param.REPORT_RUNS: str(sum(len(row.runs) for row in rows))}
+@dataclass(frozen=True)
+class Compared:
+    """What a comparison compared, counted once: its params and the run's description both read it."""
+
+    experiment: str
+    reference: str
+    sizes: list[str]  # in ladder order (words.size_list)
+    methods: int
+    seeds: list[int]  # the seed counts of the rows, ascending
+    runs: int
+
+    def params(self) -> dict[str, str]:
+        return {Param.REPORT_EXPERIMENT: self.experiment, Param.REPORT_REFERENCE: self.reference,
+                Param.REPORT_SIZES: ",".join(self.sizes), Param.REPORT_METHODS: str(self.methods),
+                Param.REPORT_SEEDS: "/".join(map(str, self.seeds)), Param.REPORT_RUNS: str(self.runs)}
 
 
-def description(experiment: str, rows: list[Row], reference: str, numbers: dict[str, float]) -> str:
+def compared(experiment: str, rows: list[Row], reference: str) -> Compared:
+    return Compared(experiment, reference, size_list(rows), len(ablation_names(rows)),
+                    sorted({len(row.runs) for row in rows}), sum(len(row.runs) for row in rows))
+
+
+def description(what: Compared, numbers: dict[str, float]) -> str:
     """The run's Description: what was compared, the headline numbers one per line, where the report is."""
-    params = compared(experiment, rows, reference)
-    sizes, seeds = size_list(rows), sorted({len(row.runs) for row in rows})
-    head = [f"**Comparison of `{experiment}`**: {count(int(params[Param.REPORT_RUNS]), 'finished run')}, "
-            f"{plural(len(sizes), 'size')} {', '.join(sizes)}, {params[Param.REPORT_SEEDS]} "
-            f"{plural(max(seeds, default=0), 'seed')} per row; Δ is the mean final val loss (nats/token) minus "
-            f"`{reference}`'s.", ""]
+    head = [f"**Comparison of `{what.experiment}`**: {count(what.runs, 'finished run')}, "
+            f"{plural(len(what.sizes), 'size')} {', '.join(what.sizes)}, {'/'.join(map(str, what.seeds))} "
+            f"{plural(max(what.seeds, default=0), 'seed')} per row; Δ is the mean final val loss (nats/token) minus "
+            f"`{what.reference}`'s.", ""]
     lines = []
     for key, value in numbers.items():
         if key.startswith(Metric.DELTA):
@@ -123,7 +137,8 @@ def log_summary_run(client: Any, experiment: str, files: list[Path], rows: list[
     tagged with this experiment (and this sweep if one was named) is reused while what it compared (its params)
     is the same; a comparison of other runs gets a run of its own (params cannot change)."""
     exp_id = reports_experiment(client, experiment)
-    params = compared(experiment, rows, reference)
+    what = compared(experiment, rows, reference)
+    params = what.params()
     found = [r for r in search_all(client, exp_id, f"tags.`{SUMMARY_TAG}` = 'true'")  # names compared here: any quote
              if r.data.tags.get(REPORT_OF_TAG) == experiment and r.data.tags.get(Tag.SWEEP_SUMMARY) == sweep
              and all(r.data.params.get(k, v) == v for k, v in params.items())]
@@ -142,7 +157,7 @@ def log_summary_run(client: Any, experiment: str, files: list[Path], rows: list[
     numbers, now = headline(rows, files), int(time.time() * 1000)
     client.log_batch(run_id, metrics=[Point(k, v, now, 0) for k, v in numbers.items()],
                      params=[Pair(k, v) for k, v in params.items()])
-    client.set_tag(run_id, Tag.NOTE, description(experiment, rows, reference, numbers))  # the run's description
+    client.set_tag(run_id, Tag.NOTE, description(what, numbers))  # the run's description
     client.set_terminated(run_id, "FINISHED")
     return exp_id, run_id
 
