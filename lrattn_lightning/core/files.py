@@ -5,7 +5,9 @@ Every file `lrattn` creates or replaces (locks, temporaries, checkpoints, export
 reports) goes through the writers at the end of this module: a new file is opened O_CREAT|O_EXCL|O_NOFOLLOW (never
 an existing file, never a link's target; a hard link planted there is not written either), a replaced one is such
 a new temporary beside it renamed over it, and a path that is a symbolic link or not a regular file is refused in
-one line (`LinkError`) naming it and the fix. On a shared project folder, whoever can write into a run folder can
+one line (`LinkError`) naming it and the fix. Where the folders below a trusted one are made by the platform too
+(an MLflow run's local artifact folders: train/artifacts.py), `open_folder` walks them part by part, each opened
+O_NOFOLLOW relative to the one above, and `replacing_in` writes the file inside the folder it opened. On a shared project folder, whoever can write into a run folder can
 plant `.lock -> ~victim/precious`; a plain open() would truncate precious.
 
 Every YAML `lrattn` reads (registries, recipes and `--config` files, sweep files, task files, YAML values on the
@@ -36,12 +38,13 @@ by the Python loader above, which refuses it in its own words, so every error re
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import secrets
 import stat
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import IO, Any
@@ -422,6 +425,55 @@ def replacing(path: Path | str, mode: str = "w", what: str = "file", perm: int =
         raise
     if durable:
         sync_folder(path.parent)
+
+
+def open_folder(base: Path | str, parts: Sequence[str], what: str = "folder") -> int:
+    """A descriptor on the folder `base`/parts[0]/parts[1]/..., each part made if missing and opened relative to the
+    one above with O_NOFOLLOW|O_DIRECTORY: a link, or anything but a folder, at any part is a LinkError naming it,
+    never followed, and no part can become a link between its check and its use (each step opens what it
+    checked). `base` is the caller's own folder, opened as it is (links above the parts are the user's setup)."""
+    shown = Path(base)
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts:
+            shown = shown / part
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, 0o777, dir_fd=fd)
+            try:
+                below = os.open(part, os.O_RDONLY | os.O_DIRECTORY | _NO_FOLLOW, dir_fd=fd)
+            except OSError as err:
+                if err.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                raise _refusal(shown, what, os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode) from None
+            os.close(fd)
+            fd = below
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def replacing_in(folder: int, name: str, shown: Path | str, what: str = "file", perm: int = 0o666,
+                 temporary: str | None = None) -> Iterator[IO[bytes]]:
+    """`replacing` ("wb") of the file `name` inside an open folder (open_folder; `shown`: its path, for errors): a new
+    O_EXCL|O_NOFOLLOW temporary in that folder (`temporary`: its name), renamed over `name` within it when the block
+    ends. A link or a non-regular file at `name` is a LinkError; one appearing later is replaced, never followed."""
+    with contextlib.suppress(FileNotFoundError):
+        mode = os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode
+        if not stat.S_ISREG(mode):
+            raise _refusal(shown, what, mode)
+    tmp = temporary or f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, perm, dir_fd=folder)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            yield file
+            file.flush()
+        os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=folder)
+        raise
 
 
 def sync_folder(folder: Path) -> None:

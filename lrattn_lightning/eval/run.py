@@ -64,12 +64,12 @@ if TYPE_CHECKING:
 def open_eval_run(ckpt: LoadedCheckpoint, tracking_uri: str, experiment: str = "lrattn") -> tuple[Any, str, bool]:
     """(client, run id, created): the checkpoint's training run if this store has it, else a new run."""
     from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
 
+    from lrattn_lightning.train.artifacts import LinkSafeClient
     from lrattn_lightning.train.callbacks import flat_run_params
     from lrattn_lightning.train.store import artifact_location
 
-    client = MlflowClient(tracking_uri)
+    client = LinkSafeClient(tracking_uri)
     run_id = (ckpt.mlflow or {}).get("run_id")
     cfg = ckpt.cfg
     if run_id:

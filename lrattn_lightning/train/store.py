@@ -162,11 +162,12 @@ def store_error(uri: str, err: BaseException) -> TrackingError:
 def open_store(uri: str, experiment: str) -> str:
     """Create the store if new and the experiment if missing (race-free); returns the experiment id."""
     from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
+
+    from lrattn_lightning.train.artifacts import LinkSafeClient
 
     with store_lock(uri):
         try:
-            client = MlflowClient(uri)
+            client = LinkSafeClient(uri)
             exp = client.get_experiment_by_name(experiment)
             if exp is None:
                 try:
@@ -188,10 +189,11 @@ def open_store(uri: str, experiment: str) -> str:
 def run_in_store(uri: str, run_id: str) -> bool:
     """Whether the store holds an active run `run_id` (a checkpoint may come from another store)."""
     from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
+
+    from lrattn_lightning.train.artifacts import LinkSafeClient
 
     try:
-        return MlflowClient(uri).get_run(run_id).info.lifecycle_stage == "active"
+        return LinkSafeClient(uri).get_run(run_id).info.lifecycle_stage == "active"
     except MlflowException:
         return False
 
@@ -210,11 +212,11 @@ def end_orphaned_runs(uri: str, experiment_id: str, run_dir: Path, keep: str | N
     (on this host) has no live fit (a live one would hold the lock and this start would have been refused);
     it was SIGKILLed, ran out of memory or lost power before it could end its run. Mark it KILLED with a tag
     saying why, so the folder does not show two RUNNING runs of one name. `keep`: the run being resumed."""
-    from mlflow.tracking import MlflowClient
+    from lrattn_lightning.train.artifacts import LinkSafeClient
 
     mine = run_dir_tag(run_dir)
     try:
-        client = MlflowClient(uri)
+        client = LinkSafeClient(uri)
         runs = client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=1000)
         orphans = [r for r in runs if r.data.tags.get(RUN_DIR_TAG) == mine and r.info.run_id != keep]
         for run in orphans:

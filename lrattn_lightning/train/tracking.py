@@ -32,6 +32,7 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lrattn_lightning.core.errors import first_line
+from lrattn_lightning.core.files import LinkError
 from lrattn_lightning.train.checkpoint.lock import launched_as_rank_zero
 from lrattn_lightning.train.schema import Metric
 from lrattn_lightning.train.store import (  # noqa: F401 (the store's names, also imported from here)
@@ -87,6 +88,9 @@ class TrackingLogger(MLFlowLogger):
 
     def __init__(self, *, experiment_id: str | None = None, **kwargs: Any):
         super().__init__(synchronous=True, **kwargs)  # errors surface here, not in a background queue
+        from lrattn_lightning.train.artifacts import LinkSafeClient  # (imports MLflow, as the line above did)
+
+        self._mlflow_client = LinkSafeClient(self._tracking_uri)  # artifacts never written through a link
         self._experiment_id = experiment_id
         self._remote = self._tracking_uri.startswith(("http://", "https://"))
         self._guard: _GuardedClient | None = None
@@ -139,6 +143,8 @@ class TrackingLogger(MLFlowLogger):
         try:
             with quiet_store():
                 return fn(*args, **kwargs)
+        except LinkError:
+            raise  # a link planted where an artifact goes (train/artifacts.py): one line, not an outage
         except Exception as err:
             if call_fault(err):  # this call's own fault (a bad value): dropped, the store is fine
                 self._lost[name] += 1
@@ -207,6 +213,8 @@ class TrackingLogger(MLFlowLogger):
             try:
                 with quiet_store():
                     fn(*args, **kwargs)
+            except LinkError:
+                raise
             except Exception as err:
                 if not call_fault(err):
                     return False  # still down (or down again): keep the rest, try again later

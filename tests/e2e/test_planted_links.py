@@ -134,3 +134,25 @@ def test_a_link_planted_at_a_comparisons_figure_is_refused(in_tmp, victim):
     with pytest.raises(LinkError, match="curves.svg is a symbolic link"):
         save_figure(fig, in_tmp, "curves")
     assert victim.read_text() == PRECIOUS
+
+
+def test_a_link_planted_at_a_runs_mlflow_artifact_is_refused_by_the_next_fit(data, in_tmp, victim, capsys):
+    """The fit's MLflow artifacts (train/schema.py Artifact, written by train/artifacts.py's client): a link planted
+    at the run's config.yaml after a first fit; the resumed fit logs its config again and refuses the link."""
+    from lrattn_lightning.train.artifacts import LinkSafeClient
+    from lrattn_lightning.train.schema import Artifact
+    from lrattn_lightning.train.store import absolute_sqlite
+
+    assert main(fit(data, "--trainer.enable_progress_bar", "false", "--model.schedule_steps", "4")) == 0
+    client = LinkSafeClient(absolute_sqlite("sqlite:///mlflow.db"))
+    (run,) = client.search_runs([client.get_experiment_by_name("exp").experiment_id])
+    config = client.local_artifact_folder(run.info.run_id) / Artifact.CONFIG
+    assert config.read_text().startswith("# lightning") or "trainer:" in config.read_text()  # logged normally
+    config.unlink()
+    config.symlink_to(victim)
+    capsys.readouterr()
+    assert main(fit(data, "--trainer.enable_progress_bar", "false", "--model.schedule_steps", "4", "--ckpt_path",
+                    "last", "--trainer.max_steps", "4")) == 2
+    error = the_error(capsys)
+    assert f"MLflow artifact {config} is a symbolic link to {victim}" in error, error
+    assert victim.read_text() == PRECIOUS and config.is_symlink()

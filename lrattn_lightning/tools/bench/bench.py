@@ -270,11 +270,13 @@ def format_table(report: dict[str, Any]) -> str:
 def log_mlflow(report: dict[str, Any], experiment: str) -> None:
     import mlflow
 
+    from lrattn_lightning.train.artifacts import LinkSafeClient
+
     m = report["meta"]
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         mlflow.set_tracking_uri("sqlite:///mlflow.db")
     mlflow.set_experiment(experiment)
-    with mlflow.start_run(run_name=f"bench-{m['size']}-{m['phase']}-{m['impl']}"):
+    with mlflow.start_run(run_name=f"bench-{m['size']}-{m['phase']}-{m['impl']}") as run:
         mlflow.log_params({k: v for k, v in m.items() if not isinstance(v, list | dict)})
         for r in report["results"]:
             prefix = f"bench/{r['mode']}/{r['ablation']}"
@@ -283,7 +285,7 @@ def log_mlflow(report: dict[str, Any], experiment: str) -> None:
                         "routing_efficiency"):
                 if r[key] is not None:
                     mlflow.log_metric(f"{prefix}/{key}", float(r[key]))
-        mlflow.log_dict(report, "bench.json")
+        LinkSafeClient().log_dict(run.info.run_id, report, "bench.json")  # never through a link (train/artifacts.py)
 
 
 def main(argv: list[str] | None = None) -> int:

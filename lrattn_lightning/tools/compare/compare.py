@@ -166,8 +166,7 @@ def _report_text(experiment: str, rows: list[Row], table_md: str, records: list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mlflow.tracking import MlflowClient
-
+    from lrattn_lightning.train.artifacts import LinkSafeClient
     from lrattn_lightning.train.store import resolve_tracking_uri
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -183,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="over a size ladder, fit one exponent alpha per method (default: one shared by all)")
     args = parser.parse_args(argv)
     uri = resolve_tracking_uri(args.tracking_uri, fallback_local=False)
-    client = MlflowClient(uri)
+    client = LinkSafeClient(uri)
     out = Path(args.out or f"reports/{args.experiment}")
     command = "lrattn compare " + " ".join(argv if argv is not None else sys.argv[2:])
     rows, files = write_report(client, args.experiment, out, args.sweep, args.reference, command,

@@ -44,12 +44,12 @@ def finished_runs(sweep: Sweep, tracking_uri: str) -> set[SweepRun]:
     db = sqlite_file(tracking_uri)
     if db is not None and not db.exists():  # nothing has finished there; opening it would create the file
         return set()
-    from mlflow.tracking import MlflowClient  # (~2 s to import: not for a store that does not exist)
-
+    # (~2 s to import MLflow: not for a store that does not exist)
     from lrattn_lightning.tools.compare.runs import search_all
+    from lrattn_lightning.train.artifacts import LinkSafeClient
 
     with store_lock(tracking_uri):  # a new sqlite store is created by the first client, once
-        client = MlflowClient(tracking_uri)
+        client = LinkSafeClient(tracking_uri)
     exp = client.get_experiment_by_name(sweep.experiment)
     if exp is None:
         return set()
@@ -72,11 +72,10 @@ def diverged_runs(sweep: Sweep, tracking_uri: str) -> dict[SweepRun, str]:
     db = sqlite_file(tracking_uri)
     if db is not None and not db.exists():
         return {}
-    from mlflow.tracking import MlflowClient
-
     from lrattn_lightning.tools.compare.runs import search_all
+    from lrattn_lightning.train.artifacts import LinkSafeClient
 
-    client = MlflowClient(tracking_uri)
+    client = LinkSafeClient(tracking_uri)
     exp = client.get_experiment_by_name(sweep.experiment)
     if exp is None:
         return {}
