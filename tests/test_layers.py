@@ -150,8 +150,8 @@ def routing_switches(mods: list[tuple[str, Path]], exempt: set[Path]) -> list[st
 
 
 def test_only_a_routing_kinds_own_files_name_routing_kinds():
-    """Everything about a routing kind lives in its module (model/routing/kinds.py): no other module switches on
-    `routing` or compares it with a kind's name."""
+    """What defines a routing kind lives in its module (model/routing/kind.py): no other module switches on `routing`
+    or compares it with a kind's name (an outer layer's table by kind name: tests/model/routing/test_kinds.py)."""
     offenders = routing_switches(modules(), _kind_modules())
     assert not offenders, offenders
     from lrattn_lightning.model.routing.kinds import known_kinds

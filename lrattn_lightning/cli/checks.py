@@ -43,8 +43,7 @@ def check_numbers(subcommand: str, cfg) -> None:
                          "(or -1 to let --trainer.max_epochs decide)")
     if subcommand == "fit" and cfg.checkpoint_every < 1:
         raise UsageError(f"--checkpoint_every {cfg.checkpoint_every}: give a positive number of steps between saves")
-    for name, value, least in (("--data.seq_len", data.seq_len, 1), ("--data.batch_size", data.batch_size, 1),
-                               ("--data.num_workers", data.num_workers, 0)):
+    for name, value, least in (("--data.batch_size", data.batch_size, 1), ("--data.num_workers", data.num_workers, 0)):
         if value is not None and value < least:
             raise UsageError(f"{name} {value}: must be an integer >= {least}")
     check_training_numbers(subcommand, cfg)

@@ -37,11 +37,11 @@ from lrattn_lightning.core.errors import UsageError
 from lrattn_lightning.core.malloc import keep_freed_memory
 from lrattn_lightning.core.names import check_name
 from lrattn_lightning.data.datamodule import TokenDataModule
-from lrattn_lightning.data.shards import validate_data_dir
+from lrattn_lightning.data.shards import training_window, validate_data_dir
 from lrattn_lightning.model.registry import load_registry
 from lrattn_lightning.train.checkpoint import lock, stop
 from lrattn_lightning.train.checkpoint.stop import NonFiniteLossError
-from lrattn_lightning.train.lit_module import LRAttnModule
+from lrattn_lightning.train.lit_module import LRAttnModule, building_from
 from lrattn_lightning.train.schema import Artifact, Param
 from lrattn_lightning.train.settings import Provenance, current_git_commit
 from lrattn_lightning.train.tracking import resolve_tracking_uri
@@ -134,15 +134,11 @@ class LRAttnCLI(RunOutputs, LightningCLI):
         self.registry = registry = load_registry(cfg.registry)  # the one read of the registry in this command
         if from_ckpt and cfg.ablation not in registry.ablations:
             ablation = self._ckpt_head["model_config"]["ablation"]
-            router = f" (routing external, router {ablation.get('router')})" if ablation.get("routing") == "external" else ""
+            router = f" (routing external, router {ablation['router']})" if ablation.get("router") else ""
             raise UsageError(f"ablation '{cfg.ablation}'{router} of --ckpt_path {cfg.ckpt_path} is not in registry "
                              f"{registry.path}; pass --registry FILE, the registry the checkpoint was trained with")
         model_cfg = registry.model(cfg.size, cfg.ablation)  # unknown names list the closest; the module records its names
-        if cfg.data.seq_len is None:
-            cfg.data.seq_len = model_cfg.size.seq_len
-        elif cfg.data.seq_len > model_cfg.size.seq_len:
-            raise UsageError(f"--data.seq_len={cfg.data.seq_len} exceeds seq_len={model_cfg.size.seq_len} of size "
-                             f"'{cfg.size}'; use a shorter window or a larger size")
+        cfg.data.seq_len = training_window(cfg.data.seq_len, model_cfg.size, "--data.seq_len")
         validate_data_dir(cfg.data.data_dir, model_cfg.size, cfg.data.seq_len, registry.sizes.values())
         if self.subcommand == "fit":
             checks.check_one_batch(cfg)
@@ -168,7 +164,12 @@ class LRAttnCLI(RunOutputs, LightningCLI):
         provenance = Provenance.of(model_cfg, registry.sha256, current_git_commit())
         for field in PROVENANCE:
             setattr(cfg.model, field, getattr(provenance, field))
+        self.model_cfg = model_cfg
         self._claim_run(cfg)
+
+    def instantiate_classes(self) -> None:
+        with building_from(self.model_cfg):  # the module takes this ModelConfig, not a second reading of its dict
+            super().instantiate_classes()
 
     def after_instantiate_classes(self) -> None:
         self.model.resolved_from = self.registry  # (the run's description quotes the paper size's FLOPs from it)

@@ -16,7 +16,7 @@ import torch
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.data import remote
-from lrattn_lightning.data.shards import check_shards, read_meta, validate_data_dir
+from lrattn_lightning.data.shards import check_shards, read_meta, training_window, validate_data_dir
 from lrattn_lightning.data.tokenizer import load_tokenizer
 from lrattn_lightning.model.config import SizeConfig
 
@@ -83,8 +83,7 @@ class TokenDataModule(L.LightningDataModule):
     def validate_for(self, size: SizeConfig) -> dict[str, Any]:
         """Check the data against a model size (see `validate_data_dir`); fills in seq_len if unset."""
         meta = validate_data_dir(self.data_dir, size, self.seq_len)
-        if self.seq_len is None:
-            self.seq_len = size.seq_len
+        self.seq_len = training_window(self.seq_len, size)
         self._meta = meta
         return meta
 

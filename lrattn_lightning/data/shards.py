@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from lrattn_lightning.core.errors import InputError
+from lrattn_lightning.core.errors import InputError, UsageError
 from lrattn_lightning.data import remote
 from lrattn_lightning.data.staging import check_stop
 from lrattn_lightning.model.config import SizeConfig
@@ -193,23 +193,37 @@ def count_windows(chunks: list[dict[str, Any]], window: int) -> int:
     return sum(c["dim"] // window for c in chunks)
 
 
+def training_window(seq_len: int | None, size: SizeConfig, flag: str | None = None) -> int:
+    """The window a run trains and scores on: `seq_len` (the data module's, `--data.seq_len`), or the size's where it
+    is unset; an integer from 1 to the size's positions. The one home of that rule: `lrattn fit|validate|test`
+    (`flag`: its line names the flag), validate_data_dir and TokenDataModule.validate_for ask it."""
+    if seq_len is None:
+        return size.seq_len
+    name, error = (flag, UsageError) if flag else ("seq_len", InputError)
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        raise error(f"{name} {seq_len}: must be an integer >= 1")
+    if seq_len > size.seq_len:
+        raise error(f"{flag}={seq_len} exceeds seq_len={size.seq_len} of size '{size.name}'; use a shorter window or "
+                    "a larger size" if flag else f"seq_len {seq_len} exceeds the {size.seq_len} positions of size "
+                    f"'{size.name}'; use seq_len <= {size.seq_len}")
+    return seq_len
+
+
 def validate_data_dir(data_dir: str | Path, size: SizeConfig, seq_len: int | None = None,
                       sizes: Iterable[SizeConfig] = ()) -> dict[str, Any]:
     """Check a prepared folder against a model size before training; returns meta. ValueError on any problem.
 
-    `seq_len` (the DataModule's) defaults to `size.seq_len` and may not exceed it. `sizes` (the registry's): a
-    vocabulary too large for `size` names those that fit.
+    `seq_len` (the DataModule's): its training_window. `sizes` (the registry's): a vocabulary too large for `size`
+    names those that fit.
     """
     meta = read_meta(data_dir)
-    seq_len = size.seq_len if seq_len is None else seq_len
     if meta["vocab_size"] > size.vocab_size:
         raise InputError(
             f"data vocab_size {meta['vocab_size']} ({meta['tokenizer'].get('kind')} tokenizer in {data_dir}) exceeds "
             f"model vocab_size {size.vocab_size} of size '{size.name}'; {_sizes_that_fit(meta['vocab_size'], sizes)}; "
             f"or prepare the data with a smaller tokenizer (byte, or bpe:{size.vocab_size})"
         )
-    if seq_len > size.seq_len:
-        raise InputError(f"seq_len {seq_len} exceeds the {size.seq_len} positions of size '{size.name}'; use seq_len <= {size.seq_len}")
+    seq_len = training_window(seq_len, size)
     listing = remote.sizes(data_dir) if remote.is_remote(data_dir) else None
     for split in ("val", "train"):
         check_split(data_dir, meta, split, size, seq_len, listing)

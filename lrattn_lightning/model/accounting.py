@@ -101,7 +101,7 @@ def check_budget(cfg: SizeConfig | ModelConfig, where: str) -> None:
     if s.n_layers > MAX_LAYERS:
         raise InputError(f"{where}: n_layers {s.n_layers:,} exceeds the budget of {MAX_LAYERS:,} layers "
                          "(lrattn_lightning/model/accounting.py); use fewer layers")
-    routing = routing_params(cfg) if isinstance(cfg, ModelConfig) and not cfg.kind.user_code else 0
+    routing = routing_params(cfg) if isinstance(cfg, ModelConfig) and not cfg.kind.code_paths(cfg.options) else 0
     if count + routing > MAX_PARAMS:
         raise _over_budget(where, s, count + routing, routing)
 

@@ -1,7 +1,7 @@
 """Frozen configuration records for a model: its size and its depth-routing ablation.
 
 Importing this module needs no torch. A `ModelConfig` is one validated (size, ablation) pair. An `AblationConfig`
-holds its routing kind (model/routing/kind.py: the object that knows everything about one way of routing) and that
+holds its routing kind (model/routing/kind.py: what defines one way of routing) and that
 kind's typed options (`ablation.options`, a frozen dataclass the kind declares: model/options.py); model/routing/
 kinds.py builds one from a registry entry (options nested under the kind, or flat) or a checkpoint's flat fields,
 `to_dict` writes them back flat under their flat names.
@@ -78,7 +78,7 @@ class AblationConfig:
         if not isinstance(self.options, self.kind.Options):
             raise config_error(where, "options", f"routing {self.routing} takes {self.kind.Options.__name__}, got "
                                f"{type(self.options).__name__}")
-        self.kind.validate(self.options, where)
+        self.options.validate(where)
         return self
 
     def replace(self, **changes: Any) -> AblationConfig:
@@ -151,7 +151,7 @@ def fit_to_size(ablation: AblationConfig, size: SizeConfig) -> AblationConfig:
     For smoke tests of every registry entry at a tiny size only; the name records the change.
     Training never clips: a mismatched pair is an error there.
     """
-    changes = ablation.kind.clipped_to(ablation.options, size)
+    changes = ablation.options.clipped_to(size)
     if not changes:
         return ablation
     return ablation.replace(name=f"{ablation.name}@fit-{size.name}", **changes)

@@ -183,6 +183,12 @@ class KindOptions:
         check_fields(self, where, self.label)
         self.rules(where)
 
+    def clipped_to(self, size: Any) -> dict[str, Any]:
+        """Option changes that make an entry build at a small `size` (`fit_to_size`: tests and dry runs only).
+        The default, none, is the deliberate one for options that fit any size: an option that does not fit is
+        still refused by the kind's validate_model, loudly, so a forgotten clip fails the every-entry tests."""
+        return {}
+
     def rules(self, where: str) -> None:
         """Rules between the options, each already of its annotated type (none by default)."""
 

@@ -371,9 +371,10 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def exported_router(folder: Path) -> str | None:
-    """The router class an exported folder's model imports (routing: external), else None."""
+    """The router class an exported folder's model imports (routing external's `router`, the only kind with one), else
+    None."""
     ablation = json.loads((Path(folder) / "config.json").read_text())["model_config"]["ablation"]
-    return ablation.get("router") if ablation.get("routing") == "external" else None
+    return ablation.get("router") or None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,8 @@
 """Routing diagnostics computed from the forward pass's own weights (not a re-derivation).
 
-Every routing kind that records (RoutingKind.diagnostics) hands over one tensor [S, B, T, m] per heatmap row
-(S sources; B, T, m may be 1); `weights_table` averages each over batch, tokens and depth heads into the
-ragged rows x sources matrix of routing/weights.json, with the kind's labels (RoutingKind.diagnostic_axes):
+Every routing kind that records (train/routing_axes.py: what its weights are) hands over one tensor [S, B, T, m] per
+heatmap row (S sources; B, T, m may be 1); `weights_table` averages each over batch, tokens and depth heads into the
+ragged rows x sources matrix of routing/weights.json, with the kind's labels (routing_axes.axes):
 
     {"step": N, "kind": ..., "sites_by_sources": [[...], ...], "site_labels": [...], "source_labels": [...],
      "site_axis": ..., "source_axis": ..., "value": ...}           (a cell the kind leaves empty: null)
@@ -28,6 +28,8 @@ import math
 
 from torch import Tensor
 
+from lrattn_lightning.train import routing_axes
+
 STATS = ("entropy", "eff_sources", "top1", "embedding")
 GATE_STATS = ("alpha", "saturated")
 SATURATION = 0.01
@@ -51,11 +53,11 @@ def site_stats(weights: list[Tensor], embedding_column: int = 0) -> list[dict[st
 
 def mean_stats(cfg, weights: list[Tensor]) -> dict[str, float]:
     """The statistics averaged over sites, as the routing/mean/<stat> metrics ({} for mixing weights)."""
-    kind = cfg.kind.diagnostics
+    kind = routing_axes.recorded(cfg)
     if kind == "gates":
         stats, names = gate_stats(weights), GATE_STATS
     elif kind == "depth_weights":
-        stats, names = site_stats(weights, cfg.kind.diagnostic_axes(cfg)["embedding_column"]), STATS
+        stats, names = site_stats(weights, routing_axes.axes(cfg)["embedding_column"]), STATS
     else:
         return {}
     return {name: sum(r[name] for r in stats) / len(stats) for name in names} if stats else {}
@@ -73,7 +75,7 @@ def mean_weights(weights: list[Tensor]) -> list[list[float | None]]:
 
 def weights_table(cfg, weights: list[Tensor]) -> dict:
     """routing/weights.json's content (without the step): the matrix and the kind's labels."""
-    axes = {k: v for k, v in cfg.kind.diagnostic_axes(cfg).items() if k != "embedding_column"}
+    axes = {k: v for k, v in routing_axes.axes(cfg).items() if k != "embedding_column"}
     matrix = mean_weights(weights)
     if axes.get("site_labels") is not None and len(axes["site_labels"]) != len(matrix):
         axes["site_labels"] = None  # (a router recording other rows than its kind says: numbered instead)

@@ -3,9 +3,11 @@
 Built from typed groups (train/settings.py): the ModelConfig, OptimiserSettings, RuntimeSettings and the routing
 kinds' training options. The module is built from one validated ModelConfig: `LRAttnModule.from_config(cfg, optimiser,
 runtime)` (`lrattn bench`, Python) hands it over as is; `LRAttnModule.from_names(size, ablation)` resolves the names in
-the registry first (the registry's hash and the git commit recorded). Lightning builds it from plain values
-(LightningCLI, load_from_checkpoint): `model_config` is the config's dict (the CLI's, resolved once with its
-provenance `registry_sha256`, `git_commit`; a checkpoint's), read once; the module reads no registry and runs no git.
+the registry first (the registry's hash and the git commit recorded). Lightning builds it from plain values:
+LightningCLI hands `model_config` as the dict of the config the CLI resolved and checked once (with its provenance
+`registry_sha256`, `git_commit`), and the module takes that ModelConfig itself (`building_from`), not a second
+reading of the dict; load_from_checkpoint hands a checkpoint's dict, which is read and checked. The module reads no
+registry and runs no git.
 
 The settings keep their flat names (`--model.lr`, `--model.gate_freeze_steps`, the checkpoint's hyper_parameters):
 every recipe, sweep file and checkpoint of before the groups means what it meant; train/settings.py says why.
@@ -20,6 +22,9 @@ size/ablation is an error.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import lightning as L
@@ -53,7 +58,21 @@ from lrattn_lightning.train.settings import (
 )
 from lrattn_lightning.train.validation import Validation
 
-__all__ = ["LRAttnModule"]
+__all__ = ["LRAttnModule", "building_from"]
+
+_HANDED: ContextVar[ModelConfig | None] = ContextVar("lrattn_handed_model_config", default=None)
+
+
+@contextmanager
+def building_from(cfg: ModelConfig) -> Iterator[None]:
+    """Within it, a module Lightning builds from `cfg`'s own dict (LightningCLI hands the module plain values) takes
+    `cfg` itself: resolved and checked once by the caller (`lrattn fit|validate|test`), not again from its dict. Any
+    other dict (a checkpoint's hyper-parameters) is read and checked as it comes."""
+    token = _HANDED.set(cfg)
+    try:
+        yield
+    finally:
+        _HANDED.reset(token)
 
 
 class LRAttnModule(Validation, Optimization, L.LightningModule):
@@ -72,7 +91,13 @@ class LRAttnModule(Validation, Optimization, L.LightningModule):
                              "resolves the names in the registry, LRAttnModule.from_config(cfg) takes a resolved one")
         self.resolved_from: Registry | None = None  # the registry the names were resolved in (from_names)
         given = isinstance(model_config, ModelConfig)  # validated already: no round trip through a dict
-        cfg = model_config if given else model_config_from_dict(model_config)
+        handed = _HANDED.get()  # the CLI's own ModelConfig, handed over as its dict (building_from)
+        if given:
+            cfg = model_config
+        elif handed is not None and model_config == handed.to_dict():
+            cfg = handed
+        else:  # plain values from outside (a checkpoint's hyper-parameters): read and checked
+            cfg = model_config_from_dict(model_config)
         self.save_hyperparameters(ignore=["model_config"] if given else None, logger=False)
         for key, value in chosen.flat().items():  # every setting, given or not (checkpoints, MLflow params)
             self.hparams.setdefault(key, value)

@@ -91,13 +91,14 @@ class Param:
     ADDED_FLOPS = "added_flops_pct"  # the routing's FLOPs over the core's, in %; `unknown` for a silent router
     REGISTRY_SHA = Tag.REGISTRY_SHA  # the registry's hash
     # the LightningModule's settings: TRAIN_PREFIX + each of train_settings() (the values given, e.g. muon_dtype
-    # auto): these of its optimiser and runtime, and every routing kind's training options (the gated residual's
-    # gate_*), which the kinds declare
+    # auto): these of its optimiser and runtime, and the flags of the routing kinds' training controls
+    # (train/controls.py, whose option_names these must be: tests/train/test_schema.py)
     TRAIN_PREFIX = "train_"
     MODULE_SETTINGS = ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_decay", "muon_variant", "muon_dtype",
                        "muon_momentum", "muon_momentum_min", "muon_momentum_warmup_steps",
                        "muon_momentum_cooldown_steps", "warmup_steps", "decay_fraction", "final_lr_fraction",
                        "z_loss", "compile", "document_masking", "attention", "impl")
+    ROUTING_SETTINGS = ("gate_freeze_steps", "gate_release_loss", "gate_grad_normalize")  # the gated residual's
     MUON_DTYPE_RESOLVED = "train_muon_dtype_resolved"  # what muon_dtype `auto` became on this machine, `none`
     SCHEDULE_STEPS = "train_schedule_steps"  # the steps the learning-rate schedule spans
     # the recipe (train/callbacks/run_params.py recipe_params)
@@ -142,7 +143,7 @@ class Metric:
     TRAIN_CE = "train/ce"  # its cross-entropy
     TOKENS_SEEN = "train/tokens_seen"  # tokens trained on once the step is taken
     GRAD_NORM = "train/grad_norm"  # the gradient's norm before clipping
-    GATES_HELD = "train/gates_held"  # the gated residual's gates held (model/routing/gated.py; 1 while held)
+    GATES_HELD = "train/gates_held"  # the gated residual's gates held (train/controls.py GateHold; 1 while held)
     LR = "train/lr/"  # + optimizer group (muon, adamw): LearningRateMonitor
     MOMENTUM = "train/momentum/"  # + Muon group: the momentum the schedule set
     EPOCH = "epoch"  # Lightning's epoch counter (only with --log_counters true)
@@ -213,12 +214,9 @@ def names(kind: str) -> frozenset[str]:
 
 
 def train_settings() -> tuple[str, ...]:
-    """The LightningModule's settings logged as `train_<name>` params: Param.MODULE_SETTINGS, then the training
-    options the routing kinds declare (model/routing/kinds.py training_option_names; imported here, as in
-    model_param_keys), so a kind with training controls of its own needs no edit here."""
-    from lrattn_lightning.model.routing.kinds import training_option_names
-
-    return Param.MODULE_SETTINGS + training_option_names()
+    """The LightningModule's settings logged as `train_<name>` params: those of its optimiser and runtime, then the
+    flags of the routing kinds' training controls."""
+    return Param.MODULE_SETTINGS + Param.ROUTING_SETTINGS
 
 
 def model_param_keys() -> frozenset[str]:

@@ -5,9 +5,9 @@
     OptimiserSettings  what shapes the optimiser's steps: the optimiser, its learning rates, weight decays and Muon
                        settings (train/optim.py), the warmup-stable-decay schedule (train/schedule.py), the z-loss
     RuntimeSettings    how the model is computed and scored: compile, impl, attention, document masking, diagnostics
-    routing options    the training-time controls the routing kinds declare (RoutingKind.training_options, typed by
-                       the keyword parameters of its training_class: the gated residual's gate_*), collected here
-                       from every kind; the module applies them through the kind without naming one
+    routing options    the flags of the routing kinds' training-time controls (train/controls.py: the keyword
+                       parameters of each control's class, the gated residual's gate_*), collected here from every
+                       control; the module applies them through controls.control_for without naming a kind
     Provenance         where a run comes from: its ModelConfig as a dict, the registry's sha256, the git commit
 
 Flat names, kept on purpose: every setting is still `--model.NAME` (`--model.lr`, `--model.impl`,
@@ -47,7 +47,7 @@ from lrattn_lightning.core.files import PACKAGE_ROOT
 from lrattn_lightning.core.names import closest_names
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.routing.attnres import DEFAULT_IMPL
-from lrattn_lightning.model.routing.kinds import KINDS, check_training_options
+from lrattn_lightning.train import controls
 from lrattn_lightning.train.muon import MuonDtype
 from lrattn_lightning.train.optim import MUON_VARIANTS, MuonVariant
 from lrattn_lightning.train.schedule import MomentumSchedule
@@ -205,21 +205,6 @@ class Provenance:
         return cls(cfg.to_dict(), registry_sha256, git_commit)
 
 
-def routing_parameters() -> dict[str, inspect.Parameter]:
-    """Every training-time option some routing kind declares, as a keyword parameter with its type and default
-    (the keyword parameters of the kind's training_class named in its training_options)."""
-    found: dict[str, inspect.Parameter] = {}
-    for kind in KINDS.values():
-        if kind.training_class is None:
-            continue
-        params = inspect.signature(kind.training_class).parameters
-        hints = typing.get_type_hints(kind.training_class.__init__)
-        for name in kind.training_options:
-            found.setdefault(name, params[name].replace(kind=inspect.Parameter.KEYWORD_ONLY,
-                                                        annotation=hints.get(name, Any)))
-    return found
-
-
 def _fields(group: type) -> list[inspect.Parameter]:
     hints = typing.get_type_hints(group)
     return [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
@@ -227,7 +212,7 @@ def _fields(group: type) -> list[inspect.Parameter]:
 
 
 SETTING_GROUPS = (OptimiserSettings, RuntimeSettings)  # every group whose fields are flags (`--model.NAME`)
-ROUTING = routing_parameters()
+ROUTING = controls.parameters()
 FLAGS: dict[str, inspect.Parameter] = {p.name: p for p in (*(p for g in SETTING_GROUPS for p in _fields(g)),
                                                               *ROUTING.values())}
 
@@ -247,8 +232,8 @@ class ModuleSettings:
 
     def routing_control(self, cfg: ModelConfig, router: Any) -> Any:
         """The kind's training control (None: it has none); an option set for a kind that does not read it: one line."""
-        check_training_options(cfg, {k: v != ROUTING[k].default for k, v in self.routing.items()})
-        return cfg.kind.training_control(router, {k: self.routing[k] for k in cfg.kind.training_options})
+        controls.check_options(cfg, {k: v != ROUTING[k].default for k, v in self.routing.items()})
+        return controls.control_for(cfg, router, self.routing)
 
 
 def module_settings(**flat: Any) -> ModuleSettings:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from lrattn_lightning.data.shards import bits_per_byte
-from lrattn_lightning.train import diagnostics
+from lrattn_lightning.train import diagnostics, routing_axes
 from lrattn_lightning.train.checkpoint.stop import NonFiniteLossError
 from lrattn_lightning.train.losses import token_losses
 from lrattn_lightning.train.schema import Metric
@@ -22,7 +22,7 @@ class Validation:
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        record = batch_idx == 0 and self.runtime.routing_diagnostics and self.cfg.kind.diagnostics is not None
+        record = batch_idx == 0 and self.runtime.routing_diagnostics and routing_axes.recorded(self.cfg) is not None
         out = self.model(inputs, return_routing=record)
         logits = out.logits if record else out
         if record:

@@ -22,6 +22,7 @@ from conftest import (
 
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.decoder import build_decoder
+from lrattn_lightning.train import routing_axes
 
 # ---- an independent plain pre-norm decoder (requirement 2) -------------------------------------
 
@@ -245,15 +246,15 @@ def test_forward_in_float32_and_bfloat16(registry, name, dtype):
         for w in out.routing:
             assert w.shape == (2, 2, 8, 1) and w.dtype == torch.float32
             torch.testing.assert_close(w.sum(0), torch.ones(2, 8, 1))
-    elif cfg.kind.diagnostics is None:
+    elif routing_axes.recorded(cfg) is None:
         assert not out.routing  # no routing weights with the plain residual stream
     else:  # every other kind records its weights, one [S, B, T, m] float32 tensor per row of its heatmap
-        sites = cfg.kind.diagnostic_axes(cfg)["site_labels"]
+        sites = routing_axes.axes(cfg)["site_labels"]
         assert len(out.routing) == len(sites)
         for w in out.routing:
             assert w.dim() == 4 and w.shape[1:3] in ((2, 8), (1, 1)) and w.dtype == torch.float32  # (1, 1): static
             assert torch.isfinite(w).any() and not torch.isinf(w).any()  # (NaN: a source a DWA leaves out)
-            if cfg.kind.diagnostics == "depth_weights":  # a softmax over the sources
+            if routing_axes.recorded(cfg) == "depth_weights":  # a softmax over the sources
                 torch.testing.assert_close(w.sum(0), torch.ones_like(w[0]))
 
 

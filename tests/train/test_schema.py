@@ -227,31 +227,23 @@ def test_the_read_check_reports_a_key_the_schema_lacks(store, monkeypatch):
     assert reads.undeclared() == {"tag": ["lrattn.not_declared", "lrattn.other"], "metric": ["val/undeclared"]}
 
 
-def test_the_kinds_training_options_are_declared_train_params(monkeypatch):
-    """The train_* params of the routing kinds' training controls come from the kinds, not from a list here: today
-    the gated residual's gate_* (GateHold's keyword parameters), and a new kind's own once it declares them."""
+def test_the_controls_flags_are_declared_train_params():
+    """The train_* params of the routing kinds' training controls are declared here (Param.ROUTING_SETTINGS) and are
+    exactly the controls' flags (train/controls.py: today the gated residual's gate_*, GateHold's keyword
+    parameters); what a control logs is a declared metric (GateHold: train/gates_held)."""
     import inspect
 
-    from lrattn_lightning.model.routing import kinds
-    from lrattn_lightning.model.routing.gated import GateHold
-    from lrattn_lightning.model.routing.kind import RoutingKind
+    from lrattn_lightning.model.registry import load_registry
+    from lrattn_lightning.model.routing.gated import GatedRouter
+    from lrattn_lightning.train import controls
     from lrattn_lightning.train.callbacks.run_params import TRAIN_PARAMS
 
-    gated = kinds.KINDS["gated"]
     derived = set(schema.train_settings()) - set(Param.MODULE_SETTINGS)
-    assert derived == set(gated.training_options) == set(inspect.signature(GateHold).parameters) - {"router"}
+    assert Param.ROUTING_SETTINGS == controls.option_names()
+    assert derived == set(inspect.signature(controls.GateHold).parameters) - {"router"}
     assert {"gate_freeze_steps", "gate_release_loss", "gate_grad_normalize"} == derived
     assert {Param.TRAIN_PREFIX + name for name in derived} <= schema.names("param")
     assert TRAIN_PARAMS == schema.train_settings()  # what the run's description logs
-
-    class Warmup:
-        def __init__(self, router, warm_steps: int = 5):
-            self.router, self.steps = router, warm_steps
-
-    class WarmKind(RoutingKind):
-        name = "warm"
-        training_options = ("warm_steps",)
-        training_class = Warmup
-
-    monkeypatch.setitem(kinds.KINDS, "warm", WarmKind())
-    assert schema.train_settings()[-1] == "warm_steps" and "gate_freeze_steps" in schema.train_settings()
+    cfg = load_registry(REGISTRY_PATH).model("tiny", "gated-residual")
+    hold = controls.GateHold(GatedRouter(cfg), gate_freeze_steps=2)
+    assert list(hold.log_values()) == [Metric.GATES_HELD] and schema.undeclared("metric", hold.log_values()) == []

@@ -15,9 +15,8 @@ import torch
 from lrattn_lightning.cli import main
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model import registry as registry_module
-from lrattn_lightning.model.routing import kinds
-from lrattn_lightning.model.routing.kind import RoutingKind
-from lrattn_lightning.train import settings
+from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.train import controls, settings
 from lrattn_lightning.train.lit_module import LRAttnModule
 from lrattn_lightning.train.settings import OptimiserSettings, Provenance, RuntimeSettings
 
@@ -98,25 +97,22 @@ def test_every_flag_of_before_still_parses():
         assert model[name] == (tuple(value) if name == "betas" else value), name
 
 
-def test_a_kind_declares_its_training_options_by_its_control_class(monkeypatch):
-    """A kind's training options become module flags with the types and defaults of its training_class, and the
-    default training_control builds that class: the module names no kind."""
+def test_a_kinds_training_control_declares_its_flags_by_its_class(monkeypatch, registry, tiny):
+    """A control's keyword parameters become module flags with their types and defaults (train/controls.py), and
+    control_for builds it for its kind: the module names no kind."""
     class Warmup:
         def __init__(self, router, warm_steps: int = 5, warm_loss: float | None = None):
             self.router, self.steps, self.loss = router, warm_steps, warm_loss
 
-    class WarmKind(RoutingKind):
-        name = "warm"
-        training_options = ("warm_steps", "warm_loss")
-        training_class = Warmup
-
-    monkeypatch.setitem(kinds.KINDS, "warm", WarmKind())
-    found = settings.routing_parameters()
+    monkeypatch.setitem(controls.CONTROLS, "denseformer", Warmup)
+    found = controls.parameters()
     assert {k: (p.annotation, p.default) for k, p in found.items() if k.startswith("warm")} == {
         "warm_steps": (int, 5), "warm_loss": (float | None, None)}
     assert found["gate_freeze_steps"].default == 0  # the gated residual's, from GateHold
-    control = WarmKind().training_control("router", {"warm_steps": 2, "warm_loss": None})
-    assert isinstance(control, Warmup) and control.steps == 2
+    cfg = ModelConfig(tiny, registry.ablation("denseformer"))
+    control = controls.control_for(cfg, "router", {"warm_steps": 2, "warm_loss": None, "gate_freeze_steps": 0})
+    assert isinstance(control, Warmup) and control.steps == 2 and control.router == "router"
+    assert controls.control_for(ModelConfig(tiny, registry.ablation("baseline")), "router", {}) is None
     sig = inspect.signature(settings.module_settings)  # what LightningCLI makes flags of
     assert [p.name for p in sig.parameters.values()] == list(settings.FLAGS)
 

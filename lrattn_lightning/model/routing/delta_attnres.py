@@ -155,6 +155,10 @@ class DeltaAttnResOptions(KindOptions):
     block_layers: PositiveInt | None = None  # P, layers per block (None: the public code's ceil(L / 4))
     block_sources: BlockSources = "recursive"  # b_k = H_k - b_{k-1} (the public code) or H_k - H_{k-1}
 
+    def clipped_to(self, size: SizeConfig) -> dict[str, Any]:
+        P = self.block_layers
+        return {"block_layers": max(1, size.n_layers - 1)} if P is not None and P >= size.n_layers else {}
+
     def rules(self, where: str) -> None:
         if self.mode == "delta":
             mode = self.name_of("mode")
@@ -164,10 +168,20 @@ class DeltaAttnResOptions(KindOptions):
                                                   "drop the field")
 
 
+def read_sources(cfg: ModelConfig) -> list[int]:
+    """|S_j| for the read sites j = first..2L-1 (first: 0 with the null source, else 1)."""
+    null = int(cfg.options.null_source)
+    first = 0 if null else 1
+    if cfg.options.mode == "delta":
+        return [(j + 1 if j else 0) + null for j in range(first, cfg.size.n_sublayers)]
+    P = block_layers(cfg)  # read j is layer j // 2's attention (even j) or MLP (odd j)
+    return [(j // 2 // P + 1 if j % 2 else math.ceil(j // 2 / P)) + null for j in range(first, cfg.size.n_sublayers)]
+
+
 class DeltaAttnResKind(RoutingKind):
     name = "delta_attnres"
     Options = DeltaAttnResOptions
-    diagnostics = "depth_weights"
+    takes_impl = False
 
     def validate_model(self, cfg: ModelConfig, where: str) -> None:
         P, L = cfg.options.block_layers, cfg.size.n_layers
@@ -175,59 +189,34 @@ class DeltaAttnResKind(RoutingKind):
             raise cfg.options.error(where, "block_layers", f"{P} layers per block leave no block after the first in "
                                                             f"{L} layers; choose 1..{L - 1} (or null)")
 
-    def clipped_to(self, options: DeltaAttnResOptions, size: SizeConfig) -> dict[str, Any]:
-        P = options.block_layers
-        return {"block_layers": max(1, size.n_layers - 1)} if P is not None and P >= size.n_layers else {}
-
-    def diagnostic_axes(self, cfg: ModelConfig) -> dict:
-        null = cfg.options.null_source
-        first = 0 if null else 1
-        if cfg.options.mode == "delta":
-            labels = [str(i) for i in range(max(self._sources(cfg)) - int(null))]
-            axis = "0 = embedding, i = sublayer i's output"
-        else:
-            labels, axis = self._block_labels(cfg), "x0 = embedding, Bk = the outputs of block k's layers (L = layers)"
-        return {"site_labels": [str(j) for j in range(first, cfg.size.n_sublayers)],
-                "source_labels": (["null"] if null else []) + labels,
-                "site_axis": "read site j (its read is added to the stream sublayer j + 1 sees)",
-                "source_axis": f"source (null: the learned zero source; {axis})",
-                "value": "mean softmax weight", "embedding_column": 1 if null else 0}
-
-    @staticmethod
-    def _block_labels(cfg: ModelConfig) -> list[str]:
-        """b_0 .. b_{K-1} by what they hold: x0, then B_k (layers), + B_{k-2} + ... for the recursive sources."""
-        P, L = block_layers(cfg), cfg.size.n_layers
-        names = ["x0"] + [f"B{k}" for k in range(1, math.ceil(L / P))]
-        labels = ["x0"]
-        for k in range(1, len(names)):
-            held = names[k::-2] if cfg.options.block_sources == "recursive" else names[k:k + 1]
-            layers = f"L{k - 1}" if P == 1 else f"L{(k - 1) * P}-{k * P - 1}"
-            labels.append(f"{held[0]} ({layers})" + "".join(f" + {n}" for n in held[1:]))
-        return labels
+    def resolve_impl(self, cfg: ModelConfig, requested: str, compiled: bool = False) -> str:
+        return requested  # one implementation
 
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return DeltaAttnResRouter(cfg)
 
-    @staticmethod
-    def _sources(cfg: ModelConfig) -> list[int]:
-        """|S_j| for the read sites j = first..2L-1."""
-        null = int(cfg.options.null_source)
-        first = 0 if null else 1
-        if cfg.options.mode == "delta":
-            return [(j + 1 if j else 0) + null for j in range(first, cfg.size.n_sublayers)]
-        P = block_layers(cfg)  # read j is layer j // 2's attention (even j) or MLP (odd j)
-        return [(j // 2 // P + 1 if j % 2 else math.ceil(j // 2 / P)) + null for j in range(first, cfg.size.n_sublayers)]
+    def extra_out(self, cfg: ModelConfig) -> int:
+        return 0
+
+    def key_dim(self, cfg: ModelConfig) -> int:
+        return 0  # its keys are the sources themselves, no key rows
+
+    def block_ends(self, cfg: ModelConfig) -> list[int]:
+        return []  # delta_block's blocks are its own (block_layers), not AttnRes's block summaries
 
     def routing_params(self, cfg: ModelConfig) -> int:
-        return len(self._sources(cfg)) * cfg.size.d_model * (3 if cfg.options.null_source else 2)
+        return len(read_sources(cfg)) * cfg.size.d_model * (3 if cfg.options.null_source else 2)
 
     def added_flops(self, cfg: ModelConfig) -> int:
         d = cfg.size.d_model
         starts = 0 if cfg.options.mode == "delta" else math.ceil(cfg.size.n_layers / block_layers(cfg)) - 1
-        return sum(n * 5 * d + d for n in self._sources(cfg)) + starts * d
+        return sum(n * 5 * d + d for n in read_sources(cfg)) + starts * d
 
     def adamw_names(self, router: nn.Module) -> None:
         return None  # one d-vector per site, each: AdamW
+
+    def code_paths(self, options: DeltaAttnResOptions) -> list[str]:
+        return []
 
 
 KIND = DeltaAttnResKind()

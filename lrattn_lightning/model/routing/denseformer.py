@@ -99,13 +99,7 @@ class DenseFormerOptions(KindOptions):
 class DenseFormerKind(RoutingKind):
     name = "denseformer"
     Options = DenseFormerOptions
-    diagnostics = "mixing"
-
-    def diagnostic_axes(self, cfg: ModelConfig) -> dict:
-        return {"site_labels": [f"after layer {t}" for t in averaged_layers(cfg)], "source_labels": None,
-                "site_axis": "DWA (its average is what the next layer and the head read)",
-                "source_axis": "source x_s (0 = embedding, s = layer s's output)", "value": "weight w_{t,s}",
-                "embedding_column": 0}
+    takes_impl = False
 
     def validate_model(self, cfg: ModelConfig, where: str) -> None:
         L = cfg.size.n_layers
@@ -113,14 +107,32 @@ class DenseFormerKind(RoutingKind):
             raise cfg.options.error(where, "period", f"period={cfg.options.period} exceeds the {L} layers: no layer "
                                     f"would average; choose period <= {L}")
 
+    def resolve_impl(self, cfg: ModelConfig, requested: str, compiled: bool = False) -> str:
+        return requested  # one implementation
+
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return DenseFormerRouter(cfg)
+
+    def extra_out(self, cfg: ModelConfig) -> int:
+        return 0
+
+    def key_dim(self, cfg: ModelConfig) -> int:
+        return 0
+
+    def block_ends(self, cfg: ModelConfig) -> list[int]:
+        return []
 
     def routing_params(self, cfg: ModelConfig) -> int:
         return sum(len(group_of(t, cfg.options.dilation)) for t in averaged_layers(cfg))
 
     def added_flops(self, cfg: ModelConfig) -> int:
         return 2 * cfg.size.d_model * self.routing_params(cfg)
+
+    def adamw_names(self, router: nn.Module) -> set[str]:
+        return set()  # its weight vectors go by the usual rule (vectors: AdamW)
+
+    def code_paths(self, options: DenseFormerOptions) -> list[str]:
+        return []
 
 
 KIND = DenseFormerKind()

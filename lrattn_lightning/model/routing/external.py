@@ -39,7 +39,7 @@ from torch import nn
 
 from lrattn_lightning.core.errors import InputError, config_error
 from lrattn_lightning.model.config import ModelConfig
-from lrattn_lightning.model.routing.kind import KindOptions, NotExpressible, RoutingKind
+from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
 from lrattn_lightning.model.routing.router import OPTIONAL, REQUIRED, Router
 from lrattn_lightning.model.routing.trust import IMPORT_PATH, is_trusted, untrusted_error
 
@@ -178,27 +178,29 @@ class ExternalOptions(KindOptions):
 
 
 class ExternalKind(RoutingKind):
+    """A user's router class: its counts and AdamW names are what the class says of itself (facts, adamw_names)."""
+
     name = "external"
     Options = ExternalOptions
-    owner_phrase = "only routing external names a router class"
-    diagnostics = "mixing"  # whatever a recording state's `weights` hold (docs/extending.md: the contract); none: nothing
-    user_code = True
+    takes_impl = False
 
-    def diagnostic_axes(self, cfg: ModelConfig) -> dict:
-        return {
-            "site_labels": None,
-            "source_labels": None,
-            "site_axis": "row of the router's state.weights",
-            "source_axis": f"source, as {cfg.options.router} orders them",
-            "value": "mean weight",
-            "embedding_column": None,
-        }
+    def validate_model(self, cfg: ModelConfig, where: str) -> None:
+        """The class is checked when it is built (build_external), not here: nothing to import at load."""
 
-    def code_paths(self, options: ExternalOptions) -> list[str]:
-        return [options.router]
+    def resolve_impl(self, cfg: ModelConfig, requested: str, compiled: bool = False) -> str:
+        return requested  # the class is its own implementation
 
     def build(self, cfg: ModelConfig, impl: str) -> Router:
         return build_external(cfg)
+
+    def extra_out(self, cfg: ModelConfig) -> int:
+        return 0  # the contract: outputs exactly d wide
+
+    def key_dim(self, cfg: ModelConfig) -> int:
+        return 0
+
+    def block_ends(self, cfg: ModelConfig) -> list[int]:
+        return []
 
     def routing_params(self, cfg: ModelConfig) -> int:
         return facts(cfg)[0]
@@ -209,8 +211,8 @@ class ExternalKind(RoutingKind):
     def adamw_names(self, router: nn.Module) -> set[str] | None:
         return adamw_names(router)
 
-    def reference_flags(self, cfg: ModelConfig) -> dict:
-        raise NotExpressible(f"an external router ({cfg.options.router}) is not part of the reference")
+    def code_paths(self, options: ExternalOptions) -> list[str]:
+        return [options.router]
 
 
 KIND = ExternalKind()

@@ -13,7 +13,7 @@ sublayer halves the stream; with it b_i starts at logit(alpha0_i). With alpha0_i
 (`running_mean`) and a zero bilinear term, the stream after sublayer i is (o_0 + ... + o_i) / (i + 1):
 the plain residual stream scaled, which every parameter-free pre-norm undoes.
 
-Two training-time controls live on the router as state, not architecture (set by the LightningModule):
+Two training-time controls live on the router as state, not architecture (set by train/controls.py's GateHold):
     gate_hold             a persistent bool buffer: while true every alpha is exactly 0.5 and the gate
                           parameters get no gradient (the description's fixed alpha for the first steps);
                           it travels in checkpoints, so a held model evaluates as it trained
@@ -41,11 +41,10 @@ from typing import Annotated, Literal
 import torch
 from torch import Tensor, nn
 
-from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.config import ModelConfig
-from lrattn_lightning.model.options import Range, complaint
+from lrattn_lightning.model.options import Range
 from lrattn_lightning.model.routing._math import compute_dtype
-from lrattn_lightning.model.routing.kind import KindOptions, NotExpressible, RoutingKind
+from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
 from lrattn_lightning.model.routing.router import Router
 
 GRAD_NORM_EPS = 1e-6
@@ -134,7 +133,7 @@ class GatedRouter(Router):
         M = self.n_sublayers
         self.gate_q = nn.ModuleList(nn.Linear(self.d, self.d, bias=False) for _ in range(M))
         self.gate_k = nn.ModuleList(nn.Linear(self.d, self.d, bias=False) for _ in range(M))
-        self.gate_alpha0 = KIND.initial_gates(cfg)  # alpha0_i, i = 1..2L, or None (no bias parameter)
+        self.gate_alpha0 = initial_gates(cfg)  # alpha0_i, i = 1..2L, or None (no bias parameter)
         if self.gate_alpha0 is not None:
             self.gate_bias = nn.Parameter(torch.zeros(M))  # b_i, one scalar per sublayer
         self.register_buffer("gate_hold", torch.tensor(False))
@@ -258,49 +257,20 @@ class GatedOptions(KindOptions):
                                                   f"null (or use {bias} constant / last_layer)")
 
 
-FREEZE_STEPS = Annotated[int, Range(0, note="steps with alpha held at 0.5")]
-RELEASE_LOSS = Annotated[float, Range(0, open_low=True, note="a training loss in nats")] | None
-
-
-class GateHold:
-    """The gated residual's training-time controls (`--model.gate_freeze_steps`, `gate_release_loss`,
-    `gate_grad_normalize`; docs/gated-residual.md): every gate is held at alpha = 0.5 for the first N optimiser
-    steps and/or until a step's training cross-entropy (mean over ranks) is <= X; the release is for good and the
-    hold travels in checkpoints (the router's gate_hold buffer). gate_grad_normalize replaces the gradient reaching
-    each sublayer's gate tensor alpha by G / (||G|| + 1e-6), clipped to |.| < 1. The LightningModule calls it."""
-
-    def __init__(self, router: GatedRouter, gate_freeze_steps: int = 0, gate_release_loss: float | None = None,
-                 gate_grad_normalize: bool = False):
-        steps, loss = gate_freeze_steps, gate_release_loss
-        for flag, value, hint in (("gate_freeze_steps", steps, FREEZE_STEPS), ("gate_release_loss", loss, RELEASE_LOSS),
-                                  ("gate_grad_normalize", gate_grad_normalize, bool)):
-            wrong = complaint(value, hint)
-            if wrong is not None:
-                raise InputError(f"model.{flag}: {wrong}")
-        self.router, self.freeze_steps, self.release_loss = router, steps, loss
-        self.active = steps > 0 or loss is not None
-        router.gate_grad_normalize = gate_grad_normalize
-        router.set_gate_hold(self.active)  # a checkpoint's stored hold replaces this on load
-
-    @property
-    def wants_loss(self) -> bool:
-        return self.active and self.release_loss is not None and self.router.gates_held
-
-    def before_step(self, step: int, last_loss: float | None) -> None:
-        """Release held gates once the step count and the loss allow it (for good: a release is not undone)."""
-        if not self.active or not self.router.gates_held or step < self.freeze_steps:
-            return
-        if self.release_loss is not None and (last_loss is None or last_loss > self.release_loss):
-            return
-        self.router.set_gate_hold(False)
-
-    def log_values(self) -> dict[str, float]:
-        return {"train/gates_held": float(self.router.gates_held)} if self.active else {}
+def initial_gates(cfg: ModelConfig) -> list[float] | None:
+    """alpha0_i of the bias for sublayers i = 1..2L (None: no bias, alpha starts at 0.5)."""
+    a, m = cfg.options, cfg.size.n_sublayers
+    if a.gate_bias == "none":
+        return None
+    if a.gate_bias == "constant":
+        return [float(a.gate_alpha)] * m
+    if a.gate_bias == "last_layer":  # the last layer = its attention (2L-1) and MLP (2L) sublayers
+        return [float(a.gate_alpha) if i >= m - 1 else 0.5 for i in range(1, m + 1)]
+    return [i / (i + 1) for i in range(1, m + 1)]  # running_mean
 
 
 class GatedKind(RoutingKind):
-    """The gated residual: W_q, W_k per sublayer (matrices: Muon under muon_adamw), the optional biases b_i;
-    its training-time controls GateHold (module flags), its diagnostics the gates alpha_i.
+    """The gated residual: W_q, W_k per sublayer (matrices: Muon under muon_adamw), the optional biases b_i.
 
         params = 2L (2 d^2 [+ 1 with a gate bias])
         FLOPs  = 2L (4 d^2 + 5 d [+ 1 with a gate bias])   W_q, W_k, the dot, the mix
@@ -308,32 +278,25 @@ class GatedKind(RoutingKind):
 
     name = "gated"
     Options = GatedOptions
-    training_options = ("gate_freeze_steps", "gate_release_loss", "gate_grad_normalize")
-    training_class = GateHold
-    owner_phrase = "only the gated residual (routing: gated) has gates"
-    diagnostics = "gates"
+    takes_impl = False
 
-    def diagnostic_axes(self, cfg: ModelConfig) -> dict:
-        return {"site_labels": [str(i) for i in range(1, cfg.size.n_sublayers + 1)],
-                "source_labels": ["stream: α", "F(x): 1 - α"], "site_axis": "sublayer i (its gated write)",
-                "source_axis": "source of y = α x + (1 - α) F(x)", "value": "mean weight", "embedding_column": None}
+    def validate_model(self, cfg: ModelConfig, where: str) -> None:
+        """Its options fit any size."""
 
-    def initial_gates(self, cfg: ModelConfig) -> list[float] | None:
-        """alpha0_i of the bias for sublayers i = 1..2L (None: no bias, alpha starts at 0.5)."""
-        a, m = cfg.options, cfg.size.n_sublayers
-        if a.gate_bias == "none":
-            return None
-        if a.gate_bias == "constant":
-            return [float(a.gate_alpha)] * m
-        if a.gate_bias == "last_layer":  # the last layer = its attention (2L-1) and MLP (2L) sublayers
-            return [float(a.gate_alpha) if i >= m - 1 else 0.5 for i in range(1, m + 1)]
-        return [i / (i + 1) for i in range(1, m + 1)]  # running_mean
+    def resolve_impl(self, cfg: ModelConfig, requested: str, compiled: bool = False) -> str:
+        return requested  # one implementation
 
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return GatedRouter(cfg)
 
-    def training_control(self, router: nn.Module, flags: dict) -> GateHold:
-        return GateHold(router, **flags)
+    def extra_out(self, cfg: ModelConfig) -> int:
+        return 0
+
+    def key_dim(self, cfg: ModelConfig) -> int:
+        return 0
+
+    def block_ends(self, cfg: ModelConfig) -> list[int]:
+        return []
 
     def routing_params(self, cfg: ModelConfig) -> int:
         d, M = cfg.size.d_model, cfg.size.n_sublayers
@@ -343,8 +306,11 @@ class GatedKind(RoutingKind):
         d, M = cfg.size.d_model, cfg.size.n_sublayers
         return M * (2 * 2 * d * d + 2 * d + 3 * d + (1 if cfg.options.gate_bias != "none" else 0))
 
-    def reference_flags(self, cfg: ModelConfig) -> dict:
-        raise NotExpressible("the gated residual (docs/method.md §7) is not part of the reference")
+    def adamw_names(self, router: nn.Module) -> set[str]:
+        return set()  # W_q, W_k to Muon, the biases by the usual rule
+
+    def code_paths(self, options: GatedOptions) -> list[str]:
+        return []
 
 
 KIND = GatedKind()

@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.config import ModelConfig, SizeConfig
 from lrattn_lightning.model.options import PositiveInt
 from lrattn_lightning.model.routing._math import autocast_off, compute_dtype
 from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
@@ -194,6 +194,10 @@ class HyperConnectionsOptions(KindOptions):
     fractions: PositiveInt = 1  # m: Frac-Connections' fractions of d per stream (1: Hyper-Connections)
     norm: Norm = "rms"  # N of the dynamic terms: rms (RMSNorm * g) | layer (LayerNorm: g, b)
 
+    def clipped_to(self, size: SizeConfig) -> dict[str, int]:
+        m = self.fractions
+        return {} if size.d_model % m == 0 else {"fractions": max(k for k in range(1, m) if size.d_model % k == 0)}
+
     def rules(self, where: str) -> None:
         if self.manifold and self.fractions > 1:
             raise self.error(where, "fractions", f"mHC ({self.name_of('manifold')}: true) has no fractions (neither "
@@ -204,19 +208,7 @@ class HyperConnectionsOptions(KindOptions):
 class HyperConnectionsKind(RoutingKind):
     name = "hyper_connections"
     Options = HyperConnectionsOptions
-    diagnostics = "mixing"
-
-    def diagnostic_axes(self, cfg: ModelConfig) -> dict:
-        n, m = cfg.options.streams, cfg.options.fractions
-        slots = [str(s) if m == 1 else (f"{s}.{k}" if n > 1 else str(k)) for s in range(n) for k in range(m)]
-        reads = [f"read {a}" for a in slots] if m == 1 else [f"read {a}→{k}" for a in slots for k in range(m)]
-        source_axis = ("coefficient: read A[s, 0]; width s→t A[s, 1 + t]; depth β[s]" if m == 1 else
-                       "coefficient: read i→k Y[i, k] (into the input's fraction k); width i→k A_r[i, k]; depth β[k]"
-                       + ("; slots stream.fraction" if n > 1 else "; i, k fractions"))
-        return {"site_labels": [str(j) for j in range(cfg.size.n_sublayers)],
-                "source_labels": reads + [f"{a}→{b}" for a in slots for b in slots] + [f"β {a}" for a in slots],
-                "site_axis": "read site j (feeds sublayer j + 1)", "source_axis": source_axis,
-                "value": "mean coefficient", "embedding_column": None}
+    takes_impl = False
 
     def validate_model(self, cfg: ModelConfig, where: str) -> None:
         d, m = cfg.size.d_model, cfg.options.fractions
@@ -224,12 +216,20 @@ class HyperConnectionsKind(RoutingKind):
             raise cfg.options.error(where, "fractions", f"d_model={d} is not divisible by fractions={m}; choose a "
                                                         f"divisor of {d}")
 
-    def clipped_to(self, options: HyperConnectionsOptions, size) -> dict:
-        m = options.fractions
-        return {} if size.d_model % m == 0 else {"fractions": max(k for k in range(1, m) if size.d_model % k == 0)}
+    def resolve_impl(self, cfg: ModelConfig, requested: str, compiled: bool = False) -> str:
+        return requested  # one implementation
 
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return HyperConnectionsRouter(cfg)
+
+    def extra_out(self, cfg: ModelConfig) -> int:
+        return 0
+
+    def key_dim(self, cfg: ModelConfig) -> int:
+        return 0
+
+    def block_ends(self, cfg: ModelConfig) -> list[int]:
+        return []
 
     def routing_params(self, cfg: ModelConfig) -> int:
         a, d = cfg.options, cfg.size.d_model
@@ -246,6 +246,9 @@ class HyperConnectionsKind(RoutingKind):
 
     def adamw_names(self, router: nn.Module) -> None:
         return None
+
+    def code_paths(self, options: HyperConnectionsOptions) -> list[str]:
+        return []
 
 
 KIND = HyperConnectionsKind()

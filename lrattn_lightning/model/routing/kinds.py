@@ -12,7 +12,8 @@
     routing: laurel              laurel.py             LAuReL's learned residual per sublayer (RW, LR, both)
 
 A new built-in kind is its module (a `RoutingKind` with its `Options` dataclass: kind.py, model/options.py) added
-to KINDS, and registry entries. `read_entry` reads a registry entry or a stored config (a checkpoint's, an export's)
+to KINDS, and registry entries (docs/extending.md lists the rest). A kind that leaves a member of kind.py unstated
+is refused here, at import. `read_entry` reads a registry entry or a stored config (a checkpoint's, an export's)
 whichever form its options take, nested under the kind's name (`laurel: {rank: 8}`) or flat (`laurel_rank: 8`,
 what stored configs hold), into an Entry; `ablation_from_entry` into the kind and its typed options. A non-default
 option of another kind is one line naming that kind, an unknown field or option names the closest.
@@ -26,7 +27,8 @@ from typing import Any
 
 from lrattn_lightning.core.errors import InputError, config_error
 from lrattn_lightning.core.names import closest_names
-from lrattn_lightning.model.config import AblationConfig, ModelConfig
+from lrattn_lightning.model.config import AblationConfig
+from lrattn_lightning.model.options import KindOptions
 from lrattn_lightning.model.routing import (
     delta_attnres,
     denseformer,
@@ -39,12 +41,38 @@ from lrattn_lightning.model.routing import (
     value_residual,
 )
 from lrattn_lightning.model.routing.attnres import kind as attnres
-from lrattn_lightning.model.routing.kind import RoutingKind
+from lrattn_lightning.model.routing.kind import RoutingKind, missing_members
 
-KINDS: dict[str, RoutingKind] = {k.name: k for k in (
+
+def registered(*kinds: RoutingKind) -> dict[str, RoutingKind]:
+    """{name: kind}, each kind checked to state every member of kind.py (a TypeError naming what it leaves out)."""
+    table: dict[str, RoutingKind] = {}
+    for kind in kinds:
+        missing = missing_members(kind)
+        if missing:
+            raise TypeError(f"routing kind {type(kind).__name__} leaves {', '.join(missing)} unstated (kind.py)")
+        if not (isinstance(kind.name, str) and kind.name and isinstance(kind.takes_impl, bool)
+                and isinstance(kind.Options, type) and issubclass(kind.Options, KindOptions)):
+            raise TypeError(f"routing kind {type(kind).__name__}: name a non-empty str, takes_impl a bool, Options a "
+                            f"KindOptions dataclass")
+        if kind.name in table:
+            raise TypeError(f"routing kind {kind.name!r} is listed twice")
+        table[kind.name] = kind
+    return table
+
+
+KINDS: dict[str, RoutingKind] = registered(
     residual.KIND, attnres.KIND, gated.KIND, external.KIND, denseformer.KIND, delta_attnres.KIND,
-    hyper_connections.KIND, muddformer.KIND, value_residual.KIND, laurel.KIND)}
+    hyper_connections.KIND, muddformer.KIND, value_residual.KIND, laurel.KIND)
 ENTRY_FIELDS = ("doc", "control", "routing", "tags")  # what every entry has, whatever its kind
+# How an error says that a field belongs to another kind; a kind not named here: "only routing NAME reads it".
+OWNER_PHRASES = {"attnres": "only AttnRes routing (routing: attnres) reads it",
+                 "gated": "only the gated residual (routing: gated) has gates",
+                 "external": "only routing external names a router class"}
+
+
+def owner_phrase(kind: str) -> str:
+    return OWNER_PHRASES.get(kind, f"only routing {kind} reads it")
 
 
 def _flat_names() -> dict[str, tuple[str, str]]:
@@ -64,13 +92,6 @@ FLAT = _flat_names()
 
 def known_kinds() -> tuple[str, ...]:
     return tuple(KINDS)
-
-
-def training_option_names() -> tuple[str, ...]:
-    """Every module flag a kind reads at training time (its training_options, typed by the keyword parameters of
-    its training_class: the gated residual's gate_*), in KINDS order, each once."""
-    return tuple(dict.fromkeys(name for kind in KINDS.values() if kind.training_class is not None
-                               for name in kind.training_options))
 
 
 def kind_of(name: Any, where: str = "ablation") -> RoutingKind:
@@ -184,7 +205,7 @@ def ablation_from_entry(name: str, entry: Entry, where: str) -> AblationConfig:
         for option, value in values.items():
             if value != defaults[option]:
                 shown = "null" if defaults[option] is None else repr(defaults[option])
-                raise config_error(where, entry.labels[other, option], f"{owner.owner_phrase}; routing is "
+                raise config_error(where, entry.labels[other, option], f"{owner_phrase(other)}; routing is "
                                    f"'{kind.name}': remove it (over an `extends`, reset it to {shown})")
     own = entry.options.get(kind.name, {})
     nested = any("." in label for label in entry.labels.values())  # then errors name the unwritten options so too
@@ -202,13 +223,3 @@ def entry_of(lineage: list[tuple[str, dict[str, Any]]], section: str = "ablation
         entry = read_entry(raw, f"{section}.{name}").over(entry)
     return entry
 
-
-def check_training_options(cfg: ModelConfig, given: dict[str, bool]) -> None:
-    """Module flags (`--model.NAME`) set for a kind that does not read them: one line."""
-    kind = cfg.kind
-    for option, is_set in given.items():
-        if is_set and option not in kind.training_options:
-            owner = next((k for k in KINDS.values() if option in k.training_options), None)
-            phrase = owner.owner_phrase if owner is not None else "no routing kind reads it"
-            raise InputError(f"model.{option}: {phrase}; ablation '{cfg.ablation.name}' has routing "
-                             f"'{cfg.ablation.routing}'")

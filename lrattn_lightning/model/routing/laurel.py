@@ -124,6 +124,9 @@ class LaurelOptions(KindOptions):
     mode: LaurelMode = "rw_lr"  # rw: learned (a, b); lr: + x A B; rw_lr: both (the factory's default)
     rank: PositiveInt = DEFAULT_RANK  # r of the low-rank term (lr, rw_lr)
 
+    def clipped_to(self, size: SizeConfig) -> dict[str, Any]:
+        return {"rank": size.d_model} if self.mode != "rw" and self.rank > size.d_model else {}
+
     def rules(self, where: str) -> None:
         mode, rank = self.name_of("mode"), self.name_of("rank")
         if self.mode == "rw" and self.rank != DEFAULT_RANK:
@@ -134,34 +137,32 @@ class LaurelOptions(KindOptions):
 class LaurelKind(RoutingKind):
     name = "laurel"
     Options = LaurelOptions
-    diagnostics = "mixing"
+    takes_impl = False
 
     @staticmethod
     def _modes(cfg: ModelConfig) -> tuple[bool, bool]:
         mode = cfg.options.mode
         return mode in ("rw", "rw_lr"), mode in ("lr", "rw_lr")
 
-    def diagnostic_axes(self, cfg: ModelConfig) -> dict[str, Any]:
-        rw, lr = self._modes(cfg)
-        sources = (["a (f)", "b (skip)"] if rw else []) + (["|xAB|/|x|"] if lr else [])
-        return {"site_labels": [f"{i} {'attn' if i % 2 else 'mlp'}" for i in range(1, cfg.size.n_sublayers + 1)],
-                "source_labels": sources, "site_axis": "sublayer i (its write x' = a f + b (x + x A B))",
-                "source_axis": "a: weight of the sublayer's output f; b: of the skip path; |xAB|/|x|: the low-rank "
-                               "term's size relative to the stream",
-                "value": "mean over tokens", "embedding_column": None}
-
     def validate_model(self, cfg: ModelConfig, where: str) -> None:
         r, d, rank = cfg.options.rank, cfg.size.d_model, cfg.options.name_of("rank")
         if self._modes(cfg)[1] and r > d:
             raise cfg.options.error(where, "rank", f"{rank}={r} exceeds d_model={d}; choose {rank} <= {d}")
 
-    def clipped_to(self, options: LaurelOptions, size: SizeConfig) -> dict[str, Any]:
-        if options.mode != "rw" and options.rank > size.d_model:
-            return {"rank": size.d_model}
-        return {}
+    def resolve_impl(self, cfg: ModelConfig, requested: str, compiled: bool = False) -> str:
+        return requested  # one implementation
 
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return LaurelRouter(cfg)
+
+    def extra_out(self, cfg: ModelConfig) -> int:
+        return 0
+
+    def key_dim(self, cfg: ModelConfig) -> int:
+        return 0
+
+    def block_ends(self, cfg: ModelConfig) -> list[int]:
+        return []
 
     def routing_params(self, cfg: ModelConfig) -> int:
         rw, lr = self._modes(cfg)
@@ -174,6 +175,9 @@ class LaurelKind(RoutingKind):
 
     def adamw_names(self, router: nn.Module) -> None:
         return None  # every parameter, A and B too (the module docstring says why)
+
+    def code_paths(self, options: LaurelOptions) -> list[str]:
+        return []
 
 
 KIND = LaurelKind()

@@ -170,19 +170,25 @@ class MuddFormerOptions(KindOptions):
 class MuddFormerKind(RoutingKind):
     name = "muddformer"
     Options = MuddFormerOptions
-    diagnostics = "mixing"
+    takes_impl = False
 
-    def diagnostic_axes(self, cfg: ModelConfig) -> dict:
-        labels = [f"after layer {i}: {WAYS[c] if C == 4 else 'R'}"
-                  for i, C in enumerate(ways(cfg), 1) for c in range(C)]
-        return {"site_labels": labels, "source_labels": None,
-                "site_axis": "dense aggregation after layer i, per stream (Q, K, V: the next attention's inputs; "
-                             "R: what it adds to, after the last layer the output)",
-                "source_axis": "source X_j (0 = embedding, j = layer j's output; ppn: RMSNorm(X_j) g_j)",
-                "value": "mean DA weight w_i[c, j]", "embedding_column": 0}
+    def validate_model(self, cfg: ModelConfig, where: str) -> None:
+        """Its options fit any size."""
+
+    def resolve_impl(self, cfg: ModelConfig, requested: str, compiled: bool = False) -> str:
+        return requested  # one implementation
 
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return MuddFormerRouter(cfg)
+
+    def extra_out(self, cfg: ModelConfig) -> int:
+        return 0
+
+    def key_dim(self, cfg: ModelConfig) -> int:
+        return 0
+
+    def block_ends(self, cfg: ModelConfig) -> list[int]:
+        return []
 
     def routing_params(self, cfg: ModelConfig) -> int:
         a, d, L = cfg.options, cfg.size.d_model, cfg.size.n_layers
@@ -202,6 +208,9 @@ class MuddFormerKind(RoutingKind):
 
     def adamw_names(self, router: nn.Module) -> None:
         return None  # every connection parameter, W1/W2 too (the factory's connection group)
+
+    def code_paths(self, options: MuddFormerOptions) -> list[str]:
+        return []
 
 
 KIND = MuddFormerKind()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from lrattn_lightning.model.config import ModelConfig
-from lrattn_lightning.model.routing.kind import RoutingKind
+from lrattn_lightning.model.routing.kind import NoOptions, RoutingKind
 from lrattn_lightning.model.routing.router import Router
 
 
@@ -45,15 +45,41 @@ class ResidualRouter(Router):
 
 
 class ResidualKind(RoutingKind):
-    """No parameters, no FLOPs beyond the core; the reference's own residual stream (use_attnres=False)."""
+    """No options, no parameters, no FLOPs beyond the core."""
 
     name = "residual"
+    Options = NoOptions
+    takes_impl = False
+
+    def validate_model(self, cfg: ModelConfig, where: str) -> None:
+        """No options: nothing depends on the size."""
+
+    def resolve_impl(self, cfg: ModelConfig, requested: str, compiled: bool = False) -> str:
+        return requested  # one implementation
 
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return ResidualRouter(cfg)
 
-    def reference_flags(self, cfg: ModelConfig) -> dict:
-        return {}
+    def extra_out(self, cfg: ModelConfig) -> int:
+        return 0
+
+    def key_dim(self, cfg: ModelConfig) -> int:
+        return 0
+
+    def block_ends(self, cfg: ModelConfig) -> list[int]:
+        return []
+
+    def routing_params(self, cfg: ModelConfig) -> int:
+        return 0
+
+    def added_flops(self, cfg: ModelConfig) -> int:
+        return 0
+
+    def adamw_names(self, router: nn.Module) -> set[str]:
+        return set()  # no parameters
+
+    def code_paths(self, options: NoOptions) -> list[str]:
+        return []
 
 
 KIND = ResidualKind()

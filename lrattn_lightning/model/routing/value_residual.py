@@ -91,20 +91,26 @@ class ValueResidualOptions(KindOptions):
 class ValueResidualKind(RoutingKind):
     name = "value_residual"
     Options = ValueResidualOptions
-    diagnostics = "mixing"
-
-    def diagnostic_axes(self, cfg: ModelConfig) -> dict:
-        return {"site_labels": [f"layer {n}" for n in range(2, cfg.size.n_layers + 1)],
-                "source_labels": ["V_1 (layer 1's values)", "own values"],
-                "site_axis": "layer n whose attention mixes its values", "source_axis": "values mixed",
-                "value": "weight (lambda_n, 1 - lambda_n)", "embedding_column": None}
+    takes_impl = False
 
     def validate_model(self, cfg: ModelConfig, where: str) -> None:
         if cfg.size.n_layers < 2:
             raise config_error(where, "routing", "value_residual needs at least 2 layers (layer 1 only keeps V_1)")
 
+    def resolve_impl(self, cfg: ModelConfig, requested: str, compiled: bool = False) -> str:
+        return requested  # one implementation
+
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return ValueResidualRouter(cfg)
+
+    def extra_out(self, cfg: ModelConfig) -> int:
+        return 0
+
+    def key_dim(self, cfg: ModelConfig) -> int:
+        return 0
+
+    def block_ends(self, cfg: ModelConfig) -> list[int]:
+        return []
 
     def routing_params(self, cfg: ModelConfig) -> int:
         return cfg.size.n_layers - 1 if cfg.options.value_lambda_learned else 0
@@ -114,6 +120,9 @@ class ValueResidualKind(RoutingKind):
 
     def adamw_names(self, router: nn.Module) -> None:
         return None  # scalars
+
+    def code_paths(self, options: ValueResidualOptions) -> list[str]:
+        return []
 
 
 KIND = ValueResidualKind()

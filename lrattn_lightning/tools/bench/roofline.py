@@ -93,18 +93,32 @@ def routing_traffic(
     size: SizeConfig | ModelConfig, ablation: AblationConfig | None = None, *, tokens: int, value_bytes: int,
     training: bool = True,
 ) -> Traffic:
-    """The minimal-traffic model of the module docstring for one step over `tokens` tokens."""
+    """The minimal-traffic model of the module docstring for one step over `tokens` tokens: TRAFFIC's model for the
+    kind, else the stream's (stream_traffic)."""
+    cfg = size if isinstance(size, ModelConfig) else ModelConfig(size, ablation)
+    return TRAFFIC.get(cfg.kind.name, stream_traffic)(cfg, tokens, value_bytes, training)
+
+
+def stream_traffic(cfg: ModelConfig, tokens: int, value_bytes: int, training: bool) -> Traffic:
+    """A kind without softmax depth attention: the stream itself (net 0), and the kind's FLOPs (gated: its d x d
+    matmuls)."""
+    from lrattn_lightning.model.accounting import added_flops
+
+    M = cfg.size.n_sublayers
+    vector = tokens * cfg.size.d_model * value_bytes  # bytes of one value vector over all tokens
+    flops = (added_flops(cfg) or 0) * tokens * (3 if training else 1)
+    units = {"forward": 3 * M, "backward": 3 * M if training else 0, "residual": 3 * M * (2 if training else 1)}
+    return Traffic(3 * M * vector, units["backward"] * vector, units["residual"] * vector, float(flops), units)
+
+
+def depth_attention_traffic(cfg: ModelConfig, tokens: int, value_bytes: int, training: bool) -> Traffic:
+    """AttnRes's softmax attention over depth sources: the model of the module docstring."""
     from lrattn_lightning.model.accounting import added_flops, sources_per_site
 
-    cfg = size if isinstance(size, ModelConfig) else ModelConfig(size, ablation)
     s, a = cfg.size, cfg.options
     M, D = s.n_sublayers, s.d_model
     vector = tokens * D * value_bytes  # bytes of one value vector over all tokens
     mult = 3 if training else 1
-    if not cfg.kind.depth_attention:  # the stream itself (net 0), and the kind's FLOPs (gated: its d x d matmuls)
-        flops = (added_flops(cfg) or 0) * tokens * mult
-        units = {"forward": 3 * M, "backward": 3 * M if training else 0, "residual": 3 * M * (2 if training else 1)}
-        return Traffic(3 * M * vector, units["backward"] * vector, units["residual"] * vector, float(flops), units)
     sites, partials, counts = _groups(cfg)
     reads = sum(k + 1 for k, n in enumerate(sites) if n)  # sum_k S_k over groups with sites
     n_src = len(counts) + 1  # embedding + blocks
@@ -130,6 +144,11 @@ def routing_traffic(
     units = {"group_reads": reads, "partials": P, "sites": M, "sources": n_src, "key_ratio": rho,
              "forward": forward, "backward": backward, "residual": residual}
     return Traffic(forward * vector, backward * vector, residual * vector, float(matmul * tokens * mult), units)
+
+
+# The traffic model of a kind with softmax attention over depth sources, by kind; every other kind moves the plain
+# stream's traffic (stream_traffic: the deliberate default, written once).
+TRAFFIC = {"attnres": depth_attention_traffic}
 
 
 def _sync(device) -> None:

@@ -408,7 +408,7 @@ def check_routers(sweep: Sweep, registry: Registry, env: dict[str, str]) -> None
     """Every external router of the sweep imported (and built on the meta device) in the runs' environment
     before the first run starts: a missing module is one line, not a failed run after the others trained."""
     pairs = sorted(pair for pair in {(run.size, run.ablation) for run in sweep.runs}  # each pair once
-                   if registry.ablation(pair[1]).kind.user_code)
+                   if (abl := registry.ablation(pair[1])).kind.code_paths(abl.options))
     if not pairs:
         return
     done = subprocess.run([sys.executable, "-c", _ROUTER_CHECK, sweep.registry or "", *[f"{a} {b}" for a, b in pairs]],

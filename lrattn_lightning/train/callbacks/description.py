@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lrattn_lightning.model.accounting import added_flops_percent, count_params
 from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.train import controls
 from lrattn_lightning.train import fingerprint as fingerprints
 from lrattn_lightning.train.callbacks.run_params import (
     TRAIN_PARAMS,
@@ -88,7 +89,7 @@ def recipe_tags(trainer: L.Trainer, pl_module: L.LightningModule, stored: dict[s
         settings=dict(hp), muon_dtype=muon_dtype_of(trainer.optimizers),
         gradient_clip_val=trainer.gradient_clip_val, precision=str(trainer.precision),
         init_from=fingerprints.init_from_part(init))
-    method = {k: hp.get(k) for k in pl_module.cfg.kind.training_options}
+    method = {k: hp.get(k) for k in controls.options_of(pl_module.cfg.kind.name)}
     return {Tag.RECIPE: fingerprints.fingerprint(parts),
             Tag.RECIPE_PARTS: json.dumps(parts, sort_keys=True, default=str),
             Tag.METHOD: json.dumps(method, sort_keys=True)}

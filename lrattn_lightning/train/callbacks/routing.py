@@ -1,7 +1,7 @@
 """RoutingArtifacts: the routing of the first validation batch as MLflow artifacts (paths: train/schema.py Artifact).
 
 After each validation/test, at the step of the weights scored, for every routing kind that records
-(RoutingKind.diagnostics): routing/heatmap.png and routing/weights.json (train/diagnostics.py), routing/sites.json
+(train/routing_axes.py): routing/heatmap.png and routing/weights.json (train/diagnostics.py), routing/sites.json
 for softmax reads (the gated residual: routing/gates.png and routing/gates.json instead); the mean diagnostics are
 the module's metrics (routing/mean/<stat>, train/validation.py).
 """
@@ -11,14 +11,14 @@ from __future__ import annotations
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
-from lrattn_lightning.train import diagnostics
+from lrattn_lightning.train import diagnostics, routing_axes
 from lrattn_lightning.train.callbacks.run_params import mlflow_logger
 from lrattn_lightning.train.schema import Artifact
 
 
 class RoutingArtifacts(Callback):
     """The routing of the first validation batch as MLflow artifacts (see module doc), for every kind that
-    records (RoutingKind.diagnostics). Runs before the module's own epoch-end hook, which reports the mean
+    records (train/routing_axes.py). Runs before the module's own epoch-end hook, which reports the mean
     diagnostics and clears `routing_weights`."""
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -42,15 +42,16 @@ class RoutingArtifacts(Callback):
         client.log_figure(run_id, fig, Artifact.ROUTING_HEATMAP)
         plt.close(fig)
         client.log_dict(run_id, {"step": step, **table}, Artifact.ROUTING_WEIGHTS)
-        if cfg.kind.diagnostics == "depth_weights":  # per read site: one table per validation, not 4 x 2L metrics
-            stats = diagnostics.site_stats(weights, cfg.kind.diagnostic_axes(cfg)["embedding_column"])
+        recorded = routing_axes.recorded(cfg)
+        if recorded == "depth_weights":  # per read site: one table per validation, not 4 x 2L metrics
+            stats = diagnostics.site_stats(weights, routing_axes.axes(cfg)["embedding_column"])
             client.log_dict(run_id, {"step": step, "sites": [{"site": label, **row} for label, row in
                                                              zip(_site_labels(table), stats, strict=True)]},
                             Artifact.ROUTING_SITES)
-        elif cfg.kind.diagnostics == "gates":
+        elif recorded == "gates":
             stats = diagnostics.gate_stats(weights)
             alphas = [r["alpha"] for r in stats]
-            fig = diagnostics.gate_figure({cfg.ablation.name: alphas}, title, initial=cfg.kind.initial_gates(cfg))
+            fig = diagnostics.gate_figure({cfg.ablation.name: alphas}, title, initial=pl_module.model.router.gate_alpha0)
             client.log_figure(run_id, fig, Artifact.GATES)
             plt.close(fig)
             client.log_dict(run_id, {"step": step, "held": pl_module.model.router.gates_held, "alpha": alphas,

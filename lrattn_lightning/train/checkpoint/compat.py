@@ -21,8 +21,11 @@ DESCRIPTIVE_FIELDS = frozenset({"doc", "control", "tags"})
 
 def architecture_differences(stored: dict[str, Any], cfg: ModelConfig) -> list[str]:
     """Architecture fields (not doc/control/tags) where a checkpoint's model_config differs from `cfg`."""
+    mine = cfg.to_dict()
+    if stored == mine:  # the config itself (a module built from this checkpoint, a resume of the same entry)
+        return []
     # read as any stored config (fields newer than the checkpoint take their defaults), written back the same way
-    mine, theirs = cfg.to_dict(), model_config_from_dict(stored, "checkpoint model_config").to_dict()
+    theirs = model_config_from_dict(stored, "checkpoint model_config").to_dict()
     return [
         f"{part}.{key}: checkpoint {theirs[part].get(key)!r} vs now {mine[part].get(key)!r}"
         for part in ("size", "ablation") for key in dict.fromkeys([*theirs[part], *mine[part]])

@@ -31,6 +31,7 @@ from lrattn_lightning.model.accounting import added_flops, count_params, routing
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.model.registry import model_config_from_dict, parse_registry
+from lrattn_lightning.train import routing_axes
 from lrattn_lightning.train.diagnostics import weights_table
 from lrattn_lightning.train.optim import split_parameters
 
@@ -254,7 +255,7 @@ def test_block_bf16_autocast_reads_in_float32():
 ])
 def test_diagnostics_name_every_block_source(sources, labels):
     cfg = block_config(null=True, delta_block_layers=1, delta_block_sources=sources)
-    axes = cfg.kind.diagnostic_axes(cfg)
+    axes = routing_axes.axes(cfg)
     assert axes["source_labels"] == labels and axes["embedding_column"] == 1
     with torch.no_grad():
         out = randomized(cfg, draw).float()(tokens(FIVE.vocab_size, batch=2, length=6), return_routing=True)
@@ -264,7 +265,7 @@ def test_diagnostics_name_every_block_source(sources, labels):
     for w in out.routing:
         torch.testing.assert_close(w.sum(0), torch.ones_like(w[0]))
     two = block_config(delta_block_layers=2)  # blocks of two layers: b_1 holds layers 0-1
-    assert two.kind.diagnostic_axes(two)["source_labels"] == ["x0", "B1 (L0-1)", "B2 (L2-3) + x0"]
+    assert routing_axes.axes(two)["source_labels"] == ["x0", "B1 (L0-1)", "B2 (L2-3) + x0"]
 
 
 def test_block_adamw_takes_every_router_parameter():
@@ -305,7 +306,7 @@ def test_registry_entries_and_mlflow_params(registry):
     assert true.options.block_sources == "true_delta" and true.control == "delta-attnres-block"
     assert registry.ablation("delta-attnres").options.mode == "delta"  # the delta entries keep their mode
     study = registry.model("cpu-study", "delta-attnres-block")
-    assert study.kind.diagnostic_axes(study)["source_labels"] == ["x0", "B1 (L0-1)", "B2 (L2-3) + x0", "B3 (L4-5) + B1"]
+    assert routing_axes.axes(study)["source_labels"] == ["x0", "B1 (L0-1)", "B2 (L2-3) + x0", "B3 (L4-5) + B1"]
     cfg = tiny_config(registry, "delta-attnres-block-true")
     params = flat_run_params(cfg)
     assert params["delta_mode"] == "delta_block" and params["delta_block_sources"] == "true_delta"

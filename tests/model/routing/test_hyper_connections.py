@@ -29,6 +29,7 @@ from lrattn_lightning.model.config import ModelConfig, SizeConfig, fit_to_size
 from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.model.registry import load_registry, parse_registry
 from lrattn_lightning.model.routing.hyper_connections import sinkhorn
+from lrattn_lightning.train import routing_axes
 from lrattn_lightning.train.diagnostics import weights_table
 from lrattn_lightning.train.optim import split_parameters
 
@@ -269,13 +270,13 @@ def test_recorded_coefficients_are_the_mixing_table_with_its_labels():
     cfg = config(**FRAC)
     model = build_decoder(cfg).eval()
     trace = capture(model, tokens(SIZE.vocab_size, batch=2, length=6))
-    assert cfg.kind.diagnostics == "mixing" and len(trace.routing) == 2 * SIZE.n_layers
+    assert routing_axes.recorded(cfg) == "mixing" and len(trace.routing) == 2 * SIZE.n_layers
     table = weights_table(cfg, trace.routing)
     assert table["site_labels"] == [str(j) for j in range(6)]
     assert table["source_labels"] == ["read 0→0", "read 0→1", "read 1→0", "read 1→1", "0→0", "0→1", "1→0", "1→1",
                                       "β 0", "β 1"]
     assert table["sites_by_sources"] == [[1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0]] * 6  # Y = A_r = I, beta = 1
-    labels = config(streams=2, fractions=2).kind.diagnostic_axes(config(streams=2, fractions=2))["source_labels"]
+    labels = routing_axes.axes(config(streams=2, fractions=2))["source_labels"]
     assert len(labels) == 4 * 2 + 16 + 4 and labels[:3] == ["read 0.0→0", "read 0.0→1", "read 0.1→0"]
 
 

@@ -23,6 +23,7 @@ from lrattn_lightning.model.accounting import added_flops, count_params, routing
 from lrattn_lightning.model.config import ModelConfig, SizeConfig, fit_to_size
 from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.model.registry import parse_registry
+from lrattn_lightning.train import routing_axes
 from lrattn_lightning.train.diagnostics import weights_table
 from lrattn_lightning.train.optim import split_parameters
 
@@ -149,8 +150,8 @@ def test_a_recording_pass_keeps_the_mixing_per_sublayer(mode):
     trace = capture(model, idx)
     reads, _ = streams_float64(model.double(), trace, mode)  # (the router's values: float32 copies)
     table = weights_table(cfg, out.routing)
-    axes = cfg.kind.diagnostic_axes(cfg)
-    assert cfg.kind.diagnostics == "mixing" and table["site_labels"][:2] == ["1 attn", "2 mlp"]
+    axes = routing_axes.axes(cfg)
+    assert routing_axes.recorded(cfg) == "mixing" and table["site_labels"][:2] == ["1 attn", "2 mlp"]
     assert len(out.routing) == len(axes["site_labels"]) == 2 * SIZE.n_layers
     for i, (w, x) in enumerate(zip(out.routing, reads, strict=True)):
         expected = []

@@ -24,6 +24,7 @@ from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.model.registry import parse_registry
 from lrattn_lightning.model.rope import apply_rope, rope_angles
+from lrattn_lightning.train import routing_axes
 from lrattn_lightning.train.optim import split_parameters
 
 SIZE = DEEPER  # three layers, d = 32
@@ -173,7 +174,7 @@ def test_recorded_weights_are_the_aggregations_rows():
     model = build_decoder(cfg).eval()
     with torch.no_grad():
         out = model(tokens(SIZE.vocab_size, batch=2, length=8), return_routing=True)
-    labels = cfg.kind.diagnostic_axes(cfg)["site_labels"]
+    labels = routing_axes.axes(cfg)["site_labels"]
     assert len(out.routing) == len(labels) == 4 + 4 + 1 and labels[0] == "after layer 1: Q"
     for row, n in zip(out.routing, [2] * 4 + [3] * 4 + [4], strict=True):
         assert row.shape == (n, 2, 8, 1)

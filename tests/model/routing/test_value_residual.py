@@ -23,6 +23,7 @@ from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.model.registry import parse_registry
 from lrattn_lightning.model.rope import apply_rope, rope_angles
+from lrattn_lightning.train import routing_axes
 from lrattn_lightning.train.optim import split_parameters
 
 SIZE = DEEPER  # three layers, d = 32, 4 heads
@@ -125,7 +126,7 @@ def test_recorded_weights_are_the_lambdas():
     model = model_of(cfg).float()
     with torch.no_grad():
         out = model(tokens(SIZE.vocab_size, batch=2, length=8), return_routing=True)
-    assert len(out.routing) == len(cfg.kind.diagnostic_axes(cfg)["site_labels"]) == SIZE.n_layers - 1
+    assert len(out.routing) == len(routing_axes.axes(cfg)["site_labels"]) == SIZE.n_layers - 1
     torch.testing.assert_close(torch.stack([w.flatten() for w in out.routing]),
                                torch.tensor([[0.8, 0.2], [-0.3, 1.3]]))
 

@@ -12,7 +12,6 @@
     compiled.py        plain tensor ops for torch.compile
     triton/            fused Triton kernels (kernels.py: triton only), their torch custom ops, the router;
                        imports none of its users (their launches are checked in tools/kernels/)
-    paper.py           the paper's code's flags and weight names for an entry
 """
 
 from lrattn_lightning.model.routing.attnres.backends import (

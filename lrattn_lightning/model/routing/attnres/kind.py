@@ -9,18 +9,17 @@ Parameters: the 2L pseudo-queries, what the key source declares (KeySource.num_p
 gains, 2L r), the dynamic query's rows and gates. depth_head_norm full costs what the per-head norm does,
 and key_gain none per token (gamma_j q_j is formed once per step). AdamW takes the pseudo-queries, query
 gates and key gains ([2L, r], [2L, m], [2L, r]: one vector per site, not a matrix to orthogonalise). The
-paper's code's flags and weight names: paper.py (it has neither rms summaries nor MHAR's norm or gain).
+paper's code's flags and weight names: tools/fidelity/interface.py.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from torch import nn
 
-from lrattn_lightning.model.config import ModelConfig, SizeConfig
-from lrattn_lightning.model.routing.attnres import backends, paper
+from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.routing.attnres import backends
 from lrattn_lightning.model.routing.attnres.keys import key_source
 from lrattn_lightning.model.routing.attnres.options import AttnResOptions, key_dim
 from lrattn_lightning.model.routing.kind import RoutingKind
@@ -29,10 +28,7 @@ from lrattn_lightning.model.routing.kind import RoutingKind
 class AttnResKind(RoutingKind):
     name = "attnres"
     Options = AttnResOptions
-    owner_phrase = "only AttnRes routing (routing: attnres) reads it"
-    diagnostics = "depth_weights"
     takes_impl = True
-    depth_attention = True
 
     # ---- configuration ---------------------------------------------------------------------------
     def validate_model(self, cfg: ModelConfig, where: str) -> None:
@@ -54,15 +50,6 @@ class AttnResKind(RoutingKind):
 
     def key_dim(self, cfg: ModelConfig) -> int:
         return key_dim(cfg)
-
-    def clipped_to(self, options: AttnResOptions, size: SizeConfig) -> dict[str, Any]:
-        changes: dict[str, Any] = {}
-        if options.rank is not None and options.rank > size.d_model:
-            changes["rank"] = size.d_model
-        for field in ("blocks", "block_size"):
-            if getattr(options, field) is not None and getattr(options, field) > size.n_sublayers:
-                changes[field] = size.n_sublayers
-        return changes
 
     def block_ends(self, cfg: ModelConfig) -> list[int]:
         a, m = cfg.options, cfg.size.n_sublayers
@@ -104,12 +91,8 @@ class AttnResKind(RoutingKind):
             proj += 2 * s.n_layers * r * (d + s.d_mlp) + s.n_sublayers * 2 * r  # the query rows; q_j + g_j q_dyn
         return read + proj
 
-    # ---- the paper's code (paper.py) --------------------------------------------------------------
-    def reference_flags(self, cfg: ModelConfig) -> dict[str, Any]:
-        return paper.reference_flags(cfg)
-
-    def reference_weights(self, ref: dict[str, Any], cfg: ModelConfig, stack) -> tuple[str, dict[str, Any]]:
-        return paper.reference_weights(ref, cfg, stack)
+    def code_paths(self, options: AttnResOptions) -> list[str]:
+        return []
 
 
 KIND = AttnResKind()

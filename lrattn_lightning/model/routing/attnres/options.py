@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Literal
 from lrattn_lightning.model.options import FiniteFloat, KindOptions, PositiveFloat, PositiveInt
 
 if TYPE_CHECKING:
-    from lrattn_lightning.model.config import ModelConfig
+    from lrattn_lightning.model.config import ModelConfig, SizeConfig
 
 # Where a source's routing key comes from (docs/method.md §3):
 #   value                  the value itself (standard AttnRes, k = d)
@@ -86,6 +86,14 @@ class AttnResOptions(KindOptions):
     def norm_groups(self) -> int:
         """The slices of a key that the key norm normalises separately."""
         return self.depth_heads if self.depth_head_norm == "per_head" else 1
+
+    def clipped_to(self, size: SizeConfig) -> dict[str, int]:
+        """rank and the block counts clipped to what `size` has."""
+        changes = {"rank": size.d_model} if self.rank is not None and self.rank > size.d_model else {}
+        for field in ("blocks", "block_size"):
+            if getattr(self, field) is not None and getattr(self, field) > size.n_sublayers:
+                changes[field] = size.n_sublayers
+        return changes
 
     def rules(self, where: str) -> None:
         a = self

@@ -33,7 +33,7 @@ from lrattn_lightning.model.accounting import count_params, routing_params
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.model.registry import load_registry, parse_registry
-from lrattn_lightning.model.routing.kind import NotExpressible
+from lrattn_lightning.tools.fidelity.interface import NotExpressible
 from lrattn_lightning.train.optim import split_parameters
 
 REGISTRY = load_registry()
