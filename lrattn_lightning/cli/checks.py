@@ -15,7 +15,7 @@ from typing import Any
 from lrattn_lightning.core.errors import UsageError
 from lrattn_lightning.core.names import with_closest
 from lrattn_lightning.train.checkpoint.load import read_checkpoint_file
-from lrattn_lightning.train.settings import checks as setting_checks
+from lrattn_lightning.train.settings import OptimiserSettings, bad_setting
 
 
 def fsdp_strategy(trainer_cfg):
@@ -58,15 +58,18 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def check_training_numbers(subcommand: str, cfg) -> None:
+def check_training_numbers(subcommand: str, cfg, groups: tuple[type, ...] | None = None) -> None:
     """The optimiser's, schedule's and trainer's numbers, checked before a run folder or MLflow run exists (torch,
     Lightning and the scheduler would refuse some only at the first step, after the run was created, and take
-    others, such as a negative warmup, with a meaning nobody wants)."""
+    others, such as a negative warmup, with a meaning nobody wants). The settings' ranges are their fields' own
+    (train/settings.py bad_setting, over `groups`: its SETTING_GROUPS unless given); the trainer's are Lightning's
+    arguments, listed here."""
     if subcommand != "fit":
         return
     m, trainer = cfg.model, cfg.trainer
-    rules = [  # (flag, value, ok, what it must be); the settings' own from their marks (train/settings.py)
-        *((f"--model.{k}", m.get(k), check.ok, check.what) for k, check in setting_checks()),
+    if (line := bad_setting(m, groups)) is not None:
+        raise UsageError(line)
+    rules = [  # (flag, value, ok, what it must be)
         ("--trainer.accumulate_grad_batches", trainer.get("accumulate_grad_batches"),
          lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1), "an integer >= 1"),
         ("--trainer.val_check_interval", trainer.get("val_check_interval"),
@@ -152,7 +155,7 @@ def check_schedule(cfg, stored: dict, ckpt_path: str) -> None:
     steps at its final values, as a run launched with those two flags would (how a finished run is extended).
     With --model.allow_schedule_change the new length is taken when the two schedules agree on every step so far:
     the run then equals one launched with the new length (extending the stable phase, decay at the new end)."""
-    from lrattn_lightning.train.schedule import MomentumSchedule, first_schedule_difference
+    from lrattn_lightning.train.schedule import first_schedule_difference
 
     m, steps = cfg.model, cfg.trainer.max_steps
     old, step = stored["schedule"].get("total_steps"), stored.get("global_step") or 0
@@ -168,8 +171,7 @@ def check_schedule(cfg, stored: dict, ckpt_path: str) -> None:
         return
     tail = f" ({after})" if steps > old else ""
     given = f"--model.schedule_steps {m.schedule_steps}" if m.get("schedule_steps") else f"--trainer.max_steps {steps}"
-    momentum = (MomentumSchedule(peak=m.muon_momentum, low=m.muon_momentum_min, warmup_steps=m.muon_momentum_warmup_steps,
-                                 cooldown_steps=m.muon_momentum_cooldown_steps) if m.optimizer == "muon_adamw" else None)
+    momentum = OptimiserSettings.of(m).momentum_schedule() if m.optimizer == "muon_adamw" else None
     differs = first_schedule_difference(old, new, step, m.warmup_steps, m.decay_fraction, m.final_lr_fraction, momentum)
     keep = f"keep that schedule with --model.schedule_steps {old}{tail}"
     if differs is not None:  # e.g. the warm-down has begun: no resume follows the new length

@@ -102,9 +102,11 @@ def init_from_part(params: dict[str, Any]) -> str:
 
 def recipe_parts(*, size: str, max_steps: int, tokens_per_step: int | None, seq_len: int | None, data: str,
                  settings: dict[str, Any], gradient_clip_val: Any, precision: str, init_from: str,
-                 schedule_steps: int | None = None, muon_dtype: str | None = None) -> dict[str, Any]:
-    """`muon_dtype`: the dtype Muon's orthogonaliser runs in, resolved (None: no Muon)."""
-    optimizer = {k: _plain(settings.get(k)) for k in OPTIMIZER_SETTINGS}
+                 schedule_steps: int | None = None, muon_dtype: str | None = None,
+                 groups: tuple[type, ...] | None = None) -> dict[str, Any]:
+    """`muon_dtype`: the dtype Muon's orthogonaliser runs in, resolved (None: no Muon). `groups`: the settings
+    groups whose fields marked recipe="optimizer" make the optimizer part (train/settings.py's, unless given)."""
+    optimizer = {k: _plain(settings.get(k)) for k in marked("recipe", "optimizer", groups)}
     optimizer["gradient_clip_val"] = _plain(gradient_clip_val)
     if muon_dtype not in (None, MUON_DTYPE_UNMARKED):
         optimizer["muon_dtype"] = muon_dtype

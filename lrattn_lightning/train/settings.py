@@ -27,8 +27,13 @@ of SETTING_GROUPS to a mark or a reason):
     resume  what a resumed fit compares with its checkpoint: "checkpoint" (checkpoint/compat.py: the optimizer state
             would restore the checkpoint's value over the flag's), "optimizer state" (MuonWithAuxAdamW.load_state_dict
             compares it, train/optim.py), "schedule" (cli/checks.py check_schedule), or Not(why a resume may change it)
-    check   what `lrattn fit` checks before any work (cli/checks.py): Check(ok, what it must be), or Not(who else
-            refuses a bad value, or why none can be given)
+    check   the setting's range: Check(ok, what it must be), checked in one place (bad_setting) for `lrattn fit`
+            before any work (cli/checks.py) and for every group as it is built; or Not(who else refuses a bad value,
+            or why none can be given)
+
+Every reader takes the groups it derives from (`groups`, SETTING_GROUPS unless given): a field added to a group
+reaches the fingerprint, a resume's comparison and the checks with no edit to any of them
+(tests/train/test_setting_marks.py grows a group to show it).
 """
 
 from __future__ import annotations
@@ -78,15 +83,37 @@ def setting(default: Any, *, recipe: str | Not, resume: str | Not, check: Check 
     return field(default=default, metadata={"recipe": recipe, "resume": resume, "check": check})
 
 
-def marked(reader: str, mark: str) -> tuple[str, ...]:
-    """The settings whose `reader` mark (recipe, resume) is `mark`, in field order: the lists the readers use."""
-    return tuple(f.name for group in SETTING_GROUPS for f in dataclasses.fields(group) if f.metadata[reader] == mark)
+def marked(reader: str, mark: str, groups: tuple[type, ...] | None = None) -> tuple[str, ...]:
+    """The settings whose `reader` mark (recipe, resume) is `mark`, in field order: the lists the readers use.
+    `groups`: SETTING_GROUPS unless given (a reader hands on what it was given)."""
+    return tuple(f.name for group in groups or SETTING_GROUPS for f in dataclasses.fields(group)
+                 if f.metadata[reader] == mark)
 
 
-def checks() -> list[tuple[str, Check]]:
-    """(setting, its Check) for every setting `lrattn fit` checks before any work, in field order."""
-    return [(f.name, f.metadata["check"]) for group in SETTING_GROUPS for f in dataclasses.fields(group)
+def checks(groups: tuple[type, ...] | None = None) -> list[tuple[str, Check]]:
+    """(setting, its Check) for every setting that has one, in field order (`groups`: SETTING_GROUPS unless given)."""
+    return [(f.name, f.metadata["check"]) for group in groups or SETTING_GROUPS for f in dataclasses.fields(group)
             if isinstance(f.metadata["check"], Check)]
+
+
+def bad_setting(values: Any, groups: tuple[type, ...] | None = None) -> str | None:
+    """The one check of the settings' ranges: the line for the first setting (field order) whose value in `values`
+    (a mapping or a namespace with .get: flat names) fails its Check, or None. `lrattn fit` asks it before any work
+    (cli/checks.py) and every group as it is built (its __post_init__), so the two cannot disagree."""
+    for name, check in checks(groups):
+        value = values.get(name)
+        if not check.ok(value):
+            return f"--model.{name} {value}: must be {check.what}"
+    return None
+
+
+class Checked:
+    """A settings group that checks its fields' ranges (their Check marks) when it is built, before any work."""
+
+    def __post_init__(self) -> None:
+        line = bad_setting({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, (type(self),))
+        if line is not None:
+            raise InputError(line)
 
 
 def _number(value: Any) -> bool:
@@ -110,7 +137,7 @@ MOMENTUM = Not("MomentumSchedule refuses a value outside 0 <= muon_momentum_min 
 
 
 @dataclass(frozen=True)
-class OptimiserSettings:
+class OptimiserSettings(Checked):
     """The optimiser (muon_adamw: Muon for matrices, AdamW for the rest; adamw), its schedule and the z-loss weight.
 
     muon_variant: `reference` (the paper's code) or `torch` (torch.optim.Muon, match_rms_adamw); muon_dtype: the
@@ -148,12 +175,18 @@ class OptimiserSettings:
     z_loss: float = setting(1e-5, recipe="optimizer", resume=FROM_FLAGS, check=AT_LEAST_0)
 
     def __post_init__(self) -> None:  # checked when built, before any work
+        super().__post_init__()
         if self.muon_variant not in MUON_VARIANTS:
             raise InputError(f"model.muon_variant: unknown '{self.muon_variant}'; use one of {', '.join(MUON_VARIANTS)}")
         if self.muon_dtype not in typing.get_args(MuonDtype):
             raise InputError(f"model.muon_dtype: '{self.muon_dtype}' is not one of "
                              f"{', '.join(typing.get_args(MuonDtype))}")
         self.momentum_schedule()
+
+    @classmethod
+    def of(cls, values: Any) -> OptimiserSettings:
+        """The group from flat values (a mapping or namespace with .get, e.g. `lrattn fit`'s parsed --model.*)."""
+        return cls(**{f.name: values.get(f.name, f.default) for f in dataclasses.fields(cls)})
 
     def momentum_schedule(self) -> MomentumSchedule:
         return MomentumSchedule(peak=self.muon_momentum, low=self.muon_momentum_min,
@@ -162,7 +195,7 @@ class OptimiserSettings:
 
 
 @dataclass(frozen=True)
-class RuntimeSettings:
+class RuntimeSettings(Checked):
     """How the model runs, not what it is.
 
     impl: the AttnRes backend (model/routing/attnres); compile: torch.compile the decoder and loss (configure_model).

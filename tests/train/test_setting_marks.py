@@ -7,6 +7,7 @@ and left out `betas`: two fits that differed only in --model.betas shared one fi
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from types import SimpleNamespace
 
@@ -146,3 +147,49 @@ def test_the_command_line_checks_every_setting_with_a_check():
         with pytest.raises(UsageError, match=rf"--model\.{name} .*: must be {check.what[:12]}"):
             check_training_numbers("fit", _fit(**{name: value}))
     check_training_numbers("validate", _fit(lr=-1))  # fit's settings only
+
+
+# ---- a field added to a group reaches every reader ------------------------------------------------------------
+def test_a_field_added_to_a_group_reaches_the_checks_the_fingerprint_and_a_resume_without_edits(tiny_checkpoint):
+    """Each reader derives its list from the groups' fields: a group grown by one field (as a new optimiser setting
+    would be) is checked, fingerprinted and compared on resume by the readers as they are, handed the grown groups."""
+    grown = dataclasses.make_dataclass("Grown", [("aux_lr", float, settings.setting(
+        0.5, recipe="optimizer", resume="checkpoint", check=Check(settings.AT_LEAST_0.ok, "a number >= 0 (aux)")))],
+        bases=(settings.OptimiserSettings,), frozen=True)
+    groups = (grown, settings.RuntimeSettings)
+    assert settings.marked("recipe", "optimizer", groups)[-1] == "aux_lr" and "aux_lr" not in fp.OPTIMIZER_SETTINGS
+    # checked where the others are: by the command line before any work, and by the group as it is built
+    assert dict(settings.checks(groups))["aux_lr"].what == "a number >= 0 (aux)"
+    with pytest.raises(UsageError, match=r"^--model\.aux_lr -1: must be a number >= 0 \(aux\)$"):
+        check_training_numbers("fit", _fit(aux_lr=-1), groups)
+    with pytest.raises(InputError, match=r"^--model\.aux_lr -1: must be a number >= 0 \(aux\)$"):
+        grown(aux_lr=-1)
+    assert grown().aux_lr == 0.5 and grown().momentum_schedule() == settings.OptimiserSettings().momentum_schedule()
+    # the recipe: a key of the optimizer part, which changes the fingerprint
+    def parts(value):
+        return fp.recipe_parts(size="tiny", max_steps=10, tokens_per_step=64, seq_len=32, data="d", precision="32",
+                               settings={**DEFAULTS, "aux_lr": value}, gradient_clip_val=1.0, init_from="none",
+                               groups=groups)
+    assert parts(0.5)["optimizer"]["aux_lr"] == 0.5
+    assert fp.differences(parts(0.25), parts(0.5)) == [("optimizer.aux_lr", 0.25, 0.5)]
+    # a resume: the optimizer state would restore the checkpoint's value, so another one is refused
+    cfg, checkpoint = tiny_checkpoint
+    stored = {"hyper_parameters": {**checkpoint["hyper_parameters"], "aux_lr": 0.5}}
+    compat.check_loaded(stored, cfg, {**DEFAULTS, "aux_lr": 0.5}, groups)
+    with pytest.raises(InputError, match=r"^--model\.aux_lr: the checkpoint was trained with 0\.5, this run passes "
+                                         r"0\.25; resuming restores"):
+        compat.check_loaded(stored, cfg, {**DEFAULTS, "aux_lr": 0.25}, groups)
+    compat.check_loaded(stored, cfg, {**DEFAULTS, "aux_lr": 0.25})  # the groups as they are: no such setting
+
+
+def test_a_group_checks_its_ranges_as_it_is_built_with_the_command_lines_words():
+    """bad_setting is the one check: the Python API (LRAttnModule.from_config's groups) gets the line `lrattn fit`
+    prints; before, only the command line checked the ranges."""
+    line = settings.bad_setting({**DEFAULTS, "warmup_steps": -3})
+    assert line == "--model.warmup_steps -3: must be an integer >= 0"
+    with pytest.raises(InputError, match=f"^{re.escape(line)}$"):
+        settings.OptimiserSettings(warmup_steps=-3)
+    with pytest.raises(UsageError, match=f"^{re.escape(line)}$"):
+        check_training_numbers("fit", _fit(warmup_steps=-3))
+    with pytest.raises(InputError, match=r"^--model\.schedule_steps 0: must be an integer >= 1 \(or null"):
+        settings.module_settings(schedule_steps=0)

@@ -33,9 +33,11 @@ def architecture_differences(stored: dict[str, Any], cfg: ModelConfig) -> list[s
     ]
 
 
-def check_loaded(checkpoint: dict[str, Any], cfg: ModelConfig, hparams: Any = None) -> None:
+def check_loaded(checkpoint: dict[str, Any], cfg: ModelConfig, hparams: Any = None,
+                 groups: tuple[type, ...] | None = None) -> None:
     """A checkpoint loaded into a module built for `cfg`: same architecture, and (a resumed fit: `hparams` given) the
-    same optimizer settings, which torch's load_state_dict would restore over the command line's silently."""
+    same optimizer settings, which torch's load_state_dict would restore over the command line's silently (the
+    fields of `groups` marked resume="checkpoint": train/settings.py's, unless given)."""
     stored = checkpoint.get("hyper_parameters", {}).get("model_config")
     if stored is None:
         raise InputError("checkpoint has no 'model_config' hyper-parameter: it was not written by lrattn_lightning")
@@ -48,7 +50,7 @@ def check_loaded(checkpoint: dict[str, Any], cfg: ModelConfig, hparams: Any = No
     if hparams is None:
         return
     old = checkpoint.get("hyper_parameters", {})
-    for key in RESTORED_WITH_OPTIMIZER:
+    for key in marked("resume", "checkpoint", groups):
         if key in old and _plain(old[key]) != _plain(hparams[key]):
             raise InputError(
                 f"--model.{key}: the checkpoint was trained with {_plain(old[key])!r}, this run passes "
