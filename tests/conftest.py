@@ -40,8 +40,8 @@ if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN or os.environ.get("LRATTN_T
     signal.signal(signal.SIGHUP, lambda signum, frame: None)
 
 # lm-eval sets this (setdefault) when it is imported, and huggingface_hub reads it when it is imported: set from
-# the start, the environment the tests give their commands does not change once a test has imported lm-eval (which
-# made each warm server started after that one more, tests/warm_cli.py). No command here downloads anything.
+# the start, the environment the tests give their commands does not change once a test has imported lm-eval. No
+# command here downloads anything.
 os.environ.setdefault("HF_XET_HIGH_PERFORMANCE", "1")
 # hypothesis keeps its example database and constants cache under ./.hypothesis (the checkout) unless told otherwise:
 # the suite writes nothing into the checkout (tests/e2e/test_no_stray_writes.py), so they go under the temp folder
@@ -50,21 +50,21 @@ os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gett
 # Where things are, for every test module wherever its folder (tests/ mirrors lrattn_lightning/: tests/model/routing/
 # holds the routing kinds' tests, tests/e2e/ the tests whose point is real processes): a test module takes paths from
 # here, never from its own `__file__`.
-TESTS_DIR = Path(__file__).resolve().parent  # this file, helpers/, warm_cli.py and run_hooks.py
+TESTS_DIR = Path(__file__).resolve().parent  # this file, helpers/ and run_hooks.py
 REPO_ROOT = TESTS_DIR.parent
 GOLDEN_DIR = TESTS_DIR / "golden"
 REGISTRY_PATH = REPO_ROOT / "registry.yaml"
 # With pytest's default (prepend) import mode this file's folder, tests/, is on sys.path: a test module imports what
 # it shares with others from tests/helpers/ (`from helpers.runs import fit_args`), never from another test module
-# (tests/test_layers.py checks it), and the `lrattn` processes the tests start get tests/ too (warm_cli.cli_env: a
-# --config names run_hooks' callbacks).
+# (tests/test_layers.py checks it), and the `lrattn` processes the tests start get tests/ too (helpers.cli.cli_env:
+# a --config names run_hooks' callbacks).
 
 # RMSNorm epsilon of float32 tensors: torch's default finfo(float32).eps, as in the paper's code
 EPS = torch.finfo(torch.float32).eps
 
 torch.set_num_threads(1)  # the test machine is small and shared; tiny models gain nothing from threads
 # ... and so for every process the tests start (an installed `lrattn`, lm-eval's CLI, scripts, servers): on two shared
-# cores a second intra-op thread only spin-waits (warm_cli's commands and the tests' sweep files set it already)
+# cores a second intra-op thread only spin-waits (helpers.cli.cli_env and the tests' sweep files set it already)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 _REGISTRY = load_registry(REGISTRY_PATH)
@@ -184,32 +184,6 @@ def tiny(registry: Registry) -> SizeConfig:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _store_template(tmp_path_factory) -> None:
-    """New MLflow sqlite stores opened in this pytest process, and in the warm servers it starts, are copies of one
-    MLflow made once for the whole run (store_template.py; the xdist workers share their base folder's parent)."""
-    import store_template
-
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    template = store_template.make_template(shared / "mlflow-template.db", keep=True)
-    os.environ[store_template.ENV] = str(template)
-    store_template.install(template)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _warm_sweep_runs() -> Iterator[None]:
-    """A sweep run in this process starts its fits as processes forked from the pre-imported server
-    (tests/warm_cli.py), as `lrattn` commands the tests run do."""
-    import warm_cli
-
-    from lrattn_lightning.tools.sweep import local
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(local, "subprocess", warm_cli.Launches())
-        yield
 
 
 def tiny_config(registry: Registry, name: str, size: str | SizeConfig = "tiny") -> ModelConfig:

@@ -9,15 +9,14 @@ from a real `lrattn` process run in a folder outside the checkout, with nothing 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-import warm_cli
 import yaml
 from conftest import REPO_ROOT
+from helpers.cli import in_process
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -230,10 +229,9 @@ def python_check_yaml_limits(text: str, where: str) -> None:
 
 # ---- through the real command -----------------------------------------------------------------------------
 def lrattn(cwd: Path, *args: str):
-    """`lrattn ARGS` as a real process in `cwd` (forked from the tests' warm server: tests/warm_cli.py); a hang
-    (what these inputs did before the limits) fails the test at the timeout."""
-    return warm_cli.run([sys.executable, "-m", "lrattn_lightning.cli", *args], cwd=cwd, env=warm_cli.cli_env(),
-                        timeout=120)
+    """`lrattn ARGS` in this process from `cwd` (helpers/cli.py); a hang (what these inputs did before the limits)
+    fails the test at its timeout (the tests that call this: 120 s)."""
+    return in_process(list(args), cwd)
 
 
 def assert_one_line(done, *needles: str, prefix: str = "lrattn: error: ") -> str:
@@ -278,6 +276,7 @@ HOSTILE_FILES = {
 }
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", list(HOSTILE_FILES))
 def test_lrattn_refuses_a_hostile_file_in_one_line_exit_2(case, tmp_path):
     name, text, args, needles = HOSTILE_FILES[case]
@@ -289,6 +288,7 @@ def test_lrattn_refuses_a_hostile_file_in_one_line_exit_2(case, tmp_path):
     assert set(tmp_path.iterdir()) == before  # no runs/, no mlflow.db
 
 
+@pytest.mark.timeout(120)
 def test_a_fit_config_with_anchors_and_merges_parses_as_before(tmp_path):
     (tmp_path / "recipe.yaml").write_text("trainer:\n  <<: &steps {max_steps: 7, log_every_n_steps: 3}\n"
                                           "  val_check_interval: 2\ndata:\n  batch_size: &b 3\n"
@@ -305,6 +305,7 @@ def test_a_fit_config_with_anchors_and_merges_parses_as_before(tmp_path):
 ABSURD = {"d_model": 10**7, "n_layers": 10**4}
 
 
+@pytest.mark.timeout(120)
 def test_a_registry_size_past_the_budget_is_refused_at_load(tmp_path):
     small = load_registry(REGISTRY)
     assert max(count_params(small.model(s, "baseline")) for s in small.sizes) < MAX_PARAMS  # the shipped sizes fit
@@ -350,6 +351,7 @@ def test_an_exported_config_past_the_budget_is_refused_before_building(tmp_path)
                                   "10,000,000") and "\n" not in message, message
 
 
+@pytest.mark.timeout(120)
 def test_a_checkpoint_past_the_budget_is_refused_before_building(tmp_path):
     from helpers.models import make_checkpoint
 

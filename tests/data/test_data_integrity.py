@@ -13,13 +13,12 @@ import hashlib
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-import warm_cli
 from conftest import REPO_ROOT
+from helpers.cli import in_process
 
 from lrattn_lightning.data import shards
 from lrattn_lightning.data.shards import read_meta, validate_data_dir
@@ -30,9 +29,8 @@ REGISTRY = str(REPO / "registry.yaml")
 
 
 def lrattn(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """`lrattn ARGS` as a real process (forked from the tests' pre-imported server: tests/warm_cli.py)."""
-    return warm_cli.run([sys.executable, "-m", "lrattn_lightning.cli", *args], cwd=cwd, env=warm_cli.cli_env(),
-                        timeout=300)
+    """`lrattn ARGS` in this process from `cwd` (helpers/cli.py)."""
+    return in_process(args, cwd)
 
 
 def fit(cwd: Path, steps: int = 2) -> subprocess.CompletedProcess:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.runs import REGISTRY, assert_same_losses, fit_args, hooks, metric_history, run_cli, the_run
+from helpers.runs import REGISTRY, assert_same_losses, fit_args, hooks, metric_history, run_process, the_run
 
 from lrattn_lightning.cli import main
 from lrattn_lightning.data import remote
@@ -137,9 +137,9 @@ def test_fit_from_s3_resumes_at_the_same_batch(s3_env, tmp_path, capsys):
     url = "s3://lrattn-data/corpora/fit"
     prepare("stdlib-docs", url, max_documents=60, val_fraction=0.1, cloze_items=0, perplexity_documents=0)
     steps = 4
-    stopped = run_cli(fit_args(url, "--experiment", "stopped", "--config",
-                               hooks(tmp_path, "term.yaml", ("SigtermAtStep", {"step": 1})), steps=steps),
-                      tmp_path, **s3_env)
+    stopped = run_process(fit_args(url, "--experiment", "stopped", "--config",
+                                   hooks(tmp_path, "term.yaml", ("SigtermAtStep", {"step": 1})), steps=steps),
+                          tmp_path, **s3_env)
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     assert "lrattn: stopped by SIGTERM at step 2" in stopped.stderr
     assert main(fit_args(url, "--experiment", "stopped", "--ckpt_path", "last", steps=steps)) == 0

@@ -16,6 +16,7 @@ from helpers.runs import (
     losses_by_step,
     metric_history,
     run_cli,
+    run_process,
     slr_fit_args,
     step_of,
     the_run,
@@ -34,9 +35,9 @@ def _pair(data: Path, tmp_path: Path, ablation: str, *extra: str, steps: int = 1
               "--trainer.gradient_clip_val", "1.0", *extra]
     one = run_cli(slr_fit_args(data, *common, "--experiment", "one", ablation=ablation, steps=steps), tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = run_cli(slr_fit_args(data, *common, "--experiment", "two", "--data.batch_size", "2", "--trainer.devices",
-                               "2", "--trainer.strategy", "fsdp", ablation=ablation, steps=steps), tmp_path,
-                  timeout=600)
+    two = run_process(slr_fit_args(data, *common, "--experiment", "two", "--data.batch_size", "2", "--trainer.devices",
+                                   "2", "--trainer.strategy", "fsdp", ablation=ablation, steps=steps), tmp_path,
+                      timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
     client, r1 = the_run(tmp_path, "one")
     _, r2 = the_run(tmp_path, "two")
@@ -89,17 +90,17 @@ def test_an_fsdp_run_stops_together_resumes_exactly_and_its_checkpoint_serves_ev
 
     fsdp = ["--trainer.devices", "2", "--trainer.strategy", "fsdp", "--model.optimizer", "muon_adamw",
             "--model.muon_variant", "reference", "--ablation", "p-lr-block-n4-r32"]
-    stopped = run_cli(fit_args(data, *fsdp, "--experiment", "stopped", "--config",
-                               hooks(tmp_path, "term.yaml", ("SigtermAtStep", {"step": 3, "rank": 1})),
-                               steps=8, every=4), tmp_path, timeout=400)
+    stopped = run_process(fit_args(data, *fsdp, "--experiment", "stopped", "--config",
+                                   hooks(tmp_path, "term.yaml", ("SigtermAtStep", {"step": 3, "rank": 1})),
+                                   steps=8, every=4), tmp_path, timeout=400)
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     assert "lrattn: stopped by SIGTERM at step 4" in stopped.stderr
     last = ckpt_dir(tmp_path, "stopped", "tiny-p-lr-block-n4-r32-seed0") / "last.ckpt"
     assert last.is_file() and step_of(last) == 4  # one file, not a folder of shards
-    resumed = run_cli(fit_args(data, *fsdp, "--experiment", "stopped", "--ckpt_path", "last", steps=8, every=4),
-                      tmp_path, timeout=400)
+    resumed = run_process(fit_args(data, *fsdp, "--experiment", "stopped", "--ckpt_path", "last", steps=8, every=4),
+                          tmp_path, timeout=400)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    full = run_cli(fit_args(data, *fsdp, "--experiment", "full", steps=8, every=4), tmp_path, timeout=400)
+    full = run_process(fit_args(data, *fsdp, "--experiment", "full", steps=8, every=4), tmp_path, timeout=400)
     assert full.returncode == 0, full.stderr[-3000:]
     client, r1 = the_run(tmp_path, "stopped")
     _, r2 = the_run(tmp_path, "full")

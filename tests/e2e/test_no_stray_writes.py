@@ -1,7 +1,8 @@
 """No command writes outside the folders it was given.
 
 Every everyday command runs, as an installed user would, from a scratch working folder whose parent, home
-folder and temp folder are watched: afterwards the working folder holds only what the commands were told to
+folder and temp folder are watched (one real process runs them in turn, so what the libraries write when they are
+imported is written, once, under the watched home and temp folders): afterwards the working folder holds only what the commands were told to
 write (the data folder, the runs folder, the MLflow store and its artifacts, the export, the report), the
 parent and the checkout are unchanged, the home folder holds nothing but matplotlib's font cache (a library
 cache, rebuilt when missing), and the temp folder is empty.
@@ -9,14 +10,14 @@ cache, rebuilt when missing), and the temp folder is empty.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-import warm_cli
 from conftest import REPO_ROOT
-from helpers.runs import lrattn
 
 GIVEN = {"data", "runs", "mlflow.db", "mlartifacts", "hf", "report", "sweep.yaml"}
 HOME_CACHES = (Path(".cache/matplotlib"), Path(".config/matplotlib"))  # matplotlib's font list
@@ -40,22 +41,32 @@ def changed(before: dict, after: dict) -> list[str]:
 
 @pytest.fixture
 def sandbox(tmp_path):
-    """(run, work, home, tmp): `run(*args)` runs `lrattn ARGS` in work/ with HOME and TMPDIR inside tmp_path."""
+    """(run, work, home, tmp): `run(commands, stdin)` runs each `lrattn ARGS` of `commands` in turn, in one new
+    process started in work/ with HOME and TMPDIR inside tmp_path, `stdin` its standard input."""
     work, home, tmp = (tmp_path / name for name in ("work", "home", "tmp"))
     for folder in (work, home, tmp):
         folder.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "HF_", "XDG_"))}
     env.update(HOME=str(home), TMPDIR=str(tmp), OMP_NUM_THREADS="1", PYTHONPATH="")
 
-    def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-        # forked from a warm server started in this environment (its HOME and TMPDIR): what the libraries write
-        # when imported is written there too, once (tests/warm_cli.py)
-        proc = warm_cli.run(lrattn(*args), cwd=work, env=env, input=stdin, timeout=300)
-        assert proc.returncode == 0, (args, proc.stderr[-2000:])
+    def run(commands: list[list[str]], stdin: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, "-c", RUN_IN_TURN, json.dumps(commands)], cwd=work, env=env,
+                              input=stdin, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
         return proc
 
     return run, work, home, tmp
 
+
+# each command through `lrattn`'s main, as `lrattn ARGS` runs it; the first that fails ends the process, named
+RUN_IN_TURN = """
+import json, sys
+from lrattn_lightning.cli import main
+for args in json.loads(sys.argv[1]):
+    code = main(args)
+    if code:
+        sys.exit(f"lrattn {' '.join(args)}: exit {code}")
+"""
 
 SWEEP = f"""doc: a one-run sweep for the stray-writes check
 recipe: {REPO_ROOT / 'experiments' / 'cpu-demo.yaml'}
@@ -74,20 +85,20 @@ def test_no_command_writes_outside_the_folders_it_was_given(sandbox, tmp_path):
     repo_before, parent_before = snapshot(REPO_ROOT, skip), snapshot(tmp_path, ("work", "tmp"))
     (work / "sweep.yaml").write_text(SWEEP)
 
-    run("prepare", "--source", "stdlib-docs", "--tokenizer", "byte", "--out", "data", "--max_documents", "60")
-    run("fit", "--config", "experiments/cpu-demo.yaml", "--size", "tiny", "--ablation", "p-lr-full-r32",
-        "--data.data_dir", "data", "--data.batch_size", "2", "--trainer.max_steps", "4",
-        "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2", "--checkpoint_every", "2",
-        "--run_name", "r1", "--trainer.enable_progress_bar", "false")
     ckpt = "runs/cpu-demo/r1/checkpoints/last.ckpt"
-    run("validate", "--ckpt_path", ckpt, "--data.data_dir", "data", "--trainer.limit_val_batches", "2")
-    run("eval", "--checkpoint", ckpt, "--tasks", "local", "--limit", "4")
-    run("generate", "--checkpoint", ckpt, "--prompt", "def ", "--max_new_tokens", "4")
-    run("chat", "--checkpoint", ckpt, "--max_new_tokens", "4", stdin="hello\n/quit\n")
-    run("export", "--checkpoint", ckpt, "--out", "hf/model")
-    run("list", "--size", "tiny")
-    run("sweep", "sweep.yaml", "--dry-run")
-    run("compare", "--experiment", "cpu-demo", "--out", "report")
+    run([["prepare", "--source", "stdlib-docs", "--tokenizer", "byte", "--out", "data", "--max_documents", "60"],
+         ["fit", "--config", "experiments/cpu-demo.yaml", "--size", "tiny", "--ablation", "p-lr-full-r32",
+          "--data.data_dir", "data", "--data.batch_size", "2", "--trainer.max_steps", "4",
+          "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2", "--checkpoint_every", "2",
+          "--run_name", "r1", "--trainer.enable_progress_bar", "false"],
+         ["validate", "--ckpt_path", ckpt, "--data.data_dir", "data", "--trainer.limit_val_batches", "2"],
+         ["eval", "--checkpoint", ckpt, "--tasks", "local", "--limit", "4"],
+         ["generate", "--checkpoint", ckpt, "--prompt", "def ", "--max_new_tokens", "4"],
+         ["chat", "--checkpoint", ckpt, "--max_new_tokens", "4"],  # (the one that reads stdin)
+         ["export", "--checkpoint", ckpt, "--out", "hf/model"],
+         ["list", "--size", "tiny"],
+         ["sweep", "sweep.yaml", "--dry-run"],
+         ["compare", "--experiment", "cpu-demo", "--out", "report"]], stdin="hello\n/quit\n")
 
     assert {p.name for p in work.iterdir()} <= GIVEN, sorted(p.name for p in work.iterdir())
     assert changed(repo_before, snapshot(REPO_ROOT, skip)) == [], "the checkout was written to"

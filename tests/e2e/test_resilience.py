@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-import warm_cli
 import yaml
 from conftest import REPO_ROOT, mlflow_server
+from helpers.cli import cli_env
 from helpers.runs import (
     REGISTRY,
     RUN,
@@ -28,6 +28,7 @@ from helpers.runs import (
     lrattn,
     metric_history,
     run_cli,
+    run_process,
     step_of,
     the_run,
     tmpfs,
@@ -40,9 +41,9 @@ from lrattn_lightning.cli import main
 # ---- item 4: SIGTERM ------------------------------------------------------------------------------
 def test_sigterm_saves_the_current_step_exits_nonzero_and_resume_continues(data, tmp_path, monkeypatch, capsys):
     steps = 8
-    stopped = run_cli(fit_args(data, "--experiment", "stopped", "--config",
-                               hooks(tmp_path, "term.yaml", ("SigtermAtStep", {"step": 5})), steps=steps, every=4),
-                      tmp_path)
+    stopped = run_process(fit_args(data, "--experiment", "stopped", "--config",
+                                   hooks(tmp_path, "term.yaml", ("SigtermAtStep", {"step": 5})), steps=steps, every=4),
+                          tmp_path)
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr
     assert "lrattn: stopped by SIGTERM at step 6" in stopped.stderr  # the batch in progress completed
@@ -87,9 +88,9 @@ def test_sigterm_in_the_middle_of_an_accumulation_finishes_the_step_and_resumes_
     optimizer step), last.ckpt is step 4, and the resumed run equals the uninterrupted one at every step
     (Lightning alone stopped after the first micro-batch and lost its gradients)."""
     steps, acc = 7, ["--trainer.accumulate_grad_batches", "2", "--trainer.val_check_interval", "6"]
-    stopped = run_cli(fit_args(data, *acc, "--experiment", "stopped", "--config",
-                               hooks(tmp_path, "term.yaml", ("SigtermAtStep", {"step": 3})), steps=steps, every=4),
-                      tmp_path)
+    stopped = run_process(fit_args(data, *acc, "--experiment", "stopped", "--config",
+                                   hooks(tmp_path, "term.yaml", ("SigtermAtStep", {"step": 3})), steps=steps, every=4),
+                          tmp_path)
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     assert "lrattn: stopped by SIGTERM at step 4" in stopped.stderr
     assert step_of(ckpt_dir(tmp_path, "stopped") / "last.ckpt") == 4
@@ -113,7 +114,7 @@ DDP = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
 def ddp_uninterrupted(data, tmp_path_factory) -> list[tuple[int, float]]:
     """The losses of the uninterrupted 2-rank run both stops are compared with (run once)."""
     folder = tmp_path_factory.mktemp("ddp-full")
-    full = run_cli(fit_args(data, *DDP, "--experiment", "full", steps=6, every=4), folder, timeout=400)
+    full = run_process(fit_args(data, *DDP, "--experiment", "full", steps=6, every=4), folder, timeout=400)
     assert full.returncode == 0, full.stderr[-3000:]
     client, run = the_run(folder, "full")
     return metric_history(client, run.info.run_id)
@@ -128,15 +129,15 @@ def test_ddp_ranks_stop_together_on_a_sigterm_to_one_or_all_of_them(data, tmp_pa
     watch over the ranks it launched (a 5-s poll) would see rank 1's 143 first and SIGKILL rank 0 (exit -9).
     The checkpoint resumes to the uninterrupted run's losses."""
     ddp = DDP
-    stopped = run_cli(fit_args(data, *ddp, "--experiment", "stopped", "--config",
-                               hooks(tmp_path, "term.yaml", ("SigtermAtStep", {"step": 3, "rank": rank}),
-                                     ("SlowRankZeroOnStop", {"seconds": 6})),
-                               steps=6, every=4), tmp_path, timeout=400)
+    stopped = run_process(fit_args(data, *ddp, "--experiment", "stopped", "--config",
+                                   hooks(tmp_path, "term.yaml", ("SigtermAtStep", {"step": 3, "rank": rank}),
+                                         ("SlowRankZeroOnStop", {"seconds": 6})),
+                                   steps=6, every=4), tmp_path, timeout=400)
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     assert "lrattn: stopped by SIGTERM at step 4" in stopped.stderr
     assert step_of(ckpt_dir(tmp_path, "stopped") / "last.ckpt") == 4
-    resumed = run_cli(fit_args(data, *ddp, "--experiment", "stopped", "--ckpt_path", "last", steps=6, every=4),
-                      tmp_path, timeout=400)
+    resumed = run_process(fit_args(data, *ddp, "--experiment", "stopped", "--ckpt_path", "last", steps=6, every=4),
+                          tmp_path, timeout=400)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     client, r1 = the_run(tmp_path, "stopped")
     assert_same_losses(metric_history(client, r1.info.run_id), ddp_uninterrupted)
@@ -151,8 +152,8 @@ def test_sweep_passes_a_sigterm_on_and_sees_the_run_did_not_finish(data, tmp_pat
     sweep = {"name": "term", "doc": "one run, stopped by SIGTERM", "recipe": "recipe.yaml", "registry": REGISTRY,
              "sizes": ["tiny"], "ablations": ["baseline"], "seeds": [0]}
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep))
-    proc = warm_cli.Launches.Popen(lrattn("sweep", "sweep.yaml"), cwd=tmp_path, env=warm_cli.cli_env(),
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(lrattn("sweep", "sweep.yaml"), cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     ckpt = ckpt_dir(tmp_path, "term") / "last.ckpt"
     deadline = time.time() + 120
     while not ckpt.exists():  # the periodic save at step 4: the fit is under way
@@ -180,8 +181,8 @@ def test_last_ckpt_is_always_the_newest_and_resume_logs_each_step_once(data, tmp
     assert main(fit_args(data, *STRETCHABLE, steps=3, every=5)) == 0
     folder = ckpt_dir(tmp_path)
     assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"] and step_of(folder / "last.ckpt") == 3
-    killed = run_cli(fit_args(data, *STRETCHABLE, "--ckpt_path", "last", "--config",
-                              hooks(tmp_path, "kill.yaml", ("KillAtStep", {"step": 7})), steps=12, every=5), tmp_path)
+    killed = run_process(fit_args(data, *STRETCHABLE, "--ckpt_path", "last", "--config",
+                                  hooks(tmp_path, "kill.yaml", ("KillAtStep", {"step": 7})), steps=12, every=5), tmp_path)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "previous.ckpt"] and step_of(folder / "last.ckpt") == 5
     assert main(fit_args(data, *STRETCHABLE, "--ckpt_path", "last", steps=12, every=5)) == 0
@@ -198,7 +199,7 @@ def test_sigkill_during_a_checkpoint_write_keeps_the_previous_checkpoint(data, t
         marker = tmp_path / "writing"
         config = hooks(tmp_path, "ballast.yaml", ("BallastAtStep", {"step": 4, "mb": 96, "marker": str(marker)}))
         proc = subprocess.Popen(lrattn(*fit_args(data, "--config", config, steps=6)), cwd=tmp_path,
-                                env=warm_cli.cli_env(TMPDIR=str(tmpdir)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                env=cli_env(TMPDIR=str(tmpdir)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         folder = ckpt_dir(tmp_path)
         deadline, partial = time.time() + 120, None
         while partial is None:
@@ -243,7 +244,7 @@ def test_mlflow_server_killed_mid_run_ends_in_bounded_time_with_one_warning(data
     with mlflow_server(tmp_path) as (server, uri):
         config = hooks(tmp_path, "killserver.yaml", ("KillProcessGroupAtStep", {"step": 3, "pgid": server.pid}))
         start = time.time()
-        proc = run_cli(fit_args(data, "--tracking_uri", uri, "--config", config, steps=6), tmp_path, timeout=300)
+        proc = run_process(fit_args(data, "--tracking_uri", uri, "--config", config, steps=6), tmp_path)
         took = time.time() - start
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert took < 90, took
@@ -257,8 +258,8 @@ def test_mlflow_server_killed_mid_run_ends_in_bounded_time_with_one_warning(data
 
 # ---- item 7: concurrency --------------------------------------------------------------------------
 def test_two_fits_starting_together_on_a_new_sqlite_store_both_succeed(data, tmp_path):
-    procs = [warm_cli.Launches.Popen(lrattn(*fit_args(data, "--run_name", name, steps=2)), cwd=tmp_path,
-                                     env=warm_cli.cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen(lrattn(*fit_args(data, "--run_name", name, steps=2)), cwd=tmp_path, env=cli_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for name in ("a", "b")]
     errs = [p.communicate(timeout=240)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errs]

@@ -1,7 +1,7 @@
 """How a fit ends, told honestly: diverged, stopped after its last step, killed right after a save.
 
-Real `lrattn fit` processes, real signals and a real MLflow store. A run whose loss turns non-finite never keeps the
-state that produced it as last.ckpt and ends FAILED with a tag; a stop signal that arrives after the last step but
+Real `lrattn fit` commands (a real process where a signal comes), real signals and a real MLflow store. A run whose
+loss turns non-finite never keeps the state that produced it as last.ckpt and ends FAILED with a tag; a stop signal that arrives after the last step but
 before the final validation ends the run KILLED (exit 128 + N) and the resume runs that validation; one after the
 final validation changes nothing (FINISHED, exit 0); a SIGKILL right after a checkpoint is written loses no metric.
 """
@@ -21,6 +21,7 @@ from helpers.runs import (
     histories,
     hooks,
     run_cli,
+    run_process,
     step_of,
     stop_line,
     the_run,
@@ -96,7 +97,7 @@ def test_divergence_sets_the_bad_state_apart_and_fails_the_run(data, tmp_path):
 ])
 def test_a_stop_after_the_last_step_ends_as_the_run_did(data, tmp_path, uninterrupted, during, batch, code):
     stop = hooks(tmp_path, "stop.yaml", ("SignalAt", {"step": 0, "during": during, "batch": batch}))
-    stopped = run_cli(args(data, "--config", stop), tmp_path)
+    stopped = run_process(args(data, "--config", stop), tmp_path)
     assert stopped.returncode == code, stopped.stderr[-3000:]
     _, run = the_run(tmp_path, "run")
     last = checkpoints(tmp_path) / "last.ckpt"
@@ -119,7 +120,7 @@ def test_a_sigkill_right_after_a_save_loses_no_metric(data, tmp_path, uninterrup
     """Lightning logs a step's metrics after the checkpoint callbacks: a process killed between the save of step 3
     and that logging resumed after step 2's metrics and never logged them. They are logged before the save now."""
     kill = hooks(tmp_path, "kill.yaml", ("KillBeforeStepLog", {"step": 3}))
-    killed = run_cli(args(data, "--config", kill), tmp_path)
+    killed = run_process(args(data, "--config", kill), tmp_path)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert step_of(checkpoints(tmp_path) / "last.ckpt") == 3
     resumed = run_cli(args(data, "--ckpt_path", "last"), tmp_path)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-import warm_cli
+from helpers.cli import cli_env
 from helpers.runs import (
     assert_same_run,
     ckpt_dir,
@@ -27,6 +27,7 @@ from helpers.runs import (
     hooks,
     lrattn,
     run_cli,
+    run_process,
     step_of,
     stop_line,
     the_run,
@@ -68,7 +69,7 @@ def test_validations_stopped_or_killed_midway_are_run_again_whole_on_resume(data
     for i, (where, code, step) in enumerate(stops):
         resume = ["--ckpt_path", "last"] if i else []
         config = hooks(tmp_path, f"stop{i}.yaml", ("SignalAt", where))
-        stopped = run_cli(args(data, *resume, "--config", config), tmp_path)
+        stopped = run_process(args(data, *resume, "--config", config), tmp_path)
         assert stopped.returncode == code, (where, stopped.stderr[-3000:])
         if code == 143:
             assert stop_line(stopped.stderr).startswith(f"lrattn: stopped by SIGTERM at step {step}; checkpoint ")
@@ -86,8 +87,8 @@ def test_validations_stopped_or_killed_midway_are_run_again_whole_on_resume(data
     ("SIGHUP", {"step": 6, "during": "validation", "batch": 0}, 6),
 ])
 def test_sigint_and_sighup_stop_like_sigterm_with_their_exit_codes(data, tmp_path, uninterrupted, name, where, step):
-    stopped = run_cli(args(data, "--config", hooks(tmp_path, "stop.yaml", ("SignalAt", {**where, "signal": name}))),
-                      tmp_path)
+    stopped = run_process(args(data, "--config", hooks(tmp_path, "stop.yaml", ("SignalAt", {**where, "signal": name}))),
+                          tmp_path)
     assert stopped.returncode == 128 + signal.Signals[name], stopped.stderr[-3000:]  # 130, 129
     last = ckpt_dir(tmp_path, "run", RUN) / "last.ckpt"
     assert stop_line(stopped.stderr) == (f"lrattn: stopped by {name} at step {step}; checkpoint {last} "
@@ -105,7 +106,7 @@ def test_sigint_and_sighup_stop_like_sigterm_with_their_exit_codes(data, tmp_pat
 def test_a_sighup_ignored_at_launch_stays_ignored(data, tmp_path):
     """`nohup lrattn fit ...` asks to survive the terminal: the run goes on to the end."""
     config = hooks(tmp_path, "hup.yaml", ("SignalAt", {"step": 1, "signal": "SIGHUP"}))
-    done = subprocess.run(lrattn(*args(data, "--config", config, steps=3)), cwd=tmp_path, env=warm_cli.cli_env(),
+    done = subprocess.run(lrattn(*args(data, "--config", config, steps=3)), cwd=tmp_path, env=cli_env(),
                           capture_output=True, text=True, timeout=240,
                           preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -127,7 +128,7 @@ def test_closing_the_terminal_saves_and_stops_although_the_terminal_is_gone(data
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
     proc = subprocess.Popen(lrattn(*args(data, "--config", config, "--trainer.enable_progress_bar", "true", steps=6)),
-                            cwd=tmp_path, env=warm_cli.cli_env(), stdin=slave, stdout=slave, stderr=slave,
+                            cwd=tmp_path, env=cli_env(), stdin=slave, stdout=slave, stderr=slave,
                             start_new_session=True, preexec_fn=controlling_terminal)
     os.close(slave)
     reading, output = threading.Event(), []
@@ -163,7 +164,7 @@ def test_ddp_ranks_stop_together_on_a_sighup_to_one_of_them(data, tmp_path):
     """2 gloo ranks; SIGHUP to rank 1 only: the ranks agree on the signal, save step 4 and exit 129."""
     ddp = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
     config = hooks(tmp_path, "hup.yaml", ("SignalAt", {"step": 3, "signal": "SIGHUP", "rank": 1}))
-    stopped = run_cli(args(data, *ddp, "--config", config, steps=6), tmp_path, timeout=400)
+    stopped = run_process(args(data, *ddp, "--config", config, steps=6), tmp_path, timeout=400)
     assert stopped.returncode == 129, stopped.stderr[-3000:]
     assert "lrattn: stopped by SIGHUP at step 4" in stopped.stderr
     assert step_of(ckpt_dir(tmp_path, "run", RUN) / "last.ckpt") == 4

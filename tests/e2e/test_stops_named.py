@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 import pytest
-import warm_cli
 import yaml
 from conftest import prepared_corpus
+from helpers.cli import cli_env
 from helpers.prepare import JSONL_ARGS, prepare_env, prepare_in_parts, processes_naming, wait_for_part
 from helpers.runs import REGISTRY, fit_args, hooks, lrattn, run_cli, step_of
 from mlflow.tracking import MlflowClient
@@ -43,13 +43,13 @@ def data(tmp_path_factory) -> Path:
 
 def launch(cmd: list[str], cwd: Path, group: bool, env: dict[str, str] | None = None):
     """A real process: in a process group of its own when `group` (a terminal's foreground job: its children are
-    in it too), else forked from the tests' warm server. SIGINT is not ignored in it."""
-    env = env or warm_cli.cli_env()
+    in it too), else in the tests' group. SIGINT is not ignored in it."""
+    env = env or cli_env()
     if group:
         return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    return warm_cli.Launches.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def send(proc, signum: int, group: bool) -> None:
@@ -275,7 +275,7 @@ def test_a_stopped_eval_names_the_signal_and_logs_nothing(checkpoint, tmp_path, 
     script.write_text(EVAL_PAUSED)
     cmd = [sys.executable, str(script), "eval", "--checkpoint", str(ckpt), "--tasks", "local", "--limit", "4",
            "--tracking_uri", uri, "--devices", str(devices), "--accelerator", "cpu"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=warm_cli.cli_env(), text=True, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(), text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=group,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wait_for([tmp_path / f"paused-{rank}" for rank in range(devices)], proc)
@@ -294,7 +294,7 @@ def test_ctrl_c_where_a_command_does_not_take_it_is_one_line(checkpoint, tmp_pat
     """`lrattn chat` waiting for a line (as any command while its module is imported): Ctrl-C was a
     KeyboardInterrupt traceback; now one line and 130."""
     ckpt, _ = checkpoint
-    proc = subprocess.Popen(lrattn("chat", "--checkpoint", str(ckpt)), cwd=tmp_path, env=warm_cli.cli_env(), text=True,
+    proc = subprocess.Popen(lrattn("chat", "--checkpoint", str(ckpt)), cwd=tmp_path, env=cli_env(), text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout.readline().startswith("lrattn chat:")  # then it waits for the first line

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import free_port
-from helpers.runs import RUN, ckpt_dir, fit_args, hooks, run_cli, step_of, the_run, tmpfs
+from helpers.runs import RUN, ckpt_dir, fit_args, hooks, run_cli, run_process, step_of, the_run, tmpfs
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 from run_hooks import start_server
@@ -66,8 +66,7 @@ def test_a_server_back_mid_run_gets_everything_and_compare_reads_the_last_valida
         config = hooks(tmp_path, "outage.yaml", ("ServerOutage", {"down": 5, "up": 9, "pidfile": str(pidfile),
                                                                   "command": command, "cwd": str(tmp_path), "uri": uri}))
         env = {} if retry == "30" else {"LRATTN_TRACKING_RETRY_S": retry}
-        proc = run_cli(fit_args(data, *VAL, "--tracking_uri", uri, "--config", config, steps=steps), tmp_path,
-                       timeout=800, **env)
+        proc = run_cli(fit_args(data, *VAL, "--tracking_uri", uri, "--config", config, steps=steps), tmp_path, **env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         lines = mlflow_warnings(proc.stderr)
         assert len(lines) == 2, lines  # the outage, then its end
@@ -128,8 +127,8 @@ def test_a_run_left_running_by_a_killed_fit_is_marked_killed_by_the_next_start(d
     """SIGKILL at step 1, before the first checkpoint: its MLflow run stays RUNNING. A start of another run
     folder of the same name, or one refused because a live process holds the folder, leave it alone; the
     next start of its own folder marks it KILLED, says why, and makes the one new run."""
-    killed = run_cli(fit_args(data, "--config", hooks(tmp_path, "kill.yaml", ("KillAtStep", {"step": 1})), steps=4),
-                     tmp_path)
+    killed = run_process(fit_args(data, "--config", hooks(tmp_path, "kill.yaml", ("KillAtStep", {"step": 1})), steps=4),
+                         tmp_path)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     client, orphan = the_run(tmp_path)
     assert orphan.info.status == "RUNNING" and not list(ckpt_dir(tmp_path).glob("*.ckpt"))

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-import warm_cli
 from conftest import REPO_ROOT
 from lm_eval.api.instance import Instance
 from mlflow.tracking import MlflowClient
@@ -215,10 +215,10 @@ def test_two_fabric_processes_give_the_same_metrics_as_one(single_process_eval, 
     uri = f"sqlite:///{tmp_path}/other.db"
     env = {**os.environ, **OFFLINE}
     env.pop("MLFLOW_TRACKING_URI", None)
-    proc = warm_cli.run([sys.executable, "-m", "lrattn_lightning.cli", "eval", "--checkpoint", str(trained["ckpt"]),
-                         "--tasks", "local", "--limit", "6", "--val-loss", "--batch-size", "8", "--devices", "2",
-                         "--accelerator", "cpu", "--tracking-uri", uri],
-                        cwd=REPO, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "lrattn_lightning.cli", "eval", "--checkpoint", str(trained["ckpt"]),
+                           "--tasks", "local", "--limit", "6", "--val-loss", "--batch-size", "8", "--devices", "2",
+                           "--accelerator", "cpu", "--tracking-uri", uri],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Starting with 2 processes" in proc.stderr + proc.stdout
     assert re.search(r"\[lrattn eval\] (\d+)/\1 loglikelihood requests scored", proc.stderr)  # progress, rank 0 only

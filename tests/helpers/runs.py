@@ -1,22 +1,22 @@
 """`lrattn fit` and sweeps as the tests run them, and what they leave behind: the arguments of a tiny CPU fit, the
-command as a real process (forked from the tests' pre-imported server: tests/warm_cli.py), --config files adding
-tests/run_hooks.py's callbacks, the one MLflow run of an experiment, its metric histories and checkpoints."""
+command in this process or as a real one (helpers/cli.py), --config files adding tests/run_hooks.py's callbacks, the
+one MLflow run of an experiment, its metric histories and checkpoints."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
-import warm_cli
 import yaml
 from conftest import REGISTRY_PATH
 from mlflow.tracking import MlflowClient
+
+from helpers.cli import as_process, in_process, lrattn
 
 REGISTRY = str(REGISTRY_PATH)
 RUN = "tiny-baseline-seed0"  # fit_args' run name (size, ablation, seed)
@@ -50,13 +50,18 @@ def slr_fit_args(data: Path, *extra: str, steps: int = 4, ablation: str = "s-lr-
     return fit_args(data, *extra, steps=steps, ablation=ablation, batch_size=4, lightning_checks=True)
 
 
-def lrattn(*args: str) -> list[str]:
-    return [sys.executable, "-m", "lrattn_lightning.cli", *args]
+__all__ = ["lrattn"]  # (the command line of a real process, helpers/cli.py's, for the modules that import it here)
 
 
-def run_cli(args: list[str], cwd: Path, timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
-    """`lrattn ARGS` as a real process (forked from the tests' pre-imported server), `env` added to cli_env()'s."""
-    return warm_cli.run(lrattn(*args), cwd=cwd, env=warm_cli.cli_env(**env), timeout=timeout)
+def run_cli(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """`lrattn ARGS` in this process from folder `cwd`, `env` set for it (helpers/cli.py's in_process)."""
+    return in_process(args, cwd, **env)
+
+
+def run_process(args: list[str], cwd: Path, timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
+    """`lrattn ARGS` as a real process (`python -m lrattn_lightning.cli`), `env` added to cli_env()'s: for a test
+    whose point is a process (ranks, signals, an exit on a kill)."""
+    return as_process(args, cwd, timeout=timeout, **env)
 
 
 def hooks(folder: Path, name: str, *callbacks: tuple[str, dict]) -> str:

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import warm_cli
 from conftest import REPO_ROOT, prepared_corpus
 from helpers.runs import SWEEP_ABLATIONS as ABLATIONS
 from helpers.runs import sweep_runs, write_sweep
@@ -267,8 +266,8 @@ def test_a_run_finished_meanwhile_is_skipped(finished_sweep, tmp_path):
     """MLflow is asked again right before each run: one another process finished after the plan is skipped."""
     folder = tmp_path / "copy"
     uri, runs = _copy_with_failed(finished_sweep, folder, "tiny-baseline-seed0", "tiny-baseline-seed1")
-    sweep = warm_cli.Launches.Popen([sys.executable, "-m", "lrattn_lightning.cli", "sweep", "sweep.yaml",
-                                     "--tracking_uri", uri], cwd=folder, stdout=subprocess.PIPE, text=True)
+    sweep = subprocess.Popen([sys.executable, "-m", "lrattn_lightning.cli", "sweep", "sweep.yaml", "--tracking_uri",
+                              uri], cwd=folder, stdout=subprocess.PIPE, text=True)
     lines = []
     for line in sweep.stdout:
         lines.append(line)
@@ -285,8 +284,8 @@ def test_two_sweeps_at_once_run_each_run_exactly_once(data_dir, tmp_path):
     every run is trained by exactly one of them, and its MLflow history holds each step once."""
     path = write_sweep(tmp_path, data_dir, ablations=["baseline"])
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    procs = [warm_cli.Launches.Popen([sys.executable, "-m", "lrattn_lightning.cli", "sweep", str(path)], cwd=tmp_path,
-                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [subprocess.Popen([sys.executable, "-m", "lrattn_lightning.cli", "sweep", str(path)], cwd=tmp_path,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(2)]
     outs = [p.communicate(timeout=900)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-import warm_cli
 import yaml
 from conftest import REPO_ROOT, prepared_corpus
+from helpers.cli import cli_env
 from helpers.runs import sweep_runs, write_sweep
 from mlflow.tracking import MlflowClient
 
@@ -77,11 +77,10 @@ def test_a_stop_signal_stops_every_running_fit_and_the_same_command_resumes_them
     both from their checkpoints into their own MLflow runs and finishes them."""
     probe = tmp_path / "probe"
     path = probed_sweep(tmp_path, data_dir, probe, hold_step=1, ablations=["baseline"])
-    env = warm_cli.cli_env()  # no store; and sweep_hooks importable: the sweep checks the recipe's callback itself
+    env = cli_env()  # no store; and sweep_hooks importable: the sweep checks the recipe's callback itself
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HOOKS), env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "lrattn_lightning.cli", "sweep", str(path), "--parallel", "2"]
-    # cold processes, as a user's: the sweep and the fits it starts (after the in-process --parallel test above, a
-    # sweep forked from its warm server had the server reset the connection)
+    # real processes, as a user's: the sweep and the fits it starts
     sweep = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while len(list(probe.glob("*.ready"))) < 2:  # both fits hold before step 1

@@ -8,15 +8,14 @@ too many, too few or of the wrong type, a tokenizer naming /etc/passwd, NaN weig
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-import warm_cli
 from conftest import GOLDEN_DIR
+from helpers.cli import in_process
 from helpers.runs import REGISTRY, fit_args
 from mlflow.tracking import MlflowClient
 
@@ -67,7 +66,7 @@ def evil(tmp_path) -> tuple[Path, Path]:
     return package, marker
 
 
-def test_no_command_imports_a_router_class_a_checkpoint_names(trained, evil, tmp_path, data):
+def test_no_command_imports_a_router_class_a_checkpoint_names(trained, evil, tmp_path, data, monkeypatch):
     """generate, chat, eval, export and validate of a checkpoint naming an importable module: refused in one line
     naming the class and the flag to pass; the module never runs (its file never appears). `this:Foo` (an
     installed module that prints on import) is not imported either."""
@@ -84,13 +83,10 @@ def test_no_command_imports_a_router_class_a_checkpoint_names(trained, evil, tmp
         "validate": ["validate", "--ckpt_path", str(ckpt), "--data.data_dir", str(data)],
         "zen": ["generate", "--checkpoint", str(zen), "--prompt", "x"],
     }
-    env = warm_cli.cli_env(PYTHONPATH=f"{package}")
-    procs = {name: warm_cli.Launches.Popen([sys.executable, "-m", "lrattn_lightning.cli", *argv], cwd=work, env=env,
-                                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                           text=True)
-             for name, argv in commands.items()}
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
+    monkeypatch.syspath_prepend(str(package))  # the module is importable in the commands (run in this process)
+    for name, argv in commands.items():
+        proc = in_process(argv, work)
+        out, err = proc.stdout, proc.stderr
         assert proc.returncode == 2, (name, err[-2000:])
         lines = [line for line in err.splitlines() if line.startswith("lrattn")]
         assert len(lines) == 1 and "Traceback" not in err, (name, err[-2000:])
@@ -103,8 +99,8 @@ def test_no_command_imports_a_router_class_a_checkpoint_names(trained, evil, tmp
     assert not (work / "hf").exists() and not (work / "mlflow.db").exists() and not (work / "runs").exists()
 
     # the user's word makes it importable: --trust_router names the same class (then it fails as what it is)
-    done = warm_cli.run([sys.executable, "-m", "lrattn_lightning.cli", "generate", "--checkpoint", str(ckpt),
-                         "--prompt", "x", "--trust_router", f"{EVIL}:Evil"], cwd=work, env=env, timeout=300)
+    done = in_process(["generate", "--checkpoint", str(ckpt), "--prompt", "x", "--trust_router", f"{EVIL}:Evil"], work)
+    sys.modules.pop(EVIL, None)  # (imported now: the next test's module of that name is another file)
     assert done.returncode == 2 and marker.exists()
     assert "'Evil' in module 'evil_router_for_lrattn_tests' is a type, not an nn.Module class" in done.stderr
 

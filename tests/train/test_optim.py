@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import tiny_config
 from helpers.references import BF16_BOUND, muon_golden, polar_express_float64, rel_err
-from helpers.runs import REGISTRY, losses_by_step, run_cli, slr_fit_args, the_run
+from helpers.runs import REGISTRY, losses_by_step, run_cli, run_process, slr_fit_args, the_run
 
 from lrattn_lightning.model.decoder import build_decoder
 from lrattn_lightning.train.lit_module import LRAttnModule
@@ -371,8 +371,8 @@ def test_resume_after_sigkill_in_decay_matches_uninterrupted_run(tiny_data, tmp_
     assert full.returncode == 0, full.stderr[-3000:]
     (tmp_path / "kill.yaml").write_text(
         "trainer:\n  callbacks:\n    - class_path: run_hooks.KillAtStep\n      init_args: {step: 19}\n")
-    killed = run_cli(slr_fit_args(tiny_data, *SCHEDULE, "--experiment", "killed", "--config", "kill.yaml",
-                                  steps=steps), tmp_path)
+    killed = run_process(slr_fit_args(tiny_data, *SCHEDULE, "--experiment", "killed", "--config", "kill.yaml",
+                                      steps=steps), tmp_path)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     ckpt = tmp_path / "runs/killed/tiny-s-lr-grid-n4-r16-seed0/checkpoints/last.ckpt"
     assert torch.load(ckpt, weights_only=True)["global_step"] == 12

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import free_port, mlflow_server
 from helpers.prepare import four_window_corpus
-from helpers.runs import REGISTRY, losses_by_step, run_cli, slr_fit_args, the_run
+from helpers.runs import REGISTRY, losses_by_step, run_cli, run_process, slr_fit_args, the_run
 
 from lrattn_lightning.cli import main
 from lrattn_lightning.data.prepare import prepare
@@ -154,7 +154,8 @@ def test_resume_after_sigkill_continues_the_same_loss_sequence(tiny_data, tmp_pa
     assert full.returncode == 0, full.stderr[-3000:]
     (tmp_path / "kill.yaml").write_text(
         "trainer:\n  callbacks:\n    - class_path: run_hooks.KillAtStep\n      init_args: {step: 5}\n")
-    killed = run_cli(slr_fit_args(tiny_data, "--experiment", "killed", "--config", "kill.yaml", steps=steps), tmp_path)
+    killed = run_process(slr_fit_args(tiny_data, "--experiment", "killed", "--config", "kill.yaml", steps=steps),
+                         tmp_path)
     assert killed.returncode == -signal.SIGKILL
     ckpt_dir = tmp_path / "runs/killed/tiny-s-lr-grid-n4-r16-seed0/checkpoints"
     assert torch.load(ckpt_dir / "last.ckpt", weights_only=True)["global_step"] == 4  # lost at most one interval
@@ -189,8 +190,9 @@ def test_ddp_two_processes_gloo_match_one_process(tmp_path):
               "--trainer.val_check_interval", "1"]
     one = run_cli(slr_fit_args(data, *common, "--experiment", "one", steps=4), tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = run_cli(slr_fit_args(data, *common, "--experiment", "two", "--data.batch_size", "2",
-                               "--trainer.devices", "2", "--trainer.strategy", "ddp", steps=4), tmp_path, timeout=600)
+    two = run_process(slr_fit_args(data, *common, "--experiment", "two", "--data.batch_size", "2",
+                                   "--trainer.devices", "2", "--trainer.strategy", "ddp", steps=4), tmp_path,
+                      timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
     client, r1 = the_run(tmp_path, "one")
     _, r2 = the_run(tmp_path, "two")

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-import warm_cli
 import yaml
 from mlflow.tracking import MlflowClient
 
@@ -235,12 +235,12 @@ def test_fit_validate_eval_generate_export_with_a_users_router(package, tiny_dat
     work = tmp_path / "work"
     work.mkdir()
     (work / "registry.yaml").write_text(yaml.safe_dump(registry_dict(mix=entry(router_options={"scale": 1.0}))))
-    lrattn = [sys.executable, "-m", "lrattn_lightning.cli"]  # forked from a warm server (tests/warm_cli.py)
+    lrattn = [sys.executable, "-m", "lrattn_lightning.cli"]  # real processes: the router comes from PYTHONPATH
     fit = [*lrattn, "fit", "--config", "experiments/cpu-demo.yaml", "--registry", "registry.yaml", "--size", "tiny",
            "--ablation", "mix", "--data.data_dir", str(tiny_data), "--data.batch_size", "4", "--trainer.max_steps", "3",
            "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2", "--model.warmup_steps", "1",
            "--trainer.enable_progress_bar", "false"]
-    done = warm_cli.run(fit, cwd=work, env=_env(package), timeout=300)
+    done = subprocess.run(fit, cwd=work, env=_env(package), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     ckpt = next(work.rglob("last.ckpt"))
     hp = torch.load(ckpt, weights_only=True)["hyper_parameters"]
@@ -281,15 +281,17 @@ def test_fit_validate_eval_generate_export_with_a_users_router(package, tiny_dat
 
     # elsewhere (no registry naming the class) the checkpoint's router is imported only on the user's word
     router = f"{PACKAGE}.routers:MixRouter"
-    done = warm_cli.run([*lrattn, "generate", "--checkpoint", str(ckpt), "--prompt", "x"], cwd=tmp_path,
-                        env=_env(package), timeout=120)
+    done = subprocess.run([*lrattn, "generate", "--checkpoint", str(ckpt), "--prompt", "x"], cwd=tmp_path,
+                          env=_env(package), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and f"--trust_router {router}" in done.stderr, done.stderr[-2000:]
-    done = warm_cli.run([*lrattn, "generate", "--checkpoint", str(ckpt), "--prompt", "x", "--max_new_tokens", "3",
-                         "--trust_router", router], cwd=tmp_path, env=_env(package), timeout=120)
+    done = subprocess.run([*lrattn, "generate", "--checkpoint", str(ckpt), "--prompt", "x", "--max_new_tokens", "3",
+                           "--trust_router", router], cwd=tmp_path, env=_env(package), capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("x"), done.stderr[-2000:]
     # where the user's package is missing, loading the checkpoint is one line
-    done = warm_cli.run([*lrattn, "generate", "--checkpoint", str(ckpt), "--prompt", "x", "--registry",
-                         str(work / "registry.yaml")], cwd=tmp_path, env=_env(), timeout=120)
+    done = subprocess.run([*lrattn, "generate", "--checkpoint", str(ckpt), "--prompt", "x", "--registry",
+                           str(work / "registry.yaml")], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                          timeout=120)
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode != 0 and len(lines) == 1, done.stderr[-2000:]
     assert f"cannot import module '{PACKAGE}.routers'" in lines[0] and "PYTHONPATH" in lines[0]

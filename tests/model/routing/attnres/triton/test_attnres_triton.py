@@ -351,12 +351,9 @@ def test_fidelity_tool_runs_the_triton_backend(measured):
 def test_without_cuda_or_interpreter_it_is_one_line(tmp_path):
     """No GPU here and no TRITON_INTERPRET: building the backend, and `lrattn fit --model.impl triton`, say
     what to do in one line (exit 2) before any work."""
-    import warm_cli
+    from helpers.cli import in_process
 
     from lrattn_lightning.data.prepare import prepare
-
-    def lrattn(*args: str) -> list[str]:
-        return [sys.executable, "-m", "lrattn_lightning.cli", *args]
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is present")
@@ -372,9 +369,9 @@ def test_without_cuda_or_interpreter_it_is_one_line(tmp_path):
             cloze_items=0, perplexity_documents=0)
     work = tmp_path / "work"
     work.mkdir()
-    proc = warm_cli.run(lrattn("fit", "--config", "experiments/cpu-demo.yaml", "--size", "tiny", "--ablation",
-                               "s-lr-grid-n4-r16", "--model.impl", "triton", "--trainer.max_steps", "1",
-                               "--data.data_dir", str(data)), cwd=work, env=env, timeout=300)
+    proc = in_process(["fit", "--config", "experiments/cpu-demo.yaml", "--size", "tiny", "--ablation",
+                       "s-lr-grid-n4-r16", "--model.impl", "triton", "--trainer.max_steps", "1",
+                       "--data.data_dir", str(data)], work, TRITON_INTERPRET="0")
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert lines[-1].startswith("lrattn: error: model.impl 'triton'") and "TRITON_INTERPRET=1" in lines[-1], lines
@@ -382,7 +379,7 @@ def test_without_cuda_or_interpreter_it_is_one_line(tmp_path):
     golden_file = str(GOLDEN_DIR / "reference.pt")
     for tool in (["bench", "--size", "tiny", "--fit", "--impl", "triton", "--steps", "1"],
                  ["fidelity", "--golden", golden_file, "--impl", "triton"]):
-        proc = warm_cli.run(lrattn(*tool), cwd=work, env=env, timeout=300)
+        proc = in_process(tool, work, TRITON_INTERPRET="0")
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         assert proc.returncode == 2 and lines == [lines[-1]], proc.stderr[-2000:]
         assert lines[-1].startswith("lrattn: error: --impl triton: model.impl 'triton' needs a CUDA GPU"), lines
