@@ -13,7 +13,7 @@ import ast
 import re
 from pathlib import Path
 
-from conftest import REPO_ROOT
+from helpers.paths import REPO_ROOT
 
 PACKAGE = REPO_ROOT / "lrattn_lightning"
 DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]

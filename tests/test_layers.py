@@ -18,7 +18,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, TESTS_DIR
+from helpers.paths import REPO_ROOT, TESTS_DIR
 
 PACKAGE = REPO_ROOT / "lrattn_lightning"
 LAYERS = ["core", "model", "data", "train", "eval", "tools", "cli"]

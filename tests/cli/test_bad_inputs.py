@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import REPO_ROOT
+from helpers.paths import REPO_ROOT
 from helpers.runs import REGISTRY, RUN, STRETCHABLE, ckpt_dir, fit_args, step_of, tmpfs
 
 from lrattn_lightning.cli import main

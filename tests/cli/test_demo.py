@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import prepared_corpus
+from helpers.prepare import prepared_corpus
 
 from lrattn_lightning.cli.demo import own_corpus
 from lrattn_lightning.train.summary import RunEnd, fit_summary

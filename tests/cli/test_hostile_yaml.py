@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO_ROOT
 from helpers.cli import in_process
+from helpers.paths import REPO_ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

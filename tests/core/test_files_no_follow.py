@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import PRECIOUS
+from helpers.paths import PRECIOUS
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.core.files import (

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import prepare_in, split_documents
+from helpers.prepare import prepare_in, split_documents
 
 from lrattn_lightning.data.corpora import iter_documents
 from lrattn_lightning.data.prepare import prepare

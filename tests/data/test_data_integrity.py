@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO_ROOT
 from helpers.cli import in_process
+from helpers.paths import REPO_ROOT
 
 from lrattn_lightning.data import shards
 from lrattn_lightning.data.shards import read_meta, validate_data_dir

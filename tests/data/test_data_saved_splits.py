@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import prepare_in, split_documents
+from helpers.prepare import prepare_in, split_documents
 
 from lrattn_lightning.data.prepare import prepare
 from lrattn_lightning.data.shards import read_meta

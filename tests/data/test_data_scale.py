@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO_ROOT, read_back, split_ids
+from helpers.paths import REPO_ROOT
+from helpers.prepare import read_back, split_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import split_documents
+from helpers.prepare import split_documents
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 

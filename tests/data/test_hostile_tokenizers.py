@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT
+from helpers.paths import REPO_ROOT
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.data.tokenizer import EOS_TOKEN, HFTokenizer, TokenizerFailed, check_vocabulary

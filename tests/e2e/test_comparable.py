@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO_ROOT, prepared_corpus
+from helpers.paths import REPO_ROOT
+from helpers.prepare import prepared_corpus
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
@@ -384,7 +385,7 @@ def test_rows_split_by_recipe_and_method_and_pair_only_within_a_recipe():
 def test_mlflows_own_view_run_links_stay_off_a_servers_terminal(study, tmp_path, monkeypatch, capsys):
     """Against a real MLflow server (where MLflow prints '🏃 View run ... at' when a run ends), compare ends its
     summary run and prints only its own lines."""
-    from conftest import mlflow_server
+    from helpers.tracking import mlflow_server
 
     monkeypatch.delenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", raising=False)  # lrattn sets it; not the user
     source = study["runs"]["tiny-baseline-seed0"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT
+from helpers.paths import REPO_ROOT
 from helpers.prepare import four_window_corpus
 from helpers.runs import (
     assert_same_losses,

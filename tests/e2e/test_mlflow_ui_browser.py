@@ -21,8 +21,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import SERVER_ENV, free_port
 from helpers.runs import fit_args, run_cli
+from helpers.tracking import SERVER_ENV, free_port
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.tools.compare.summary_run import compared, description, headline

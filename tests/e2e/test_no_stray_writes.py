@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT
+from helpers.paths import REPO_ROOT
 
 GIVEN = {"data", "runs", "mlflow.db", "mlartifacts", "hf", "report", "sweep.yaml"}
 HOME_CACHES = (Path(".cache/matplotlib"), Path(".config/matplotlib"))  # matplotlib's font list

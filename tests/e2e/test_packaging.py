@@ -11,7 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT
+from helpers.paths import REPO_ROOT
 
 REPO = REPO_ROOT
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import PRECIOUS
+from helpers.paths import PRECIOUS
 from helpers.runs import write_sweep
 
 from lrattn_lightning.cli import main

@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, read_back
+from helpers.paths import REPO_ROOT
+from helpers.prepare import read_back
 
 from lrattn_lightning.data.shards import read_meta
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO_ROOT, mlflow_server
 from helpers.cli import cli_env
+from helpers.paths import REPO_ROOT
 from helpers.runs import (
     REGISTRY,
     RUN,
@@ -33,6 +33,7 @@ from helpers.runs import (
     the_run,
     tmpfs,
 )
+from helpers.tracking import mlflow_server
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main

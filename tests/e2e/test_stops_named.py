@@ -22,9 +22,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import prepared_corpus
 from helpers.cli import cli_env
-from helpers.prepare import JSONL_ARGS, prepare_env, prepare_in_parts, processes_naming, wait_for_part
+from helpers.prepare import (
+    JSONL_ARGS,
+    prepare_env,
+    prepare_in_parts,
+    prepared_corpus,
+    processes_naming,
+    wait_for_part,
+)
 from helpers.runs import REGISTRY, fit_args, hooks, lrattn, run_cli, step_of
 from mlflow.tracking import MlflowClient
 

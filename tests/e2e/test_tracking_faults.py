@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_port
 from helpers.runs import RUN, ckpt_dir, fit_args, hooks, run_cli, run_process, step_of, the_run, tmpfs
+from helpers.tracking import free_port
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 from run_hooks import start_server

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO_ROOT
+from helpers.paths import REPO_ROOT
 from lm_eval.api.instance import Instance
 from mlflow.tracking import MlflowClient
 

@@ -26,7 +26,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from conftest import REPO_ROOT, TESTS_DIR
+
+from helpers.paths import REPO_ROOT, TESTS_DIR
 
 
 def lrattn(*args: str) -> list[str]:

@@ -4,14 +4,17 @@ and a corpus of exactly four training windows."""
 
 from __future__ import annotations
 
+import collections
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from conftest import REPO_ROOT
+import numpy as np
 
+from helpers.paths import REPO_ROOT
 from lrattn_lightning.data.prepare import prepare, split_of
 
 PART_BYTES = 200_000
@@ -70,3 +73,49 @@ def four_window_corpus(root: Path) -> Path:
     data = root / "data"
     prepare(source=str(corpus), out_dir=data, tokenizer="byte", val_fraction=0.5, cloze_items=0, perplexity_documents=0)
     return data
+
+
+def prepared_corpus(tmp_path_factory, documents: int, cloze_items: int = 0, perplexity_documents: int = 0) -> Path:
+    """`documents` of the bundled stdlib docs, byte-tokenised into a new folder (10 % held out)."""
+    from lrattn_lightning.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("data") / "stdlib-byte"
+    prepare(source="stdlib-docs", out_dir=out, tokenizer="byte", max_documents=documents, val_fraction=0.1,
+            cloze_items=cloze_items, perplexity_documents=perplexity_documents)
+    return out
+
+
+def split_ids(out: Path, side: str) -> np.ndarray:
+    """The token ids of one split of a `prepare` output, read from the chunk files themselves (litdata's layout:
+    a header of chunk_size + 2 uint32, then the uint16 ids)."""
+    index = json.loads((out / side / "index.json").read_text())
+    parts = [np.fromfile(out / side / c["filename"], dtype=np.uint16)[(c["chunk_size"] + 2) * 2 :]
+             for c in index["chunks"]]
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint16)
+
+
+def split_documents(out: Path, side: str) -> list[str]:
+    """The documents of one split of a byte-tokenised `prepare` output, in order (a document is its UTF-8 bytes,
+    then EOS = 256)."""
+    stream = split_ids(out, side)
+    assert stream.size == 0 or stream[-1] == 256, "a split ends with a document's EOS"
+    documents = np.split(stream, np.flatnonzero(stream == 256) + 1)[:-1]
+    return [bytes(ids[:-1].astype(np.uint8)).decode("utf-8") for ids in documents]
+
+
+def read_back(out: Path) -> collections.Counter:
+    """The documents in the shards of both splits of a byte-tokenised `prepare` output."""
+    return collections.Counter(split_documents(out, "train") + split_documents(out, "val"))
+
+
+def prepare_in(args: list[str], cwd: Path, capsys) -> tuple[int, list[str]]:
+    """`lrattn prepare ARGS` in this process from folder `cwd`: (exit code, stderr's non-empty lines)."""
+    from lrattn_lightning.cli import main as lrattn_main
+
+    old = Path.cwd()
+    os.chdir(cwd)
+    try:
+        code = lrattn_main(["prepare", *args])
+    finally:
+        os.chdir(old)
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]

@@ -1,4 +1,4 @@
-"""float64 references written out, for the tests of the fast paths: the fused loss's (ce, z) formula and the Polar
+"""float64 references written out, for the tests of the fast paths: RMSNorm (whole and per head), the fused loss's (ce, z) formula and the Polar
 Express iteration of the paper's Muon, with the relative error and the bfloat16 bound they are compared at."""
 
 from __future__ import annotations
@@ -6,10 +6,12 @@ from __future__ import annotations
 import functools
 
 import torch
-from conftest import GOLDEN_DIR
 
+from helpers.paths import GOLDEN_DIR
 from lrattn_lightning.train.losses import IGNORE_INDEX
 
+# RMSNorm epsilon of float32 tensors: torch's default finfo(float32).eps, as in the paper's code
+EPS = torch.finfo(torch.float32).eps
 BF16_BOUND = 2e-2  # five bfloat16 steps of the largest element: one flipped rounding per iteration at most
 
 
@@ -45,3 +47,14 @@ def polar_express_float64(g: torch.Tensor, dtype: torch.dtype | None = None) -> 
         gram = x @ x.mT
         x = a * x + (b * gram + c * (gram @ gram)) @ x
     return x.mT if tall else x
+
+
+def ref_rms_norm(x: torch.Tensor, eps: float | None = None) -> torch.Tensor:
+    """Parameter-free RMSNorm over the last dimension, written out; eps defaults to finfo(x.dtype).eps."""
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def ref_head_rms_norm(x: torch.Tensor, heads: int, eps: float | None = None) -> torch.Tensor:
+    shape = x.shape
+    return ref_rms_norm(x.reshape(*shape[:-1], heads, shape[-1] // heads), eps).reshape(shape)

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REGISTRY_PATH
 from mlflow.tracking import MlflowClient
 
 from helpers.cli import as_process, in_process, lrattn
+from helpers.paths import REGISTRY_PATH
 
 REGISTRY = str(REGISTRY_PATH)
 RUN = "tiny-baseline-seed0"  # fit_args' run name (size, ablation, seed)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ALL_ABLATIONS, ATTNRES_ABLATIONS, DEEPER, tiny_config, tokens, variant
+from helpers.models import ALL_ABLATIONS, ATTNRES_ABLATIONS, DEEPER, tiny_config, tokens, variant
 
 from lrattn_lightning.model.accounting import added_flops_percent, core_flops, count_params, sources_per_site
 from lrattn_lightning.model.config import ModelConfig, fit_to_size

@@ -8,17 +8,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import (
-    ALL_ABLATIONS,
-    DEEPER,
-    EPS,
-    capture,
-    randomize_routing,
-    ref_rms_norm,
-    tiny_config,
-    tokens,
-    variant,
-)
+from helpers.checks import capture
+from helpers.models import ALL_ABLATIONS, DEEPER, randomize_routing, tiny_config, tokens, variant
+from helpers.references import EPS, ref_rms_norm
 
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.decoder import build_decoder

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEEPER, randomize_routing, tiny_config
+from helpers.models import DEEPER, randomize_routing, tiny_config
 from helpers.runs import slr_fit_args
 
 from lrattn_lightning.model.attention import KVCache, document_segments

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ALL_ABLATIONS, randomize_routing, tiny_config, tokens
+from helpers.models import ALL_ABLATIONS, randomize_routing, tiny_config, tokens
 
 from lrattn_lightning.model.attention import KVCache
 from lrattn_lightning.model.decoder import build_decoder

@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from conftest import GOLDEN_DIR
+from helpers.paths import GOLDEN_DIR
 
 from lrattn_lightning.model.accounting import count_params
 from lrattn_lightning.model.config import ModelConfig, fit_to_size

@@ -10,7 +10,8 @@ from typing import Annotated, ClassVar, Literal
 
 import pytest
 import yaml
-from conftest import DEEPER, GOLDEN_DIR
+from helpers.models import DEEPER
+from helpers.paths import GOLDEN_DIR
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.config import ModelConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from conftest import REGISTRY_PATH
+from helpers.paths import REGISTRY_PATH
 
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.registry import load_registry, parse_registry

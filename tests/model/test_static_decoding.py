@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ALL_ABLATIONS, randomize_routing, tiny_config, tokens
+from helpers.models import ALL_ABLATIONS, randomize_routing, tiny_config, tokens
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.attention import KVCache, StaticKVCache

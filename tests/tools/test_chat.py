@@ -10,8 +10,8 @@ import sys
 import time
 
 import torch
-from conftest import TESTS_DIR
 from helpers.models import make_checkpoint
+from helpers.paths import TESTS_DIR
 
 from lrattn_lightning.data.tokenizer import ByteTokenizer
 from lrattn_lightning.model import generate as generate_module

@@ -6,7 +6,7 @@ whose runs were left out is named although its row is gone. A real sqlite MLflow
 from __future__ import annotations
 
 import pytest
-from conftest import sqlite_experiment
+from helpers.tracking import sqlite_experiment
 
 from lrattn_lightning.cli import main
 from lrattn_lightning.tools.compare.left_out import MAX_NAMED, LeftOut, terminal_line

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import sqlite_experiment
+from helpers.tracking import sqlite_experiment
 
 from lrattn_lightning.cli import main
 from lrattn_lightning.tools.compare.table import read_runs, summarise

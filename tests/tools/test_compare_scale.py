@@ -9,7 +9,7 @@ import collections
 
 import pytest
 import sqlalchemy
-from conftest import sqlite_experiment
+from helpers.tracking import sqlite_experiment
 from mlflow.entities import Metric, Param
 from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
 from mlflow.tracking import MlflowClient

@@ -16,7 +16,7 @@ from importlib.machinery import SourceFileLoader
 
 import pytest
 import torch
-from conftest import REPO_ROOT
+from helpers.paths import REPO_ROOT
 
 from lrattn_lightning.model.config import ModelConfig, SizeConfig, fit_to_size
 from lrattn_lightning.model.decoder import build_decoder

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, prepared_corpus
+from helpers.paths import REPO_ROOT
+from helpers.prepare import prepared_corpus
 from helpers.runs import SWEEP_ABLATIONS as ABLATIONS
 from helpers.runs import sweep_runs, write_sweep
 from mlflow.tracking import MlflowClient

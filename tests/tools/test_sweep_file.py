@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import free_port, prepared_corpus
+from helpers.prepare import prepared_corpus
 from helpers.runs import write_sweep
+from helpers.tracking import free_port
 
 from lrattn_lightning.cli import main
 from lrattn_lightning.tools.sweep.file import load_sweep

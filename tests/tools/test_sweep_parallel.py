@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO_ROOT, prepared_corpus
 from helpers.cli import cli_env
+from helpers.paths import REPO_ROOT
+from helpers.prepare import prepared_corpus
 from helpers.runs import sweep_runs, write_sweep
 from mlflow.tracking import MlflowClient
 

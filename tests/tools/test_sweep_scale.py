@@ -10,8 +10,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import free_port, prepared_corpus
+from helpers.prepare import prepared_corpus
 from helpers.runs import write_sweep
+from helpers.tracking import free_port
 
 from lrattn_lightning.cli import main
 from lrattn_lightning.cli.sweep import fit_parser

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from conftest import REPO_ROOT  # noqa: E402
+from helpers.paths import REPO_ROOT  # noqa: E402
 
 from lrattn_lightning.model.registry import load_registry  # noqa: E402
 from lrattn_lightning.model.routing.attnres.triton import launch as triton_launch  # noqa: E402

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import PRECIOUS
+from helpers.paths import PRECIOUS
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.core.files import PACKAGE_ROOT, LinkError

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import GOLDEN_DIR
 from helpers.cli import in_process
+from helpers.paths import GOLDEN_DIR
 from helpers.runs import REGISTRY, fit_args
 from mlflow.tracking import MlflowClient
 

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import randomize_routing, tokens
+from helpers.models import randomize_routing, tokens
 
 from lrattn_lightning.train.lit_module import LRAttnModule
 

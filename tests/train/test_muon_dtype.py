@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import tiny_config
+from helpers.models import tiny_config
 from helpers.references import BF16_BOUND, polar_express_float64, rel_err
 from torch.utils.flop_counter import FlopCounterMode
 

@@ -9,7 +9,7 @@ import signal
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config
+from helpers.models import tiny_config
 from helpers.references import BF16_BOUND, muon_golden, polar_express_float64, rel_err
 from helpers.runs import REGISTRY, losses_by_step, run_cli, run_process, slr_fit_args, the_run
 

@@ -16,7 +16,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import REGISTRY_PATH, prepared_corpus
+from helpers.paths import REGISTRY_PATH
+from helpers.prepare import prepared_corpus
 from mlflow.entities import RunData
 from mlflow.tracking import MlflowClient
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, mlflow_server
 from helpers.prepare import four_window_corpus
 from helpers.runs import REGISTRY, losses_by_step, run_cli, run_process, slr_fit_args, the_run
+from helpers.tracking import free_port, mlflow_server
 
 from lrattn_lightning.cli import main
 from lrattn_lightning.data.prepare import prepare

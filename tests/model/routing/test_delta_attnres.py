@@ -13,18 +13,14 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import (
-    DEEPER,
-    GRAD,
+from helpers.checks import (
     assert_bf16_autocast_close,
     assert_causal_and_decodes_with_the_kv_cache,
     assert_router_gradcheck,
     capture,
-    ref_rms_norm,
-    tiny_config,
-    tokens,
 )
-from helpers.models import kind_config, randomized
+from helpers.models import DEEPER, GRAD, kind_config, randomized, tiny_config, tokens
+from helpers.references import ref_rms_norm
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, count_params, routing_params

@@ -138,7 +138,7 @@ def test_the_router_is_built_from_its_import_path_with_its_options(package):
 
 def test_an_own_router_may_use_the_protocols_extensions(package):
     """read_attention and mix_values (router.py) reach an external router's attention as they reach MUDDFormer's."""
-    from conftest import ref_rms_norm
+    from helpers.references import ref_rms_norm
 
     from lrattn_lightning.model.attention import AttentionPass
     from lrattn_lightning.model.rope import rope_angles

@@ -13,7 +13,8 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEEPER, capture, tokens, variant
+from helpers.checks import capture
+from helpers.models import DEEPER, tokens, variant
 
 from lrattn_lightning.model.attention import KVCache
 from lrattn_lightning.model.config import ModelConfig

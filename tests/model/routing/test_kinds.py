@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT
+from helpers.paths import REPO_ROOT
 
 from lrattn_lightning.model.registry import load_registry
 from lrattn_lightning.model.routing import kind as kind_module

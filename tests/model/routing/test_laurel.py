@@ -8,15 +8,9 @@ import math
 
 import pytest
 import torch
-from conftest import (
-    DEEPER,
-    assert_causal_and_decodes_with_the_kv_cache,
-    assert_router_gradcheck,
-    capture,
-    ref_rms_norm,
-    tokens,
-)
-from helpers.models import kind_config, randomized
+from helpers.checks import assert_causal_and_decodes_with_the_kv_cache, assert_router_gradcheck, capture
+from helpers.models import DEEPER, kind_config, randomized, tokens
+from helpers.references import ref_rms_norm
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, count_params, routing_params

@@ -8,14 +8,9 @@ import math
 
 import pytest
 import torch
-from conftest import (
-    DEEPER,
-    assert_bf16_autocast_close,
-    assert_causal_and_decodes_with_the_kv_cache,
-    ref_rms_norm,
-    tokens,
-)
-from helpers.models import kind_config
+from helpers.checks import assert_bf16_autocast_close, assert_causal_and_decodes_with_the_kv_cache
+from helpers.models import DEEPER, kind_config, tokens
+from helpers.references import ref_rms_norm
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import added_flops, count_params, routing_params

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import randomize_routing
+from helpers.models import randomize_routing
 
 from lrattn_lightning.model.attention import KVCache
 from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig, fit_to_size

@@ -6,18 +6,9 @@ import math
 
 import pytest
 import torch
-from conftest import (
-    ATTNRES_ABLATIONS,
-    DEEPER,
-    EPS,
-    capture,
-    randomize_routing,
-    ref_head_rms_norm,
-    ref_rms_norm,
-    tiny_config,
-    tokens,
-    variant,
-)
+from helpers.checks import capture
+from helpers.models import ATTNRES_ABLATIONS, DEEPER, randomize_routing, tiny_config, tokens, variant
+from helpers.references import EPS, ref_head_rms_norm, ref_rms_norm
 
 from lrattn_lightning.model.accounting import sources_per_site
 from lrattn_lightning.model.config import ModelConfig

@@ -17,16 +17,10 @@ import sys
 
 import pytest
 import torch
-from conftest import (
-    DEEPER,
-    TESTS_DIR,
-    assert_causal_and_decodes_with_the_kv_cache,
-    assert_router_gradcheck,
-    capture,
-    ref_head_rms_norm,
-    ref_rms_norm,
-    tokens,
-)
+from helpers.checks import assert_causal_and_decodes_with_the_kv_cache, assert_router_gradcheck, capture
+from helpers.models import DEEPER, tokens
+from helpers.paths import TESTS_DIR
+from helpers.references import ref_head_rms_norm, ref_rms_norm
 
 from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.model.accounting import count_params, routing_params

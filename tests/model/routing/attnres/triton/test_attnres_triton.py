@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
-from conftest import GOLDEN_DIR, TESTS_DIR  # noqa: E402
+from helpers.paths import GOLDEN_DIR, TESTS_DIR  # noqa: E402
 
 from lrattn_lightning.model.config import AblationConfig, ModelConfig, SizeConfig, fit_to_size  # noqa: E402
 from lrattn_lightning.model.registry import load_registry  # noqa: E402
@@ -96,7 +96,7 @@ def _config(name: str) -> ModelConfig:
 
 # ---- the worker (runs under TRITON_INTERPRET=1) -------------------------------------------------------
 def _pair(name: str):
-    from conftest import randomize_routing
+    from helpers.models import randomize_routing
 
     from lrattn_lightning.model.decoder import build_decoder
 

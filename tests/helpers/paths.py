@@ -1,0 +1,13 @@
+"""Where things are, for every test module wherever its folder (tests/ mirrors lrattn_lightning/: tests/model/routing/
+holds the routing kinds' tests, tests/e2e/ the tests whose point is real processes): a test module takes paths from
+here, never from its own `__file__`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TESTS_DIR = Path(__file__).resolve().parent.parent  # conftest.py, helpers/ and run_hooks.py
+REPO_ROOT = TESTS_DIR.parent
+GOLDEN_DIR = TESTS_DIR / "golden"
+REGISTRY_PATH = REPO_ROOT / "registry.yaml"
+PRECIOUS = "precious\n"  # what a planted link's victim (conftest's `victim` fixture) holds, before and after
