@@ -153,3 +153,29 @@ def test_the_fits_logger_and_every_client_the_package_makes_write_artifacts_with
 
     logger = TrackingLogger(experiment_name="x", tracking_uri="sqlite:////nonexistent-dir/never-opened.db")
     assert isinstance(logger._mlflow_client, LinkSafeClient)
+
+
+def test_a_folder_is_logged_as_mlflow_logs_it_and_a_link_inside_its_destination_is_refused(store, tmp_path, victim):
+    """log_artifact of a folder (MLflow: log_artifacts under the folder's name; Lightning's checkpoint logging would
+    take this path): the same files and listing as MLflow's own client; a link at one of its files is refused, where
+    MLflow's copy (shutil.copy2) wrote through it."""
+    client, run_id, root = store
+    plain = MlflowClient(client.tracking_uri)
+    other = plain.create_run(client.get_run(run_id).info.experiment_id).info.run_id
+    folder = tmp_path / "ckpts"
+    (folder / "inner").mkdir(parents=True)
+    (folder / "empty").mkdir()
+    (folder / "a.txt").write_text("a\n")
+    (folder / "inner" / "b.bin").write_bytes(bytes(range(256)))
+    for c, rid in ((client, run_id), (plain, other)):
+        c.log_artifact(rid, str(folder), "models")
+    theirs = Path(plain.get_run(other).info.artifact_uri.removeprefix("file://"))
+    ours_files = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    assert ours_files == sorted(str(p.relative_to(theirs)) for p in theirs.rglob("*"))
+    assert "models/ckpts/empty" in ours_files
+    assert (root / "models/ckpts/inner/b.bin").read_bytes() == bytes(range(256))
+    (root / "models/ckpts/inner/b.bin").unlink()
+    (root / "models/ckpts/inner/b.bin").symlink_to(victim)
+    with pytest.raises(LinkError, match="inner/b.bin is a symbolic link"):
+        client.log_artifacts(run_id, str(folder), "models/ckpts")
+    assert victim.read_text() == PRECIOUS
