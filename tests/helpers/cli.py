@@ -3,7 +3,7 @@ the command does (its exit code, its lines, the files and MLflow runs it writes)
 lrattn_lightning.cli`) when the point is a process (signals, DDP ranks, an exit on a kill, atexit, packaging).
 
 in_process() gives the command what a process would have of its own, and takes back what it leaves: its working
-folder, environment (this process's, no MLflow store inherited, plus the test's variables), argv, standard streams at
+folder, environment (cli_env()'s, as a real process gets, plus the test's variables), argv, standard streams at
 the file-descriptor level (Lightning and rich write to the descriptors; log handlers bound to pytest's streams are
 pointed at ours), signal handlers, warning filters, logging, torch's threads and precision, MLflow's active run and
 tracking URI, and lrattn's record of stops. An uncaught exception is a traceback on the captured stderr and exit
@@ -146,14 +146,15 @@ def _kept_as_found() -> Iterator[None]:
 
 def in_process(args: list[str], cwd: Path, input: str | None = None,  # noqa: A002
                **env: str) -> subprocess.CompletedProcess:
-    """`lrattn ARGS` run by `lrattn_lightning.cli.main` in this process from folder `cwd`, `env` set on top of this
-    process's (no MLflow store inherited: MLFLOW_TRACKING_URI is unset), `input` its stdin: (exit code, stdout,
-    stderr) as subprocess.run(text=True) gives them, the process left as it was found."""
+    """`lrattn ARGS` run by `lrattn_lightning.cli.main` in this process from folder `cwd` with cli_env()'s environment,
+    `env` added, `input` its stdin: (exit code, stdout, stderr) as subprocess.run(text=True) gives them, the process
+    left as it was found."""
     from lrattn_lightning.cli import main
 
     with _kept_as_found():
-        os.environ.pop("MLFLOW_TRACKING_URI", None)
-        os.environ.update(env)
+        commanded = cli_env(**env)  # (PYTHONPATH: what the command starts, a sweep's fits, imports run_hooks too)
+        os.environ.clear()
+        os.environ.update(commanded)
         tempfile.tempdir = None  # (a TMPDIR of the command's own)
         os.chdir(cwd)
         sys.argv[:] = ["lrattn", *args]
