@@ -141,3 +141,20 @@ def test_fallback_local_reaches_every_fit_when_the_server_is_down(data_dir, tmp_
     commands = [line for line in out.splitlines() if not line.startswith("#")]
     assert len(commands) == 4 and all(c.endswith("--mlflow_fallback_local true") for c in commands)
     assert f"{down} unreachable" in err and "logging to sqlite:///mlflow.db instead" in err
+
+
+@pytest.mark.parametrize("variant, seed, too_long", [("v" * 80, 0, None), ("v" * 80, 10, 101), ("v" * 79, -10, 101),
+                                                     ("v" * 79, 1, None)])
+def test_a_run_name_too_long_by_its_seed_alone_is_refused(data_dir, tmp_path, variant, seed, too_long):
+    """A run's name is checked once per (size, ablation, variant) and whole only where its length needs it: the
+    seed's digits alone can make `tiny-baseline-VARIANT-seedN` one character too long (at most 100)."""
+    from lrattn_lightning.tools.sweep.file import SweepError
+
+    runs = [{"size": "tiny", "ablation": "baseline", "seed": 5, "variant": "a", "args": {"model.lr": 0.01}},
+            {"size": "tiny", "ablation": "baseline", "seed": seed, "variant": variant, "args": {"model.lr": 0.01}}]
+    path = write_sweep(tmp_path, data_dir, runs=runs)
+    if too_long is None:
+        assert len(load_sweep(path)[0].runs[-1].name) <= 100
+        return
+    with pytest.raises(SweepError, match=rf"field 'runs\[1\] \(the run name\)': value .* is too long \({too_long} "):
+        load_sweep(path)

@@ -83,6 +83,26 @@ def test_a_bad_value_in_any_configuration_still_fails_in_one_line(data_dir, tmp_
     assert "model.lr" in err and "fast" in err
 
 
+@pytest.mark.parametrize("bad", [[10], [2, 10], [0, 1]])  # in the second share only, in both, twice in the first
+def test_configurations_checked_in_shares_say_the_first_bad_run(data_dir, tmp_path, parser, monkeypatch, bad):
+    """Fit's flags checked by several processes at once, a contiguous share of the configurations each
+    (`_check_in_shares`, here 4 a share at least: two shares on two CPUs): the bad run said is the first, as one
+    process checking them all would say it, whichever share found it."""
+    if threading.active_count() > 1:
+        pytest.skip("threads run in this process (pytest-xdist's worker): FitCheck checks in place here")
+    monkeypatch.setattr(sweep_module, "SHARE", 4)
+    runs = variants(12)
+    for i in bad:
+        runs[i]["args"]["model.lr"] = "fast"
+    sweep, _ = load_sweep(write_sweep(tmp_path, data_dir, runs=runs))
+    with pytest.raises(sweep_module.SweepError, match=rf"run tiny-baseline-lr{bad[0]}-seed{100 + bad[0]}: .*model.lr"):
+        fit_check(sweep, lambda: parser).wait()
+    runs[bad[0]]["args"]["model.lr"] = 1e-3
+    for i in bad[1:]:
+        runs[i]["args"]["model.lr"] = 1e-3
+    fit_check(load_sweep(write_sweep(tmp_path, data_dir, runs=runs))[0], lambda: parser).wait()  # all good: nothing
+
+
 @pytest.mark.parametrize("runs, size", [(7, 3), (6, 3), (6, 6), (1, 1), (8, 1)])
 def test_slurm_arrays_split_at_max_array_size(data_dir, tmp_path, monkeypatch, capsys, runs, size):
     """More unfinished runs than MaxArraySize: one script per `size` runs, each an array from 0 to at most
@@ -182,18 +202,31 @@ def test_the_fit_check_says_its_verdict_where_it_is_awaited(data_dir, tmp_path, 
     """FitCheck (forked where it may be, else in place) raises the check's SweepError, or a RuntimeError for a
     check that broke, in this process, at wait(); an error meanwhile is said after the check's own (`first`)."""
     sweep, _ = load_sweep(write_sweep(tmp_path, data_dir))
-    sweep_module.FitCheck(sweep, None, [], lambda: Counting(parser)).wait()  # good flags: nothing
+    fit_check(sweep, lambda: Counting(parser)).wait()  # good flags: nothing
 
-    check = sweep_module.FitCheck(sweep, None, [], lambda: Refusing(parser))
+    check = fit_check(sweep, lambda: Refusing(parser))
     with pytest.raises(sweep_module.SweepError, match=r"run tiny-baseline-seed0: bad value for --run_name"):
         with check.first():
             raise OSError("the store is down")  # the bad flag is the one line said, not this
+
+    check = sweep_module.FitCheck(lambda: Refusing(parser))  # an error before the sweep is read (a bad file):
+    with pytest.raises(OSError, match="bad sweep file"):  # that error is the line, the check ends unheard
+        with check.first():
+            raise OSError("bad sweep file")
+    assert check.pid is None
 
     def broken():
         raise KeyError("no parser")
 
     with pytest.raises(RuntimeError, match="checking the sweep's fit flags failed: KeyError"):
-        sweep_module.FitCheck(sweep, None, [], broken).wait()
+        fit_check(sweep, broken).wait()
+
+
+def fit_check(sweep, make_parser) -> sweep_module.FitCheck:
+    """A FitCheck begun (forked where it may be) and handed `sweep`, as `lrattn sweep` does once it read the file."""
+    check = sweep_module.FitCheck(make_parser)
+    check.start(sweep, None, [])
+    return check
 
 
 def test_a_bad_flag_is_said_before_an_unreachable_store(data_dir, tmp_path, monkeypatch, capsys):

@@ -37,7 +37,7 @@ from typing import Any
 
 from lrattn_lightning.core.errors import InputError, UsageError
 from lrattn_lightning.core.files import load_yaml_strict, read_yaml_text
-from lrattn_lightning.core.names import check_name, closest_names
+from lrattn_lightning.core.names import NAME_MAX, check_name, closest_names
 from lrattn_lightning.model.registry import Registry, UnknownNameError, load_registry
 from lrattn_lightning.train.schema import Tag
 
@@ -205,6 +205,9 @@ def _check_runs(reg: Registry, grid: list[SweepRun], listed: list[SweepRun], fai
         raise fail("runs", "the sweep names no runs: give sizes + ablations + seeds (a grid) and/or runs (a list)")
     seen: set[SweepRun] = set()
     pairs: set[tuple[str, str]] = set()  # (size, ablation) pairs built once each: a lab's sweep repeats them
+    # (size, ablation, variant) -> the characters of its runs' names are a folder name's: a run's name adds only
+    # '-seed' and the seed's digits (and '-'), so it is checked whole only when that is not so or it is long
+    prefixes: dict[tuple[str, str, str], bool] = {}
     for where, run in [("sizes x ablations", r) for r in grid] + [(f"runs[{i}]", r) for i, r in enumerate(listed)]:
         if run in seen:
             raise fail(where, f"run {run.name} appears twice in the sweep")
@@ -220,7 +223,15 @@ def _check_runs(reg: Registry, grid: list[SweepRun], listed: list[SweepRun], fai
             except ValueError as err:
                 raise fail(where, f"size '{run.size}' x ablation '{run.ablation}': {err}") from err
             pairs.add((run.size, run.ablation))
-        _check_label(run.name, f"{where} (the run name)", fail)  # its folder: e.g. not too long
+        key = (run.size, run.ablation, run.variant)
+        chars_ok = prefixes.get(key)
+        if chars_ok is None:
+            try:
+                chars_ok = prefixes[key] = bool(check_name(SweepRun(*key[:2], 0, key[2]).name, "name"))
+            except UsageError:
+                chars_ok = prefixes[key] = False
+        if not chars_ok or len(run.size) + len(run.ablation) + len(run.variant) + len(str(run.seed)) + 8 > NAME_MAX:
+            _check_label(run.name, f"{where} (the run name)", fail)  # its folder: e.g. not too long
 
 
 def _options(raw: dict[str, Any], fail, sweep_file: Path) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:

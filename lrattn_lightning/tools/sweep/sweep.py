@@ -10,18 +10,22 @@ and tasks per node come from the recipe's trainer.num_nodes and trainer.devices)
 Every run's full argument list is parsed by `fit`'s own parser before the first run starts (also for
 --dry-run and --emit), so a typo in the sweep's `args` or its recipe is one line, not a failed fit per run;
 every external router the sweep names is imported in the runs' environment before the first local run (and
-for --dry-run). That check runs in a forked child (`FitCheck`) while this process plans the runs: importing
-Lightning for fit's parser costs about as much as planning 100,000 runs, and nothing is printed, written or run
-before the check has passed.
+for --dry-run). That check runs in a child forked before the sweep file is read (`FitCheck`): it imports
+Lightning and builds fit's parser (about as long as reading and planning 100,000 runs) while this process reads the
+file, is handed one run of each configuration, and parses them, in shares over the CPUs where they are many
+(`_check_in_shares`), while this process plans the runs; nothing is printed, written or run before the check has
+passed.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
+import pickle
 import shlex
 import signal
 import sys
@@ -63,18 +67,24 @@ def configurations(sweep: Sweep) -> dict[str, SweepRun]:
     return first
 
 
-def check_fit_args(sweep: Sweep, tracking_uri: str | None, extra: list[str], parser: Any) -> None:
+def check_fit_args(sweep: Sweep, tracking_uri: str | None, extra: list[str], parser: Any,
+                   total: int | None = None, shares: tuple[int, int] | None = None, quiet: bool = False) -> None:
     """Parse the `lrattn fit` arguments of every distinct configuration (`configurations`) with fit's parser
     (`cli/sweep.py fit_parser()`, one for all runs): a full parse takes ~50 ms, so a sweep of 100,000 runs is
     checked in the time of its few configurations. SweepError naming the first bad run, the flag and where it
-    comes from, with the closest valid flags for an unknown one."""
+    comes from, with the closest valid flags for an unknown one. `total`: the sweep's runs, where `sweep` holds
+    only one run of each configuration (FitCheck's child), or a share of them (`shares`: the configurations in all
+    and the processes checking them at once; `quiet`: no progress line, the first share's says how far it is)."""
     known = set(parser.get_defaults().keys())  # dotted leaf keys: trainer.max_steps, model.lr, run_name, ...
     groups = {".".join(k.split(".")[:i]) for k in known for i in range(1, k.count(".") + 1)}
     recipe = load_yaml_strict(read_yaml_text(Path(sweep.recipe), "recipe"), sweep.recipe) or {}
     recipe_keys = list(_flat_keys(recipe, known, groups)) if isinstance(recipe, dict) else []
     runs = list(configurations(sweep).values())
-    progress = Progress(f"[sweep {sweep.name}] checking the fit flags of {len(runs)} configurations "
-                        f"({len(sweep.runs)} runs)", len(runs))
+    configs, at_once = shares or (len(runs), 1)
+    what = f"{configs} configurations ({len(sweep.runs) if total is None else total} runs"
+    what += f", {at_once} processes at once: the first one's share)" if at_once > 1 else ")"
+    progress = Progress(f"[sweep {sweep.name}] checking the fit flags of {what}", len(runs),
+                        after=float("inf") if quiet else 10.0)
     for i, run in enumerate(runs):
         progress.update(i)
         given = ([(k, f"recipe {sweep.recipe}") for k in recipe_keys]
@@ -100,47 +110,59 @@ def broken_check(err: BaseException) -> RuntimeError:
 
 
 class FitCheck:
-    """check_fit_args for a sweep, begun at once and done in a forked child while this process plans the runs;
+    """check_fit_args for a sweep in a child forked at once, before the sweep file is read: the child imports
+    Lightning and builds fit's parser (the slow part) while this process reads the sweep file, then `start` hands it
+    the sweep's configurations (one run each, `configurations`) over a pipe and this process plans the runs;
     `wait()` (before anything is printed, written or run) raises its SweepError here. Without os.fork, or with
-    threads running in this process (a fork copies only the calling one, and whatever lock another held), it
+    threads running in this process (a fork copies only the calling one, and whatever lock another held), `start`
     checks at once, here, and keeps the verdict for `wait()` (the same errors either way). `first()`: an error
-    meanwhile waits for the check, so a bad fit flag is still the one line said (as when the check came first)."""
+    meanwhile waits for the check, so a bad fit flag is still the one line said (as when the check came first); an
+    error before `start` (a bad sweep file) ends the child unheard."""
 
-    def __init__(self, sweep: Sweep, tracking_uri: str | None, extra: list[str],
-                 fit_parser: Callable[[], Any] | None) -> None:
+    def __init__(self, fit_parser: Callable[[], Any] | None) -> None:
         self.pid: int | None = None
+        self.job: int | None = None  # the pipe `start` writes the sweep to; None once written
         self.verdict: Exception | None = None  # the in-place check's error, said at wait()
-        if fit_parser is None:
+        self.fit_parser = fit_parser
+        if fit_parser is None or not hasattr(os, "fork") or threading.active_count() > 1:
+            return  # nothing to check, or checked in place by start()
+        job_read, job_write = os.pipe()
+        read, write = os.pipe()
+        with contextlib.suppress(AttributeError, OSError):  # room for a sweep of many configurations at once
+            import fcntl
+
+            fcntl.fcntl(job_write, fcntl.F_SETPIPE_SZ, 1 << 20)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: build fit's parser, take the sweep, check, say how it went, leave unheard
+            os.close(job_write)
+            os.close(read)
+            os._exit(_check_in_child(fit_parser, job_read, write))
+        os.close(job_read)
+        os.close(write)
+        self.pid, self.job, self.read = pid, job_write, read
+
+    def start(self, sweep: Sweep, tracking_uri: str | None, extra: list[str]) -> None:
+        """Check `sweep`'s fit flags: the forked child is handed its configurations, or they are checked here."""
+        if self.fit_parser is None:
             return
-        if not hasattr(os, "fork") or threading.active_count() > 1:
+        if self.pid is None:
             try:
-                check_fit_args(sweep, tracking_uri, extra, fit_parser())
+                check_fit_args(sweep, tracking_uri, extra, self.fit_parser())
             except InputError as err:
                 self.verdict = SweepError(str(err))
             except Exception as err:  # noqa: BLE001 - as the forked check's exit 1: said at wait()
                 self.verdict = broken_check(err)
             return
-        read, write = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the child: check, say how it went on the pipe, leave without the parent's exit handlers
-            os.close(read)
-            status, said = 0, ""
-            try:
-                check_fit_args(sweep, tracking_uri, extra, fit_parser())
-            except InputError as err:
-                status, said = 2, str(err)
-            except BaseException as err:  # noqa: B036 (anything: the parent says it; the child only exits)
-                traceback.print_exc()
-                status, said = 1, str(broken_check(err))
-            with contextlib.suppress(BaseException):
-                os.write(write, said.encode())
-                sys.stdout.flush()
-                sys.stderr.flush()
-            os._exit(status)
-        os.close(write)
-        self.pid, self.read = pid, read
+        few = dataclasses.replace(sweep, runs=tuple(configurations(sweep).values()))
+        job = pickle.dumps((few, len(sweep.runs), tracking_uri, extra))
+        try:
+            with os.fdopen(self.job, "wb") as pipe:
+                pipe.write(job)
+        except BrokenPipeError:  # the child is gone: wait() says how it ended
+            pass
+        self.job = None
 
     def wait(self) -> None:
         """The check's verdict: nothing, its SweepError, or a RuntimeError for a check that failed inside."""
@@ -162,7 +184,10 @@ class FitCheck:
             raise RuntimeError(said or f"checking the sweep's fit flags failed: exit {code}")
 
     def stop(self) -> None:
-        """End the check unheard (this process is stopping)."""
+        """End the check unheard (this process is stopping, or the sweep never reached `start`)."""
+        if self.job is not None:
+            os.close(self.job)
+            self.job = None
         if self.pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGTERM)
@@ -175,11 +200,95 @@ class FitCheck:
         try:
             yield
         except Exception:
+            if self.job is not None:  # no sweep to check (its file is bad): this error is the line
+                self.stop()
+                raise
             self.wait()  # a bad fit flag is the line said
             raise
         except BaseException:
             self.stop()
             raise
+
+
+def _check_in_child(fit_parser: Callable[[], Any], job: int, write: int) -> int:
+    """FitCheck's child: fit's parser built, then the sweep `start` wrote on `job` checked (`_check_in_shares`);
+    the verdict's words on `write` and the exit status (`_verdict`; 0 unheard when no sweep came)."""
+
+    def check() -> tuple[int, str] | None:
+        parser = fit_parser()
+        with os.fdopen(job, "rb") as pipe:
+            given = pipe.read()
+        if not given:
+            return None
+        sweep, total, tracking_uri, extra = pickle.loads(given)  # noqa: S301 (this process's parent wrote it)
+        return _check_in_shares(sweep, tracking_uri, extra, parser, total)
+
+    return _say(write, *_verdict(check))
+
+
+def _verdict(check: Callable[[], tuple[int, str] | None]) -> tuple[int, str]:
+    """(exit status, words) of a check as FitCheck says it: 0 good, 2 a bad flag, 1 a check that broke."""
+    try:
+        return check() or (0, "")
+    except InputError as err:
+        return 2, str(err)
+    except BaseException as err:  # noqa: B036 (anything: the parent says it; a child only exits)
+        traceback.print_exc()
+        return 1, str(broken_check(err))
+
+
+def _say(write: int, status: int, said: str) -> int:
+    with contextlib.suppress(BaseException):
+        os.write(write, said.encode())
+        os.close(write)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return status
+
+
+SHARE = 16  # configurations a process checks at least (~50 ms each) before another one is forked to share them
+
+
+def _check_in_shares(sweep: Sweep, tracking_uri: str | None, extra: list[str], parser: Any,
+                     total: int) -> tuple[int, str] | None:
+    """check_fit_args with fit's parser built once and its configurations cut in contiguous shares, one per process
+    (forked from this one, up to the CPUs this process may use): the first share's error that has one is the
+    error, the first bad run as one process would find it."""
+    runs = list(configurations(sweep).values())
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    n = max(1, min(cpus, len(runs) // SHARE))
+    bounds = [len(runs) * k // n for k in range(n + 1)]
+
+    def share(k: int) -> Callable[[], None]:
+        part = dataclasses.replace(sweep, runs=tuple(runs[bounds[k]:bounds[k + 1]]))
+        return lambda: check_fit_args(part, tracking_uri, extra, parser, total=total, shares=(len(runs), n), quiet=k > 0)
+
+    kids = []
+    for k in range(1, n):
+        read, write = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            os._exit(_say(write, *_verdict(share(k))))
+        os.close(write)
+        kids.append((pid, read))
+    verdicts = [_verdict(share(0))]
+    for pid, read in kids:
+        if verdicts[-1][0] != 0:  # an earlier share's error is the one said
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        chunks = []
+        while chunk := os.read(read, 65536):
+            chunks.append(chunk)
+        os.close(read)
+        _, status = os.waitpid(pid, 0)
+        if verdicts[-1][0] == 0:
+            code = os.waitstatus_to_exitcode(status)
+            said = b"".join(chunks).decode(errors="replace")
+            verdicts.append((code, said or f"checking the sweep's fit flags failed: exit {code}") if code else (0, ""))
+    return verdicts[-1]
 
 
 class Progress:
@@ -406,10 +515,11 @@ def main(argv: list[str] | None = None, fit_parser: Callable[[], Any] | None = N
     if args.max_array_size is not None and args.max_array_size < 1:
         raise SweepError(f"--max_array_size {args.max_array_size}: the cluster's MaxArraySize, a positive integer")
 
-    sweep, registry = load_sweep(args.file)  # the one read of the registry in this command
+    check = FitCheck(fit_parser)  # every run's arguments, in a child forked now (fit's parser loads meanwhile)
     extra = ["--mlflow_fallback_local", "true"] if args.mlflow_fallback_local else []
-    check = FitCheck(sweep, args.tracking_uri, extra, fit_parser)  # every run's arguments, in a child meanwhile
     with check.first():
+        sweep, registry = load_sweep(args.file)  # the one read of the registry in this command
+        check.start(sweep, args.tracking_uri, extra)
         uri = resolve_tracking_uri(args.tracking_uri, fallback_local=args.mlflow_fallback_local)
         if args.dry_run:
             check_routers(sweep, registry, run_env(sweep))
