@@ -35,7 +35,10 @@ its own: decoding's N = 1, the first block's S_t = 1); widths and strides are.
 
 meta layout (S_t table sources, S = S_t + 1 slots: embedding 0, table 1..S_t, the partial last when present):
     [0, S_t) value pointers  [S_t, 2S_t) value row strides  [2S_t, 3S_t) key pointers  [3S_t, 4S_t) key strides
-    [4S_t, 4S_t + S) priors  [4S_t + S, 4S_t + 2S) eps       (backward also: dv pointers, then dk pointers)
+    [4S_t, 4S_t + S) priors  [4S_t + S, 4S_t + 2S) eps
+    backward also: the table's dv pointers [S_t], dk pointers [S_t], then every slot's flags, dv's [S] and dk's
+    [S]: 1 where that buffer already holds the later reads' gradient of the source (the kernel adds its share
+    to it: ops.py's gradient chain), 0 where it is new (written)
 
 Sections below: the shared helpers (a source's tiles, its key's 1 / RMS and logit, a program's layout) and the
 torch dtype -> Triton dtype table (DTYPES); one depth read (read_fwd, read_bwd); the two-phase block reads
@@ -63,6 +66,13 @@ def _load(vp, sv, kp, sk, rows, rmask, vcols, emask, kcols, kmask, KEY_MODE: tl.
         x = tl.load(kp + rows[:, None] * sk + kcols[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         x = x.to(ACC)
     return v, x
+
+
+@triton.jit
+def _flagged(mask, flag):
+    """`mask` where `flag` (an int64 the kernel loaded from its table) is not 0, else nothing (as a vector:
+    Triton's interpreter refuses a vector mask and-ed with a loaded scalar's comparison)."""
+    return mask & ((mask.to(tl.int64) * 0 + flag) != 0)
 
 
 @triton.jit
@@ -184,10 +194,33 @@ def _tile(p, stride, rows, rmask, cols, cmask, ACC: tl.constexpr):
 
 
 @triton.jit
-def _bwd_source(vp, sv, kp, sk, dvp, dkp, sdk, prior, eps, rows, rmask, pid_n, h, E, VE, K, KOFF, D, R, q, sq, gout,
-                dq, lse_n, delta, scale, key_norm, key_in_value, query_per_token, FIRST: tl.constexpr,
-                ACC: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr):
-    """One source's value and key gradients (written) and its share of the query's gradient (added to dq)."""
+def _key_grad(x, qt, gk, a, c1, c2, dkp, sdk, hak, rows, rmask, kc, cm, dq, pid_n, R, query_per_token,
+              FIRST: tl.constexpr, ACC: tl.constexpr):
+    """A chunk of the key's gradient (written, added to what dkp holds where hak) and of the query's
+    (added to dq), from the chunk's key x, query qt and output gradient gk on the key's columns (0 unless the
+    key lies in the value)."""
+    dx = c1[:, None] * qt - c2[:, None] * x + a[:, None] * gk + _tile(dkp, sdk, rows, rmask, kc, _flagged(cm, hak), ACC)
+    tl.store(dkp + rows[:, None] * sdk + kc[None, :], dx.to(dkp.dtype.element_ty), mask=rmask[:, None] & cm[None, :])
+    dqx = c1[:, None] * x
+    if query_per_token:
+        dq_p = dq + rows[:, None] * R + kc[None, :]
+        dq_m = rmask[:, None] & cm[None, :]
+        if not FIRST:
+            dqx += tl.load(dq_p, mask=dq_m, other=0.0)
+        tl.store(dq_p, dqx, mask=dq_m)
+    else:
+        dqs = tl.sum(dqx, 0)
+        if not FIRST:
+            dqs += tl.load(dq + pid_n * R + kc, mask=cm, other=0.0)
+        tl.store(dq + pid_n * R + kc, dqs, mask=cm)
+
+
+@triton.jit
+def _bwd_source(vp, sv, kp, sk, dvp, dkp, sdk, hav, hak, prior, eps, rows, rmask, pid_n, h, E, VE, K, KOFF,
+                D, R, q, sq, gout, dq, lse_n, delta, scale, key_norm, key_in_value, query_per_token,
+                FIRST: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr):
+    """One source's value and key gradients (written; added to what dvp / dkp hold where hav / hak: the later
+    reads' gradient of the source) and its share of the query's gradient (added to dq)."""
     cc = tl.arange(0, CH)
     # the key's columns: <x, q>, <x, x>, and <g, x> where the key is part of the value
     gv = tl.zeros([BLOCK_N], dtype=tl.float32).to(ACC)
@@ -207,7 +240,8 @@ def _bwd_source(vp, sv, kp, sk, dvp, dkp, sdk, prior, eps, rows, rmask, pid_n, h
         cm = c0 + cc < VE
         g = _tile(gout, D, rows, rmask, h * E + c0 + cc, cm, ACC)
         gv += tl.sum(g * _tile(vp, sv, rows, rmask, h * E + c0 + cc, cm, ACC), 1)
-        tl.store(dvp + rows[:, None] * D + (h * E + c0 + cc)[None, :], (a[:, None] * g).to(dvp.dtype.element_ty),
+        dv = a[:, None] * g + _tile(dvp, D, rows, rmask, h * E + c0 + cc, _flagged(cm, hav), ACC)
+        tl.store(dvp + rows[:, None] * D + (h * E + c0 + cc)[None, :], dv.to(dvp.dtype.element_ty),
                  mask=rmask[:, None] & cm[None, :])
     dl = a * (gv - delta)  # d loss / d logit
     c1 = scale * rstd * dl
@@ -217,22 +251,9 @@ def _bwd_source(vp, sv, kp, sk, dvp, dkp, sdk, prior, eps, rows, rmask, pid_n, h
         cm = c0 + cc < K
         kc = h * K + c0 + cc
         x = _tile(kp, sk, rows, rmask, kc, cm, ACC)
-        dx = c1[:, None] * _tile(q, sq, rows, rmask, kc, cm, ACC) - c2[:, None] * x
         gk = _tile(gout, D, rows, rmask, KOFF + kc, cm & key_in_value, ACC)  # 0 for a key of its own
-        tl.store(dkp + rows[:, None] * sdk + kc[None, :], (a[:, None] * gk + dx).to(dkp.dtype.element_ty),
-                 mask=rmask[:, None] & cm[None, :])
-        dqx = c1[:, None] * x
-        if query_per_token:
-            dq_p = dq + rows[:, None] * R + kc[None, :]
-            dq_m = rmask[:, None] & cm[None, :]
-            if not FIRST:
-                dqx += tl.load(dq_p, mask=dq_m, other=0.0)
-            tl.store(dq_p, dqx, mask=dq_m)
-        else:
-            dqs = tl.sum(dqx, 0)
-            if not FIRST:
-                dqs += tl.load(dq + pid_n * R + kc, mask=cm, other=0.0)
-            tl.store(dq + pid_n * R + kc, dqs, mask=cm)
+        _key_grad(x, _tile(q, sq, rows, rmask, kc, cm, ACC), gk, a, c1, c2, dkp, sdk, hak, rows, rmask, kc, cm,
+                  dq, pid_n, R, query_per_token, FIRST, ACC)
     tl.debug_barrier()  # (the next source reads dq back, possibly in other threads)
 
 
@@ -242,7 +263,8 @@ def read_bwd(ev, sev, ek, sek, meta, fmeta, q, sq, out, lse, gout, dev, dek, sdk
              VDT: tl.constexpr, KDT: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr):
     """Gradients of one read: dv (and dk) of every source; dq per token, or per tile (the caller sums tiles).
     E, K: a head's value and key widths; VE: the value's columns left of its key (E - K when the key lies in
-    the value, key_in_value: KOFF its first column, and dk points into dv) or E."""
+    the value, key_in_value: KOFF its first column, and dk points into dv) or E. A slot's dv / dk that already
+    holds the later reads' gradient of its source (the table's flags: module docstring) is added to."""
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -250,8 +272,10 @@ def read_bwd(ev, sev, ek, sek, meta, fmeta, q, sq, out, lse, gout, dev, dek, sdk
     S = S_t + 1
     PR = 4 * S_t
     EP = PR + S
-    DV = EP + S  # the table's dv pointers, then its dk pointers
+    DV = EP + S  # the table's dv pointers, then its dk pointers, then every slot's flags (dv's, dk's)
     DK = DV + S_t
+    HV = DK + S_t
+    HK = HV + S
     cc = tl.arange(0, CH)
     delta = tl.zeros([BLOCK_N], dtype=tl.float32).to(ACC)  # <g, h> = sum_s alpha_s <g, v_s>
     for c0 in range(0, E, CH):
@@ -259,15 +283,17 @@ def read_bwd(ev, sev, ek, sek, meta, fmeta, q, sq, out, lse, gout, dev, dek, sdk
         delta += tl.sum(_tile(gout, D, rows, rmask, h * E + c0 + cc, cm, ACC)
                         * _tile(out, D, rows, rmask, h * E + c0 + cc, cm, ACC), 1)
     lse_n = tl.load(lse + rows * heads + h, mask=rmask, other=0.0)
-    _bwd_source(ev, sev, ek, sek, dev, dek, sdk, tl.load(fmeta + PR).to(ACC), tl.load(fmeta + EP).to(ACC), rows,
-                rmask, pid_n, h, E, VE, K, KOFF, D, R, q, sq, gout, dq, lse_n, delta, scale, key_norm, key_in_value,
-                query_per_token, True, ACC, BLOCK_N, CH)
+    _bwd_source(ev, sev, ek, sek, dev, dek, sdk, tl.load(meta + HV), tl.load(meta + HK),
+                tl.load(fmeta + PR).to(ACC), tl.load(fmeta + EP).to(ACC), rows, rmask, pid_n, h, E, VE, K, KOFF, D,
+                R, q, sq, gout, dq, lse_n, delta, scale, key_norm, key_in_value, query_per_token, True, ACC, BLOCK_N,
+                CH)
     for s in range(S_t):
         vp = tl.load(meta + s).to(tl.pointer_type(VDT))
         kp = tl.load(meta + 2 * S_t + s).to(tl.pointer_type(KDT))
         dvp = tl.load(meta + DV + s).to(tl.pointer_type(VDT))
         dkp = tl.load(meta + DK + s).to(tl.pointer_type(KDT))
         _bwd_source(vp, tl.load(meta + S_t + s), kp, tl.load(meta + 3 * S_t + s), dvp, dkp, sdk,
+                    tl.load(meta + HV + 1 + s), tl.load(meta + HK + 1 + s),
                     tl.load(fmeta + PR + 1 + s).to(ACC), tl.load(fmeta + EP + 1 + s).to(ACC), rows, rmask, pid_n,
                     h, E, VE, K, KOFF, D, R, q, sq, gout, dq, lse_n, delta, scale, key_norm, key_in_value,
                     query_per_token, False, ACC, BLOCK_N, CH)
@@ -356,9 +382,11 @@ def group_fwd(ev, sev, ek, sek, meta, fmeta, q, out, lse, alpha, N, D, R, KOFF, 
 
 
 @triton.jit
-def _group_bwd_source(v, x, lraw, rstd, prior, dvp, dkp, rows, rmask, vcols, emask, kcols, kmask, K, D, R, Qt, g3,
-                      delta, lse_ng, glse, scale, dQt, key_norm, KEY_MODE: tl.constexpr):
-    """One completed source's value and key gradients over the G sites (written); the queries' share added."""
+def _group_bwd_source(v, x, lraw, rstd, prior, dvp, dkp, hav, hak, rows, rmask, vcols, emask, kcols, kmask,
+                      K, D, R, Qt, g3, delta, lse_ng, glse, scale, dQt, key_norm, KEY_MODE: tl.constexpr,
+                      ACC: tl.constexpr):
+    """One completed source's value and key gradients over the G sites (written; added to what dvp / dkp hold
+    where hav / hak); the queries' share added."""
     a = tl.exp(lraw + prior - lse_ng)  # [BLOCK_N, BLOCK_G]
     dl = a * (tl.sum(g3 * v[:, None, :], 2) - delta + glse)
     dv = tl.sum(a[:, :, None] * g3, 1)
@@ -368,8 +396,12 @@ def _group_bwd_source(v, x, lraw, rstd, prior, dvp, dkp, rows, rmask, vcols, ema
     if KEY_MODE == 0:
         dv = dv + tl.where(kmask[None, :], dx, 0.0)
     else:
+        dx += tl.load(dkp + rows[:, None] * R + kcols[None, :], mask=rmask[:, None] & _flagged(kmask, hak)[None, :],
+                      other=0.0).to(ACC)
         tl.store(dkp + rows[:, None] * R + kcols[None, :], dx.to(dkp.dtype.element_ty),
                  mask=rmask[:, None] & kmask[None, :])
+    dv += tl.load(dvp + rows[:, None] * D + vcols[None, :], mask=rmask[:, None] & _flagged(emask, hav)[None, :],
+                  other=0.0).to(ACC)
     tl.store(dvp + rows[:, None] * D + vcols[None, :], dv.to(dvp.dtype.element_ty),
              mask=rmask[:, None] & emask[None, :])
     return dQt + tl.sum(c1[:, :, None] * x[:, None, :], 0)
@@ -389,6 +421,8 @@ def group_bwd(ev, sev, ek, sek, meta, fmeta, q, out, lse, gout, glse, dev, dek, 
     EP = PR + S_t + 1
     DV = EP + S_t + 1
     DK = DV + S_t
+    HV = DK + S_t
+    HK = HV + S_t + 1
     gs = tl.arange(0, BLOCK_G)
     gmask = gs < G
     ng = rmask[:, None] & gmask[None, :]
@@ -404,16 +438,18 @@ def group_bwd(ev, sev, ek, sek, meta, fmeta, q, out, lse, gout, glse, dev, dek, 
     dQt = tl.zeros_like(Qt)
     v, x, lraw, rstd = _group_source(ev, sev, ek, sek, tl.load(fmeta + EP).to(ACC), rows, rmask, vcols, emask,
                                      kcols, kmask, Qt, K, scale, key_norm, KEY_MODE, ACC)
-    dQt = _group_bwd_source(v, x, lraw, rstd, tl.load(fmeta + PR).to(ACC), dev, dek, rows, rmask, vcols, emask,
-                            kcols, kmask, K, D, R, Qt, g3, delta, lse_ng, gl, scale, dQt, key_norm, KEY_MODE)
+    dQt = _group_bwd_source(v, x, lraw, rstd, tl.load(fmeta + PR).to(ACC), dev, dek, tl.load(meta + HV),
+                            tl.load(meta + HK), rows, rmask, vcols, emask, kcols, kmask, K, D, R, Qt, g3, delta,
+                            lse_ng, gl, scale, dQt, key_norm, KEY_MODE, ACC)
     for s in range(S_t):
         v, x, lraw, rstd = _group_table(meta, fmeta, s, S_t, rows, rmask, vcols, emask, kcols, kmask, Qt, K, scale,
                                         key_norm, KEY_MODE, VDT, KDT, ACC)
         dvp = tl.load(meta + DV + s).to(tl.pointer_type(VDT))
         dkp = tl.load(meta + DK + s).to(tl.pointer_type(KDT))
-        dQt = _group_bwd_source(v, x, lraw, rstd, tl.load(fmeta + PR + 1 + s).to(ACC), dvp, dkp, rows, rmask, vcols,
+        dQt = _group_bwd_source(v, x, lraw, rstd, tl.load(fmeta + PR + 1 + s).to(ACC), dvp, dkp,
+                                tl.load(meta + HV + 1 + s), tl.load(meta + HK + 1 + s), rows, rmask, vcols,
                                 emask, kcols, kmask, K, D, R, Qt, g3, delta, lse_ng, gl, scale, dQt, key_norm,
-                                KEY_MODE)
+                                KEY_MODE, ACC)
     tl.store(dq + pid_n * G * R + gs[:, None] * R + kcols[None, :], dQt, mask=qmask)
 
 

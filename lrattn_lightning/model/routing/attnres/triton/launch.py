@@ -109,7 +109,7 @@ def _pow2_floor(n: int) -> int:
 # (the online softmax's accumulator); rows are whole (any D, r: masked), so BLOCK_N is what shrinks:
 # PROGRAM_TILE elements (one token where a row is wider) at 4 elements per thread, num_warps = tile / 128
 # from 4 up to 16 (8 elements per thread in the 4096-element tiles of d = 4096 and of two-phase groups).
-# The backward read walks a row in chunks of at most BWD_CHUNK columns (tile BLOCK_N x CH = PROGRAM_TILE:
+# The backward read walks a row in chunks of at most BWD_CHUNK columns (tile BLOCK_N x CH, bwd_geometry:
 # 4 tokens x 256 at every width from e = 256 up, so d = 1024 and d = 4096 launch one kernel). Measured with
 # Triton's compiler and ptxas: 16 elements per thread took up to 230 registers in the backward kernels at
 # D = 1024; 32-warp programs made ptxas keep 32 or 64 registers and spill; whole 4096-wide rows in the
@@ -144,6 +144,16 @@ def geometry(n_tokens: int, row: int, sites: int = 1) -> tuple[int, int]:
     block_n = max(1, min(64, _pow2_floor(max(1, PROGRAM_TILE // (row * sites))), max(16, _pow2(n_tokens))))
     warps = min(MAX_WARPS, max(4, block_n * row * sites // (32 * ELEMENTS_PER_THREAD)))
     return block_n, max(1, min(warps, _pow2_floor(block_n * row // 32)))
+
+
+def bwd_geometry(n_tokens: int, chunk: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of the backward read, whose tile is [BLOCK_N, chunk]: as many tokens as geometry
+    gives a BWD_CHUNK-wide row (4 at PROGRAM_TILE 1024), at ELEMENTS_PER_THREAD of the tile a thread. A
+    narrower chunk (e < 256) takes fewer threads, not more tokens: [8, 128] tiles at 8 warps sat at the
+    128-register cap (sm_90) and spilled 8 bytes once the kernel added into the gradient chain's buffer (ops.py);
+    [4, 128] at 4 warps: 104-110 registers."""
+    block_n, _ = geometry(n_tokens, BWD_CHUNK)
+    return block_n, max(1, min(MAX_WARPS, block_n * chunk // (32 * ELEMENTS_PER_THREAD)))
 
 
 class ReadLaunch:
@@ -190,7 +200,7 @@ class ReadLaunch:
         self.grid = (triton_cdiv(self.N, self.BLOCK_N), heads)
         # the backward read: chunks of CH columns, BLOCK_N x CH tiles
         self.CH = min(BWD_CHUNK, _pow2(max(self.E, self.K)))
-        self.bwd_block_n, self.bwd_warps = geometry(self.N, self.CH)
+        self.bwd_block_n, self.bwd_warps = bwd_geometry(self.N, self.CH)
         self.bwd_grid = (triton_cdiv(self.N, self.bwd_block_n), heads)
 
     def meta(self, extra: list[int] = ()) -> tuple[Tensor, Tensor]:
@@ -223,17 +233,53 @@ def out_dtype(emb_v: Tensor, values: list[Tensor], part_v: Tensor | None) -> tor
     return dtype
 
 
-def source_grads(rd: ReadLaunch, sources: list[Tensor], carried_keys: list[Tensor]) -> tuple[list, list]:
-    """Empty value gradients of `sources` and key gradients (carried keys; key mode 1's own buffers; key
-    mode 0: the value gradients themselves, the kernels add the key's share there)."""
-    dvs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in sources]
+def split_acc(rd: ReadLaunch, acc: list[Tensor | None], sources: list[Tensor], carried_keys: list[Tensor],
+              in_place: bool) -> tuple[list, list]:
+    """The gradients the later reads gave a read's completed sources (`acc`: [emb_v, values...] + [emb_k,
+    keys...] for carried keys), per slot of `sources` / `carried_keys` (None where none; the partial block has
+    none), dense in the source's dtype: the buffers the kernels add this read's share to. In place, the
+    gradients themselves (eager); else copies (torch.compile: an incoming gradient is not mutated)."""
+    n = len(sources) - int(rd.has_partial)
+    pad = [None] * int(rd.has_partial)
+
+    def buffer(a: Tensor | None, t: Tensor) -> Tensor | None:
+        if a is None:
+            return None
+        a = a.to(t.dtype)
+        return a.contiguous() if in_place else a.clone(memory_format=torch.contiguous_format)
+
+    acc_v = [buffer(a, t) for a, t in zip([*acc[:n], *pad], sources, strict=True)]
+    acc_k = [buffer(a, t) for a, t in zip([*acc[n:], *pad], carried_keys, strict=True)] if rd.carried else []
+    return acc_v, acc_k
+
+
+def source_grads(rd: ReadLaunch, sources: list[Tensor], carried_keys: list[Tensor], acc_v: list = (),
+                 acc_k: list = ()) -> tuple[list, list]:
+    """Value gradients of `sources` and key gradients (carried keys; key mode 1's own buffers; key mode 0: the
+    value gradients themselves, the kernels add the key's share there): the buffer of `acc_v` / `acc_k` where
+    one is given (split_acc: the kernels add to it, accumulated_flags), else a new one (written)."""
+    acc_v = list(acc_v) or [None] * len(sources)
+    dvs = [a if a is not None else torch.empty_like(t, memory_format=torch.contiguous_format)
+           for t, a in zip(sources, acc_v, strict=True)]
     if rd.carried:
-        dks = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in carried_keys]
+        acc_k = list(acc_k) or [None] * len(carried_keys)
+        dks = [a if a is not None else torch.empty_like(t, memory_format=torch.contiguous_format)
+               for t, a in zip(carried_keys, acc_k, strict=True)]
     elif rd.key_mode == 1:
         dks = [t.new_empty(*t.shape[:-1], rd.R) for t in dvs]
     else:
         dks = dvs
     return dvs, dks
+
+
+def accumulated_flags(rd: ReadLaunch, acc_v: list, acc_k: list) -> list[int]:
+    """The backward table's flags, every slot's dv's then dk's: 1 where the buffer holds the later reads'
+    gradient (the kernel adds to it), 0 where it is new. Key mode 0: the key's buffer is the value's; key mode 1
+    without carried keys: always new (fold_keys adds the key's gradient to the value's afterwards)."""
+    hv = [int(a is not None) for a in acc_v]
+    if rd.carried:
+        return hv + [int(a is not None) for a in acc_k]
+    return hv + (hv if rd.key_mode == 0 else [0] * len(hv))
 
 
 def fold_keys(rd: ReadLaunch, dvs: list[Tensor], dks: list[Tensor], key_offset: int) -> list[Tensor]:

@@ -1,13 +1,26 @@
-"""The `triton` backend's torch custom ops, each with its backward op, fakes and hand-written autograd:
-`lrattn::attnres_read` (one depth read: kernels.py's read_fwd / read_bwd) and the two-phase block reads,
-`lrattn::attnres_group` (phase 1: a group's G static queries over its completed sources at once; group_fwd /
-group_bwd) and `lrattn::attnres_merge` (phase 2: one site's merge with its partial block; merge_fwd / merge_bwd).
-launch.py holds what they share: the launch geometry, the pointer table (ReadLaunch) and where launches go.
+"""The `triton` backend's torch custom ops, each with its backward op and fakes: `lrattn::attnres_read` (one
+depth read: kernels.py's read_fwd / read_bwd) and the two-phase block reads, `lrattn::attnres_group` (phase 1:
+a group's G static queries over its completed sources at once; group_fwd / group_bwd) and `lrattn::attnres_merge`
+(phase 2: one site's merge with its partial block; merge_fwd / merge_bwd). launch.py holds what they share: the
+launch geometry, the pointer table (ReadLaunch) and where launches go.
 
-Registered with torch.library (custom_op + register_fake + register_autograd), so autograd calls the
-hand-written backward kernel and torch.compile keeps each read whole (an opaque node, no graph break).
-The kernels (kernels.py) are imported when an op first runs: importing this module, and the
-package, never needs triton.
+Registered with torch.library (custom_op + register_fake), so torch.compile keeps each read whole (an opaque
+node, no graph break). The merge's autograd is register_autograd; the reads' is an autograd.Function (`read`,
+`group`: the gradient chain). The kernels (kernels.py) are imported when an op first runs: importing this
+module, and the package, never needs triton.
+
+The gradient chain. The completed sources (the embedding, the block summaries, their carried keys) are read by
+every later read of the forward. Each read hands them on as views, and the next read takes those: autograd sees
+each source taken by one read, so nothing sums a source's gradients. Backward runs the reads last to first; a
+read receives the gradient its later reads gave the sources it handed on and its backward kernel adds its own
+share into that buffer (read-modify-write in the tile it writes anyway, instead of a gradient of its own and
+autograd's add over [N, D] afterwards), then returns it: one buffer per source, however many reads take it
+(tests/model/routing/attnres/triton/test_triton_grad_chain.py). Under torch.compile the backward op is
+functional (attnres_read_bwd copies the incoming gradient into a new buffer and adds there: dynamo refuses an
+in-place add into an incoming gradient, "Output 1 of ApplyTemplate is a view ... modified inplace", also through
+a mutating custom op), so compiled it moves the bytes autograd's add did. The kernel adds into the buffer it
+writes rather than from a second pointer: a separate pointer to the incoming gradient took read_bwd from
+112-113 to 126-128 registers on sm_90 and spilled on sm_80 (triton 3.9).
 
 A read's sources: the embedding (emb_v, its carried key emb_k or None), the completed block summaries
 (values, their carried keys; empty for key-in-value sources), the partial block (part_v, part_k or None).
@@ -26,6 +39,7 @@ from torch import Tensor
 
 from lrattn_lightning.model.routing.attnres.triton.launch import (
     ReadLaunch,
+    accumulated_flags,
     as_rows,
     device_table,
     float_words,
@@ -33,6 +47,7 @@ from lrattn_lightning.model.routing.attnres.triton.launch import (
     launch_kernels,
     out_dtype,
     source_grads,
+    split_acc,
 )
 
 
@@ -73,19 +88,19 @@ def _grad_layout(emb_v, emb_k, values, keys, part_v, part_k, query) -> list[tupl
     return [(tuple(t.shape), t.dtype) for t in vals + ks] + [(tuple(query.shape), query.dtype)]
 
 
-@torch.library.custom_op("lrattn::attnres_read_bwd", mutates_args=())
-def attnres_read_bwd(grad: Tensor, out: Tensor, lse: Tensor, emb_v: Tensor, emb_k: Tensor | None,
-                     values: list[Tensor], keys: list[Tensor], part_v: Tensor | None, part_k: Tensor | None,
-                     query: Tensor, consts: list[float], scale: float, heads: int, key_norm: bool,
-                     key_offset: int) -> list[Tensor]:
-    """[d emb_v, d values..., d part_v?] + [d emb_k, d keys..., d part_k?] (carried keys) + [d query]."""
+def _read_grads(grad: Tensor, out: Tensor, lse: Tensor, emb_v: Tensor, emb_k: Tensor | None, values: list[Tensor],
+                keys: list[Tensor], part_v: Tensor | None, part_k: Tensor | None, query: Tensor,
+                acc: list[Tensor | None], consts: list[float], scale: float, heads: int, key_norm: bool,
+                key_offset: int, in_place: bool) -> list[Tensor]:
+    """read_bwd's gradients, added to the later reads' `acc` (launch.split_acc); in place: into `acc` itself."""
     rd = ReadLaunch(emb_v, emb_k, values, keys, part_v, part_k, query, consts, heads, key_offset)
-    partial = [part_v] if rd.has_partial else []
-    dvs, dks = source_grads(rd, [emb_v, *values, *partial],
-                             [emb_k, *keys, *([part_k] if rd.has_partial else [])] if rd.carried else [])
+    sources = [emb_v, *values, *([part_v] if rd.has_partial else [])]
+    carried_keys = [emb_k, *keys, *([part_k] if rd.has_partial else [])] if rd.carried else []
+    acc_v, acc_k = split_acc(rd, acc, sources, carried_keys, in_place)
+    dvs, dks = source_grads(rd, sources, carried_keys, acc_v, acc_k)
     # key mode 0: the key's gradient is the value's on its columns, written through views of dv there
     dkv = [d[..., key_offset:] for d in dvs] if rd.key_mode == 0 else dks
-    extra = [d.data_ptr() for d in dvs[1:]] + [d.data_ptr() for d in dkv[1:]]
+    extra = [d.data_ptr() for d in dvs[1:]] + [d.data_ptr() for d in dkv[1:]] + accumulated_flags(rd, acc_v, acc_k)
     tiles = rd.bwd_grid[0]
     dq = torch.empty((rd.N, rd.R) if rd.query_per_token else (tiles, rd.R), dtype=rd.cdtype, device=emb_v.device)
     g, _ = as_rows(grad.contiguous())
@@ -100,39 +115,114 @@ def attnres_read_bwd(grad: Tensor, out: Tensor, lse: Tensor, emb_v: Tensor, emb_
     return [*dvs, *dks, dq.to(query.dtype)]
 
 
+@torch.library.custom_op("lrattn::attnres_read_bwd", mutates_args=())
+def attnres_read_bwd(grad: Tensor, out: Tensor, lse: Tensor, emb_v: Tensor, emb_k: Tensor | None,
+                     values: list[Tensor], keys: list[Tensor], part_v: Tensor | None, part_k: Tensor | None,
+                     query: Tensor, acc: list[Tensor | None], consts: list[float], scale: float, heads: int,
+                     key_norm: bool, key_offset: int) -> list[Tensor]:
+    """[d emb_v, d values..., d part_v?] + [d emb_k, d keys..., d part_k?] (carried keys) + [d query], each
+    source's with `acc` (the gradient the later reads gave it: [emb_v, values...] + [emb_k, keys...], None
+    where none) added: `acc` copied to new tensors first (the compiled path; eager adds in place: _read_grads)."""
+    return _read_grads(grad, out, lse, emb_v, emb_k, values, keys, part_v, part_k, query, acc, consts, scale,
+                       heads, key_norm, key_offset, in_place=False)
+
+
 @attnres_read_bwd.register_fake
-def _(grad, out, lse, emb_v, emb_k, values, keys, part_v, part_k, query, consts, scale, heads, key_norm, key_offset):
+def _(grad, out, lse, emb_v, emb_k, values, keys, part_v, part_k, query, acc, consts, scale, heads, key_norm,
+      key_offset):
     return [emb_v.new_empty(s, dtype=d) for s, d in _grad_layout(emb_v, emb_k, values, keys, part_v, part_k, query)]
 
 
-def _setup(ctx, inputs, output):
-    emb_v, emb_k, values, keys, part_v, part_k, query, consts, scale, heads, key_norm, key_offset, _ = inputs
-    out, lse, _ = output
-    ctx.save_for_backward(emb_v, emb_k, part_v, part_k, query, out, lse, *values, *keys)
-    ctx.n_values, ctx.n_keys = len(values), len(keys)
-    ctx.args = (consts, scale, heads, key_norm, key_offset)
+class _Read(torch.autograd.Function):
+    """One read whose sources' gradients accumulate along the chain of reads (module docstring, `read`)."""
+
+    @staticmethod
+    def forward(ctx, spec, *tensors):
+        layout, consts, scale, heads, key_norm, key_offset, record = spec
+        emb_v, emb_k, values, keys, part_v, part_k, query = _unflatten(layout, tensors)
+        out, lse, alpha = attnres_read(emb_v, emb_k, values, keys, part_v, part_k, query, list(consts), scale,
+                                       heads, key_norm, key_offset, record)
+        ctx.save_for_backward(*tensors, out, lse)
+        ctx.spec = spec
+        ctx.mark_non_differentiable(lse, alpha)
+        ctx.set_materialize_grads(False)
+        return (out, lse, alpha, *_hand_on(layout, tensors))
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse, _grad_alpha, *grad_handed):
+        *tensors, out, lse = ctx.saved_tensors
+        layout, consts, scale, heads, key_norm, key_offset, _ = ctx.spec
+        emb_v, emb_k, values, keys, part_v, part_k, query = _unflatten(layout, tensors)
+        grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+        args = (grad_out, out, lse, emb_v, emb_k, values, keys, part_v, part_k, query,
+                _acc_order(layout, grad_handed), list(consts), scale, heads, key_norm, key_offset)
+        grads = attnres_read_bwd(*args) if torch.compiler.is_compiling() else _read_grads(*args, in_place=True)
+        return (None, *_input_order(layout, grads))
 
 
-def _backward(ctx, grad_out, _grad_lse, _grad_alpha):
-    emb_v, emb_k, part_v, part_k, query, out, lse, *rest = ctx.saved_tensors
-    values, keys = rest[: ctx.n_values], rest[ctx.n_values :]
-    if grad_out is None:
-        grad_out = torch.zeros_like(out)
-    grads = attnres_read_bwd(grad_out, out, lse, emb_v, emb_k, list(values), list(keys), part_v, part_k, query,
-                             *ctx.args)
-    n_src = 1 + ctx.n_values + int(part_v is not None)
+def read(emb_v: Tensor, emb_k: Tensor | None, values: list[Tensor], keys: list[Tensor], part_v: Tensor | None,
+         part_k: Tensor | None, query: Tensor, consts: list[float], scale: float, heads: int, key_norm: bool,
+         key_offset: int, record: bool) -> tuple[Tensor, Tensor, tuple]:
+    """One depth read -> (out [B, T, D], alpha, the sources handed on: (emb_v, emb_k, values, keys)), which the
+    next read of these sources takes in their place (module docstring: the gradient chain)."""
+    layout, tensors = _flatten(emb_v, emb_k, values, keys, part_v, part_k, query)
+    out, _, alpha, *handed = _Read.apply((layout, tuple(consts), scale, heads, key_norm, key_offset, record),
+                                         *tensors)
+    return out, alpha, _sources(layout, handed)
+
+
+# ---- the gradient chain: how a read's tensors are laid out for autograd.Function ------------------------
+# layout: (embedding key carried, len(values), len(keys), partial value given, partial key given); tensors:
+# emb_v, emb_k?, values..., keys..., part_v?, part_k?, query(ies). The first 1 + carried + len(values) +
+# len(keys) of them (the completed sources) are handed on as views; their gradients come back as `acc`.
+def _flatten(emb_v, emb_k, values, keys, part_v, part_k, query) -> tuple[tuple, list[Tensor]]:
+    layout = (emb_k is not None, len(values), len(keys), part_v is not None, part_k is not None)
+    tensors = [emb_v, *([emb_k] if emb_k is not None else []), *values, *keys,
+               *([part_v] if part_v is not None else []), *([part_k] if part_k is not None else []), query]
+    return layout, tensors
+
+
+def _unflatten(layout: tuple, tensors) -> tuple:
+    has_ek, nv, nk, has_pv, has_pk = layout
+    it = iter(tensors)
+    emb_v = next(it)
+    emb_k = next(it) if has_ek else None
+    values, keys = [next(it) for _ in range(nv)], [next(it) for _ in range(nk)]
+    part_v = next(it) if has_pv else None
+    part_k = next(it) if has_pk else None
+    return emb_v, emb_k, values, keys, part_v, part_k, next(it)
+
+
+def _n_handed(layout: tuple) -> int:
+    return 1 + int(layout[0]) + layout[1] + layout[2]
+
+
+def _hand_on(layout: tuple, tensors) -> list[Tensor]:
+    """The completed sources as views (the next read takes them: its gradient of them reaches this read)."""
+    return [t.view_as(t) for t in tensors[: _n_handed(layout)]]
+
+
+def _sources(layout: tuple, handed: list[Tensor]) -> tuple:
+    emb_v, emb_k, values, keys, *_ = _unflatten((*layout[:3], False, False), [*handed, None])
+    return emb_v, emb_k, values, keys
+
+
+def _acc_order(layout: tuple, grad_handed) -> list[Tensor | None]:
+    """The handed-on sources' gradients in the backward ops' order: [emb_v, values...] + [emb_k, keys...]."""
+    emb_v, emb_k, values, keys, *_ = _unflatten((*layout[:3], False, False), [*grad_handed, None])
+    return [emb_v, *values, *([emb_k, *keys] if layout[0] else [])]
+
+
+def _input_order(layout: tuple, grads: list[Tensor]) -> list[Tensor]:
+    """The backward ops' gradients ([d values..., d partial?] + [d keys..., d partial key?] + [d query]) in the
+    order of the flattened inputs."""
+    has_ek, nv, nk, has_pv, has_pk = layout
+    n_src = 1 + nv + int(has_pv)
     dvs, dks, dq = grads[:n_src], grads[n_src:-1], grads[-1]
-    d_part_v = dvs[-1] if part_v is not None else None
-    d_emb_k = d_part_k = None
-    d_keys: list[Tensor | None] = [None] * ctx.n_keys
-    if emb_k is not None:
-        d_emb_k, d_keys = dks[0], list(dks[1 : 1 + ctx.n_keys])
-        d_part_k = dks[-1] if part_k is not None else None
-    return (dvs[0], d_emb_k, list(dvs[1 : 1 + ctx.n_values]), d_keys, d_part_v, d_part_k, dq,
-            None, None, None, None, None, None)
-
-
-attnres_read.register_autograd(_backward, setup_context=_setup)
+    emb_k = [dks[0]] if has_ek else []
+    part_v = [dvs[-1]] if has_pv else []
+    part_k = [dks[-1]] if has_pk else []
+    return [dvs[0], *emb_k, *dvs[1 : 1 + nv], *dks[1 : 1 + nk], *part_v, *part_k, dq]
 
 
 # ---- phase 1: a group's sites over its completed sources (kernels.py: group_fwd, group_bwd) ----
@@ -162,54 +252,80 @@ def _(emb_v, emb_k, values, keys, queries, consts, scale, heads, key_norm, key_o
             emb_v.new_empty((G, N, heads), dtype=cdtype), alpha)
 
 
-@torch.library.custom_op("lrattn::attnres_group_bwd", mutates_args=())
-def attnres_group_bwd(grad_out: Tensor, grad_lse: Tensor, out: Tensor, lse: Tensor, emb_v: Tensor,
-                      emb_k: Tensor | None, values: list[Tensor], keys: list[Tensor], queries: Tensor,
-                      consts: list[float], scale: float, heads: int, key_norm: bool,
-                      key_offset: int) -> list[Tensor]:
-    """[d emb_v, d values...] + [d emb_k, d keys...] (carried keys) + [d queries]."""
+def _group_grads(grad_out: Tensor, grad_lse: Tensor, out: Tensor, lse: Tensor, emb_v: Tensor, emb_k: Tensor | None,
+                 values: list[Tensor], keys: list[Tensor], queries: Tensor, acc: list[Tensor | None],
+                 consts: list[float], scale: float, heads: int, key_norm: bool, key_offset: int,
+                 in_place: bool) -> list[Tensor]:
+    """group_bwd's gradients, the later reads' `acc` added (as _read_grads)."""
     rd = ReadLaunch(emb_v, emb_k, values, keys, None, None, queries, consts, heads, key_offset, group=True)
-    dvs, dks = source_grads(rd, [emb_v, *values], [emb_k, *keys] if rd.carried else [])
-    extra = [d.data_ptr() for d in dvs[1:]] + [d.data_ptr() for d in dks[1:]]
+    sources, carried_keys = [emb_v, *values], ([emb_k, *keys] if rd.carried else [])
+    acc_v, acc_k = split_acc(rd, acc, sources, carried_keys, in_place)
+    dvs, dks = source_grads(rd, sources, carried_keys, acc_v, acc_k)
+    extra = [d.data_ptr() for d in dvs[1:]] + [d.data_ptr() for d in dks[1:]] + accumulated_flags(rd, acc_v, acc_k)
     dq = torch.empty((rd.grid[0], rd.G, rd.R), dtype=rd.cdtype, device=emb_v.device)
     launch_kernels().group_bwd[rd.grid](
         rd.ev, rd.sev, rd.ek, rd.sek, *rd.meta(extra), rd.query, out, lse, grad_out.contiguous(),
-        grad_lse.contiguous(), dvs[0], dks[0], dq, rd.N, rd.D, rd.R, rd.key_offset, heads, rd.S_t, rd.G, scale,
-        key_norm, BLOCK_G=rd.BLOCK_G, **rd.constexprs())
+        grad_lse.contiguous(), dvs[0], dks[0], dq, rd.N, rd.D, rd.R, rd.key_offset, heads, rd.S_t, rd.G,
+        scale, key_norm, BLOCK_G=rd.BLOCK_G, **rd.constexprs())
     dks = fold_keys(rd, dvs, dks, key_offset)
     return [*dvs, *dks, dq.sum(0).to(queries.dtype)]
 
 
+@torch.library.custom_op("lrattn::attnres_group_bwd", mutates_args=())
+def attnres_group_bwd(grad_out: Tensor, grad_lse: Tensor, out: Tensor, lse: Tensor, emb_v: Tensor,
+                      emb_k: Tensor | None, values: list[Tensor], keys: list[Tensor], queries: Tensor,
+                      acc: list[Tensor | None], consts: list[float], scale: float, heads: int, key_norm: bool,
+                      key_offset: int) -> list[Tensor]:
+    """[d emb_v, d values...] + [d emb_k, d keys...] (carried keys) + [d queries], `acc` added (as
+    attnres_read_bwd)."""
+    return _group_grads(grad_out, grad_lse, out, lse, emb_v, emb_k, values, keys, queries, acc, consts, scale,
+                        heads, key_norm, key_offset, in_place=False)
+
+
 @attnres_group_bwd.register_fake
-def _(grad_out, grad_lse, out, lse, emb_v, emb_k, values, keys, queries, consts, scale, heads, key_norm,
+def _(grad_out, grad_lse, out, lse, emb_v, emb_k, values, keys, queries, acc, consts, scale, heads, key_norm,
       key_offset):
     vals = [emb_v, *values]
     ks = [emb_k, *keys] if emb_k is not None else []
     return [t.new_empty(t.shape, dtype=t.dtype) for t in vals + ks] + [queries.new_empty(queries.shape)]
 
 
-def _group_setup(ctx, inputs, output):
-    emb_v, emb_k, values, keys, queries, consts, scale, heads, key_norm, key_offset, _ = inputs
-    out, lse, _ = output
-    ctx.save_for_backward(emb_v, emb_k, queries, out, lse, *values, *keys)
-    ctx.n_values = len(values)
-    ctx.args = (consts, scale, heads, key_norm, key_offset)
+class _Group(torch.autograd.Function):
+    """Phase 1 of a group, its sources' gradients accumulated along the chain of reads (as _Read)."""
+
+    @staticmethod
+    def forward(ctx, spec, *tensors):
+        layout, consts, scale, heads, key_norm, key_offset, record = spec
+        emb_v, emb_k, values, keys, _, _, queries = _unflatten(layout, tensors)
+        out, lse, alpha = attnres_group(emb_v, emb_k, values, keys, queries, list(consts), scale, heads, key_norm,
+                                        key_offset, record)
+        ctx.save_for_backward(*tensors, out, lse)
+        ctx.spec = spec
+        ctx.mark_non_differentiable(alpha)
+        ctx.set_materialize_grads(False)
+        return (out, lse, alpha, *_hand_on(layout, tensors))
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse, _grad_alpha, *grad_handed):
+        *tensors, out, lse = ctx.saved_tensors
+        layout, consts, scale, heads, key_norm, key_offset, _ = ctx.spec
+        emb_v, emb_k, values, keys, _, _, queries = _unflatten(layout, tensors)
+        grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+        grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
+        args = (grad_out, grad_lse, out, lse, emb_v, emb_k, values, keys, queries, _acc_order(layout, grad_handed),
+                list(consts), scale, heads, key_norm, key_offset)
+        grads = attnres_group_bwd(*args) if torch.compiler.is_compiling() else _group_grads(*args, in_place=True)
+        return (None, *_input_order(layout, grads))
 
 
-def _group_backward(ctx, grad_out, grad_lse, _grad_alpha):
-    emb_v, emb_k, queries, out, lse, *rest = ctx.saved_tensors
-    values, keys = rest[: ctx.n_values], rest[ctx.n_values :]
-    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
-    grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
-    grads = attnres_group_bwd(grad_out, grad_lse, out, lse, emb_v, emb_k, list(values), list(keys), queries,
-                              *ctx.args)
-    n_src = 1 + ctx.n_values
-    dvs, dks, dq = grads[:n_src], grads[n_src:-1], grads[-1]
-    d_emb_k, d_keys = (dks[0], list(dks[1:])) if emb_k is not None else (None, [None] * len(keys))
-    return dvs[0], d_emb_k, list(dvs[1:]), d_keys, dq, None, None, None, None, None, None
-
-
-attnres_group.register_autograd(_group_backward, setup_context=_group_setup)
+def group(emb_v: Tensor, emb_k: Tensor | None, values: list[Tensor], keys: list[Tensor], queries: Tensor,
+          consts: list[float], scale: float, heads: int, key_norm: bool, key_offset: int,
+          record: bool) -> tuple[Tensor, Tensor, Tensor, tuple]:
+    """Phase 1 of a group -> (out [G, N, D], lse [G, N, m], alpha, the sources handed on (as `read`))."""
+    layout, tensors = _flatten(emb_v, emb_k, values, keys, None, None, queries)
+    out, lse, alpha, *handed = _Group.apply((layout, tuple(consts), scale, heads, key_norm, key_offset, record),
+                                            *tensors)
+    return out, lse, alpha, _sources(layout, handed)
 
 
 # ---- phase 2: a site's merge with its partial block (kernels.py: merge_fwd, merge_bwd) --------

@@ -19,6 +19,9 @@ Under autocast the sources keep their dtypes (the float32 embedding, bfloat16 su
 summaries: the summaries share one dtype, cast once when stored); loads are converted to float32 and h is
 returned in the promoted dtype, as the reference's stack would give. A float64 model routes in float64.
 
+Each read and group read hands the completed sources on (views, ops.py's gradient chain) and the state keeps
+those for the next read, so in backward each source's gradient is one buffer the reads' kernels add into.
+
 Where it runs: CUDA, or CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 set before triton is
 imported; slow, for tests). Elsewhere building it is one line naming the fix. Static and gated-dynamic
 queries alike (the per-token query is an input of the kernel). KV-cache decoding needs no routing state.
@@ -48,7 +51,7 @@ from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.routing._math import PartialBlock, compute_dtype, count_prior, rms_norm
 from lrattn_lightning.model.routing.attnres.reference import AttnResRouter
 from lrattn_lightning.model.routing.attnres.triton.launch import availability_error, check_device, group_limit
-from lrattn_lightning.model.routing.attnres.triton.ops import attnres_group, attnres_merge, attnres_read
+from lrattn_lightning.model.routing.attnres.triton.ops import attnres_merge, group, read
 
 
 @dataclass
@@ -67,6 +70,12 @@ class TritonState:
     group_out: Tensor | None = None  # [G, N, D]
     group_lse: Tensor | None = None  # [G, N, m]
     group_alpha: Tensor | None = None  # [S, N, m, G] when recording
+
+    def hand_on(self, handed: tuple) -> None:
+        """The completed sources as the read just made handed them on (ops.read): the next read takes these, so
+        each source's gradient runs along one chain of reads, each adding its share in the kernel."""
+        self.embedding, self.embedding_key, values, keys = handed
+        self.values, self.keys = list(values), list(keys)
 
 
 class TritonAttnRes(AttnResRouter):
@@ -142,10 +151,11 @@ class TritonAttnRes(AttnResRouter):
             if state.keys and part_k is not None and part_k.dtype != state.keys[0].dtype:
                 part_k = part_k.to(state.keys[0].dtype)
         query = self.site_query(self.queries, j, state.dynamic_query)
-        out, _, alpha = attnres_read(
+        out, alpha, handed = read(
             state.embedding, state.embedding_key, list(state.values), list(state.keys), part_v, part_k,
             query.contiguous(), self._consts(state, c, state.embedding.dtype), float(self.scale), self.heads,
             self.kernel_key_norm, self.key_offset, state.weights is not None)
+        state.hand_on(handed)
         if state.weights is not None:
             B, T, _ = state.embedding.shape
             state.weights.append(alpha.detach().view(-1, B, T, self.heads).float())
@@ -159,10 +169,11 @@ class TritonAttnRes(AttnResRouter):
         record = state.weights is not None
         if state.group != grp:
             queries = torch.stack([self.site_query(self.queries, site) for site in self.group_sites[grp]])
-            state.group_out, state.group_lse, state.group_alpha = attnres_group(
+            state.group_out, state.group_lse, state.group_alpha, handed = group(
                 emb, state.embedding_key, list(state.values), list(state.keys), queries.contiguous(),
                 self._consts(state, 0, emb.dtype), float(self.scale), self.heads, self.kernel_key_norm,
                 self.key_offset, record)
+            state.hand_on(handed)
             state.group = grp
         out_ND, c = state.group_out[g], state.partial.count
         alpha = state.group_alpha[..., g].detach() if record else None

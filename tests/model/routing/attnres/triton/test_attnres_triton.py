@@ -175,7 +175,10 @@ def _compiled(name: str) -> dict:
     logits = compiled(idx).float()
     (logits.square().mean() + logits[..., :3].sum()).backward()
     dgrad = max(float((p.grad - gr[n]).abs().max()) / float(gr[n].abs().max()) for n, p in tri.named_parameters())
-    targets = [str(node.target) for g in explanation.graphs for node in g.graph.nodes]
+    # the reads are autograd.Functions (their gradient chain, ops.read): dynamo keeps each as one node whose
+    # forward is a subgraph holding the custom op
+    targets = [str(node.target) for g in explanation.graphs for m in g.modules() if hasattr(m, "graph")
+               for node in m.graph.nodes]
     ops = {op: sum(t.startswith(f"lrattn.{op}.") for t in targets)
            for op in ("attnres_read", "attnres_group", "attnres_merge")}
     return {"graph_breaks": explanation.graph_break_count, "graphs": explanation.graph_count, "ops": ops,
