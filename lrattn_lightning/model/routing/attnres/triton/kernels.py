@@ -24,8 +24,9 @@ their gradient is added to the value's in registers; KEY_MODE 1, the key is load
 (carried keys, and sliced keys whose head slices straddle value heads), as a tile as wide as the value's.
 
 The forward kernels hold a head's whole row per token (BLOCK_E >= e, masked: any D and r); the backward read
-walks the row in chunks of CH columns (per source the key's columns twice, for alpha and then for dk; the
-value's once, <g, v> and dv from the same tiles), so no tile in it is wider than BLOCK_N x CH at any width.
+walks the row in chunks of CH columns (per source the key's columns for alpha and then for dk, loaded once
+where they fit a chunk, else twice; the value's once, <g, v> and dv from the same tiles), so no tile in it is
+wider than BLOCK_N x CH at any width.
 Accumulation (ACC) in float32, or float64 for float64 models. BLOCK_N, CH and num_warps (launch.geometry)
 keep a tile at 4 elements per thread (8 in the 4096-element tiles), and every launch passes maxnreg = 128:
 the register budget of docs/benchmarks.md, checked by tests/tools/test_triton_compile.py. Token counts, head
@@ -182,8 +183,10 @@ def read_fwd(ev, sev, ek, sek, meta, fmeta, q, sq, out, lse, alpha, N, D, R, KOF
 # dv = alpha g written from the same tiles), then the key's columns again (dk = scale rstd dl q - dl (l - b)
 # rstd^2 x / k, plus alpha g where the key lies in the value: there dk is the value's gradient on those
 # columns; dl needs all of <g, v>). The value's columns (all E for a key of its own) and the output gradient on
-# them are read once; only the key's k columns twice. The query's gradient accumulates across sources in its
-# output, read back by the program that wrote it.
+# them are read once; the key's k columns too where they fit one chunk (KEY_ONE: k <= CH, the key's, the query's
+# and the output gradient's tiles held across the value's columns: P-LR and S-LR keys, value keys with e <= 256),
+# else twice (value keys wider than a chunk: their whole row). The query's gradient accumulates across sources
+# in its output, read back by the program that wrote it.
 
 
 @triton.jit
@@ -218,20 +221,32 @@ def _key_grad(x, qt, gk, a, c1, c2, dkp, sdk, hak, rows, rmask, kc, cm, dq, pid_
 @triton.jit
 def _bwd_source(vp, sv, kp, sk, dvp, dkp, sdk, hav, hak, prior, eps, rows, rmask, pid_n, h, E, VE, K, KOFF,
                 D, R, q, sq, gout, dq, lse_n, delta, scale, key_norm, key_in_value, query_per_token,
-                FIRST: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr):
+                FIRST: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr,
+                KEY_ONE: tl.constexpr):
     """One source's value and key gradients (written; added to what dvp / dkp hold where hav / hak: the later
-    reads' gradient of the source) and its share of the query's gradient (added to dq)."""
+    reads' gradient of the source) and its share of the query's gradient (added to dq). KEY_ONE: the key's columns fit one chunk, so its
+    tiles (key, query, output gradient) are loaded once and held across the value's columns."""
     cc = tl.arange(0, CH)
     # the key's columns: <x, q>, <x, x>, and <g, x> where the key is part of the value
-    gv = tl.zeros([BLOCK_N], dtype=tl.float32).to(ACC)
-    xq = tl.zeros([BLOCK_N], dtype=tl.float32).to(ACC)
-    xx = tl.zeros([BLOCK_N], dtype=tl.float32).to(ACC)
-    for c0 in range(0, K, CH):
-        cm = c0 + cc < K
-        x = _tile(kp, sk, rows, rmask, h * K + c0 + cc, cm, ACC)
-        xq += tl.sum(x * _tile(q, sq, rows, rmask, h * K + c0 + cc, cm, ACC), 1)
-        xx += tl.sum(x * x, 1)
-        gv += tl.sum(_tile(gout, D, rows, rmask, KOFF + h * K + c0 + cc, cm & key_in_value, ACC) * x, 1)
+    if KEY_ONE:
+        km = cc < K
+        kc1 = h * K + cc
+        x1 = _tile(kp, sk, rows, rmask, kc1, km, ACC)
+        q1 = _tile(q, sq, rows, rmask, kc1, km, ACC)
+        g1 = _tile(gout, D, rows, rmask, KOFF + kc1, km & key_in_value, ACC)
+        xq = tl.sum(x1 * q1, 1)
+        xx = tl.sum(x1 * x1, 1)
+        gv = tl.sum(g1 * x1, 1)
+    else:
+        gv = tl.zeros([BLOCK_N], dtype=tl.float32).to(ACC)
+        xq = tl.zeros([BLOCK_N], dtype=tl.float32).to(ACC)
+        xx = tl.zeros([BLOCK_N], dtype=tl.float32).to(ACC)
+        for c0 in range(0, K, CH):
+            cm = c0 + cc < K
+            x = _tile(kp, sk, rows, rmask, h * K + c0 + cc, cm, ACC)
+            xq += tl.sum(x * _tile(q, sq, rows, rmask, h * K + c0 + cc, cm, ACC), 1)
+            xx += tl.sum(x * x, 1)
+            gv += tl.sum(_tile(gout, D, rows, rmask, KOFF + h * K + c0 + cc, cm & key_in_value, ACC) * x, 1)
     rstd = _rstd(xx, K, eps, key_norm)
     lraw = scale * rstd * xq
     a = tl.exp(lraw + prior - lse_n)
@@ -246,21 +261,26 @@ def _bwd_source(vp, sv, kp, sk, dvp, dkp, sdk, hav, hak, prior, eps, rows, rmask
     dl = a * (gv - delta)  # d loss / d logit
     c1 = scale * rstd * dl
     c2 = tl.where(key_norm, dl * lraw * rstd * rstd / K, 0.0)  # through rstd: d rstd / dx = -rstd^3 x / k
-    # the key's columns again: its gradient, and the query's share
-    for c0 in range(0, K, CH):
-        cm = c0 + cc < K
-        kc = h * K + c0 + cc
-        x = _tile(kp, sk, rows, rmask, kc, cm, ACC)
-        gk = _tile(gout, D, rows, rmask, KOFF + kc, cm & key_in_value, ACC)  # 0 for a key of its own
-        _key_grad(x, _tile(q, sq, rows, rmask, kc, cm, ACC), gk, a, c1, c2, dkp, sdk, hak, rows, rmask, kc, cm,
-                  dq, pid_n, R, query_per_token, FIRST, ACC)
+    # the key's columns again (KEY_ONE: the tiles held): its gradient, and the query's share
+    if KEY_ONE:
+        _key_grad(x1, q1, g1, a, c1, c2, dkp, sdk, hak, rows, rmask, kc1, km, dq, pid_n, R, query_per_token,
+                  FIRST, ACC)
+    else:
+        for c0 in range(0, K, CH):
+            cm = c0 + cc < K
+            kc = h * K + c0 + cc
+            x = _tile(kp, sk, rows, rmask, kc, cm, ACC)
+            gk = _tile(gout, D, rows, rmask, KOFF + kc, cm & key_in_value, ACC)  # 0 for a key of its own
+            _key_grad(x, _tile(q, sq, rows, rmask, kc, cm, ACC), gk, a, c1, c2, dkp, sdk, hak, rows, rmask, kc, cm,
+                      dq, pid_n, R, query_per_token, FIRST, ACC)
     tl.debug_barrier()  # (the next source reads dq back, possibly in other threads)
 
 
 @triton.jit(do_not_specialize=["N", "heads", "S_t", "E", "VE", "K"])
 def read_bwd(ev, sev, ek, sek, meta, fmeta, q, sq, out, lse, gout, dev, dek, sdk, dq,
              N, D, R, KOFF, heads, S_t, E, VE, K, scale, key_norm, key_in_value, query_per_token,
-             VDT: tl.constexpr, KDT: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr):
+             VDT: tl.constexpr, KDT: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr,
+             KEY_ONE: tl.constexpr):
     """Gradients of one read: dv (and dk) of every source; dq per token, or per tile (the caller sums tiles).
     E, K: a head's value and key widths; VE: the value's columns left of its key (E - K when the key lies in
     the value, key_in_value: KOFF its first column, and dk points into dv) or E. A slot's dv / dk that already
@@ -286,7 +306,7 @@ def read_bwd(ev, sev, ek, sek, meta, fmeta, q, sq, out, lse, gout, dev, dek, sdk
     _bwd_source(ev, sev, ek, sek, dev, dek, sdk, tl.load(meta + HV), tl.load(meta + HK),
                 tl.load(fmeta + PR).to(ACC), tl.load(fmeta + EP).to(ACC), rows, rmask, pid_n, h, E, VE, K, KOFF, D,
                 R, q, sq, gout, dq, lse_n, delta, scale, key_norm, key_in_value, query_per_token, True, ACC, BLOCK_N,
-                CH)
+                CH, KEY_ONE)
     for s in range(S_t):
         vp = tl.load(meta + s).to(tl.pointer_type(VDT))
         kp = tl.load(meta + 2 * S_t + s).to(tl.pointer_type(KDT))
@@ -296,7 +316,7 @@ def read_bwd(ev, sev, ek, sek, meta, fmeta, q, sq, out, lse, gout, dev, dek, sdk
                     tl.load(meta + HV + 1 + s), tl.load(meta + HK + 1 + s),
                     tl.load(fmeta + PR + 1 + s).to(ACC), tl.load(fmeta + EP + 1 + s).to(ACC), rows, rmask, pid_n,
                     h, E, VE, K, KOFF, D, R, q, sq, gout, dq, lse_n, delta, scale, key_norm, key_in_value,
-                    query_per_token, False, ACC, BLOCK_N, CH)
+                    query_per_token, False, ACC, BLOCK_N, CH, KEY_ONE)
 
 
 # ---- two-phase block reads: the completed sources once for all G sites of a block (a group) -----------

@@ -109,7 +109,7 @@ def _read_grads(grad: Tensor, out: Tensor, lse: Tensor, emb_v: Tensor, emb_k: Te
         rd.ev, rd.sev, rd.ek, rd.sek, *rd.meta(extra), rd.query, rd.R if rd.query_per_token else 0, out, lse, g,
         dvs[0], dkv[0], rd.D if in_value else rd.R, dq, rd.N, rd.D, rd.R, rd.key_offset, heads, rd.S_t, rd.E,
         rd.E - rd.K if in_value else rd.E, rd.K, scale, key_norm, in_value, rd.query_per_token,
-        **rd.dtypes(), BLOCK_N=rd.bwd_block_n, CH=rd.CH, **rd.options(rd.bwd_warps))
+        **rd.dtypes(), BLOCK_N=rd.bwd_block_n, CH=rd.CH, KEY_ONE=rd.K <= rd.CH, **rd.options(rd.bwd_warps))
     dks = fold_keys(rd, dvs, dks, key_offset)
     dq = dq.view(query.shape) if rd.query_per_token else dq.sum(0)
     return [*dvs, *dks, dq.to(query.dtype)]

@@ -2,9 +2,10 @@
 
 The model-level tests (test_attnres_triton.py) run at widths where a head's row fits one chunk of
 launch.BWD_CHUNK columns; read_bwd walks wider rows chunk by chunk (the key's columns, the value's, the key's
-again), so here reads at D = 640 (three chunks, the last masked) with a 320-wide key (two) are held to torch
-autograd of the same formula, float64: carried keys with one and two depth heads, a sliced key lying in the
-value, value keys. Two reads of the same completed sources (each with its own partial block and query), the
+again; a key that fits one chunk, KEY_ONE, is loaded once and held), so here reads at D = 640 (three chunks,
+the last masked) with a 320-wide key (two chunks) or a 64-wide one (held) are held to torch autograd of the
+same formula, float64: carried keys with one and two depth heads, sliced keys with one head (lying in the
+value) and two (a key gradient of their own, folded), value keys. Two reads of the same completed sources (each with its own partial block and query), the
 second taking the sources the first handed on (ops.read): the second's backward writes their gradients and
 the first's adds its share in place (eager), or into new tensors (torch.compile, aot_eager, fullgraph: the
 functional op). TRITON_INTERPRET=1 must be set before triton is imported: the kernels run in a subprocess
