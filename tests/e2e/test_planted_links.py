@@ -3,9 +3,10 @@
 On a shared project folder anyone who can write into a run folder could plant `.lock -> ~victim/precious`; a plain
 open() followed it and truncated the victim's file. Each path below comes from the code's own path helpers (the run
 folder's lock, the store's lock, last.ckpt, previous.ckpt, the checkpoint's temporary, the staging folder of a
-prepare, export's --out, a sweep's emitted script, a comparison's figure); each test plants a link there, runs the
-real operation and checks that the victim keeps its bytes and that the error is one line naming the path.
-The writers themselves (core/files.py) are tests/core/test_files_no_follow.py.
+prepare, export's --out, a sweep's emitted script, a comparison's figure, a run's MLflow artifact); each test plants
+a link there, runs the real operation and checks that the victim keeps its bytes and that the error is one line
+naming the path. The writers themselves (core/files.py) are tests/core/test_files_no_follow.py; every artifact path
+the platform logs (train/schema.py Artifact), with a link at each folder on its way, tests/train/test_artifact_links.py.
 """
 
 from __future__ import annotations
