@@ -4,9 +4,11 @@ arrays split at the cluster's MaxArraySize; a progress line for slow work. bench
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,41 @@ def test_configurations_checked_in_shares_say_the_first_bad_run(data_dir, tmp_pa
     for i in bad[1:]:
         runs[i]["args"]["model.lr"] = 1e-3
     fit_check(load_sweep(write_sweep(tmp_path, data_dir, runs=runs))[0], lambda: parser).wait()  # all good: nothing
+
+
+class Slow(Counting):
+    """The real fit parser, each parse 0.3 s slower, each process that parses noted in `folder` (its pid)."""
+
+    def __init__(self, parser, folder: Path) -> None:
+        super().__init__(parser)
+        self.folder = folder
+
+    def parse_args(self, args):
+        (self.folder / str(os.getpid())).touch()
+        time.sleep(0.3)
+        return super().parse_args(args)
+
+
+def test_a_stopped_check_ends_its_shares_with_it(data_dir, tmp_path, parser, monkeypatch):
+    """FitCheck.stop() (the sweep interrupted) ends the check's child at once, and the processes parsing its shares
+    with it: none goes on parsing after the command has ended."""
+    if threading.active_count() > 1:
+        pytest.skip("threads run in this process (pytest-xdist's worker): FitCheck checks in place here")
+    monkeypatch.setattr(sweep_module, "SHARE", 4)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    sweep, _ = load_sweep(write_sweep(tmp_path, data_dir, runs=variants(12)))
+    check = fit_check(sweep, lambda: Slow(parser, pids))
+    deadline = time.monotonic() + 60
+    while len(list(pids.iterdir())) < 2 and time.monotonic() < deadline:  # both shares parsing
+        time.sleep(0.05)
+    assert len(list(pids.iterdir())) == 2
+    check.stop()
+    time.sleep(0.5)
+    for pid in (int(p.name) for p in pids.iterdir()):
+        status = Path(f"/proc/{pid}/status")
+        state = status.read_text().split("State:")[1].split()[0] if status.exists() else "gone"
+        assert state in ("gone", "Z", "X"), (pid, state)  # ended (a zombie: ended, not yet reaped by init)
 
 
 @pytest.mark.parametrize("runs, size", [(7, 3), (6, 3), (6, 6), (1, 1), (8, 1)])

@@ -263,13 +263,23 @@ def _check_in_shares(sweep: Sweep, tracking_uri: str | None, extra: list[str], p
         part = dataclasses.replace(sweep, runs=tuple(runs[bounds[k]:bounds[k + 1]]))
         return lambda: check_fit_args(part, tracking_uri, extra, parser, total=total, shares=(len(runs), n), quiet=k > 0)
 
-    kids = []
+    kids: list[tuple[int, int]] = []
+
+    def end(*_: Any) -> None:  # FitCheck.stop() ends this process: its shares end with it, not after
+        for pid, _read in kids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        os._exit(128 + signal.SIGTERM)
+
+    if n > 1:
+        signal.signal(signal.SIGTERM, end)
     for k in range(1, n):
         read, write = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.close(read)
             os._exit(_say(write, *_verdict(share(k))))
         os.close(write)
