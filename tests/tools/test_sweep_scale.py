@@ -7,6 +7,7 @@ import argparse
 import os
 import re
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -314,3 +315,21 @@ def test_emitted_files_are_the_texts_the_emitters_make(data_dir, tmp_path, monke
     assert main(["sweep", str(path), "--dry-run", "--tracking_uri", uri]) == 0
     listing = capsys.readouterr().out.splitlines(keepends=True)
     assert listing[1:] == [f"  {state:9s} {run.name}\n" for run, state in steps]
+
+
+def test_the_forked_check_is_tested_under_xdist_too():
+    """Under pytest-xdist the worker runs threads, so the tests above of the forked check (what `lrattn sweep` runs:
+    its process has one thread) skip themselves there: here they run in a fresh pytest process of one thread, and
+    must all pass, none skipped. Without xdist they ran above, and this has nothing to add."""
+    if threading.active_count() == 1:
+        pytest.skip("one thread: the forked check's tests ran in this process")
+    from helpers.paths import REPO_ROOT
+
+    picked = "shares_say_the_first_bad_run or stopped_check_ends or (verdict_where_it_is_awaited and forked)"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+                           __file__, "-k", picked], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    tail = done.stdout[-1500:] + done.stderr[-1500:]
+    assert done.returncode == 0, tail
+    summary = done.stdout.strip().splitlines()[-1]
+    assert re.search(r"\b5 passed\b", summary) and "skipped" not in summary, tail
