@@ -44,8 +44,8 @@ def pyplot():
 def row_names(rows: list[Row]) -> dict[int, str]:
     """id(row) -> its name in figures: size/ if several sizes, the label, [recipe] if several recipes."""
     multi_size = len({r.size for r in rows}) > 1
-    return {key: (f"{r.size}/" if multi_size else "") + name for r, (key, name) in zip(rows, ablation_names(rows).items(),
-                                                                                     strict=True)}
+    methods = ablation_names(rows)
+    return {id(r): (f"{r.size}/" if multi_size else "") + methods[id(r)] for r in rows}
 
 
 def ablation_names(rows: list[Row]) -> dict[int, str]:
@@ -297,13 +297,15 @@ def curves_figure(rows: list[Row], title: str) -> Any:
         last = max([_last_step(run.curves.get(key, [])) for r in mine for run in r.runs
                     for key in (Metric.TRAIN_LOSS, Metric.VAL_LOSS)] + [run.final_step or 0 for r in mine for run in r.runs] + [1])
         zoom_from = last // 2
-        ends = {len(_seed_mean(r, Metric.VAL_LOSS)[0]) for r in mine} <= {0, 1}  # each row validated once (or never)
+        means = {(id(r), key): _seed_mean(r, key) for r in mine for key in (Metric.TRAIN_LOSS, Metric.VAL_LOSS)}
+        val_steps = [means[id(r), Metric.VAL_LOSS][0] for r in mine]
+        ends = {len(steps) for steps in val_steps} <= {0, 1}  # each row validated once (or never)
         for k, row in enumerate(sorted(mine, key=lambda r: names[id(r)])):
             i = order.index(names[id(row)])
             style = {"color": colors[names[id(row)]], "ls": LINE_STYLES[i % len(LINE_STYLES)],
                      "marker": MARKERS[i % len(MARKERS)], "lw": 1.5, "ms": 8 - 1.5 * (i % 4), "label": names[id(row)]}
             for key in (Metric.TRAIN_LOSS, Metric.VAL_LOSS):
-                steps, mean, lo, hi = _seed_mean(row, key)
+                steps, mean, lo, hi = means[id(row), key]
                 if not steps:
                     continue
                 if key == Metric.VAL_LOSS and ends:  # one point a row: side by side, each with its seeds' range
@@ -323,7 +325,7 @@ def curves_figure(rows: list[Row], title: str) -> Any:
         ax_t.set_title(f"{at}train loss, whole run (moving average of 5 logged steps; band: seed min-max)", fontsize=9)
         ax_z.set_title(f"{at}train loss, steps {zoom_from}-{last} (zoom)", fontsize=9)
         if ends:
-            steps = sorted({_seed_mean(r, Metric.VAL_LOSS)[0][0] for r in mine if _seed_mean(r, Metric.VAL_LOSS)[0]})
+            steps = sorted({one[0] for one in val_steps if one})
             at_step = f"step {steps[0]}" if len(steps) == 1 else "steps " + ", ".join(map(str, steps))
             ax_v.set_title(f"{at}validation loss at {at_step}, its only one (bar: seed range)", fontsize=9)
         else:

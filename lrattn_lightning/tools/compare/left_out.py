@@ -9,6 +9,7 @@ Not named: compare's own summary runs and `lrattn eval`'s runs of a checkpoint (
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,9 @@ def left_out(client: Any, experiment: str, sweep: str | None, records: list[RunR
     query = f"tags.{Tag.SWEEP} = '{sweep}'" if sweep else ""
     counted = {r.run_id: r for r in records}
     replaced = {old.run_id: r for r in records for old in r.superseded}
+    by_run = defaultdict(list)  # (size, ablation, seed) -> its counted records, for the attempts a later run retried
+    for r in records:
+        by_run[r.size, r.ablation, r.seed].append(r)
     out = []
     for run in search_all(client, exp.experiment_id, query):
         tags, params, metrics = run.data.tags, run.data.params, run.data.metrics
@@ -55,7 +59,8 @@ def left_out(client: Any, experiment: str, sweep: str | None, records: list[RunR
             why = f"its last validation is at step {record.last_val_step} of {record.final_step}, not its result"
         elif run_id in replaced:
             why = f"replaced by `{replaced[run_id].name}`, a later run of its size, ablation, seed and recipe"
-        elif (later := _retried(records, size, ablation, seed, tags.get(Tag.RECIPE), run.info.start_time)) is not None:
+        elif (later := _retried(by_run.get((size, ablation, seed), []), seed, tags.get(Tag.RECIPE), run.info.start_time)) \
+                is not None:
             why = (f"replaced by `{later.name}`, a later finished run of its size, ablation, seed and recipe; this "
                    f"attempt {_reason(run.info.status, tags, params, metrics)}")
         else:
@@ -64,14 +69,13 @@ def left_out(client: Any, experiment: str, sweep: str | None, records: list[RunR
     return sorted(out, key=lambda r: (r.size, r.ablation, -1 if r.seed is None else r.seed, r.name))
 
 
-def _retried(records: list[RunRecord], size: str, ablation: str, seed: int | None, recipe: str | None,
-             started: int | None) -> RunRecord | None:
-    """The counted run that retried a run which did not finish (FAILED, KILLED, left RUNNING): one of its size,
-    ablation, seed (and recipe, where the attempt's tags name one) started after it; None where there is none."""
+def _retried(same: list[RunRecord], seed: int | None, recipe: str | None, started: int | None) -> RunRecord | None:
+    """The counted run that retried a run which did not finish (FAILED, KILLED, left RUNNING): of `same` (the records
+    of its size, ablation and seed), one of its recipe where the attempt's tags name one, started after it; None
+    where there is none."""
     if seed is None:
         return None
-    later = [r for r in records if (r.size, r.ablation, r.seed) == (size, ablation, seed) and not r.stale
-             and (recipe is None or r.recipe == recipe) and r.start_time > (started or 0)]
+    later = [r for r in same if not r.stale and (recipe is None or r.recipe == recipe) and r.start_time > (started or 0)]
     return max(later, key=lambda r: r.start_time, default=None)
 
 
