@@ -14,11 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from helpers.cli import cli_env
 from helpers.paths import REPO_ROOT
 from helpers.runs import (
-    REGISTRY,
     RUN,
     STRETCHABLE,
     assert_same_losses,
@@ -30,6 +28,7 @@ from helpers.runs import (
     run_cli,
     run_process,
     step_of,
+    stop_line,
     the_run,
     tmpfs,
 )
@@ -122,55 +121,32 @@ def ddp_uninterrupted(data, tmp_path_factory) -> list[tuple[int, float]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rank", [1, None])
-def test_ddp_ranks_stop_together_on_a_sigterm_to_one_or_all_of_them(data, tmp_path, rank, ddp_uninterrupted):
-    """2 gloo ranks; SIGTERM to rank 1 only, or to every rank (a process-group kill). The ranks agree on it
-    at the end of the step in progress, save it and exit 143 (Lightning's handler broadcast from inside the
-    signal handler and could hang the ranks). Rank 0 ends 6 s after rank 1 (SlowRankZeroOnStop): Lightning's
-    watch over the ranks it launched (a 5-s poll) would see rank 1's 143 first and SIGKILL rank 0 (exit -9).
-    The checkpoint resumes to the uninterrupted run's losses."""
-    ddp = DDP
-    stopped = run_process(fit_args(data, *ddp, "--experiment", "stopped", "--config",
-                                   hooks(tmp_path, "term.yaml", ("SigtermAtStep", {"step": 3, "rank": rank}),
+@pytest.mark.parametrize("name, rank", [("SIGHUP", 1), ("SIGINT", None)])
+def test_ddp_ranks_stop_together_on_a_signal_to_one_or_all_of_them(data, tmp_path, name, rank, ddp_uninterrupted):
+    """2 gloo ranks; SIGHUP (a closed terminal) to rank 1 only, or SIGINT to every rank at the same step (what
+    Ctrl-C to the fit's process group delivers: Lightning starts rank 1 as a child in it). The ranks agree on it at
+    the end of the step in progress, save it, exit 128 + the signal's number with one line naming it (not one per
+    rank), and the run ends KILLED (Lightning's handler broadcast from inside the signal handler and could hang the
+    ranks). Rank 0 ends 6 s after rank 1 (SlowRankZeroOnStop): Lightning's watch over the ranks it launched (a 5-s
+    poll) would see rank 1's exit first and SIGKILL rank 0 (exit -9). The checkpoint of the stop on one rank resumes
+    to the uninterrupted run's losses. (SIGTERM to one rank: the FSDP stop in test_fsdp.py; each signal in one process: test_signals.py.)"""
+    stopped = run_process(fit_args(data, *DDP, "--experiment", "stopped", "--config",
+                                   hooks(tmp_path, "stop.yaml", ("SignalAt", {"step": 3, "signal": name, "rank": rank}),
                                          ("SlowRankZeroOnStop", {"seconds": 6})),
                                    steps=6, every=4), tmp_path, timeout=400)
-    assert stopped.returncode == 143, stopped.stderr[-3000:]
-    assert "lrattn: stopped by SIGTERM at step 4" in stopped.stderr
-    assert step_of(ckpt_dir(tmp_path, "stopped") / "last.ckpt") == 4
-    resumed = run_process(fit_args(data, *ddp, "--experiment", "stopped", "--ckpt_path", "last", steps=6, every=4),
+    assert stopped.returncode == 128 + signal.Signals[name], stopped.stderr[-3000:]
+    last = ckpt_dir(tmp_path, "stopped") / "last.ckpt"
+    assert stop_line(stopped.stderr) == (f"lrattn: stopped by {name} at step 4; checkpoint {last} holds it, "
+                                         "continue with --ckpt_path last")
+    assert step_of(last) == 4
+    assert the_run(tmp_path, "stopped")[1].info.status == "KILLED"
+    if rank is None:  # the same checkpoint as a stop on one rank writes: resumed once, there
+        return
+    resumed = run_process(fit_args(data, *DDP, "--experiment", "stopped", "--ckpt_path", "last", steps=6, every=4),
                           tmp_path, timeout=400)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     client, r1 = the_run(tmp_path, "stopped")
     assert_same_losses(metric_history(client, r1.info.run_id), ddp_uninterrupted)
-
-
-def test_sweep_passes_a_sigterm_on_and_sees_the_run_did_not_finish(data, tmp_path, monkeypatch, capsys):
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({
-        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 60, "val_check_interval": 30, "limit_val_batches": 2,
-                    "num_sanity_val_steps": 0, "log_every_n_steps": 1, "enable_progress_bar": False,
-                    "enable_model_summary": False},
-        "model": {"warmup_steps": 1}, "data": {"data_dir": str(data), "batch_size": 2}, "checkpoint_every": 4}))
-    sweep = {"name": "term", "doc": "one run, stopped by SIGTERM", "recipe": "recipe.yaml", "registry": REGISTRY,
-             "sizes": ["tiny"], "ablations": ["baseline"], "seeds": [0]}
-    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep))
-    proc = subprocess.Popen(lrattn("sweep", "sweep.yaml"), cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    ckpt = ckpt_dir(tmp_path, "term") / "last.ckpt"
-    deadline = time.time() + 120
-    while not ckpt.exists():  # the periodic save at step 4: the fit is under way
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)  # to the sweep; it passes it on to the fit
-    out = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 143, out[-3000:]
-    assert "stopped by SIGTERM" in out and "no further runs start" in out
-    assert 4 <= step_of(ckpt) < 60
-    _, run = the_run(tmp_path, "term")
-    assert run.info.status == "KILLED"
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert main(["sweep", "sweep.yaml", "--dry-run"]) == 0
-    assert "resume    tiny-baseline-seed0" in capsys.readouterr().out  # the next sweep resumes it
 
 
 # ---- items 2 and 6: one last.ckpt, always the newest; no step logged twice ------------------------

@@ -47,26 +47,26 @@ def probed_sweep(folder: Path, data: Path, probe: Path, hold_step: int | None = 
 
 def test_parallel_runs_two_fits_at_once_each_on_one_thread(data_dir, tmp_path, monkeypatch, capsys):
     probe = tmp_path / "probe"
-    path = probed_sweep(tmp_path, data_dir, probe, hold_step=1, together=2)  # the first two fits meet at step 1
+    # three fits (two at once, then the third): the first two meet at step 1
+    path = probed_sweep(tmp_path, data_dir, probe, hold_step=1, together=2, ablations=["baseline"], seeds=[0, 1, 2])
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # what the fits would inherit; the sweep's env does not set it
     assert main(["sweep", str(path), "--parallel", "2"]) == 0
     out = capsys.readouterr().out
     runs = sweep_runs(f"sqlite:///{tmp_path}/mlflow.db")
-    assert sorted(r.info.run_name for r in runs) == ["tiny-baseline-seed0", "tiny-baseline-seed1",
-                                                    "tiny-s-lr-grid-n4-r16-seed0", "tiny-s-lr-grid-n4-r16-seed1"]
+    assert sorted(r.info.run_name for r in runs) == [f"tiny-baseline-seed{seed}" for seed in range(3)]
     assert {r.info.status for r in runs} == {"FINISHED"}
     # two at once, never more: the most MLflow runs open at one time
     events = sorted([(r.info.start_time, 1) for r in runs] + [(r.info.end_time, -1) for r in runs])
     open_runs = [sum(d for _, d in events[:k + 1]) for k in range(len(events))]
     assert max(open_runs) == 2, events
-    assert [json.loads(p.read_text()) for p in probe.glob("*.held")] == [True] * 4  # the barrier of two was passed
+    assert [json.loads(p.read_text()) for p in probe.glob("*.held")] == [True] * 3  # the barrier of two was passed
     seen = [json.loads(p.read_text()) for p in probe.glob("*.json")]
-    assert len(seen) == 4 and all(s["omp"] == "1" and s["threads"] == 1 for s in seen), seen
-    assert "4 to run, 2 at once (OMP_NUM_THREADS=1 each)" in out
+    assert len(seen) == 3 and all(s["omp"] == "1" and s["threads"] == 1 for s in seen), seen
+    assert "3 to run, 2 at once (OMP_NUM_THREADS=1 each)" in out
     # the terminal: one line as each run starts, one as it ends; the fits' own lines only in their logs
-    assert out.count("training; its output goes to") == 4 and out.count(": ok after") == 4, out
+    assert out.count("training; its output goes to") == 3 and out.count(": ok after") == 3, out
     assert "train/loss" not in out, out
     assert all("[lrattn fit] step " in (tmp_path / "runs/sweep-test" / r.info.run_name / "fit.log").read_text()
                for r in runs)

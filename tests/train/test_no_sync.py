@@ -47,8 +47,8 @@ def test_every_kind_is_covered():
     assert len(ENTRIES) > 30
 
 
-@pytest.mark.parametrize("loss_impl", ["logits", "chunked"])
-@pytest.mark.parametrize("optimizer", ["adamw", "muon_adamw"])
+# each optimiser and each loss once (the optimiser's step does not see which loss made the gradients)
+@pytest.mark.parametrize("optimizer, loss_impl", [("adamw", "chunked"), ("muon_adamw", "logits")])
 def test_a_train_step_reads_no_device_value(optimizer, loss_impl):
     failures = {}
     for name in ENTRIES:
