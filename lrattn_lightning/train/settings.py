@@ -27,9 +27,9 @@ of SETTING_GROUPS to a mark or a reason):
     resume  what a resumed fit compares with its checkpoint: "checkpoint" (checkpoint/compat.py: the optimizer state
             would restore the checkpoint's value over the flag's), "optimizer state" (MuonWithAuxAdamW.load_state_dict
             compares it, train/optim.py), "schedule" (cli/checks.py check_schedule), or Not(why a resume may change it)
-    check   the setting's range: Check(ok, what it must be), checked in one place (bad_setting) for `lrattn fit`
-            before any work (cli/checks.py) and for every group as it is built; or Not(who else refuses a bad value,
-            or why none can be given)
+    check   the setting's range: Check(ok, what it must be), or Typed (its annotation's: a Literal's values, a
+            bool), checked in one place (bad_setting) for `lrattn fit` before any work (cli/checks.py) and for every
+            group as it is built; or Not(who else refuses a bad value, or why none can be given)
 
 Every reader takes the groups it derives from (`groups`, SETTING_GROUPS unless given): a field added to a group
 reaches the fingerprint, a resume's comparison and the checks with no edit to any of them
@@ -54,7 +54,7 @@ from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.routing.attnres import DEFAULT_IMPL
 from lrattn_lightning.train import controls
 from lrattn_lightning.train.muon import MuonDtype
-from lrattn_lightning.train.optim import MUON_VARIANTS, MuonVariant
+from lrattn_lightning.train.optim import MuonVariant
 from lrattn_lightning.train.schedule import MomentumSchedule
 
 
@@ -74,11 +74,28 @@ class Check:
     what: str
 
 
+@dataclass(frozen=True)
+class Typed:
+    """The setting's range is its type: a Literal's values or a bool. checks() derives its Check from the field's
+    annotation (jsonargparse refuses another value on the command line; a group built in code is checked by it)."""
+
+
+def type_check(annotation: Any) -> Check:
+    """The Check a Typed setting's annotation gives: one of a Literal's values (of their own type), or a bool."""
+    if typing.get_origin(annotation) is Literal:
+        values = typing.get_args(annotation)
+        return Check(lambda v: any(v == x and type(v) is type(x) for x in values),
+                     f"one of {', '.join(str(x) for x in values)}")
+    if annotation is bool:
+        return Check(lambda v: isinstance(v, bool), "true or false")
+    raise TypeError(f"a Typed setting must be a Literal or a bool, not {annotation!r}")
+
+
 RECIPE_MARKS = ("optimizer", "derived")
 RESUME_MARKS = ("checkpoint", "optimizer state", "schedule")
 
 
-def setting(default: Any, *, recipe: str | Not, resume: str | Not, check: Check | Not) -> Any:
+def setting(default: Any, *, recipe: str | Not, resume: str | Not, check: Check | Typed | Not) -> Any:
     """A settings field with its three marks (the module docstring says what each reader does with them)."""
     return field(default=default, metadata={"recipe": recipe, "resume": resume, "check": check})
 
@@ -91,9 +108,18 @@ def marked(reader: str, mark: str, groups: tuple[type, ...] | None = None) -> tu
 
 
 def checks(groups: tuple[type, ...] | None = None) -> list[tuple[str, Check]]:
-    """(setting, its Check) for every setting that has one, in field order (`groups`: SETTING_GROUPS unless given)."""
-    return [(f.name, f.metadata["check"]) for group in groups or SETTING_GROUPS for f in dataclasses.fields(group)
-            if isinstance(f.metadata["check"], Check)]
+    """(setting, its Check) for every setting that has one, in field order (`groups`: SETTING_GROUPS unless given); a
+    Typed setting's from its annotation."""
+    out = []
+    for group in groups or SETTING_GROUPS:
+        hints = typing.get_type_hints(group)
+        for f in dataclasses.fields(group):
+            mark = f.metadata["check"]
+            if isinstance(mark, Typed):
+                out.append((f.name, type_check(hints[f.name])))
+            elif isinstance(mark, Check):
+                out.append((f.name, mark))
+    return out
 
 
 def bad_setting(values: Any, groups: tuple[type, ...] | None = None) -> str | None:
@@ -128,7 +154,7 @@ AT_LEAST_0 = Check(lambda v: _number(v) and v >= 0, "a number >= 0")
 STEPS = Check(lambda v: _integer(v) and v >= 0, "an integer >= 0")
 FRACTION = Check(lambda v: _number(v) and 0 <= v <= 1, "a fraction in [0, 1]")
 # the reasons most settings share
-TYPED = Not("its type (a Literal or bool): jsonargparse refuses another value")
+TYPED = Typed()
 FROM_FLAGS = Not("the module reads it from the flags given at every start: a resume may change it")
 SCHEDULE_SHAPE = Not("the schedule's shape comes from the flags a run is launched with (WarmupStableDecay's state "
                      "holds only its position): a resume may change it")
@@ -176,11 +202,6 @@ class OptimiserSettings(Checked):
 
     def __post_init__(self) -> None:  # checked when built, before any work
         super().__post_init__()
-        if self.muon_variant not in MUON_VARIANTS:
-            raise InputError(f"model.muon_variant: unknown '{self.muon_variant}'; use one of {', '.join(MUON_VARIANTS)}")
-        if self.muon_dtype not in typing.get_args(MuonDtype):
-            raise InputError(f"model.muon_dtype: '{self.muon_dtype}' is not one of "
-                             f"{', '.join(typing.get_args(MuonDtype))}")
         self.momentum_schedule()
 
     @classmethod

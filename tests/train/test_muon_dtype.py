@@ -191,7 +191,7 @@ def test_the_module_passes_its_muon_dtype_to_the_optimizer():
 
 
 def test_a_bad_muon_dtype_is_one_line_naming_the_field():
-    with pytest.raises(ValueError, match=r"^model\.muon_dtype: 'float16' is not one of auto, bfloat16, float32$"):
+    with pytest.raises(ValueError, match=r"^--model\.muon_dtype float16: must be one of auto, bfloat16, float32$"):
         LRAttnModule.from_names(size="tiny", ablation="baseline", muon_dtype="float16")
     with pytest.raises(ValueError, match=r"orthogonalizer_dtype: 'half' is not one of auto, bfloat16, float32"):
         MuonWithAuxAdamW([{"params": [torch.nn.Parameter(torch.zeros(4, 4))], "use_muon": True,

@@ -18,7 +18,7 @@ from lrattn_lightning.core.errors import InputError, UsageError
 from lrattn_lightning.train import fingerprint as fp
 from lrattn_lightning.train import settings
 from lrattn_lightning.train.checkpoint import compat
-from lrattn_lightning.train.settings import RECIPE_MARKS, RESUME_MARKS, Check, Not
+from lrattn_lightning.train.settings import RECIPE_MARKS, RESUME_MARKS, Check, Not, Typed
 
 FIELDS = {f.name: (group, f) for group in settings.SETTING_GROUPS for f in dataclasses.fields(group)}
 DEFAULTS = {name: f.default for name, (_, f) in FIELDS.items()}
@@ -31,7 +31,7 @@ def unmarked(group: type) -> list[str]:
     for f in dataclasses.fields(group):
         for reader in ("recipe", "resume", "check"):
             mark = f.metadata.get(reader)
-            given = (isinstance(mark, Check) if reader == "check" else mark in allowed[reader])
+            given = (isinstance(mark, Check | Typed) if reader == "check" else mark in allowed[reader])
             if not given and not (isinstance(mark, Not) and mark.why.strip()):
                 missing.append(f"{reader}: {f.name}")
     return missing
@@ -138,7 +138,9 @@ def test_the_command_line_checks_every_setting_with_a_check():
     checked = dict(settings.checks())
     assert set(checked) == {"lr", "muon_lr", "weight_decay", "muon_weight_decay", "z_loss", "warmup_steps",
                             "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps", "decay_fraction",
-                            "final_lr_fraction", "betas", "schedule_steps"}
+                            "final_lr_fraction", "betas", "schedule_steps",  # and those whose type is their range:
+                            "optimizer", "muon_variant", "muon_dtype", "allow_schedule_change", "compile",
+                            "document_masking", "attention", "loss_impl", "routing_diagnostics"}
     check_training_numbers("fit", _fit())  # the defaults pass
     bad = {"betas": [0.9, 1.0], "schedule_steps": 0, "decay_fraction": 1.5, "final_lr_fraction": -0.1}
     for name, check in checked.items():
@@ -193,3 +195,30 @@ def test_a_group_checks_its_ranges_as_it_is_built_with_the_command_lines_words()
         check_training_numbers("fit", _fit(warmup_steps=-3))
     with pytest.raises(InputError, match=r"^--model\.schedule_steps 0: must be an integer >= 1 \(or null"):
         settings.module_settings(schedule_steps=0)
+
+
+@pytest.mark.parametrize("name, bad, what", [
+    ("muon_variant", "keller", "one of reference, torch"), ("muon_dtype", "float16", "one of auto, bfloat16, float32"),
+    ("loss_impl", "fused", "one of auto, logits, chunked"), ("compile", "yes", "true or false"),
+    ("optimizer", "sgd", "one of muon_adamw, adamw")])
+def test_a_typed_setting_is_checked_by_its_annotation(name, bad, what):
+    """A Literal's or a bool's range is its type, checked by bad_setting as every other range: no hand-written test
+    of its values beside the annotation (muon_variant and muon_dtype had their own)."""
+    group = next(g for g in settings.SETTING_GROUPS if name in {f.name for f in dataclasses.fields(g)})
+    with pytest.raises(InputError, match=rf"^--model\.{name} {bad}: must be {what}$"):
+        group(**{name: bad})
+    assert settings.bad_setting({**DEFAULTS, name: bad}) == f"--model.{name} {bad}: must be {what}"
+    assert group(**{name: DEFAULTS[name]}) is not None  # the default passes
+    check = dict(settings.checks())[name]
+    assert not check.ok(1 if what == "true or false" else None)  # (1 == True, but not a bool)
+
+
+def test_the_muon_variants_literal_names_the_variants_optim_builds():
+    from lrattn_lightning.train.optim import MUON_VARIANTS, MuonVariant
+
+    assert typing.get_args(MuonVariant) == tuple(MUON_VARIANTS)
+
+
+def test_typed_is_only_for_a_literal_or_a_bool():
+    with pytest.raises(TypeError, match="Literal or a bool"):
+        settings.type_check(float)
