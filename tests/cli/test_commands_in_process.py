@@ -28,7 +28,7 @@ def state() -> dict:
         "mlflow": (mlflow.active_run(), mlflow.get_tracking_uri()),
         "streams": (sys.stdin, sys.stdout, sys.stderr, [os.fstat(fd).st_ino for fd in (0, 1, 2)]),
         "handlers": {log.name: list(log.handlers) for log in loggers if log.name in ("root", "lightning.pytorch")},
-        "threads": {t.name for t in threading.enumerate() if not t.daemon},
+        "threads": {(t.ident, t.name, t.daemon) for t in threading.enumerate()},  # daemons too: none is left running
         "stops": (stop.NOTED_SIGNAL, stop.LAST_STOP, stop.LAST_DIVERGENCE),
     }
 
