@@ -64,7 +64,7 @@ from torch import Tensor, nn
 from lrattn_lightning.model.config import ModelConfig, SizeConfig
 from lrattn_lightning.model.options import PositiveInt
 from lrattn_lightning.model.routing._math import autocast_off, compute_dtype
-from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
+from lrattn_lightning.model.routing.kind import KindOptions, UnkeyedKind
 from lrattn_lightning.model.routing.router import Router
 
 NORM_EPS = 1e-6  # the public code's RMSNorm eps (its config default)
@@ -178,10 +178,12 @@ def read_sources(cfg: ModelConfig) -> list[int]:
     return [(j // 2 // P + 1 if j % 2 else math.ceil(j // 2 / P)) + null for j in range(first, cfg.size.n_sublayers)]
 
 
-class DeltaAttnResKind(RoutingKind):
+class DeltaAttnResKind(UnkeyedKind):
+    """Unkeyed: its keys are the sources themselves (no key rows), and delta_block's blocks are its own
+    (block_layers), not AttnRes's block summaries."""
+
     name = "delta_attnres"
     Options = DeltaAttnResOptions
-    takes_impl = False
 
     def validate_model(self, cfg: ModelConfig, where: str) -> None:
         P, L = cfg.options.block_layers, cfg.size.n_layers
@@ -189,20 +191,8 @@ class DeltaAttnResKind(RoutingKind):
             raise cfg.options.error(where, "block_layers", f"{P} layers per block leave no block after the first in "
                                                             f"{L} layers; choose 1..{L - 1} (or null)")
 
-    def resolve_impl(self, cfg: ModelConfig, requested: str, compiled: bool = False) -> str:
-        return requested  # one implementation
-
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return DeltaAttnResRouter(cfg)
-
-    def extra_out(self, cfg: ModelConfig) -> int:
-        return 0
-
-    def key_dim(self, cfg: ModelConfig) -> int:
-        return 0  # its keys are the sources themselves, no key rows
-
-    def block_ends(self, cfg: ModelConfig) -> list[int]:
-        return []  # delta_block's blocks are its own (block_layers), not AttnRes's block summaries
 
     def routing_params(self, cfg: ModelConfig) -> int:
         return len(read_sources(cfg)) * cfg.size.d_model * (3 if cfg.options.null_source else 2)

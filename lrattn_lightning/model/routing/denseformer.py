@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.options import PositiveInt
-from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
+from lrattn_lightning.model.routing.kind import KindOptions, UnkeyedKind
 from lrattn_lightning.model.routing.router import Router
 
 
@@ -96,10 +96,9 @@ class DenseFormerOptions(KindOptions):
     period: PositiveInt = 1  # p: a DWA after every p-th layer
 
 
-class DenseFormerKind(RoutingKind):
+class DenseFormerKind(UnkeyedKind):
     name = "denseformer"
     Options = DenseFormerOptions
-    takes_impl = False
 
     def validate_model(self, cfg: ModelConfig, where: str) -> None:
         L = cfg.size.n_layers
@@ -107,20 +106,8 @@ class DenseFormerKind(RoutingKind):
             raise cfg.options.error(where, "period", f"period={cfg.options.period} exceeds the {L} layers: no layer "
                                     f"would average; choose period <= {L}")
 
-    def resolve_impl(self, cfg: ModelConfig, requested: str, compiled: bool = False) -> str:
-        return requested  # one implementation
-
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return DenseFormerRouter(cfg)
-
-    def extra_out(self, cfg: ModelConfig) -> int:
-        return 0
-
-    def key_dim(self, cfg: ModelConfig) -> int:
-        return 0
-
-    def block_ends(self, cfg: ModelConfig) -> list[int]:
-        return []
 
     def routing_params(self, cfg: ModelConfig) -> int:
         return sum(len(group_of(t, cfg.options.dilation)) for t in averaged_layers(cfg))

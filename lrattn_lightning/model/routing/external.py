@@ -39,7 +39,7 @@ from torch import nn
 
 from lrattn_lightning.core.errors import InputError, config_error
 from lrattn_lightning.model.config import ModelConfig
-from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
+from lrattn_lightning.model.routing.kind import KindOptions, UnkeyedKind
 from lrattn_lightning.model.routing.router import OPTIONAL, REQUIRED, Router
 from lrattn_lightning.model.routing.trust import IMPORT_PATH, is_trusted, untrusted_error
 
@@ -177,30 +177,18 @@ class ExternalOptions(KindOptions):
             )
 
 
-class ExternalKind(RoutingKind):
-    """A user's router class: its counts and AdamW names are what the class says of itself (facts, adamw_names)."""
+class ExternalKind(UnkeyedKind):
+    """A user's router class: its counts and AdamW names are what the class says of itself (facts, adamw_names); the
+    class is its own one implementation, and the contract has it output exactly d wide (unkeyed)."""
 
     name = "external"
     Options = ExternalOptions
-    takes_impl = False
 
     def validate_model(self, cfg: ModelConfig, where: str) -> None:
         """The class is checked when it is built (build_external), not here: nothing to import at load."""
 
-    def resolve_impl(self, cfg: ModelConfig, requested: str, compiled: bool = False) -> str:
-        return requested  # the class is its own implementation
-
     def build(self, cfg: ModelConfig, impl: str) -> Router:
         return build_external(cfg)
-
-    def extra_out(self, cfg: ModelConfig) -> int:
-        return 0  # the contract: outputs exactly d wide
-
-    def key_dim(self, cfg: ModelConfig) -> int:
-        return 0
-
-    def block_ends(self, cfg: ModelConfig) -> list[int]:
-        return []
 
     def routing_params(self, cfg: ModelConfig) -> int:
         return facts(cfg)[0]

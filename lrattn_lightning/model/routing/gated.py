@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.options import Range
 from lrattn_lightning.model.routing._math import compute_dtype
-from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
+from lrattn_lightning.model.routing.kind import KindOptions, UnkeyedKind
 from lrattn_lightning.model.routing.router import Router
 
 GRAD_NORM_EPS = 1e-6
@@ -269,7 +269,7 @@ def initial_gates(cfg: ModelConfig) -> list[float] | None:
     return [i / (i + 1) for i in range(1, m + 1)]  # running_mean
 
 
-class GatedKind(RoutingKind):
+class GatedKind(UnkeyedKind):
     """The gated residual: W_q, W_k per sublayer (matrices: Muon under muon_adamw), the optional biases b_i.
 
         params = 2L (2 d^2 [+ 1 with a gate bias])
@@ -278,25 +278,12 @@ class GatedKind(RoutingKind):
 
     name = "gated"
     Options = GatedOptions
-    takes_impl = False
 
     def validate_model(self, cfg: ModelConfig, where: str) -> None:
         """Its options fit any size."""
 
-    def resolve_impl(self, cfg: ModelConfig, requested: str, compiled: bool = False) -> str:
-        return requested  # one implementation
-
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return GatedRouter(cfg)
-
-    def extra_out(self, cfg: ModelConfig) -> int:
-        return 0
-
-    def key_dim(self, cfg: ModelConfig) -> int:
-        return 0
-
-    def block_ends(self, cfg: ModelConfig) -> list[int]:
-        return []
 
     def routing_params(self, cfg: ModelConfig) -> int:
         d, M = cfg.size.d_model, cfg.size.n_sublayers

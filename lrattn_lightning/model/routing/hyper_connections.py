@@ -65,7 +65,7 @@ from torch import Tensor, nn
 from lrattn_lightning.model.config import ModelConfig, SizeConfig
 from lrattn_lightning.model.options import PositiveInt
 from lrattn_lightning.model.routing._math import autocast_off, compute_dtype
-from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
+from lrattn_lightning.model.routing.kind import KindOptions, UnkeyedKind
 from lrattn_lightning.model.routing.router import Router
 
 SCALE0 = 1e-2  # the public code's initial scales of the dynamic terms
@@ -205,10 +205,9 @@ class HyperConnectionsOptions(KindOptions):
                                                  f"{self.fractions}; set it to 1 or {self.name_of('manifold')}: false")
 
 
-class HyperConnectionsKind(RoutingKind):
+class HyperConnectionsKind(UnkeyedKind):
     name = "hyper_connections"
     Options = HyperConnectionsOptions
-    takes_impl = False
 
     def validate_model(self, cfg: ModelConfig, where: str) -> None:
         d, m = cfg.size.d_model, cfg.options.fractions
@@ -216,20 +215,8 @@ class HyperConnectionsKind(RoutingKind):
             raise cfg.options.error(where, "fractions", f"d_model={d} is not divisible by fractions={m}; choose a "
                                                         f"divisor of {d}")
 
-    def resolve_impl(self, cfg: ModelConfig, requested: str, compiled: bool = False) -> str:
-        return requested  # one implementation
-
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return HyperConnectionsRouter(cfg)
-
-    def extra_out(self, cfg: ModelConfig) -> int:
-        return 0
-
-    def key_dim(self, cfg: ModelConfig) -> int:
-        return 0
-
-    def block_ends(self, cfg: ModelConfig) -> list[int]:
-        return []
 
     def routing_params(self, cfg: ModelConfig) -> int:
         a, d = cfg.options, cfg.size.d_model

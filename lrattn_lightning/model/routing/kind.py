@@ -16,7 +16,8 @@ built-in ones). A registry entry's `routing: NAME` names a kind; the model reads
     code_paths(options)   the user's code it imports (an external router's class; trust.py: the registry's word)
 
 Every member is stated by every kind: the class is abstract and kinds.py refuses a kind that leaves one out, so a
-forgotten count is an error at import, never a 0. What one outer layer does with a kind lives in that layer, in a
+forgotten count is an error at import, never a 0. A kind with one implementation and none of AttnRes's keys or blocks
+states those five members (takes_impl, resolve_impl, extra_out, key_dim, block_ends) by deriving from UnkeyedKind. What one outer layer does with a kind lives in that layer, in a
 table keyed by the kind's name (docs/extending.md lists them): its training-time controls (train/controls.py), its
 diagnostics' axes (train/routing_axes.py), its traffic model (tools/bench/roofline.py), the paper's code's flags for
 it (tools/fidelity/interface.py), how an error names what it owns (kinds.py).
@@ -91,6 +92,26 @@ class RoutingKind(ABC):
     @abstractmethod
     def code_paths(self, options: Any) -> list[str]:
         """Import paths of the user's code the entry names (trust.py: the registry's word that they may run)."""
+
+
+class UnkeyedKind(RoutingKind):
+    """A kind with one implementation (`--model.impl` is not read) and none of AttnRes's shape: each sublayer's output
+    is d wide, no routing keys, no block summaries. A kind states these five members by deriving from it; what
+    defines it (validate_model, build, routing_params, added_flops, adamw_names, code_paths) it states itself."""
+
+    takes_impl = False
+
+    def resolve_impl(self, cfg: ModelConfig, requested: str, compiled: bool = False) -> str:
+        return requested  # one implementation: as given, unused
+
+    def extra_out(self, cfg: ModelConfig) -> int:
+        return 0
+
+    def key_dim(self, cfg: ModelConfig) -> int:
+        return 0
+
+    def block_ends(self, cfg: ModelConfig) -> list[int]:
+        return []
 
 
 def missing_members(kind: RoutingKind) -> list[str]:

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from lrattn_lightning.model.config import ModelConfig, SizeConfig
 from lrattn_lightning.model.options import PositiveInt
 from lrattn_lightning.model.routing._math import autocast_off, compute_dtype
-from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
+from lrattn_lightning.model.routing.kind import KindOptions, UnkeyedKind
 from lrattn_lightning.model.routing.router import Router
 
 LaurelMode = Literal["rw", "lr", "rw_lr"]
@@ -134,10 +134,9 @@ class LaurelOptions(KindOptions):
                                             f"`extends`, reset it to {DEFAULT_RANK}) or choose {mode} lr or rw_lr")
 
 
-class LaurelKind(RoutingKind):
+class LaurelKind(UnkeyedKind):
     name = "laurel"
     Options = LaurelOptions
-    takes_impl = False
 
     @staticmethod
     def _modes(cfg: ModelConfig) -> tuple[bool, bool]:
@@ -149,20 +148,8 @@ class LaurelKind(RoutingKind):
         if self._modes(cfg)[1] and r > d:
             raise cfg.options.error(where, "rank", f"{rank}={r} exceeds d_model={d}; choose {rank} <= {d}")
 
-    def resolve_impl(self, cfg: ModelConfig, requested: str, compiled: bool = False) -> str:
-        return requested  # one implementation
-
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return LaurelRouter(cfg)
-
-    def extra_out(self, cfg: ModelConfig) -> int:
-        return 0
-
-    def key_dim(self, cfg: ModelConfig) -> int:
-        return 0
-
-    def block_ends(self, cfg: ModelConfig) -> list[int]:
-        return []
 
     def routing_params(self, cfg: ModelConfig) -> int:
         rw, lr = self._modes(cfg)

@@ -51,7 +51,7 @@ from torch import Tensor, nn
 
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.routing._math import autocast_off, compute_dtype
-from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
+from lrattn_lightning.model.routing.kind import KindOptions, UnkeyedKind
 from lrattn_lightning.model.routing.router import Router
 
 EPS = 1e-6  # the public code's RMSNorm eps
@@ -167,28 +167,15 @@ class MuddFormerOptions(KindOptions):
     multiway: bool = True  # separate Q, K, V, R streams (false: one R stream the attention reads too)
 
 
-class MuddFormerKind(RoutingKind):
+class MuddFormerKind(UnkeyedKind):
     name = "muddformer"
     Options = MuddFormerOptions
-    takes_impl = False
 
     def validate_model(self, cfg: ModelConfig, where: str) -> None:
         """Its options fit any size."""
 
-    def resolve_impl(self, cfg: ModelConfig, requested: str, compiled: bool = False) -> str:
-        return requested  # one implementation
-
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return MuddFormerRouter(cfg)
-
-    def extra_out(self, cfg: ModelConfig) -> int:
-        return 0
-
-    def key_dim(self, cfg: ModelConfig) -> int:
-        return 0
-
-    def block_ends(self, cfg: ModelConfig) -> list[int]:
-        return []
 
     def routing_params(self, cfg: ModelConfig) -> int:
         a, d, L = cfg.options, cfg.size.d_model, cfg.size.n_layers

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from lrattn_lightning.model.config import ModelConfig
-from lrattn_lightning.model.routing.kind import NoOptions, RoutingKind
+from lrattn_lightning.model.routing.kind import NoOptions, UnkeyedKind
 from lrattn_lightning.model.routing.router import Router
 
 
@@ -44,30 +44,17 @@ class ResidualRouter(Router):
         return state.stream
 
 
-class ResidualKind(RoutingKind):
+class ResidualKind(UnkeyedKind):
     """No options, no parameters, no FLOPs beyond the core."""
 
     name = "residual"
     Options = NoOptions
-    takes_impl = False
 
     def validate_model(self, cfg: ModelConfig, where: str) -> None:
         """No options: nothing depends on the size."""
 
-    def resolve_impl(self, cfg: ModelConfig, requested: str, compiled: bool = False) -> str:
-        return requested  # one implementation
-
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return ResidualRouter(cfg)
-
-    def extra_out(self, cfg: ModelConfig) -> int:
-        return 0
-
-    def key_dim(self, cfg: ModelConfig) -> int:
-        return 0
-
-    def block_ends(self, cfg: ModelConfig) -> list[int]:
-        return []
 
     def routing_params(self, cfg: ModelConfig) -> int:
         return 0

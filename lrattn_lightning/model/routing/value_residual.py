@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from lrattn_lightning.core.errors import config_error
 from lrattn_lightning.model.config import ModelConfig
 from lrattn_lightning.model.options import Range
-from lrattn_lightning.model.routing.kind import KindOptions, RoutingKind
+from lrattn_lightning.model.routing.kind import KindOptions, UnkeyedKind
 from lrattn_lightning.model.routing.router import Router
 
 Lambda = Annotated[float, Range(0, 1, note="0: the baseline, ResFormer: 0.5")]
@@ -88,29 +88,16 @@ class ValueResidualOptions(KindOptions):
     value_lambda_learned: bool = False  # one learned lambda per layer n >= 2 (modded-nanogpt) instead of fixed
 
 
-class ValueResidualKind(RoutingKind):
+class ValueResidualKind(UnkeyedKind):
     name = "value_residual"
     Options = ValueResidualOptions
-    takes_impl = False
 
     def validate_model(self, cfg: ModelConfig, where: str) -> None:
         if cfg.size.n_layers < 2:
             raise config_error(where, "routing", "value_residual needs at least 2 layers (layer 1 only keeps V_1)")
 
-    def resolve_impl(self, cfg: ModelConfig, requested: str, compiled: bool = False) -> str:
-        return requested  # one implementation
-
     def build(self, cfg: ModelConfig, impl: str) -> nn.Module:
         return ValueResidualRouter(cfg)
-
-    def extra_out(self, cfg: ModelConfig) -> int:
-        return 0
-
-    def key_dim(self, cfg: ModelConfig) -> int:
-        return 0
-
-    def block_ends(self, cfg: ModelConfig) -> list[int]:
-        return []
 
     def routing_params(self, cfg: ModelConfig) -> int:
         return cfg.size.n_layers - 1 if cfg.options.value_lambda_learned else 0
