@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers.paths import PRECIOUS, REGISTRY_PATH, TESTS_DIR
 from helpers.prepare import prepared_corpus
+from helpers.tracking import empty_store, seed_store
 
 from lrattn_lightning.model.config import SizeConfig
 from lrattn_lightning.model.registry import Registry, load_registry
@@ -104,6 +105,21 @@ def jsonl_corpus(tmp_path_factory) -> Path:
             for i, text in enumerate(docs):
                 f.write(json.dumps({"text": f"copy {k} of {i}\n{text}"}) + "\n")
     return root
+
+
+@pytest.fixture(scope="session")
+def store_template(tmp_path_factory) -> Path:
+    """An empty sqlite MLflow store, created by MLflow once per process: what `mlflow_store` and seed_store copy."""
+    return empty_store(tmp_path_factory.mktemp("empty-store"))
+
+
+@pytest.fixture
+def mlflow_store(tmp_path: Path, store_template: Path) -> Path:
+    """tmp_path holding an empty MLflow store as its mlflow.db (a copy of store_template), so the commands a test
+    runs from there log to an existing store instead of each creating one (1-3 s of MLflow's migrations). Opt-in,
+    for tests whose point is not the store's creation (not where a test checks that no mlflow.db was written)."""
+    seed_store(tmp_path, store_template)
+    return tmp_path
 
 
 @pytest.fixture(scope="session")

@@ -103,6 +103,7 @@ def test_bad_input_is_one_line_and_exit_2(case, data, tmp_path, monkeypatch, cap
     assert not (inputs / "runs").exists() and not (inputs / "mlflow.db").exists()
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_truncated_checkpoint_is_one_line(data, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -142,6 +143,7 @@ def test_non_utf8_corpus_is_prepared_with_a_warning_that_counts(tmp_path, capsys
     assert f"warning: {corpus}: 3 undecodable byte sequence(s)" in err
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_doc_and_control_edits_do_not_block_resume_and_limit_val_batches_1_warns(data, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -177,6 +179,7 @@ def test_last_of_a_folder_from_before_one_last_ckpt_is_the_newest(tmp_path):
     assert newest_last(tmp_path / "none") is None
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_resuming_with_a_changed_learning_rate_is_refused_not_ignored(data, tmp_path, monkeypatch, capsys):
     """The optimizer state carries its learning rates and weight decays: a resume that passes other values
     would silently train with the checkpoint's. One line names the flag; resuming with the same values works."""

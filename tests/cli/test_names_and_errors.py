@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.runs import REGISTRY, fit_args, run_cli
+from helpers.tracking import seed_store
 
 LONG = "x" * 300
 
@@ -83,7 +84,8 @@ def test_demo_checks_the_names_before_preparing_its_corpus(scratch, tmp_path):
     assert tree(tmp_path) == before  # no data/ prepared, no runs/
 
 
-def test_a_good_name_with_capitals_dots_and_underscores_trains_into_its_folder(data, scratch, tmp_path):
+def test_a_good_name_with_capitals_dots_and_underscores_trains_into_its_folder(data, scratch, tmp_path, store_template):
+    seed_store(scratch, store_template)
     proc = run_cli(fit_args(data, "--runs_dir", "runs", "--experiment", "Exp_1", "--run_name", "My_Run.2", steps=2),
                    cwd=scratch)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from helpers.cli import in_process
 from helpers.paths import REPO_ROOT
+from helpers.tracking import seed_store
 
 from lrattn_lightning.data import shards
 from lrattn_lightning.data.shards import read_meta, validate_data_dir
@@ -131,8 +132,9 @@ def test_prepare_records_each_shard_files_sha256(prepared):
             assert record == {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
 
 
-def test_clean_data_trains_and_still_verifies_after_training(prepared, tmp_path):
+def test_clean_data_trains_and_still_verifies_after_training(prepared, tmp_path, store_template):
     scratch = scratch_copy(prepared, tmp_path)
+    seed_store(scratch, store_template)
     done = fit(scratch)
     assert done.returncode == 0, done.stderr[-3000:]
     shards._VERIFIED.clear()  # hash again: training must not have touched what prepare recorded

@@ -131,6 +131,7 @@ def test_wrong_bucket_credentials_or_prefix_is_one_line(s3_env, tmp_path, monkey
     assert not any((tmp_path / "cache" / "upload").glob("*/*"))
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_fit_from_s3_resumes_at_the_same_batch(s3_env, tmp_path, capsys):
     """A run on s3:// data stopped by SIGTERM (a real process) resumes, in this process, to the losses of an
     uninterrupted run: the data position came back with the checkpoint."""
@@ -207,6 +208,7 @@ def test_remote_shards_changed_since_prepare_are_named(s3_env, tmp_path, capsys)
     assert not Path(tmp_path / "runs").exists()
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_eval_reads_an_s3_folder_as_it_reads_a_local_one(s3_env, tmp_path, capsys):
     """`lrattn eval --data-dir s3://...` scores the local tasks (cloze, perplexity) and the exact validation loss
     from the uploaded folder: the same figures as from the same folder on disk."""

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.paths import REPO_ROOT
+from helpers.tracking import seed_store
 from lm_eval.api.instance import Instance
 from mlflow.tracking import MlflowClient
 
@@ -38,9 +39,10 @@ os.environ.update(OFFLINE)  # nothing here may download; set before `datasets` r
 
 
 @pytest.fixture(scope="session")
-def trained(tmp_path_factory) -> dict:
+def trained(tmp_path_factory, store_template) -> dict:
     """Prepare a small corpus and train `tiny` for 4 steps with the EvalCallback (cloze, 4 items)."""
     root = tmp_path_factory.mktemp("eval")
+    seed_store(root, store_template)
     data = root / "data"
     prepare(source="stdlib-docs", out_dir=data, tokenizer="byte", max_documents=120, val_fraction=0.1,
             cloze_items=20, perplexity_documents=10)
@@ -210,9 +212,9 @@ def test_fabric_validation_loss_is_exact_over_the_whole_split(single_process_eva
 
 
 @pytest.mark.slow
-def test_two_fabric_processes_give_the_same_metrics_as_one(single_process_eval, trained, tmp_path):
+def test_two_fabric_processes_give_the_same_metrics_as_one(single_process_eval, trained, tmp_path, store_template):
     """gloo, 2 CPU ranks through the CLI; a store without the training run gets a new run tagged with the checkpoint."""
-    uri = f"sqlite:///{tmp_path}/other.db"
+    uri = f"sqlite:///{seed_store(tmp_path, store_template, 'other.db')}"
     env = {**os.environ, **OFFLINE}
     env.pop("MLFLOW_TRACKING_URI", None)
     proc = subprocess.run([sys.executable, "-m", "lrattn_lightning.cli", "eval", "--checkpoint", str(trained["ckpt"]),
@@ -248,6 +250,7 @@ def eval_error(capsys, *args: str) -> str:
     return capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_two_evaluations_in_one_second_keep_both_results_files(tmp_path):
     """The results file's name is unique, not only to the second (a fast re-run used to overwrite the first)."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -364,6 +367,7 @@ def test_presets_expand():
     assert expand_tasks("local,lrattn_ppl,hellaswag") == (["lrattn_cloze", "lrattn_ppl", "hellaswag"], None)
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_evaluation_uses_the_trained_window_not_the_sizes(trained, tmp_path, capsys):
     """`--data.seq_len 16` on size `tiny` (seq_len 32): the checkpoint records the trained window, and the
     validation loss, lm-eval's truncation and chat all use it (they used 32: positions never trained on)."""

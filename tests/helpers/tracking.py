@@ -1,9 +1,11 @@
-"""MLflow for tests: a real `mlflow server` on a free loopback port, and an experiment in a new sqlite store."""
+"""MLflow for tests: a real `mlflow server` on a free loopback port, an experiment in a new sqlite store, and an
+empty store made once by MLflow and copied where a test's commands would otherwise create one."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -66,3 +68,24 @@ def sqlite_experiment(folder: Path, name: str):
     uri = f"sqlite:///{folder / 'mlflow.db'}"
     client = MlflowClient(uri)
     return uri, client, client.create_experiment(name, artifact_location=(folder / "artifacts").as_uri())
+
+
+def empty_store(folder: Path) -> Path:
+    """folder/mlflow.db, a new sqlite store as MLflow creates it (its tables, the Default experiment) and nothing
+    else: the template seed_store copies. Made from `folder` (the Default experiment's artifacts would lie in
+    folder/mlruns), never the checkout."""
+    from mlflow.tracking import MlflowClient
+
+    db = folder / "mlflow.db"
+    with contextlib.chdir(folder):
+        MlflowClient(f"sqlite:///{db}").search_experiments()
+    return db
+
+
+def seed_store(folder: Path, template: Path, name: str = "mlflow.db") -> Path:
+    """A copy of the empty store `template` (empty_store's) as folder/NAME, by default the default store of a
+    command run from `folder`: the command finds an existing store, as a user's second run does, instead of spending
+    1-3 s on MLflow creating its tables (alembic migrations). Only for tests whose point is not the store's creation."""
+    db = folder / name
+    shutil.copyfile(template, db)
+    return db

@@ -6,7 +6,7 @@ whose runs were left out is named although its row is gone. A real sqlite MLflow
 from __future__ import annotations
 
 import pytest
-from helpers.tracking import sqlite_experiment
+from helpers.tracking import seed_store, sqlite_experiment
 
 from lrattn_lightning.cli import main
 from lrattn_lightning.tools.compare.left_out import MAX_NAMED, LeftOut, terminal_line
@@ -29,8 +29,9 @@ def _run(client, exp, name, abl, seed, loss=None, status="FINISHED", tags=None):
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def report(tmp_path_factory, store_template):
     root = tmp_path_factory.mktemp("left-out")
+    seed_store(root, store_template)
     uri, client, exp = sqlite_experiment(root, "sweep")
     for seed in range(3):
         _run(client, exp, f"baseline-s{seed}", "baseline", seed, 3.0 + 0.01 * seed)
@@ -82,6 +83,7 @@ def test_the_terminal_line_stays_one_line_past_ten_runs():
     assert terminal_line([]) is None
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_a_failed_attempt_that_a_later_run_retried_is_named_as_replaced_and_loses_no_seed(tmp_path, capsys):
     """A sweep re-run after a failure: the FAILED attempt is named as replaced by the finished run of its size,
     ablation and seed (not a bare "FAILED"), and the row keeps every seed (nothing was lost)."""

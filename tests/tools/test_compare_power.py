@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.tracking import seed_store
 from mlflow.tracking import MlflowClient
 from scipy import stats
 
@@ -153,8 +154,9 @@ def _study(client, root, name, means, evals=False):
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
+def store(tmp_path_factory, store_template):
     root = tmp_path_factory.mktemp("power")
+    seed_store(root, store_template)
     uri = f"sqlite:///{root / 'mlflow.db'}"
     client = MlflowClient(uri)
     _study(client, root, "clear", CLEAR, evals=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers.tracking import sqlite_experiment
+from helpers.tracking import seed_store, sqlite_experiment
 
 from lrattn_lightning.cli import main
 from lrattn_lightning.tools.compare.table import read_runs, summarise
@@ -45,8 +45,9 @@ def _run(client, exp, name, seed, loss, parts, betas):
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
+def store(tmp_path_factory, store_template):
     root = tmp_path_factory.mktemp("rule")
+    seed_store(root, store_template)
     uri, client, exp = sqlite_experiment(root, "rule")
     assert fp.fingerprint(RULE_1_PARTS) == RULE_1_FINGERPRINT  # an old run's tag still reads as it was written
     _run(client, exp, "old-seed0", 0, 3.0, RULE_1_PARTS, (0.9, 0.95))

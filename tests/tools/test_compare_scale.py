@@ -9,7 +9,7 @@ import collections
 
 import pytest
 import sqlalchemy
-from helpers.tracking import sqlite_experiment
+from helpers.tracking import seed_store, sqlite_experiment
 from mlflow.entities import Metric, Param
 from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
 from mlflow.tracking import MlflowClient
@@ -22,8 +22,9 @@ STORE_CALLS = ("get_run", "get_metric_history", "get_metric_history_bulk", "sear
 
 
 @pytest.fixture(scope="module")
-def study(tmp_path_factory):
+def study(tmp_path_factory, store_template):
     root = tmp_path_factory.mktemp("compare-scale")
+    seed_store(root, store_template)
     uri, client, exp = sqlite_experiment(root, "lab")
     for size in SIZES:
         for i, entry in enumerate(ENTRIES):
@@ -112,6 +113,7 @@ def test_requests_per_run_are_bounded(report):
     assert "routing_heatmaps.png" in {f.name for f in files}
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_the_sqlite_search_is_mlflows_search(tmp_path):
     """sqlite_search (four plain queries and MLflow's in-memory filter) returns what MlflowClient.search_runs does,
     in its order, for the filters compare asks and others: run info, tags (the description left out) in order,
@@ -211,6 +213,7 @@ def test_a_long_curve_is_thinned_to_its_first_last_and_each_buckets_extremes():
     assert np.array_equal(short_steps, steps[:100]) and np.array_equal(short, values[:100])
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_histories_keep_a_resumed_runs_later_value_of_a_step_and_the_median_of_every_speed(tmp_path):
     """Points of one (run, key, step) logged twice (a resumed run): the later timestamp wins; tokens/s is the
     median of every point logged, duplicates included; a run with no history has none."""

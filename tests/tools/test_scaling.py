@@ -14,6 +14,7 @@ import math
 import numpy as np
 import pytest
 import yaml
+from helpers.tracking import seed_store
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
@@ -257,13 +258,13 @@ def expected_compute(params: dict, steps: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def ladder_store(tmp_path_factory):
+def ladder_store(tmp_path_factory, store_template):
     """Finished runs as `lrattn fit` logs them (its params, tags, val/loss at the last step) over four ladder sizes x
     baseline and block S-LR x three seeds; losses from the law with S-LR worth K_TRUE times the compute."""
     from lrattn_lightning.train.callbacks import flat_run_params
 
     folder = tmp_path_factory.mktemp("store")
-    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    uri = f"sqlite:///{seed_store(folder, store_template)}"
     client, reg, rng = MlflowClient(uri), load_registry(), np.random.default_rng(11)
     exp = client.create_experiment("ladder", artifact_location=(folder / "artifacts").as_uri())
     computes = {}

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers.paths import PRECIOUS
+from helpers.tracking import seed_store
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.core.files import PACKAGE_ROOT, LinkError
@@ -61,9 +62,9 @@ ARTIFACTS = [Artifact.CONFIG, Artifact.ROUTING_HEATMAP, Artifact.ROUTING_WEIGHTS
 
 
 @pytest.fixture(scope="module")
-def store_uri(tmp_path_factory) -> str:
-    """A local store as fit opens it (one for the module: MLflow builds a new one in seconds)."""
-    uri = f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
+def store_uri(tmp_path_factory, store_template) -> str:
+    """A local store as fit opens it (one for the module, copied from the empty one MLflow built once)."""
+    uri = f"sqlite:///{seed_store(tmp_path_factory.mktemp('store'), store_template)}"
     open_store(uri, "exp")
     return uri
 

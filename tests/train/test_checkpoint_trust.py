@@ -17,6 +17,7 @@ import torch
 from helpers.cli import in_process
 from helpers.paths import GOLDEN_DIR
 from helpers.runs import REGISTRY, fit_args
+from helpers.tracking import seed_store
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
@@ -25,9 +26,10 @@ EVIL = "evil_router_for_lrattn_tests"
 
 
 @pytest.fixture(scope="module")
-def trained(data, tmp_path_factory) -> Path:
+def trained(data, tmp_path_factory, store_template) -> Path:
     """A real checkpoint of a 2-step fit (in this process)."""
     folder = tmp_path_factory.mktemp("trained")
+    seed_store(folder, store_template)
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(folder)
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -105,6 +107,7 @@ def test_no_command_imports_a_router_class_a_checkpoint_names(trained, evil, tmp
     assert "'Evil' in module 'evil_router_for_lrattn_tests' is a type, not an nn.Module class" in done.stderr
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_eval_writes_to_the_users_store_not_the_checkpoints(trained, tmp_path, monkeypatch, capsys):
     """A checkpoint naming a tracking server: eval logs to the store of the command line / environment / default,
     says so in one line before connecting anywhere, and never tries the named server."""
@@ -126,6 +129,7 @@ def test_eval_writes_to_the_users_store_not_the_checkpoints(trained, tmp_path, m
     assert VIEW_TAG in client.get_experiment(run.info.experiment_id).tags
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_eval_does_not_write_into_another_run_a_checkpoint_names(trained, tmp_path, monkeypatch, capsys):
     """The recorded run id is used only when that run trained this checkpoint's size and ablation."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"

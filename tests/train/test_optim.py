@@ -361,6 +361,7 @@ SCHEDULE = ["--model.warmup_steps", "4", "--model.decay_fraction", "0.25",  # LR
             "--trainer.val_check_interval", "10", "--checkpoint_every", "12"]  # val 10, 20, final 24
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_resume_after_sigkill_in_decay_matches_uninterrupted_run(tiny_data, tmp_path):  # noqa: F811
     """24 steps: LR warmup (0-3), stable, decay (18-23); momentum warmup (0-13), peak, cooldown (21-23).
     The killed run checkpoints at step 12 and dies at step 19 (inside the decay); resumed from last.ckpt,

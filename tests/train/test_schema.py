@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 from helpers.paths import REGISTRY_PATH
 from helpers.prepare import prepared_corpus
+from helpers.tracking import seed_store
 from mlflow.entities import RunData
 from mlflow.tracking import MlflowClient
 
@@ -31,10 +32,11 @@ SWEPT = SweepRun("tiny", "gated-residual", 0, "hold2")  # the fit, as a sweep na
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory) -> str:
+def store(tmp_path_factory, store_template) -> str:
     """The tracking URI of a store every writer of the platform has written to (see module doc)."""
     data = prepared_corpus(tmp_path_factory, 40, cloze_items=10, perplexity_documents=4)
     folder = tmp_path_factory.mktemp("schema-store")
+    seed_store(folder, store_template)
     uri = f"sqlite:///{folder}/mlflow.db"
     common = ["--size", "tiny", "--ablation", "gated-residual", "--registry", str(REGISTRY_PATH),
               "--data.data_dir", str(data), "--data.batch_size", "2", "--trainer.limit_val_batches", "1",
@@ -120,6 +122,7 @@ def test_every_key_the_platform_wrote_is_declared(store):
                                        schema.ExperimentTag.RUNS_VIEW}
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_a_key_the_schema_lacks_is_reported(tmp_path):
     """The store check on a store holding one undeclared key of each kind, beside declared ones."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"

@@ -23,6 +23,7 @@ from lrattn_lightning.model.registry import load_registry
 from lrattn_lightning.train.muon import resolve_muon_dtype
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_fit_logs_everything_to_sqlite_mlflow(tiny_data, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -70,6 +71,7 @@ def test_fit_logs_everything_to_sqlite_mlflow(tiny_data, tmp_path, monkeypatch):
     assert ckpt["tokenizer"]["kind"] == "byte"
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_a_trainer_built_in_python_records_what_lrattn_fit_records(tiny_data, tmp_path):
     """The module installs the MLflow and checkpoint callbacks itself (configure_callbacks)."""
     import lightning as L
@@ -103,6 +105,7 @@ def test_provenance_is_not_a_command_line_argument(tiny_data, tmp_path, monkeypa
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_validate_and_test_a_checkpoint_log_into_its_training_run(tiny_data, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(slr_fit_args(tiny_data, steps=2)) == 0
@@ -126,6 +129,7 @@ def test_validate_and_test_a_checkpoint_log_into_its_training_run(tiny_data, tmp
     assert weights["step"] == 2
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_a_fit_always_validates_its_final_weights(tiny_data, tmp_path, monkeypatch):
     """max_steps 3 with validation every 2 steps: the fit still ends with val/loss and a heatmap at step 3."""
     monkeypatch.chdir(tmp_path)
@@ -138,6 +142,7 @@ def test_a_fit_always_validates_its_final_weights(tiny_data, tmp_path, monkeypat
     assert len(list((tmp_path / "runs").rglob("*.ckpt"))) == 1  # one final checkpoint
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_checkpoint_under_other_ablation_is_an_error(tiny_data, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(slr_fit_args(tiny_data, steps=2)) == 0
@@ -147,6 +152,7 @@ def test_checkpoint_under_other_ablation_is_an_error(tiny_data, tmp_path, monkey
     assert "different architecture" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_resume_after_sigkill_continues_the_same_loss_sequence(tiny_data, tmp_path):
     """An uninterrupted run and a run SIGKILLed at step 5 then resumed from last.ckpt log the same losses."""
     steps = 8
@@ -170,6 +176,7 @@ def test_resume_after_sigkill_continues_the_same_loss_sequence(tiny_data, tmp_pa
         assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), (step, a, b)
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tiny_data, tmp_path):
     (tmp_path / "poison.yaml").write_text(
         "trainer:\n  callbacks:\n    - class_path: run_hooks.PoisonAtStep\n      init_args: {step: 3}\n")
@@ -182,6 +189,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tiny_data, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("mlflow_store")
 def test_ddp_two_processes_gloo_match_one_process(tmp_path):
     """2 ranks x batch 2 vs 1 rank x batch 4 on a train split of exactly 4 windows: every step's global
     batch is the whole split in both set-ups, so the rank-averaged losses must agree step by step."""

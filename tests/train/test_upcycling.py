@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.runs import slr_fit_args
+from helpers.tracking import seed_store
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
@@ -18,9 +19,10 @@ def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_data, tmp_path_factory):  # noqa: F811
+def baseline(tiny_data, tmp_path_factory, store_template):  # noqa: F811
     """A baseline fit of 2 steps, its folder and checkpoint."""
     root = tmp_path_factory.mktemp("upcycle")
+    seed_store(root, store_template)
     with pytest.MonkeyPatch.context() as mp:  # (module scope: monkeypatch itself is per test)
         mp.chdir(root)
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -84,6 +86,7 @@ def test_a_missing_source_is_one_line(tiny_data, tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("ablation", ["denseformer", "delta-attnres-null", "delta-attnres-block", "mhc-n4",
                                       "frac-connections-m2", "muddformer-ppn", "value-residual-learned", "laurel",
                                       "attnres-block-size4-rms", "mhar-h4"])
+@pytest.mark.usefixtures("mlflow_store")
 def test_the_compared_methods_train_and_upcycle_from_a_baseline(baseline, tiny_data, tmp_path, monkeypatch,  # noqa: F811
                                                                capsys, ablation):
     """Each compared method fits through the CLI from a baseline's weights; MLflow records its kind, options and

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers.tracking import seed_store
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.core.errors import InputError
@@ -227,13 +228,14 @@ def _env(*paths: Path) -> dict:
 
 
 def test_fit_validate_eval_generate_export_with_a_users_router(package, tiny_data, tmp_path, monkeypatch,  # noqa: F811
-                                                               capsys):  # noqa: F811
+                                                               capsys, store_template):  # noqa: F811
     """`lrattn fit` in a user's folder imports their router from PYTHONPATH; MLflow records its real parameter
     count and stated FLOPs, the checkpoint its import path; validate, eval, generate and export use it."""
     from lrattn_lightning.cli import main
 
     work = tmp_path / "work"
     work.mkdir()
+    seed_store(work, store_template)
     (work / "registry.yaml").write_text(yaml.safe_dump(registry_dict(mix=entry(router_options={"scale": 1.0}))))
     lrattn = [sys.executable, "-m", "lrattn_lightning.cli"]  # real processes: the router comes from PYTHONPATH
     fit = [*lrattn, "fit", "--config", "experiments/cpu-demo.yaml", "--registry", "registry.yaml", "--size", "tiny",
