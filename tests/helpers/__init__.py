@@ -13,5 +13,6 @@ models.py      models built for tests: the test sizes and the registry's entry n
 checks.py      checks every routing kind's tests make: what flows between a model's parts, causality and KV-cache
                decoding, a router's float64 gradcheck, bf16 autocast
 references.py  float64 references written out (RMSNorm, the fused loss's formula, Polar Express) and their bounds
-tracking.py    MLflow for tests: a real `mlflow server` on a free port, an experiment in a new sqlite store
+tracking.py    MLflow for tests: a real `mlflow server` on a free port, an experiment in a new sqlite store, and an
+               empty store made by MLflow once per process and copied where a test's commands would create one
 """
