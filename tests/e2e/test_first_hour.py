@@ -10,16 +10,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers.runs import fit_args, run_cli
+from helpers.tracking import seed_store
 from mlflow.tracking import MlflowClient
 
 COUNTERS = ("train/batches", "train/samples", "train/lengths", "train/time", "validate/batches", "validate/time")
 
 
 @pytest.fixture(scope="module")
-def fitted(data, tmp_path_factory):
+def fitted(data, tmp_path_factory, store_template):
     """One finished fit of `attnres-full` at `tiny` (6 steps, validations at 3 and 6; progress bar and model
     summary on, as a user sees them) and its MLflow run."""
-    folder = tmp_path_factory.mktemp("first-hour")
+    # (seeded: a new store's set-up lines are test_a_fits_terminal_holds_only_what_concerns_its_run's)
+    folder = seed_store(tmp_path_factory.mktemp("first-hour"), store_template).parent
     proc = run_cli(fit_args(data, "--ablation", "attnres-full", "--trainer.val_check_interval", "3",
                             "--trainer.enable_progress_bar", "true", "--trainer.enable_model_summary", "true",
                             steps=6, every=3), folder)
@@ -116,6 +118,7 @@ def test_compare_shows_the_seed_a_plain_fit_trained_with(fitted):
     assert "1 (0)" in proc.stdout and "(?)" not in proc.stdout, proc.stdout
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_counters_are_logged_when_asked(data, tmp_path):
     proc = run_cli(fit_args(data, "--log_counters", "true", steps=2), tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -147,6 +150,7 @@ def _runs(folder):
     return client, client.search_runs([client.get_experiment_by_name("lrattn").experiment_id])
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_a_resume_with_another_schedule_length_is_refused_unless_asked(data, tmp_path):
     """A longer --trainer.max_steps on resume restarted the warm-down; now it is an error, and with
     --model.allow_schedule_change the run equals one launched with the new length, while that holds."""
@@ -178,6 +182,7 @@ def test_a_resume_with_another_schedule_length_is_refused_unless_asked(data, tmp
     assert proc.returncode == 2 and "differs from a 8-step one from step" in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_a_finished_run_trains_on_with_its_schedule_kept(data, tmp_path):
     """A finished run's warm-down is done, so no resume follows a longer schedule: `--trainer.max_steps 8` (also with
     --model.allow_schedule_change) is one line that points to --model.schedule_steps 4 and to --init_from its
@@ -222,6 +227,7 @@ def test_a_finished_run_trains_on_with_its_schedule_kept(data, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_a_finished_run_without_momentum_cooldown_trains_on_and_stays_finished(data, tmp_path):
     """cpu-demo, cpu-study and scaling-cpu set muon_momentum_cooldown_steps 0 (constant momentum): extending such a
     finished run (`--ckpt_path last --trainer.max_steps 8 --model.schedule_steps 4`) divided by the zero cooldown
@@ -254,6 +260,7 @@ def test_validate_reads_the_split_its_checkpoint_trained_on_and_a_missing_folder
         "--tokenizer byte --out nowhere` (the bundled corpus; --source FILES for your own corpus)"), proc.stderr
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_a_resume_from_a_named_checkpoint_file_takes_the_command_lines_settings(data, tmp_path):
     """`--ckpt_path FILE` resumed with the file's hyper-parameters over the command line's --model.* (LightningCLI
     restores them; `last` is no file when it does), so a changed --model.lr was dropped unchecked and

@@ -44,6 +44,7 @@ def _pair(data: Path, tmp_path: Path, ablation: str, *extra: str, steps: int = 1
     return client, r1, r2
 
 
+@pytest.mark.usefixtures("mlflow_store")
 @pytest.mark.slow
 @pytest.mark.parametrize("ablation", ["baseline", "attnres-full"])  # P-LR block: the Muon runs below (AdamW beside)
 def test_fsdp_on_two_cpu_ranks_equals_one_process_with_adamw(four_windows, tmp_path, ablation):
@@ -57,6 +58,7 @@ def test_fsdp_on_two_cpu_ranks_equals_one_process_with_adamw(four_windows, tmp_p
     assert r2.data.params["train_strategy"] == "fsdp"
 
 
+@pytest.mark.usefixtures("mlflow_store")
 @pytest.mark.slow
 @pytest.mark.parametrize("variant, dtype, rel", [("reference", "bfloat16", 2e-3), ("torch", "float32", 1e-4)])
 def test_muon_under_fsdp_orthogonalises_whole_matrices_as_one_process_does(four_windows, tmp_path, variant, dtype,
@@ -78,6 +80,7 @@ def test_muon_under_fsdp_orthogonalises_whole_matrices_as_one_process_does(four_
     assert r2.data.params["train_optimizer"] == "muon_adamw"
 
 
+@pytest.mark.usefixtures("mlflow_store")
 @pytest.mark.slow
 def test_an_fsdp_run_stops_together_resumes_exactly_and_its_checkpoint_serves_every_command(data, tmp_path,
                                                                                              monkeypatch, capsys):

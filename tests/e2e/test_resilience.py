@@ -32,13 +32,14 @@ from helpers.runs import (
     the_run,
     tmpfs,
 )
-from helpers.tracking import mlflow_server
+from helpers.tracking import mlflow_server, seed_store
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
 
 
 # ---- item 4: SIGTERM ------------------------------------------------------------------------------
+@pytest.mark.usefixtures("mlflow_store")
 def test_sigterm_saves_the_current_step_exits_nonzero_and_resume_continues(data, tmp_path, monkeypatch, capsys):
     steps = 8
     stopped = run_process(fit_args(data, "--experiment", "stopped", "--config",
@@ -65,6 +66,7 @@ def test_sigterm_saves_the_current_step_exits_nonzero_and_resume_continues(data,
     assert_same_losses(metric_history(client, resumed.info.run_id), metric_history(client, full.info.run_id))
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_with_gradient_accumulation_the_logged_loss_is_the_global_batchs(data, tmp_path):
     """2 micro-batches of 2 windows per step against 1 batch of 4 (same order, no shuffle): the same global
     batches, so every step's loss, gradient norm and learning rate agree (it logged the last micro-batch)."""
@@ -83,6 +85,7 @@ def test_with_gradient_accumulation_the_logged_loss_is_the_global_batchs(data, t
             assert y == pytest.approx(x, rel=2e-4), (key, step, a, b)
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_sigterm_in_the_middle_of_an_accumulation_finishes_the_step_and_resumes_exactly(data, tmp_path, monkeypatch):
     """SIGTERM on the first of two micro-batches of step 3: the step completes (both micro-batches, one
     optimizer step), last.ckpt is step 4, and the resumed run equals the uninterrupted one at every step
@@ -111,15 +114,16 @@ DDP = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
 
 
 @pytest.fixture(scope="module")
-def ddp_uninterrupted(data, tmp_path_factory) -> list[tuple[int, float]]:
+def ddp_uninterrupted(data, tmp_path_factory, store_template) -> list[tuple[int, float]]:
     """The losses of the uninterrupted 2-rank run both stops are compared with (run once)."""
-    folder = tmp_path_factory.mktemp("ddp-full")
+    folder = seed_store(tmp_path_factory.mktemp("ddp-full"), store_template).parent
     full = run_process(fit_args(data, *DDP, "--experiment", "full", steps=6, every=4), folder, timeout=400)
     assert full.returncode == 0, full.stderr[-3000:]
     client, run = the_run(folder, "full")
     return metric_history(client, run.info.run_id)
 
 
+@pytest.mark.usefixtures("mlflow_store")
 @pytest.mark.slow
 @pytest.mark.parametrize("name, rank", [("SIGHUP", 1), ("SIGINT", None)])
 def test_ddp_ranks_stop_together_on_a_signal_to_one_or_all_of_them(data, tmp_path, name, rank, ddp_uninterrupted):
@@ -150,6 +154,7 @@ def test_ddp_ranks_stop_together_on_a_signal_to_one_or_all_of_them(data, tmp_pat
 
 
 # ---- items 2 and 6: one last.ckpt, always the newest; no step logged twice ------------------------
+@pytest.mark.usefixtures("mlflow_store")
 def test_last_ckpt_is_always_the_newest_and_resume_logs_each_step_once(data, tmp_path, monkeypatch):
     """The issue's repro, scaled down: a fit that ends before its first periodic save, resumed to a
     longer run and SIGKILLed after a periodic save, resumed again: it must restore the newest step."""
@@ -171,6 +176,7 @@ def test_last_ckpt_is_always_the_newest_and_resume_logs_each_step_once(data, tmp
 
 
 # ---- item 3: atomic checkpoint writes ---------------------------------------------------------------
+@pytest.mark.usefixtures("mlflow_store")
 def test_sigkill_during_a_checkpoint_write_keeps_the_previous_checkpoint(data, tmp_path, monkeypatch, capsys):
     with tmpfs(tmp_path / "tmpdir", "size=512m") as tmpdir:  # $TMPDIR on another filesystem than the run
         marker = tmp_path / "writing"
@@ -197,6 +203,7 @@ def test_sigkill_during_a_checkpoint_write_keeps_the_previous_checkpoint(data, t
     assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"] and step_of(folder / "last.ckpt") == 6
 
 
+@pytest.mark.usefixtures("mlflow_store")
 def test_full_disk_fails_with_one_line_and_keeps_the_previous_checkpoint(data, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
