@@ -11,8 +11,8 @@ rows and columns of its heatmap (train/diagnostics.py reads it; routing/weights.
                      and `axes(cfg)` the labels: `site_labels` (one per row; None: 1, 2, ...), `source_labels` (one
                      per column; None: 0, 1, ...), `site_axis`, `source_axis`, `value` (what a cell is) and
                      `embedding_column` (the embedding's column, for the `embedding` statistic of a softmax read)
-Every kind in model/routing/kinds.py KINDS has an entry (tests/train/test_routing_axes.py): a kind whose routers
-record weights says what they are here.
+Every kind in model/routing/kinds.py KINDS has an entry (tests/model/routing/test_kinds.py holds the table to it):
+a kind whose routers record weights says what they are here.
 """
 
 from __future__ import annotations
