@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers.cli import cli_env
+from helpers.cli import cli_env, in_process
 from helpers.paths import REPO_ROOT
 from helpers.prepare import prepared_corpus
 from helpers.runs import sweep_runs, write_sweep
@@ -101,8 +101,8 @@ def test_a_stop_signal_stops_every_running_fit_and_the_same_command_resumes_them
     stopped = {r.info.run_name: r for r in sweep_runs(uri)}
     assert sorted(stopped) == names and {r.info.status for r in stopped.values()} == {"KILLED"}
 
-    again = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = again.communicate(timeout=300)[0]
+    again = in_process(command[3:], tmp_path, PYTHONPATH=env["PYTHONPATH"])  # the same command (here: in process)
+    out = again.stdout + again.stderr
     assert again.returncode == 0, out
     assert out.count("(resuming from last.ckpt)") == 2 and "done: 2 ran, 0 failed" in out, out
     after = {r.info.run_name: r for r in sweep_runs(uri)}
