@@ -23,15 +23,18 @@ GIVEN = {"data", "runs", "mlflow.db", "mlartifacts", "hf", "report", "sweep.yaml
 HOME_CACHES = (Path(".cache/matplotlib"), Path(".config/matplotlib"))  # matplotlib's font list
 
 
-def snapshot(root: Path, skip: tuple[str, ...] = ()) -> dict[str, tuple[int, int]]:
-    """path -> (mtime_ns, size) of everything under root, except folders named in `skip`."""
+def snapshot(root: Path, skip: tuple[str, ...] = ()) -> dict[str, tuple]:
+    """path -> (mtime_ns, size) of every file under root, and a folder's entries, except folders named in `skip`.
+    A folder is compared by what it holds, not by its mtime: a skipped entry made meanwhile by another test's
+    process (a __pycache__ written where PYTHONDONTWRITEBYTECODE is unset) changes its parent's mtime, not a file."""
     out = {}
     for folder, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if d not in skip]
-        for name in dirs + files:
+        out[str(Path(folder).relative_to(root))] = tuple(sorted(dirs + files))
+        for name in files:
             path = Path(folder, name)
             st = path.lstat()
-            out[str(path.relative_to(root))] = (st.st_mtime_ns, st.st_size if path.is_file() else 0)
+            out[str(path.relative_to(root))] = (st.st_mtime_ns, st.st_size)
     return out
 
 
