@@ -39,6 +39,7 @@ reaches the fingerprint, a resume's comparison and the checks with no edit to an
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import subprocess
@@ -51,6 +52,7 @@ from lrattn_lightning.core.errors import InputError
 from lrattn_lightning.core.files import PACKAGE_ROOT
 from lrattn_lightning.core.names import closest_names
 from lrattn_lightning.model.config import ModelConfig
+from lrattn_lightning.model.options import fits
 from lrattn_lightning.model.routing.attnres import DEFAULT_IMPL
 from lrattn_lightning.train import controls
 from lrattn_lightning.train.muon import MuonDtype
@@ -81,14 +83,15 @@ class Typed:
 
 
 def type_check(annotation: Any) -> Check:
-    """The Check a Typed setting's annotation gives: one of a Literal's values (of their own type), or a bool."""
+    """The Check a Typed setting's annotation gives: one of a Literal's values (of their own type), or a bool; the
+    value checked as the kinds' options are (model/options.py fits)."""
     if typing.get_origin(annotation) is Literal:
-        values = typing.get_args(annotation)
-        return Check(lambda v: any(v == x and type(v) is type(x) for x in values),
-                     f"one of {', '.join(str(x) for x in values)}")
-    if annotation is bool:
-        return Check(lambda v: isinstance(v, bool), "true or false")
-    raise TypeError(f"a Typed setting must be a Literal or a bool, not {annotation!r}")
+        what = f"one of {', '.join(str(x) for x in typing.get_args(annotation))}"
+    elif annotation is bool:
+        what = "true or false"
+    else:
+        raise TypeError(f"a Typed setting must be a Literal or a bool, not {annotation!r}")
+    return Check(lambda v: fits(v, annotation), what)
 
 
 RECIPE_MARKS = ("optimizer", "derived")
@@ -107,19 +110,18 @@ def marked(reader: str, mark: str, groups: tuple[type, ...] | None = None) -> tu
                  if f.metadata[reader] == mark)
 
 
+@functools.cache
+def _group_checks(group: type) -> tuple[tuple[str, Check], ...]:
+    """(setting, its Check) for the fields of one group that have one; a Typed setting's from its annotation (made
+    once a group: every group built checks itself)."""
+    hints = typing.get_type_hints(group)
+    return tuple((f.name, type_check(hints[f.name]) if isinstance(f.metadata["check"], Typed) else f.metadata["check"])
+                 for f in dataclasses.fields(group) if isinstance(f.metadata["check"], Check | Typed))
+
+
 def checks(groups: tuple[type, ...] | None = None) -> list[tuple[str, Check]]:
-    """(setting, its Check) for every setting that has one, in field order (`groups`: SETTING_GROUPS unless given); a
-    Typed setting's from its annotation."""
-    out = []
-    for group in groups or SETTING_GROUPS:
-        hints = typing.get_type_hints(group)
-        for f in dataclasses.fields(group):
-            mark = f.metadata["check"]
-            if isinstance(mark, Typed):
-                out.append((f.name, type_check(hints[f.name])))
-            elif isinstance(mark, Check):
-                out.append((f.name, mark))
-    return out
+    """(setting, its Check) for every setting that has one, in field order (`groups`: SETTING_GROUPS unless given)."""
+    return [pair for group in groups or SETTING_GROUPS for pair in _group_checks(group)]
 
 
 def bad_setting(values: Any, groups: tuple[type, ...] | None = None) -> str | None:
