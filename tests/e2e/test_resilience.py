@@ -133,7 +133,8 @@ def test_ddp_ranks_stop_together_on_a_signal_to_one_or_all_of_them(data, tmp_pat
     rank), and the run ends KILLED (Lightning's handler broadcast from inside the signal handler and could hang the
     ranks). Rank 0 ends 6 s after rank 1 (SlowRankZeroOnStop): Lightning's watch over the ranks it launched (a 5-s
     poll) would see rank 1's exit first and SIGKILL rank 0 (exit -9). The checkpoint of the stop on one rank resumes
-    to the uninterrupted run's losses. (SIGTERM to one rank: the FSDP stop in test_fsdp.py; each signal in one process: test_signals.py.)"""
+    to the uninterrupted run's losses. (SIGTERM to one rank: the FSDP stop in test_fsdp.py; each signal in one
+    process: test_signals.py.)"""
     stopped = run_process(fit_args(data, *DDP, "--experiment", "stopped", "--config",
                                    hooks(tmp_path, "stop.yaml", ("SignalAt", {"step": 3, "signal": name, "rank": rank}),
                                          ("SlowRankZeroOnStop", {"seconds": 6})),

@@ -1,9 +1,10 @@
 """Signals at exact points of a real `lrattn fit` process (tests/run_hooks.py), and what its resume logs.
 
-SIGTERM, SIGINT (Ctrl-C) and SIGHUP (a closed terminal) all stop a fit the same way: the step or validation batch
-in progress finishes, last.ckpt is saved at that step, the MLflow run ends KILLED, and the exit code is 128 + the
-signal's number (DDP ranks stopped by a signal to one or all of them: test_resilience.py). A run stopped or killed at any point and resumed must hold every metric of an
-uninterrupted run, the validations included, with the same values: training on the CPU is deterministic.
+SIGTERM, SIGINT (Ctrl-C) and SIGHUP (a closed terminal) all stop a fit the same way: the step or validation batch in
+progress finishes, last.ckpt is saved at that step, the MLflow run ends KILLED, and the exit code is 128 + the
+signal's number (DDP ranks stopped by a signal to one or all of them: test_resilience.py). A run stopped or killed
+at any point and resumed must hold every metric of an uninterrupted run, the validations included, with the same
+values: training on the CPU is deterministic.
 """
 
 from __future__ import annotations

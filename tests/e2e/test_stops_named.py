@@ -1,10 +1,11 @@
 """Interruptions named as they happened, in every command that runs long: demo, fit, sweep, prepare, eval (issue 38).
 
 A real signal from outside to a real `lrattn` process, or to its whole process group where the command starts
-children (a sweep's fits, prepare's tokenizer workers, eval's ranks), as a terminal sends Ctrl-C to its
-foreground job (a fit's DDP ranks: test_resilience.py, SIGINT to every rank). SIGINT ends the command with exit 130 and one line saying SIGINT stopped it; SIGTERM with 143 and
-its own line; a stopped training run is KILLED in MLflow, with last.ckpt at the step it reached. The commands the
-stopped and the finished runs print (continue, score it) are run as printed, from the same folder.
+children (a sweep's fits, prepare's tokenizer workers, eval's ranks), as a terminal sends Ctrl-C to its foreground
+job (a fit's DDP ranks: test_resilience.py, SIGINT to every rank). SIGINT ends the command with exit 130 and one
+line saying SIGINT stopped it; SIGTERM with 143 and its own line; a stopped training run is KILLED in MLflow, with
+last.ckpt at the step it reached. The commands the stopped and the finished runs print (continue, score it) are run
+as printed, from the same folder.
 
 Each process is paused at an exact point (tests/run_hooks.py PauseAt, or a wrapper around eval's scoring) while
 the signal is sent, so nothing depends on timing.

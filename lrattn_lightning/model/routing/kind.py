@@ -17,10 +17,11 @@ built-in ones). A registry entry's `routing: NAME` names a kind; the model reads
 
 Every member is stated by every kind: the class is abstract and kinds.py refuses a kind that leaves one out, so a
 forgotten count is an error at import, never a 0. A kind with one implementation and none of AttnRes's keys or blocks
-states those five members (takes_impl, resolve_impl, extra_out, key_dim, block_ends) by deriving from UnkeyedKind. What one outer layer does with a kind lives in that layer, in a
-table keyed by the kind's name (docs/extending.md lists them): its training-time controls (train/controls.py), its
-diagnostics' axes (train/routing_axes.py), its traffic model (tools/bench/roofline.py), the paper's code's flags for
-it (tools/fidelity/interface.py), how an error names what it owns (kinds.py).
+states those five members (takes_impl, resolve_impl, extra_out, key_dim, block_ends) by deriving from UnkeyedKind.
+What one outer layer does with a kind lives in that layer, in a table keyed by the kind's name (docs/extending.md
+lists them): its training-time controls (train/controls.py), its diagnostics' axes (train/routing_axes.py), its
+traffic model (tools/bench/roofline.py), the paper's code's flags for it (tools/fidelity/interface.py), how an error
+names what it owns (kinds.py).
 """
 
 from __future__ import annotations
