@@ -146,6 +146,8 @@ def corpus(fmt: str, size: int, how: str, delta: int, unit: str, cut: int, fille
             pre = fill(boundary - before - cut, filler, how, fmt, ascii_json)
             post = fill(total - measure(pre, how, fmt, ascii_json) - unit_size, filler, how, fmt, ascii_json)
             text, targets = pre + unit + post, targets + 1
+            if not text.strip():  # a size below its framing holds no filler, and a blank document would be skipped
+                text += filler
         docs.append(text)
         start += len(line_of(text, fmt, ascii_json, last, newline)) if fmt.startswith("jsonl") else len(text.encode())
         if fmt == "txt with a separator" and not last:
@@ -344,6 +346,10 @@ def shrunk_examples() -> list[dict]:
                         "cut": k % 4, "filler": FILLERS[k % len(FILLERS)], "layout": list(LAYOUTS)[k % 3],
                         "anchor": ["doc", "stream"][k % 2], "ascii_json": k % 2 == 1, "bom": k % 5 == 0,
                         "newline": k % 3 != 0, "chunk": "64KB"})
+    # a size below a JSONL line's framing, its unit a newline: the document is the unit and a filler, never blank
+    out.append({"fmt": "jsonl", "threshold": "RATIO_PIECE", "delta": 0, "unit": "\n", "cut": 0, "filler": "a",
+                "layout": "first", "anchor": "doc", "ascii_json": False, "bom": False, "newline": False,
+                "chunk": "64KB"})
     return out
 
 
