@@ -12,11 +12,10 @@ from lightning.pytorch.callbacks import Callback
 class SweepProbe(Callback):
     """Writes FOLDER/PID.json when training starts (the process's OMP_NUM_THREADS, torch's intra-op threads, pid, the
     time). With `hold_step`, touches FOLDER/PID.ready before that step and waits (two minutes at most) for
-    FOLDER/release, or with `together` until that many fits have touched theirs (a barrier only fits running at
-    once pass), then writes FOLDER/PID.held: whether the wait ended so."""
+    FOLDER/release, then writes FOLDER/PID.held: whether the wait ended so."""
 
-    def __init__(self, folder: str, hold_step: int | None = None, together: int | None = None):
-        self.folder, self.hold_step, self.together = Path(folder), hold_step, together
+    def __init__(self, folder: str, hold_step: int | None = None):
+        self.folder, self.hold_step = Path(folder), hold_step
 
     def on_train_start(self, trainer, pl_module):
         record = {"pid": os.getpid(), "omp": os.environ.get("OMP_NUM_THREADS"), "threads": torch.get_num_threads(),
@@ -30,7 +29,6 @@ class SweepProbe(Callback):
         (self.folder / f"{os.getpid()}.ready").touch()
         deadline, met = time.time() + 120, False
         while not met and time.time() < deadline:
-            met = (self.folder / "release").exists() or (
-                self.together is not None and len(list(self.folder.glob("*.ready"))) >= self.together)
+            met = (self.folder / "release").exists()
             time.sleep(0.05)
         (self.folder / f"{os.getpid()}.held").write_text(json.dumps(met))
