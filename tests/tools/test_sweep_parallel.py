@@ -114,7 +114,7 @@ def test_emitted_commands_run_as_written_from_another_folder(data_dir, tmp_path,
     """The scaling study's recipe (docs/scaling-study.md): the command file emitted in the study's folder, run with
     the doc's own xargs line from another folder whose shell has no venv on PATH: `--run_tags`' JSON survives, the
     fit finds the recipe and writes its run and store where the sweep would have. One run: what is checked is the
-    line as written (fits at once into one store: test_a_stop_signal_stops_every_running_fit_and_the_same_command_resumes_them)."""
+    line as written (fits at once into one store: the stop test's resume above)."""
     work, elsewhere = tmp_path / "study", tmp_path / "elsewhere"
     work.mkdir()
     elsewhere.mkdir()
