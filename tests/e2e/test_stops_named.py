@@ -4,8 +4,9 @@ A real signal from outside to a real `lrattn` process, or to its whole process g
 children (a sweep's fits, prepare's tokenizer workers, eval's ranks), as a terminal sends Ctrl-C to its foreground
 job (a fit's DDP ranks: test_resilience.py, SIGINT to every rank). SIGINT ends the command with exit 130 and one
 line saying SIGINT stopped it; SIGTERM with 143 and its own line; a stopped training run is KILLED in MLflow, with
-last.ckpt at the step it reached. The commands the stopped and the finished runs print (continue, score it) are run
-as printed, from the same folder.
+last.ckpt at the step it reached. The commands a stopped demo run and the finished one print (continue, score it)
+are run as printed, from the same folder; the command a stopped sweep prints is the one that ran (that command
+rerun after a stop: test_sweep_parallel.py).
 
 Each process is paused at an exact point (tests/run_hooks.py PauseAt, or a wrapper around eval's scoring) while
 the signal is sent, so nothing depends on timing.
@@ -149,12 +150,12 @@ def test_demo_stopped_names_the_signal_and_its_printed_commands_continue_and_sco
 
 # ---- sweep --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, group", [("SIGINT", True), ("SIGTERM", False)])  # each signal, each way it comes
-def test_a_stopped_sweep_names_the_signal_and_its_printed_command_continues_it(data, tmp_path, name, group):
+def test_a_stopped_sweep_names_the_signal_and_the_command_that_continues_it(data, tmp_path, name, group):
     """Ctrl-C to a sweep went on to its fit as SIGTERM and was reported as 'stopped by SIGTERM', exit 143. Now the
     fit gets the signal that came (to the sweep, or to the whole group, as a terminal sends it), the run is KILLED at
     the step it reached, no further run starts, the exit is 128 + N and the last line names the signal and the
-    command that continues the sweep (the same command whatever the signal: run once, for Ctrl-C to the group),
-    which finishes it."""
+    command that continues the sweep: the same command, whatever the signal. (That the same command after a SIGINT
+    resumes the stopped runs and finishes the sweep: test_sweep_parallel.py's stop test, which runs it.)"""
     config, marker, go = pause(tmp_path, 2)
     recipe = {"trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 4, "val_check_interval": 2,
                           "limit_val_batches": 2, "num_sanity_val_steps": 0, "log_every_n_steps": 1,
@@ -182,16 +183,7 @@ def test_a_stopped_sweep_names_the_signal_and_its_printed_command_continues_it(d
     assert step_of(tmp_path / "runs" / "stops" / "tiny-baseline-seed0" / "checkpoints" / "last.ckpt") == 3
     if group:  # the fit went with the group: no process of this folder is left
         assert gone(str(tmp_path))
-    again = printed_command(lines[-1])
-    assert again == ["sweep", "sweep.yaml", "--tracking_uri", uri], again
-    if (name, group) != ("SIGINT", True):  # the same command after any signal; continued once (a terminal's Ctrl-C)
-        return
-    done = run_cli(again, tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:]
-    finished = {r.info.run_name: r for r in runs(uri, "stops")}
-    assert sorted(finished) == ["tiny-baseline-seed0", "tiny-baseline-seed1"]
-    assert finished["tiny-baseline-seed0"].info.run_id == run.info.run_id
-    assert all(r.info.status == "FINISHED" for r in finished.values())
+    assert printed_command(lines[-1]) == ["sweep", "sweep.yaml", "--tracking_uri", uri]  # the command that ran
 
 
 # ---- prepare (verified: the data package is someone else's) ---------------------------------------------------
