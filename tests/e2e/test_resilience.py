@@ -40,16 +40,21 @@ from lrattn_lightning.cli import main
 
 # ---- item 4: SIGTERM ------------------------------------------------------------------------------
 @pytest.mark.usefixtures("mlflow_store")
-def test_sigterm_saves_the_current_step_exits_nonzero_and_resume_continues(data, tmp_path, monkeypatch, capsys):
-    steps = 8
-    stopped = run_process(fit_args(data, "--experiment", "stopped", "--config",
+def test_sigterm_mid_accumulation_saves_the_step_in_progress_exits_nonzero_and_resume_continues_exactly(
+        data, tmp_path, monkeypatch):
+    """SIGTERM on the first of two micro-batches of step 5: the step completes (both micro-batches, one optimizer
+    step; Lightning alone stopped after the first micro-batch and lost its gradients), last.ckpt is step 6, the state
+    it replaced stays as previous.ckpt (step 4: the fallback should step 6 diverge on resume), the fit exits 143 with
+    no traceback and its run ends KILLED. The resume continues that run to FINISHED and equals the uninterrupted run
+    at every step (loss and gradient norm)."""
+    steps, acc = 8, ["--trainer.accumulate_grad_batches", "2", "--trainer.val_check_interval", "6"]
+    stopped = run_process(fit_args(data, *acc, "--experiment", "stopped", "--config",
                                    hooks(tmp_path, "term.yaml", ("SigtermAtStep", {"step": 5})), steps=steps, every=4),
                           tmp_path)
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr
-    assert "lrattn: stopped by SIGTERM at step 6" in stopped.stderr  # the batch in progress completed
+    assert "lrattn: stopped by SIGTERM at step 6" in stopped.stderr  # the step in progress completed
     last = ckpt_dir(tmp_path, "stopped") / "last.ckpt"
-    # the state it replaced stays as previous.ckpt (the fallback should step 6 diverge on resume)
     assert step_of(last) == 6 and sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt", "previous.ckpt"]
     assert step_of(last.parent / "previous.ckpt") == 4
     client, run = the_run(tmp_path, "stopped")
@@ -57,13 +62,17 @@ def test_sigterm_saves_the_current_step_exits_nonzero_and_resume_continues(data,
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert main(fit_args(data, "--experiment", "stopped", "--ckpt_path", "last", steps=steps, every=4)) == 0
-    assert main(fit_args(data, "--experiment", "full", steps=steps, every=4)) == 0
+    assert main(fit_args(data, *acc, "--experiment", "stopped", "--ckpt_path", "last", steps=steps, every=4)) == 0
+    assert main(fit_args(data, *acc, "--experiment", "full", steps=steps, every=4)) == 0
     _, resumed = the_run(tmp_path, "stopped")
     _, full = the_run(tmp_path, "full")
     assert resumed.info.run_id == run.info.run_id and resumed.info.status == "FINISHED"
     assert step_of(last) == steps
-    assert_same_losses(metric_history(client, resumed.info.run_id), metric_history(client, full.info.run_id))
+    for key in ("train/loss", "train/grad_norm"):
+        a, b = metric_history(client, full.info.run_id, key), metric_history(client, resumed.info.run_id, key)
+        assert [s for s, _ in a] == [s for s, _ in b] == list(range(steps)), key  # every step once
+        for (step, x), (_, y) in zip(a, b, strict=True):
+            assert y == pytest.approx(x, rel=1e-5, abs=1e-6), (key, step, a, b)
 
 
 @pytest.mark.usefixtures("mlflow_store")
@@ -83,31 +92,6 @@ def test_with_gradient_accumulation_the_logged_loss_is_the_global_batchs(data, t
         assert [s for s, _ in a] == [s for s, _ in b] == list(range(5)), key
         for (step, x), (_, y) in zip(a, b, strict=True):
             assert y == pytest.approx(x, rel=2e-4), (key, step, a, b)
-
-
-@pytest.mark.usefixtures("mlflow_store")
-def test_sigterm_in_the_middle_of_an_accumulation_finishes_the_step_and_resumes_exactly(data, tmp_path, monkeypatch):
-    """SIGTERM on the first of two micro-batches of step 3: the step completes (both micro-batches, one
-    optimizer step), last.ckpt is step 4, and the resumed run equals the uninterrupted one at every step
-    (Lightning alone stopped after the first micro-batch and lost its gradients)."""
-    steps, acc = 7, ["--trainer.accumulate_grad_batches", "2", "--trainer.val_check_interval", "6"]
-    stopped = run_process(fit_args(data, *acc, "--experiment", "stopped", "--config",
-                                   hooks(tmp_path, "term.yaml", ("SigtermAtStep", {"step": 3})), steps=steps, every=4),
-                          tmp_path)
-    assert stopped.returncode == 143, stopped.stderr[-3000:]
-    assert "lrattn: stopped by SIGTERM at step 4" in stopped.stderr
-    assert step_of(ckpt_dir(tmp_path, "stopped") / "last.ckpt") == 4
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert main(fit_args(data, *acc, "--experiment", "stopped", "--ckpt_path", "last", steps=steps, every=4)) == 0
-    assert main(fit_args(data, *acc, "--experiment", "full", steps=steps, every=4)) == 0
-    client, resumed = the_run(tmp_path, "stopped")
-    _, full = the_run(tmp_path, "full")
-    for key in ("train/loss", "train/grad_norm"):
-        a, b = metric_history(client, full.info.run_id, key), metric_history(client, resumed.info.run_id, key)
-        assert [s for s, _ in a] == [s for s, _ in b] == list(range(steps)), key
-        for (step, x), (_, y) in zip(a, b, strict=True):
-            assert y == pytest.approx(x, rel=1e-5, abs=1e-6), (key, step, a, b)
 
 
 DDP = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
