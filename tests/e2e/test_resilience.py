@@ -210,10 +210,12 @@ def test_full_disk_fails_with_one_line_and_keeps_the_previous_checkpoint(data, t
 # ---- item 5: a dead MLflow server -----------------------------------------------------------------
 @pytest.mark.slow
 def test_mlflow_server_killed_mid_run_ends_in_bounded_time_with_one_warning(data, tmp_path):
+    """The server (a real process) is killed before step 3 of a fit (in this process: the server's death is the
+    point): the fit ends in bounded time, exit 0, with one warning for the failure and one for the run's state."""
     with mlflow_server(tmp_path) as (server, uri):
         config = hooks(tmp_path, "killserver.yaml", ("KillProcessGroupAtStep", {"step": 3, "pgid": server.pid}))
         start = time.time()
-        proc = run_process(fit_args(data, "--tracking_uri", uri, "--config", config, steps=6), tmp_path)
+        proc = run_cli(fit_args(data, "--tracking_uri", uri, "--config", config, steps=6), tmp_path)
         took = time.time() - start
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert took < 90, took
