@@ -1,4 +1,5 @@
-"""A callback the sweep tests (test_sweep_parallel.py) put in a sweep's recipe: what each fit process saw."""
+"""Callbacks the sweep tests put in a sweep's recipe: what each fit process saw (test_sweep_parallel.py), a run
+another process finishes meanwhile (test_sweep.py)."""
 
 import json
 import os
@@ -32,3 +33,17 @@ class SweepProbe(Callback):
             met = (self.folder / "release").exists()
             time.sleep(0.05)
         (self.folder / f"{os.getpid()}.held").write_text(json.dumps(met))
+
+
+class FinishRun(Callback):
+    """Sets the MLflow run `run_id` in the store at `uri` FINISHED as the fit starts (also a fit resumed from a
+    last.ckpt at its last step, which trains no step): as another process finishing that run while this fit's
+    sweep runs (test_sweep.py)."""
+
+    def __init__(self, uri: str, run_id: str):
+        self.uri, self.run_id = uri, run_id
+
+    def on_fit_start(self, trainer, pl_module):
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(self.uri).set_terminated(self.run_id, "FINISHED")

@@ -15,10 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
+from helpers.cli import cli_env
 from helpers.paths import REPO_ROOT
 from helpers.prepare import prepared_corpus
 from helpers.runs import SWEEP_ABLATIONS as ABLATIONS
-from helpers.runs import sweep_runs, write_sweep
+from helpers.runs import run_cli, sweep_runs, write_sweep
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
@@ -29,6 +31,7 @@ from lrattn_lightning.tools.sweep.file import load_sweep
 REPO = REPO_ROOT
 REGISTRY = str(REPO / "registry.yaml")
 PNG = b"\x89PNG\r\n\x1a\n"
+HOOKS = Path(__file__).resolve().parent  # sweep_hooks.py: a callback a fit of the sweep imports
 
 
 @pytest.fixture(scope="module")
@@ -264,19 +267,21 @@ def test_a_run_held_by_a_live_process_is_skipped(finished_sweep, tmp_path, monke
 
 
 def test_a_run_finished_meanwhile_is_skipped(finished_sweep, tmp_path):
-    """MLflow is asked again right before each run: one another process finished after the plan is skipped."""
+    """MLflow is asked again right before each run: one another process finished after the plan is skipped. The
+    other process is the first run's fit, which finishes the second run as it starts training
+    (sweep_hooks.FinishRun in the recipe); the sweep runs in this process, its fits are processes."""
     folder = tmp_path / "copy"
     uri, runs = _copy_with_failed(finished_sweep, folder, "tiny-baseline-seed0", "tiny-baseline-seed1")
-    sweep = subprocess.Popen([sys.executable, "-m", "lrattn_lightning.cli", "sweep", "sweep.yaml", "--tracking_uri",
-                              uri], cwd=folder, stdout=subprocess.PIPE, text=True)
-    lines = []
-    for line in sweep.stdout:
-        lines.append(line)
-        if "(1/2) tiny-baseline-seed0" in line:  # the first run has started: the second finishes elsewhere
-            MlflowClient(uri).set_terminated(runs["tiny-baseline-seed1"].info.run_id, "FINISHED")
-    out = "".join(lines)
-    assert sweep.wait() == 0, out
-    assert "2 to run" in out and "(2/2) tiny-baseline-seed1: skipped, finished meanwhile by another process" in out
+    recipe = yaml.safe_load((folder / "recipe.yaml").read_text())
+    recipe["trainer"]["callbacks"] = [{"class_path": "sweep_hooks.FinishRun", "init_args": {
+        "uri": uri, "run_id": runs["tiny-baseline-seed1"].info.run_id}}]
+    (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    done = run_cli(["sweep", "sweep.yaml", "--tracking_uri", uri], folder,
+                   PYTHONPATH=os.pathsep.join([str(HOOKS), cli_env()["PYTHONPATH"]]))
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert "2 to run" in out and "(1/2) tiny-baseline-seed0" in out, out
+    assert "(2/2) tiny-baseline-seed1: skipped, finished meanwhile by another process" in out, out
     assert "done: 1 ran, 0 failed, 3 skipped as finished" in out
 
 
