@@ -2,9 +2,9 @@
 
 SIGTERM, SIGINT (Ctrl-C) and SIGHUP (a closed terminal) all stop a fit the same way: the step or validation batch in
 progress finishes, last.ckpt is saved at that step, the MLflow run ends KILLED, and the exit code is 128 + the
-signal's number (DDP ranks stopped by a signal to one or all of them: test_resilience.py). A run stopped or killed
-at any point and resumed must hold every metric of an uninterrupted run, the validations included, with the same
-values: training on the CPU is deterministic.
+signal's number (DDP ranks stopped by a signal to one or all of them: test_resilience.py); a SIGHUP ignored at
+launch (nohup) stays ignored. A run stopped or killed at any point and resumed must hold every metric of an
+uninterrupted run, the validations included, with the same values: training on the CPU is deterministic.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from helpers.runs import (
     hooks,
     lrattn,
     run_cli,
-    run_process,
     step_of,
     stop_line,
     the_run,
@@ -59,64 +58,51 @@ def uninterrupted(data, tmp_path_factory, store_template) -> dict[str, list[tupl
     return full
 
 
-def test_validations_stopped_or_killed_midway_are_run_again_whole_on_resume(data, tmp_path, uninterrupted):
-    """One run stopped four times, each resumed from last.ckpt: SIGTERM in the first batch of the step-2
-    validation (no periodic save at 2), SIGKILL in the step-4 validation (right after the periodic save at 4),
-    SIGTERM in the last batch of the step-6 validation, SIGTERM during step 7 (the stop at 8 comes before the
-    step-8 validation). Lightning alone skipped each of these validations on resume."""
-    folder = ckpt_dir(tmp_path, "run", RUN)
-    stops = [  # (the signal and where, the exit code, the step last.ckpt holds)
-        ({"step": 2, "signal": "SIGTERM", "during": "validation", "batch": 0}, 143, 2),
-        ({"step": 4, "signal": "SIGKILL", "during": "validation", "batch": 0}, -signal.SIGKILL, 4),
-        ({"step": 6, "signal": "SIGTERM", "during": "validation", "batch": 1}, 143, 6),
-        ({"step": 7, "signal": "SIGTERM"}, 143, 8),
+def test_each_signal_stops_with_its_exit_code_and_validations_stopped_midway_run_again_whole_on_resume(
+        data, tmp_path, uninterrupted):
+    """One run stopped four times, each resumed from last.ckpt by a real process: SIGHUP in the first batch of the
+    step-2 validation (no periodic save at 2), SIGKILL in the step-4 validation (right after the periodic save at 4),
+    SIGTERM in the last batch of the step-6 validation, and Ctrl-C (SIGINT) during step 7: the step finishes, then
+    the stop, before the step-8 validation. Each signal stops it the same way: last.ckpt at that step, the one MLflow
+    run KILLED, exit 128 + the signal's number (129, 143, 130). The last of them starts as `nohup lrattn fit ...`
+    does (SIGHUP ignored at launch) and gets a SIGHUP at step 6: it stays ignored, the run goes on to the SIGINT.
+    Lightning alone skipped each of these validations on resume; the last resume (in this process) ends the
+    run FINISHED with every metric of the uninterrupted one."""
+    folder, last = ckpt_dir(tmp_path, "run", RUN), ckpt_dir(tmp_path, "run", RUN) / "last.ckpt"
+    stops = [  # (the signal and where, the step last.ckpt holds)
+        ({"step": 2, "signal": "SIGHUP", "during": "validation", "batch": 0}, 2),
+        ({"step": 4, "signal": "SIGKILL", "during": "validation", "batch": 0}, 4),
+        ({"step": 6, "signal": "SIGTERM", "during": "validation", "batch": 1}, 6),
+        ({"step": 7, "signal": "SIGINT"}, 8),
     ]
-    for i, (where, code, step) in enumerate(stops):
+    run_id = None
+    for i, (where, step) in enumerate(stops):
         resume = ["--ckpt_path", "last"] if i else []
-        config = hooks(tmp_path, f"stop{i}.yaml", ("SignalAt", where))
-        stopped = run_process(args(data, *resume, "--config", config), tmp_path)
+        ignored_hup = i == len(stops) - 1
+        extra = [("SignalAt", {"step": 6, "signal": "SIGHUP"})] if ignored_hup else []
+        config = hooks(tmp_path, f"stop{i}.yaml", ("SignalAt", where), *extra)
+        stopped = subprocess.run(lrattn(*args(data, *resume, "--config", config)), cwd=tmp_path, env=cli_env(),
+                                 capture_output=True, text=True, timeout=300,
+                                 preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if ignored_hup
+                                 else None)
+        name = where["signal"]
+        code = -signal.SIGKILL if name == "SIGKILL" else 128 + signal.Signals[name]
         assert stopped.returncode == code, (where, stopped.stderr[-3000:])
-        if code == 143:
-            assert stop_line(stopped.stderr).startswith(f"lrattn: stopped by SIGTERM at step {step}; checkpoint ")
-        assert step_of(folder / "last.ckpt") == step and {p.name for p in folder.iterdir()} <= {"last.ckpt", "previous.ckpt"}
+        if name != "SIGKILL":
+            assert stop_line(stopped.stderr) == (f"lrattn: stopped by {name} at step {step}; checkpoint {last} "
+                                                 "holds it, continue with --ckpt_path last")
+        assert step_of(last) == step and {p.name for p in folder.iterdir()} <= {"last.ckpt", "previous.ckpt"}
+        _, run = the_run(tmp_path, "run")
+        assert run.info.run_id == (run_id or run.info.run_id)  # the one run, continued by every resume
+        if name != "SIGKILL":
+            assert run.info.status == "KILLED"
+        run_id = run.info.run_id
     done = run_cli(args(data, "--ckpt_path", "last"), tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert step_of(folder / "last.ckpt") == STEPS and [p.name for p in folder.iterdir()] == ["last.ckpt"]
+    assert step_of(last) == STEPS and [p.name for p in folder.iterdir()] == ["last.ckpt"]
     _, run = the_run(tmp_path, "run")
-    assert run.info.status == "FINISHED"
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
     assert_same_run(tmp_path, uninterrupted)
-
-
-@pytest.mark.parametrize("name, where, step", [
-    ("SIGINT", {"step": 3}, 4),  # Ctrl-C during step 3: it finishes, then the stop (before the step-4 validation)
-    ("SIGHUP", {"step": 6, "during": "validation", "batch": 0}, 6),
-])
-def test_sigint_and_sighup_stop_like_sigterm_with_their_exit_codes(data, tmp_path, uninterrupted, name, where, step):
-    stopped = run_process(args(data, "--config", hooks(tmp_path, "stop.yaml", ("SignalAt", {**where, "signal": name}))),
-                          tmp_path)
-    assert stopped.returncode == 128 + signal.Signals[name], stopped.stderr[-3000:]  # 130, 129
-    last = ckpt_dir(tmp_path, "run", RUN) / "last.ckpt"
-    assert stop_line(stopped.stderr) == (f"lrattn: stopped by {name} at step {step}; checkpoint {last} "
-                                         "holds it, continue with --ckpt_path last")
-    assert step_of(last) == step
-    _, run = the_run(tmp_path, "run")
-    assert run.info.status == "KILLED"
-    done = run_cli(args(data, "--ckpt_path", "last"), tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    _, resumed = the_run(tmp_path, "run")
-    assert resumed.info.run_id == run.info.run_id and resumed.info.status == "FINISHED"
-    assert_same_run(tmp_path, uninterrupted)
-
-
-def test_a_sighup_ignored_at_launch_stays_ignored(data, tmp_path):
-    """`nohup lrattn fit ...` asks to survive the terminal: the run goes on to the end."""
-    config = hooks(tmp_path, "hup.yaml", ("SignalAt", {"step": 1, "signal": "SIGHUP"}))
-    done = subprocess.run(lrattn(*args(data, "--config", config, steps=3)), cwd=tmp_path, env=cli_env(),
-                          capture_output=True, text=True, timeout=240,
-                          preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert step_of(ckpt_dir(tmp_path, "run", RUN) / "last.ckpt") == 3
-    assert the_run(tmp_path, "run")[1].info.status == "FINISHED"
 
 
 def test_closing_the_terminal_saves_and_stops_although_the_terminal_is_gone(data, tmp_path):
