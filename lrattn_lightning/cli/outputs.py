@@ -117,7 +117,7 @@ class RunOutputs:
         logger.log_epoch = bool(cfg.get("log_counters"))
         logger.open_run()
         if self.subcommand == "fit" and self.resume_run_id and lock.launched_as_rank_zero():
-            logger.skip_logged_steps()
+            logger.resume_run()
         return logger
 
 

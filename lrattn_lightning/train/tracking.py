@@ -130,11 +130,14 @@ class TrackingLogger(MLFlowLogger):
         except Exception as err:
             raise store_error(self._tracking_uri, err) from err
 
-    def skip_logged_steps(self) -> None:
-        """A resumed fit: remember the last step of every metric the run holds; log only later steps."""
+    def resume_run(self) -> None:
+        """A resumed fit: remember the last step of every metric the run holds; log only later steps. The run
+        trains again, so it is RUNNING again (a stop had ended it KILLED) until this fit ends it."""
         run = self.experiment.get_run(self.run_id)
         if run is not None:
             self._logged_up_to = {m.key: int(m.step) for m in run.data.to_proto().metrics}
+            if run.info.status != "RUNNING":
+                self.experiment.update_run(self.run_id, status="RUNNING")
 
     # ---- the guard ---------------------------------------------------------------------------
     def _guarded(self, name: str, fn: Any, args: tuple, kwargs: dict) -> Any:
