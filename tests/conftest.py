@@ -113,6 +113,19 @@ def store_template(tmp_path_factory) -> Path:
     return empty_store(tmp_path_factory.mktemp("empty-store"))
 
 
+@pytest.fixture(scope="session")
+def seeded_folder(tmp_path_factory, store_template: Path):
+    """seeded_folder(NAME): a new folder (tmp_path_factory.mktemp(NAME)) holding a copy of store_template as its
+    mlflow.db, for a module's fixture whose commands run from there (as `mlflow_store` is for one test)."""
+
+    def make(name: str) -> Path:
+        folder = tmp_path_factory.mktemp(name)
+        seed_store(folder, store_template)
+        return folder
+
+    return make
+
+
 @pytest.fixture
 def mlflow_store(tmp_path: Path, store_template: Path) -> Path:
     """tmp_path holding an empty MLflow store as its mlflow.db (a copy of store_template), so the commands a test

@@ -10,18 +10,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers.runs import fit_args, run_cli
-from helpers.tracking import seed_store
 from mlflow.tracking import MlflowClient
 
 COUNTERS = ("train/batches", "train/samples", "train/lengths", "train/time", "validate/batches", "validate/time")
 
 
 @pytest.fixture(scope="module")
-def fitted(data, tmp_path_factory, store_template):
+def fitted(data, seeded_folder):
     """One finished fit of `attnres-full` at `tiny` (6 steps, validations at 3 and 6; progress bar and model
     summary on, as a user sees them) and its MLflow run."""
     # (seeded: a new store's set-up lines are test_a_fits_terminal_holds_only_what_concerns_its_run's)
-    folder = seed_store(tmp_path_factory.mktemp("first-hour"), store_template).parent
+    folder = seeded_folder("first-hour")
     proc = run_cli(fit_args(data, "--ablation", "attnres-full", "--trainer.val_check_interval", "3",
                             "--trainer.enable_progress_bar", "true", "--trainer.enable_model_summary", "true",
                             steps=6, every=3), folder)

@@ -32,7 +32,7 @@ from helpers.runs import (
     the_run,
     tmpfs,
 )
-from helpers.tracking import mlflow_server, seed_store
+from helpers.tracking import mlflow_server
 from mlflow.tracking import MlflowClient
 
 from lrattn_lightning.cli import main
@@ -98,9 +98,9 @@ DDP = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
 
 
 @pytest.fixture(scope="module")
-def ddp_uninterrupted(data, tmp_path_factory, store_template) -> list[tuple[int, float]]:
+def ddp_uninterrupted(data, seeded_folder) -> list[tuple[int, float]]:
     """The losses of the uninterrupted 2-rank run both stops are compared with (run once)."""
-    folder = seed_store(tmp_path_factory.mktemp("ddp-full"), store_template).parent
+    folder = seeded_folder("ddp-full")
     full = run_process(fit_args(data, *DDP, "--experiment", "full", steps=6, every=4), folder, timeout=400)
     assert full.returncode == 0, full.stderr[-3000:]
     client, run = the_run(folder, "full")

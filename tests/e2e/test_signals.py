@@ -33,7 +33,6 @@ from helpers.runs import (
     the_run,
     tmpfs,
 )
-from helpers.tracking import seed_store
 
 # every test's fits log to tmp_path's store, seeded (conftest.py mlflow_store): their point is not a new store's set-up
 pytestmark = pytest.mark.usefixtures("mlflow_store")
@@ -48,8 +47,8 @@ def args(data: Path, *extra: str, steps: int = STEPS) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(data, tmp_path_factory, store_template) -> dict[str, list[tuple[int, float]]]:
-    folder = seed_store(tmp_path_factory.mktemp("uninterrupted"), store_template).parent
+def uninterrupted(data, seeded_folder) -> dict[str, list[tuple[int, float]]]:
+    folder = seeded_folder("uninterrupted")
     done = run_cli(args(data), folder)
     assert done.returncode == 0, done.stderr[-3000:]
     full = histories(folder)
