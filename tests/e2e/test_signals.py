@@ -60,15 +60,16 @@ def uninterrupted(data, seeded_folder) -> dict[str, list[tuple[int, float]]]:
 def test_each_signal_stops_with_its_exit_code_and_validations_stopped_midway_run_again_whole_on_resume(
         data, tmp_path, uninterrupted):
     """One run stopped four times, each resumed from last.ckpt by a real process: SIGHUP in the first batch of the
-    step-2 validation (no periodic save at 2), SIGKILL in the step-4 validation (right after the periodic save at 4),
-    SIGTERM in the last batch of the step-6 validation, and Ctrl-C (SIGINT) during step 7: the step finishes, then
-    the stop, before the step-8 validation. Each signal stops it the same way: last.ckpt at that step, the one MLflow
-    run KILLED, exit 128 + the signal's number (129, 143, 130); each resume makes the run RUNNING again, as the
-    SIGKILLed one leaves it. The last of them starts as `nohup lrattn fit ...` does (SIGHUP ignored at launch)
-    and gets a SIGHUP at step 6: it stays ignored, the run goes on to the SIGINT.
-    Lightning alone skipped each of these validations on resume; the last resume (in this process) ends the
-    run FINISHED with every metric of the uninterrupted one."""
-    folder, last = ckpt_dir(tmp_path, "run", RUN), ckpt_dir(tmp_path, "run", RUN) / "last.ckpt"
+    step-2 validation (no periodic save at 2), SIGKILL in the step-4 validation (right after the periodic save at
+    4), SIGTERM in the last batch of the step-6 validation, and Ctrl-C (SIGINT) during step 7: the step finishes,
+    then the stop, before the step-8 validation. Each signal stops it the same way: last.ckpt at that step, the one
+    MLflow run KILLED, exit 128 + the signal's number (129, 143, 130); each resume makes the run RUNNING again, as
+    the SIGKILLed one leaves it. The last of them starts as `nohup lrattn fit ...` does (SIGHUP ignored at launch)
+    and gets a SIGHUP at step 6: it stays ignored, the run goes on to the SIGINT. Lightning alone skipped each of
+    these validations on resume; the last resume (in this process) ends the run FINISHED with every metric of the
+    uninterrupted one."""
+    folder = ckpt_dir(tmp_path, "run", RUN)
+    last = folder / "last.ckpt"
     stops = [  # (the signal and where, the step last.ckpt holds)
         ({"step": 2, "signal": "SIGHUP", "during": "validation", "batch": 0}, 2),
         ({"step": 4, "signal": "SIGKILL", "during": "validation", "batch": 0}, 4),
