@@ -4,7 +4,7 @@ larger; what it leaves and what the next run does.
 Real processes and real signals: a prepare tokenising a 4 MB JSONL corpus with a BPE tokenizer in two worker
 processes, its parts made small (200 kB) so that a kill lands between parts. A SIGKILL or a SIGTERM leaves no
 folder that `fit` accepts and no worker process; the same command continues from the finished parts (one
-line) to shards byte-identical to an uninterrupted run. A second prepare of the same --out is one line while
+line), interrupted again in each way in turn, to shards byte-identical to an uninterrupted run. A second prepare of the same --out is one line while
 the first runs. Leftovers nobody holds are removed with one line; one a live process holds is left alone.
 """
 
@@ -57,50 +57,67 @@ def chunks(out: Path) -> dict[str, str]:
     return {f"{s}/{n}": r["sha256"] for s in ("train", "val") for n, r in meta["checksums"][s].items() if n != "index.json"}
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGTERM to its process group", "a worker SIGKILLed"])
-def test_an_interrupted_prepare_continues_to_the_same_shards(how, jsonl_corpus, uninterrupted, tmp_path):
-    """SIGKILL (nothing runs after it), SIGTERM (exit 143, one line), SIGTERM to the process group as SLURM sends
-    it (the workers die of it too: still exit 143 and the SIGTERM line), a worker killed under it (the OOM
-    killer's way: one line, exit 1; multiprocessing.Pool would have waited for the lost batch forever)."""
-    out = f"out-{how.split()[-1]}-{len(how)}"
+# the ways a prepare is interrupted, in the order one prepare meets them, and the part each waits for
+INTERRUPTIONS = [("SIGKILL", 2), ("SIGTERM", 5), ("SIGTERM to its process group", 8), ("a worker SIGKILLed", 11)]
+
+
+def test_an_interrupted_prepare_continues_to_the_same_shards(jsonl_corpus, uninterrupted, tmp_path):
+    """One prepare interrupted four times, each run of the same command continuing from the parts the last one
+    finished, then run to its end: SIGKILL (nothing runs after it), SIGTERM (exit 143, one line), SIGTERM to the
+    process group as SLURM sends it (the workers die of it too: still exit 143 and the SIGTERM line), a worker killed
+    under it (the OOM killer's way: one line, exit 1; multiprocessing.Pool would have waited for the lost batch
+    forever). After each: no worker left, nothing `fit` accepts. The end: shards byte-identical to an uninterrupted
+    run's."""
+    out = "out-interrupted-four-ways"  # unique: processes_naming finds its processes by it
     args = [*JSONL_ARGS, "--out", out]
     (tmp_path / "corpus.jsonl").symlink_to(jsonl_corpus / "corpus.jsonl")
     (tmp_path / "tok.json").symlink_to(jsonl_corpus / "tok.json")
-    proc = start(args, tmp_path, session=how.endswith("group"))
     staging = tmp_path / f".{out}.tmp-prepare"
-    wait_for_part(staging, 2, proc)
-    if how.endswith("group"):
-        os.killpg(proc.pid, signal.SIGTERM)
-    elif how == "a worker SIGKILLed":
-        workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        assert len(workers) == 2
-        os.kill(int(workers[0]), signal.SIGKILL)
-    else:
-        proc.send_signal(getattr(signal, how))
-    _, err = proc.communicate(timeout=60)
-    lines = [line for line in err.splitlines() if line.strip()]
-    if how.startswith("SIGTERM"):
-        assert proc.returncode == 143, err
-        assert lines[-1] == ("[lrattn prepare] stopped by SIGTERM: the finished parts are kept; run the same command "
-                             "to continue from them") and "Traceback" not in err, err
-    if how == "a worker SIGKILLed":
-        assert proc.returncode == 1 and "Traceback" not in err, err
-        assert lines[-1] == ("lrattn: error: a tokenizer process died (killed by the system: out of memory? see "
-                             "`dmesg`); the finished parts are kept: run the same command to continue from them")
-    deadline = time.monotonic() + 10
-    while processes_naming(out) and time.monotonic() < deadline:  # the workers go with their parent
-        time.sleep(0.1)
-    assert processes_naming(out) == []
-    # nothing `fit` accepts: no --out folder, and the staging folder has no meta.json
-    assert not (tmp_path / out).exists() and not (staging / "meta.json").exists()
-    with pytest.raises(ValueError, match="meta.json is missing"):
-        validate_data_dir(staging, load_registry().size("tiny"))
+    kept = 0  # parts the previous run finished, at least
+
+    def continued(err: str) -> None:
+        resumed = [line for line in err.splitlines() if "continuing" in line]
+        assert len(resumed) == 1 and f".{out}.tmp-prepare" in resumed[0], err
+        assert int(resumed[0].split(": ")[1].split(" part")[0]) >= kept  # parts 0..n at least were kept
+
+    for how, part in INTERRUPTIONS:
+        proc = start(args, tmp_path, session=how.endswith("group"))
+        wait_for_part(staging, part, proc)
+        if how.endswith("group"):
+            os.killpg(proc.pid, signal.SIGTERM)
+        elif how == "a worker SIGKILLed":
+            workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            assert len(workers) == 2
+            os.kill(int(workers[0]), signal.SIGKILL)
+        else:
+            proc.send_signal(getattr(signal, how))
+        _, err = proc.communicate(timeout=60)
+        if kept:
+            continued(err)
+        lines = [line for line in err.splitlines() if line.strip()]
+        if how == "SIGKILL":
+            assert proc.returncode == -signal.SIGKILL, err
+        if how.startswith("SIGTERM"):
+            assert proc.returncode == 143, (how, err)
+            assert lines[-1] == ("[lrattn prepare] stopped by SIGTERM: the finished parts are kept; run the same "
+                                 "command to continue from them") and "Traceback" not in err, (how, err)
+        if how == "a worker SIGKILLed":
+            assert proc.returncode == 1 and "Traceback" not in err, err
+            assert lines[-1] == ("lrattn: error: a tokenizer process died (killed by the system: out of memory? see "
+                                 "`dmesg`); the finished parts are kept: run the same command to continue from them")
+        deadline = time.monotonic() + 10
+        while processes_naming(out) and time.monotonic() < deadline:  # the workers go with their parent
+            time.sleep(0.1)
+        assert processes_naming(out) == [], how
+        # nothing `fit` accepts: no --out folder, and the staging folder has no meta.json
+        assert not (tmp_path / out).exists() and not (staging / "meta.json").exists(), how
+        with pytest.raises(ValueError, match="meta.json is missing"):
+            validate_data_dir(staging, load_registry().size("tiny"))
+        kept = part + 1
     again = subprocess.run(prepare_in_parts(*args), cwd=tmp_path, env=prepare_env(),
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
-    resumed = [line for line in again.stderr.splitlines() if "continuing" in line]
-    assert len(resumed) == 1 and f".{out}.tmp-prepare" in resumed[0], again.stderr
-    assert int(resumed[0].split(": ")[1].split(" part")[0]) >= 3  # parts 0, 1, 2 at least were kept
+    continued(again.stderr)
     assert chunks(tmp_path / out) == chunks(uninterrupted)
     assert read_meta(tmp_path / out)["splits"] == read_meta(uninterrupted)["splits"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", out, "tok.json"]
