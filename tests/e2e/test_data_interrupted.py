@@ -36,8 +36,11 @@ from lrattn_lightning.model.registry import load_registry
 
 
 def start(args: list[str], cwd: Path, session: bool = False) -> subprocess.Popen:
+    """The prepare as a process (in a session of its own: its own process group), SIGINT at its default as in a
+    terminal (a test process may ignore it)."""
     return subprocess.Popen(prepare_in_parts(*args), cwd=cwd, env=prepare_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=session)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=session,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +61,15 @@ def chunks(out: Path) -> dict[str, str]:
 
 
 # the ways a prepare is interrupted, in the order one prepare meets them, and the part each waits for
-INTERRUPTIONS = [("SIGKILL", 2), ("SIGTERM", 5), ("SIGTERM to its process group", 8), ("a worker SIGKILLed", 11)]
+INTERRUPTIONS = [("SIGKILL", 2), ("SIGTERM", 4), ("SIGINT", 7), ("SIGTERM to its process group", 10),
+                 ("SIGINT to its process group", 13), ("a worker SIGKILLed", 16)]  # of 21 parts
 
 
 def test_an_interrupted_prepare_continues_to_the_same_shards(jsonl_corpus, uninterrupted, tmp_path):
-    """One prepare interrupted four times, each run of the same command continuing from the parts the last one
-    finished, then run to its end: SIGKILL (nothing runs after it), SIGTERM (exit 143, one line), SIGTERM to the
-    process group as SLURM sends it (the workers die of it too: still exit 143 and the SIGTERM line), a worker killed
+    """One prepare interrupted six times, each run of the same command continuing from the parts the last one
+    finished, then run to its end: SIGKILL (nothing runs after it), SIGTERM (exit 143, one line naming it), SIGINT
+    (Ctrl-C: exit 130, its line), SIGTERM to the process group as SLURM sends it and SIGINT to it as a terminal's
+    Ctrl-C does (the two tokenizer workers get it too: still the exit and the line of the signal), a worker killed
     under it (the OOM killer's way: one line, exit 1; multiprocessing.Pool would have waited for the lost batch
     forever). After each: no worker left, nothing `fit` accepts. The end: shards byte-identical to an uninterrupted
     run's."""
@@ -83,23 +88,26 @@ def test_an_interrupted_prepare_continues_to_the_same_shards(jsonl_corpus, unint
     for how, part in INTERRUPTIONS:
         proc = start(args, tmp_path, session=how.endswith("group"))
         wait_for_part(staging, part, proc)
+        signum = getattr(signal, how.split()[0], None)
         if how.endswith("group"):
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, signum)
         elif how == "a worker SIGKILLed":
             workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
             assert len(workers) == 2
             os.kill(int(workers[0]), signal.SIGKILL)
         else:
-            proc.send_signal(getattr(signal, how))
+            proc.send_signal(signum)
         _, err = proc.communicate(timeout=60)
         if kept:
             continued(err)
         lines = [line for line in err.splitlines() if line.strip()]
         if how == "SIGKILL":
             assert proc.returncode == -signal.SIGKILL, err
-        if how.startswith("SIGTERM"):
-            assert proc.returncode == 143, (how, err)
-            assert lines[-1] == ("[lrattn prepare] stopped by SIGTERM: the finished parts are kept; run the same "
+        if how.startswith(("SIGTERM", "SIGINT")):
+            name = how.split()[0]
+            assert proc.returncode == 128 + signum, (how, err)
+            assert [line for line in lines if line.startswith("[lrattn prepare] stopped")] == [lines[-1]], (how, err)
+            assert lines[-1] == (f"[lrattn prepare] stopped by {name}: the finished parts are kept; run the same "
                                  "command to continue from them") and "Traceback" not in err, (how, err)
         if how == "a worker SIGKILLed":
             assert proc.returncode == 1 and "Traceback" not in err, err

@@ -6,7 +6,8 @@ job (a fit's DDP ranks: test_resilience.py, SIGINT to every rank). SIGINT ends t
 line saying SIGINT stopped it; SIGTERM with 143 and its own line; a stopped training run is KILLED in MLflow, with
 last.ckpt at the step it reached. The commands a stopped demo run and the finished one print (continue, score it)
 are run as printed, from the same folder; the command a stopped sweep prints is the one that ran (that command
-rerun after a stop: test_sweep_parallel.py).
+rerun after a stop: test_sweep_parallel.py). Prepare's SIGINT, to it and to its group with its tokenizer workers,
+rides the chain of interruptions in test_data_interrupted.py, which continues from each.
 
 Each process is paused at an exact point (tests/run_hooks.py PauseAt, or a wrapper around eval's scoring) while
 the signal is sent, so nothing depends on timing.
@@ -26,12 +27,8 @@ import pytest
 import yaml
 from helpers.cli import cli_env
 from helpers.prepare import (
-    JSONL_ARGS,
-    prepare_env,
-    prepare_in_parts,
     prepared_corpus,
     processes_naming,
-    wait_for_part,
 )
 from helpers.runs import REGISTRY, fit_args, hooks, lrattn, run_cli, step_of
 from mlflow.tracking import MlflowClient
@@ -184,30 +181,6 @@ def test_a_stopped_sweep_names_the_signal_and_the_command_that_continues_it(data
     if group:  # the fit went with the group: no process of this folder is left
         assert gone(str(tmp_path))
     assert printed_command(lines[-1]) == ["sweep", "sweep.yaml", "--tracking_uri", uri]  # the command that ran
-
-
-# ---- prepare (verified: the data package is someone else's) ---------------------------------------------------
-@pytest.mark.parametrize("group", [False, True])
-def test_ctrl_c_stops_prepare_as_sigint(jsonl_corpus, tmp_path, group):
-    """SIGINT to `prepare`, or to its group with its two tokenizer workers: exit 130, its line names SIGINT, no
-    worker is left; the same command continues from the finished parts."""
-    out = f"out-{'group' if group else 'process'}"
-    for name in ("corpus.jsonl", "tok.json"):
-        (tmp_path / name).symlink_to(jsonl_corpus / name)
-    cmd = prepare_in_parts(*JSONL_ARGS, "--out", out)
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=prepare_env(), text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=group,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    wait_for_part(tmp_path / f".{out}.tmp-prepare", 2, proc)
-    send(proc, signal.SIGINT, group)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
-    assert one_line(err, "[lrattn prepare] stopped") == ("[lrattn prepare] stopped by SIGINT: the finished parts are "
-                                                         "kept; run the same command to continue from them")
-    assert gone(out)
-    if group:
-        again = subprocess.run(cmd, cwd=tmp_path, env=prepare_env(), capture_output=True, text=True, timeout=300)
-        assert again.returncode == 0 and "continuing" in again.stderr, again.stderr[-3000:]
 
 
 # ---- eval ---------------------------------------------------------------------------------------------------
