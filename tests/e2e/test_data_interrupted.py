@@ -2,10 +2,10 @@
 larger; what it leaves and what the next run does.
 
 Real processes and real signals: a prepare tokenising a 4 MB JSONL corpus with a BPE tokenizer in two worker
-processes, its parts made small (200 kB) so that a kill lands between parts. A SIGKILL or a SIGTERM leaves no
+processes, its parts made small (80 kB) so that a kill lands between parts. A SIGKILL or a SIGTERM leaves no
 folder that `fit` accepts and no worker process; the same command continues from the finished parts (one
-line), interrupted again in each way in turn, to shards byte-identical to an uninterrupted run. A second prepare of the same --out is one line while
-the first runs. Leftovers nobody holds are removed with one line; one a live process holds is left alone.
+line), interrupted again in each way in turn, to shards byte-identical to an uninterrupted run. A second prepare
+of the same --out is one line while the first runs. Leftovers nobody holds are removed with one line; one a live process holds is left alone.
 """
 
 from __future__ import annotations
@@ -60,9 +60,15 @@ def chunks(out: Path) -> dict[str, str]:
     return {f"{s}/{n}": r["sha256"] for s in ("train", "val") for n, r in meta["checksums"][s].items() if n != "index.json"}
 
 
-# the ways a prepare is interrupted, in the order one prepare meets them, and the part each waits for
-INTERRUPTIONS = [("SIGKILL", 2), ("SIGTERM", 4), ("SIGINT", 7), ("SIGTERM to its process group", 10),
-                 ("SIGINT to its process group", 13), ("a worker SIGKILLed", 16)]  # of 21 parts
+# the ways a prepare is interrupted, in the order one prepare meets them (each once a part of its own is finished:
+# a signal before its handlers are set would say nothing)
+INTERRUPTIONS = ["SIGKILL", "SIGTERM", "SIGINT", "SIGTERM to its process group", "SIGINT to its process group",
+                 "a worker SIGKILLed"]
+
+
+def finished_parts(staging: Path) -> list[int]:
+    parts = staging / ".prepare" / "parts"
+    return sorted(int(p.stem) for p in parts.glob("*.json")) if parts.is_dir() else []
 
 
 def test_an_interrupted_prepare_continues_to_the_same_shards(jsonl_corpus, uninterrupted, tmp_path):
@@ -82,12 +88,13 @@ def test_an_interrupted_prepare_continues_to_the_same_shards(jsonl_corpus, unint
 
     def continued(err: str) -> None:
         resumed = [line for line in err.splitlines() if "continuing" in line]
-        assert len(resumed) == 1 and f".{out}.tmp-prepare" in resumed[0], err
+        assert len(resumed) == 1 and f".{out}.tmp-prepare" in resumed[0], (how, err)
         assert int(resumed[0].split(": ")[1].split(" part")[0]) >= kept  # parts 0..n at least were kept
 
-    for how, part in INTERRUPTIONS:
+    for how in INTERRUPTIONS:
+        first_new = max(finished_parts(staging), default=-1) + 1
         proc = start(args, tmp_path, session=how.endswith("group"))
-        wait_for_part(staging, part, proc)
+        wait_for_part(staging, first_new, proc)
         signum = getattr(signal, how.split()[0], None)
         if how.endswith("group"):
             os.killpg(proc.pid, signum)
@@ -121,7 +128,7 @@ def test_an_interrupted_prepare_continues_to_the_same_shards(jsonl_corpus, unint
         assert not (tmp_path / out).exists() and not (staging / "meta.json").exists(), how
         with pytest.raises(ValueError, match="meta.json is missing"):
             validate_data_dir(staging, load_registry().size("tiny"))
-        kept = part + 1
+        kept = len(finished_parts(staging))
     again = subprocess.run(prepare_in_parts(*args), cwd=tmp_path, env=prepare_env(),
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr

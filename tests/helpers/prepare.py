@@ -17,8 +17,9 @@ import numpy as np
 from helpers.paths import REPO_ROOT
 from lrattn_lightning.data.prepare import prepare, split_of
 
-PART_BYTES = 200_000
-# `lrattn prepare` with small parts (the only change): a kill lands between parts of a 4 MB corpus
+PART_BYTES = 80_000
+# `lrattn prepare` with small parts (the only change): a kill lands between parts of a 4 MB corpus (54 parts; a
+# stop finishes the 3-5 parts in flight first, so six interruptions in a row leave parts to do)
 _IN_PARTS = ("import sys; from lrattn_lightning.data import pipeline; pipeline.PART_BYTES = int(sys.argv[1]); "
              "from lrattn_lightning.cli import main; sys.exit(main(['prepare', *sys.argv[2:]]))")
 JSONL_ARGS = ["--source", "corpus.jsonl", "--tokenizer", "hf:tok.json", "--num_workers", "2"]  # jsonl_corpus's files
