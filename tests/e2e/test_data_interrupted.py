@@ -79,7 +79,7 @@ def test_an_interrupted_prepare_continues_to_the_same_shards(jsonl_corpus, unint
     under it (the OOM killer's way: one line, exit 1; multiprocessing.Pool would have waited for the lost batch
     forever). After each: no worker left, nothing `fit` accepts. The end: shards byte-identical to an uninterrupted
     run's."""
-    out = "out-interrupted-four-ways"  # unique: processes_naming finds its processes by it
+    out = "out-interrupted-six-ways"  # unique: processes_naming finds its processes by it
     args = [*JSONL_ARGS, "--out", out]
     (tmp_path / "corpus.jsonl").symlink_to(jsonl_corpus / "corpus.jsonl")
     (tmp_path / "tok.json").symlink_to(jsonl_corpus / "tok.json")
