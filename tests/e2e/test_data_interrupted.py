@@ -5,7 +5,8 @@ Real processes and real signals: a prepare tokenising a 4 MB JSONL corpus with a
 processes, its parts made small (80 kB) so that a kill lands between parts. A SIGKILL or a SIGTERM leaves no
 folder that `fit` accepts and no worker process; the same command continues from the finished parts (one
 line), interrupted again in each way in turn, to shards byte-identical to an uninterrupted run. A second prepare
-of the same --out is one line while the first runs. Leftovers nobody holds are removed with one line; one a live process holds is left alone.
+of the same --out is one line while the first runs. Leftovers nobody holds are removed with one line; one a live
+process holds is left alone.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +23,7 @@ import pytest
 from helpers.prepare import (
     JSONL_ARGS,
     PART_BYTES,
+    gone,
     prepare_env,
     prepare_in_parts,
     processes_naming,
@@ -120,10 +121,7 @@ def test_an_interrupted_prepare_continues_to_the_same_shards(jsonl_corpus, unint
             assert proc.returncode == 1 and "Traceback" not in err, err
             assert lines[-1] == ("lrattn: error: a tokenizer process died (killed by the system: out of memory? see "
                                  "`dmesg`); the finished parts are kept: run the same command to continue from them")
-        deadline = time.monotonic() + 10
-        while processes_naming(out) and time.monotonic() < deadline:  # the workers go with their parent
-            time.sleep(0.1)
-        assert processes_naming(out) == [], how
+        assert gone(out), (how, processes_naming(out))  # the workers go with their parent
         # nothing `fit` accepts: no --out folder, and the staging folder has no meta.json
         assert not (tmp_path / out).exists() and not (staging / "meta.json").exists(), how
         with pytest.raises(ValueError, match="meta.json is missing"):

@@ -26,10 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers.cli import cli_env
-from helpers.prepare import (
-    prepared_corpus,
-    processes_naming,
-)
+from helpers.prepare import gone, prepared_corpus
 from helpers.runs import REGISTRY, fit_args, hooks, lrattn, run_cli, step_of
 from mlflow.tracking import MlflowClient
 
@@ -76,14 +73,6 @@ def pause(folder: Path, step: int) -> tuple[str, Path, Path]:
     """A --config that pauses a fit before optimizer step `step` (touching `marker`) until `go` exists."""
     marker, go = folder / "paused", folder / "go"
     return hooks(folder, "pause.yaml", ("PauseAt", {"step": step, "marker": str(marker), "go": str(go)})), marker, go
-
-
-def gone(marker: str, timeout: float = 10) -> bool:
-    """No process whose command line names `marker` is left (after up to `timeout` s for them to end)."""
-    deadline = time.monotonic() + timeout
-    while processes_naming(marker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not processes_naming(marker)
 
 
 def one_line(stderr: str, start: str = "lrattn:") -> str:

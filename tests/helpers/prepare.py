@@ -56,6 +56,14 @@ def processes_naming(marker: str) -> list[int]:
     return found
 
 
+def gone(marker: str, timeout: float = 10) -> bool:
+    """No process whose command line names `marker` is left (after up to `timeout` s for them to end)."""
+    deadline = time.monotonic() + timeout
+    while processes_naming(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not processes_naming(marker)
+
+
 def four_window_corpus(root: Path) -> Path:
     """A prepared corpus whose train split is exactly 4 windows of 33 tokens (and as much validation): 2 ranks x
     batch 2 and 1 rank x batch 4 both see the whole split at every step."""
