@@ -66,7 +66,7 @@ class RunOutputs:
             return
         signum = agreed(trainer, stop.NOTED_SIGNAL)
         if signum:
-            saved = last is not None and last._last_global_step_saved == trainer.global_step > 0
+            saved = last is not None and last.holds_step(trainer)
             how = stop.Stop(signum, trainer.global_step, last.path) if saved else stop.Stop(signum)
             stop.LAST_STOP = how
             if logger is not None:

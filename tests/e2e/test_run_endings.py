@@ -1,9 +1,10 @@
 """How a fit ends, told honestly: diverged, stopped after its last step, killed right after a save.
 
 Real `lrattn fit` commands (a real process where a signal comes), real signals and a real MLflow store. A run whose
-loss turns non-finite never keeps the state that produced it as last.ckpt and ends FAILED with a tag; a stop signal that arrives after the last step but
-before the final validation ends the run KILLED (exit 128 + N) and the resume runs that validation; one after the
-final validation changes nothing (FINISHED, exit 0); a SIGKILL right after a checkpoint is written loses no metric.
+loss turns non-finite never keeps the state that produced it as last.ckpt and ends FAILED with a tag. One run is then
+killed and stopped in turn: a SIGKILL right after a checkpoint is written loses no metric; a stop signal that arrives
+after the last step but before the final validation ends the run KILLED (exit 128 + N) and the resume runs that
+validation; one after the final validation changes nothing (FINISHED, exit 0).
 """
 
 from __future__ import annotations
@@ -93,41 +94,45 @@ def test_divergence_sets_the_bad_state_apart_and_fails_the_run(data, tmp_path):
     assert len(client.search_runs([run.info.experiment_id])) == before
 
 
-@pytest.mark.parametrize("during, batch, code", [
+# the chain's stops after the last step, in turn: (during, batch) of run_hooks.SignalAt and the exit code
+LATE_STOPS = (
     ("train_end", 0, 143),  # after the last step's save, before the final validation
     ("final_validation", 0, 143),  # in its first batch: it stops, and runs again whole on resume
     ("final_validation", 1, 0),  # in its last batch: it completes; the run is FINISHED, nothing to resume
-])
-def test_a_stop_after_the_last_step_ends_as_the_run_did(data, tmp_path, uninterrupted, during, batch, code):
-    stop = hooks(tmp_path, "stop.yaml", ("SignalAt", {"step": 0, "during": during, "batch": batch}))
-    stopped = run_process(args(data, "--config", stop), tmp_path)
-    assert stopped.returncode == code, stopped.stderr[-3000:]
-    _, run = the_run(tmp_path, "run")
+)
+
+
+def test_a_kill_after_a_save_loses_no_metric_and_each_late_stop_ends_as_the_run_did(data, tmp_path, uninterrupted):
+    """One run, a real process each time, continued by the same command with --ckpt_path last.
+
+    - SIGKILL right after step 3's save. Lightning logs a step's metrics after the checkpoint callbacks, so a process
+      killed between the save and that logging once resumed after step 2's metrics and never logged step 3's; they
+      are logged before the save now.
+    - Then each of LATE_STOPS. The first resume trains steps 3 and 4 and is stopped after its last step's save; the
+      next two resume at step 5 and only run the final validation. A stop before that validation completes exits
+      143, the run KILLED, last.ckpt holding step 5; one in its last batch changes nothing (FINISHED, exit 0).
+    - The run then holds what the uninterrupted one logged: val/loss at 2, 4 and 5 (not validate/val/loss), every
+      metric once and equal."""
     last = checkpoints(tmp_path) / "last.ckpt"
-    assert step_of(last) == STEPS
-    if code:
-        assert stop_line(stopped.stderr) == (f"lrattn: stopped by SIGTERM at step {STEPS}; checkpoint {last} holds "
-                                             "it, continue with --ckpt_path last")
-        assert run.info.status == "KILLED"
-        assert [m.step for m in MlflowHistory(tmp_path).of("val/loss")] == [2, 4]
-        resumed = run_cli(args(data, "--ckpt_path", "last"), tmp_path)
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
-        _, run = the_run(tmp_path, "run")
-    else:
-        assert "[lrattn] SIGTERM came after the run finished; nothing was lost" in stopped.stderr
-    assert run.info.status == "FINISHED"
-    assert_same_run(tmp_path, uninterrupted)  # val/loss at 2, 4, 5 (not validate/val/loss), every metric once
-
-
-def test_a_sigkill_right_after_a_save_loses_no_metric(data, tmp_path, uninterrupted):
-    """Lightning logs a step's metrics after the checkpoint callbacks: a process killed between the save of step 3
-    and that logging resumed after step 2's metrics and never logged them. They are logged before the save now."""
     kill = hooks(tmp_path, "kill.yaml", ("KillBeforeStepLog", {"step": 3}))
     killed = run_process(args(data, "--config", kill), tmp_path)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert step_of(checkpoints(tmp_path) / "last.ckpt") == 3
-    resumed = run_cli(args(data, "--ckpt_path", "last"), tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert step_of(last) == 3
+    for during, batch, code in LATE_STOPS:
+        stop = hooks(tmp_path, f"stop-{during}-{batch}.yaml",
+                     ("SignalAt", {"step": 0, "during": during, "batch": batch}))
+        stopped = run_process(args(data, "--ckpt_path", "last", "--config", stop), tmp_path)
+        assert stopped.returncode == code, (during, batch, stopped.stderr[-3000:])
+        _, run = the_run(tmp_path, "run")
+        assert step_of(last) == STEPS
+        if code:
+            assert stop_line(stopped.stderr) == (f"lrattn: stopped by SIGTERM at step {STEPS}; checkpoint {last} "
+                                                 "holds it, continue with --ckpt_path last")
+            assert run.info.status == "KILLED"
+            assert [m.step for m in MlflowHistory(tmp_path).of("val/loss")] == [2, 4]
+        else:
+            assert "[lrattn] SIGTERM came after the run finished; nothing was lost" in stopped.stderr
+    assert run.info.status == "FINISHED"
     assert_same_run(tmp_path, uninterrupted)
 
 
@@ -137,3 +142,21 @@ class MlflowHistory:
 
     def of(self, key: str):
         return sorted(self.client.get_metric_history(self.run.info.run_id, key), key=lambda m: m.step)
+
+
+def test_a_resume_whose_first_loss_is_non_finite_sets_the_file_it_resumed_from_apart(data, tmp_path):
+    """last.ckpt of a finished run planted with weights whose loss overflows (as a run killed between a save and the
+    next step could leave it, at a learning rate too high), trained on from it: the loss of the step it resumed at is
+    non-finite. Those weights are the file it resumed from, so that file is set apart, as one this process had saved
+    would be; the finished run kept no previous state, so none is left, and the line says so."""
+    assert run_cli(args(data), tmp_path).returncode == 0
+    last = checkpoints(tmp_path) / "last.ckpt"
+    state = torch.load(last, weights_only=True)
+    state["state_dict"] = {k: v * float("inf") if v.is_floating_point() else v for k, v in state["state_dict"].items()}
+    torch.save(state, last)
+    done = run_cli(args(data, "--ckpt_path", "last", "--model.schedule_steps", str(STEPS), "--trainer.max_steps",
+                        str(STEPS + 2)), tmp_path)
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert re.search(rf"non-finite (training|validation) loss \(\w+\) at step {STEPS}; its checkpoint is set apart as "
+                     rf"diverged-step{STEPS:06d}\.ckpt; no checkpoint of a finite state is left", stop_line(done.stderr))
+    assert sorted(p.name for p in last.parent.iterdir()) == [f"diverged-step{STEPS:06d}.ckpt"]

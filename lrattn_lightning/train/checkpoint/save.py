@@ -145,6 +145,7 @@ class LastCheckpoint(ModelCheckpoint):
         self._step_at_batch_start = -1
         self._mid_step = False  # the last training batch accumulated gradients without an optimizer step
         self._validating = False  # a validation of the fit has started and not yet finished
+        self._resumed_step = -1  # the step of the last.ckpt this fit resumed from, -1 if none
 
     @property
     def path(self) -> Path:
@@ -172,6 +173,19 @@ class LastCheckpoint(ModelCheckpoint):
                     keep.unlink()
         super()._save_checkpoint(trainer, filepath)
 
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(trainer, pl_module, checkpoint)
+        with contextlib.suppress(OSError, TypeError):
+            if os.path.samefile(trainer.ckpt_path, self.path):  # resumed from this run's last.ckpt
+                self._resumed_step = int(checkpoint["global_step"])
+
+    def holds_step(self, trainer) -> bool:
+        """Whether last.ckpt holds the weights of the current step: saved by this process, or the file this fit
+        resumed from (a run resumed at its end trains no step and saves nothing: a stop in its final validation,
+        or a non-finite loss at the step it resumed at, is about that file's step)."""
+        step = trainer.global_step
+        return step > 0 and step in (self._last_global_step_saved, self._resumed_step)
+
     def drop_previous(self, trainer) -> None:
         """The run finished with a finite final validation: last.ckpt is good, its fallback is not needed."""
         if trainer.is_global_zero:
@@ -183,7 +197,7 @@ class LastCheckpoint(ModelCheckpoint):
         and make previous.ckpt last.ckpt again; say what is kept (LAST_DIVERGENCE)."""
         step = trainer.global_step
         set_apart = None
-        if trainer.is_global_zero and self._last_global_step_saved == step and self.path.is_file():
+        if trainer.is_global_zero and self.holds_step(trainer) and self.path.is_file():
             set_apart = self.path.with_name(f"diverged-step{step:06d}.ckpt")
             refuse_link(set_apart, "checkpoint")
             os.replace(self.path, set_apart)
@@ -294,7 +308,7 @@ class LastCheckpoint(ModelCheckpoint):
         if self._unsaved(trainer) and trainer.global_step > 0:  # the signal came during validation: the
             self._save_now(trainer)                              # checkpoint resumes into it (on_save_checkpoint)
         signum = self._stopped_by or signal.SIGTERM  # (Lightning's own handler, before training started)
-        saved = self._last_global_step_saved == trainer.global_step > 0
+        saved = self.holds_step(trainer)
         stop.LAST_STOP = stop.Stop(signum, trainer.global_step, self.path) if saved else stop.Stop(signum)
         for logger in trainer.loggers:  # the MLflow run ends as KILLED, not FAILED
             if hasattr(logger, "stopped_by"):
