@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers.cli import cli_env
-from helpers.paths import REPO_ROOT
+from helpers.paths import REPO_ROOT, SWEEP_HOOKS
 from helpers.prepare import prepared_corpus
 from helpers.runs import SWEEP_ABLATIONS as ABLATIONS
 from helpers.runs import run_cli, sweep_runs, write_sweep
@@ -31,7 +31,6 @@ from lrattn_lightning.tools.sweep.file import load_sweep
 REPO = REPO_ROOT
 REGISTRY = str(REPO / "registry.yaml")
 PNG = b"\x89PNG\r\n\x1a\n"
-HOOKS = Path(__file__).resolve().parent  # sweep_hooks.py: a callback a fit of the sweep imports
 
 
 @pytest.fixture(scope="module")
@@ -124,32 +123,51 @@ def test_compare_reads_the_table_and_figures_back(finished_sweep, monkeypatch, c
     assert read_csv(out / "table.csv") == rows
 
 
-def test_resumed_sweep_skips_finished_runs_and_resumes_the_interrupted_one(finished_sweep, tmp_path, monkeypatch, capsys):
-    folder = tmp_path / "copy"
+def _copy_with_failed(finished_sweep: Path, folder: Path, *names: str) -> tuple[str, dict]:
+    """A copy of the finished sweep whose runs `names` ended FAILED (the sweep resumes them)."""
     shutil.copytree(finished_sweep, folder, ignore=shutil.ignore_patterns("report"))
-    monkeypatch.chdir(folder)
     uri = f"sqlite:///{folder}/mlflow.db"
-    client = MlflowClient(uri)
     runs = {r.info.run_name: r for r in sweep_runs(uri)}
-    interrupted = runs["tiny-baseline-seed1"]
-    client.set_terminated(interrupted.info.run_id, "FAILED")  # as if the process had died after its checkpoint
-    capsys.readouterr()
-    assert main(["sweep", "sweep.yaml", "--dry-run", "--tracking_uri", uri]) == 0
-    states = dict(line.split()[::-1] for line in capsys.readouterr().out.splitlines()[1:])
-    assert states == {"tiny-baseline-seed0": "finished", "tiny-baseline-seed1": "resume",
+    for name in names:
+        MlflowClient(uri).set_terminated(runs[name].info.run_id, "FAILED")
+    return uri, {r.info.run_name: r for r in sweep_runs(uri)}
+
+
+def test_a_resumed_sweep_resumes_the_interrupted_run_and_skips_one_finished_meanwhile(finished_sweep, tmp_path):
+    """A copy of the finished sweep whose baseline runs ended FAILED, as if their processes had died after their
+    checkpoints: the dry run plans both as resumes and the others as finished. The sweep then resumes seed 0 from
+    its last.ckpt into its own MLflow run; MLflow is asked again right before each run, and seed 1 is skipped, as
+    another process finished it after the plan. That process is seed 0's fit, which finishes seed 1 as it starts
+    (sweep_hooks.FinishRun in the recipe). The other runs are not touched, and a sweep after it has nothing to run.
+    The sweep runs in this process, its fits as processes."""
+    folder = tmp_path / "copy"
+    uri, runs = _copy_with_failed(finished_sweep, folder, "tiny-baseline-seed0", "tiny-baseline-seed1")
+    interrupted, meanwhile = runs["tiny-baseline-seed0"], runs["tiny-baseline-seed1"]
+    recipe = yaml.safe_load((folder / "recipe.yaml").read_text())
+    recipe["trainer"]["callbacks"] = [{"class_path": "sweep_hooks.FinishRun", "init_args": {
+        "uri": uri, "run_id": meanwhile.info.run_id}}]
+    (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    env = {"PYTHONPATH": os.pathsep.join([str(SWEEP_HOOKS), cli_env()["PYTHONPATH"]])}
+    planned = run_cli(["sweep", "sweep.yaml", "--dry-run", "--tracking_uri", uri], folder, **env)
+    assert planned.returncode == 0, planned.stderr
+    states = dict(line.split()[::-1] for line in planned.stdout.splitlines()[1:])
+    assert states == {"tiny-baseline-seed0": "resume", "tiny-baseline-seed1": "resume",
                       "tiny-s-lr-grid-n4-r16-seed0": "finished", "tiny-s-lr-grid-n4-r16-seed1": "finished"}
-    assert main(["sweep", "sweep.yaml", "--tracking_uri", uri]) == 0
-    out = capsys.readouterr().out
-    assert "3 finished (skipped), 1 to run" in out and "(1/1) tiny-baseline-seed1 (resuming from last.ckpt)" in out
+    done = run_cli(["sweep", "sweep.yaml", "--tracking_uri", uri], folder, **env)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert "2 finished (skipped), 2 to run" in out, out
+    assert "(1/2) tiny-baseline-seed0 (resuming from last.ckpt)" in out, out
+    assert "(2/2) tiny-baseline-seed1: skipped, finished meanwhile by another process" in out, out
+    assert "done: 1 ran, 0 failed, 3 skipped as finished" in out, out
     after = {r.info.run_name: r for r in sweep_runs(uri)}
     assert sorted(after) == sorted(runs)  # the resumed run logged into its own MLflow run, no new one
-    assert after["tiny-baseline-seed1"].info.run_id == interrupted.info.run_id
-    assert after["tiny-baseline-seed1"].info.status == "FINISHED"
-    for name in runs:  # the others were not touched
-        if name != "tiny-baseline-seed1":
-            assert after[name].info.end_time == runs[name].info.end_time
-    assert main(["sweep", "sweep.yaml", "--tracking_uri", uri]) == 0
-    assert "4 finished (skipped), 0 to run" in capsys.readouterr().out
+    assert after["tiny-baseline-seed0"].info.run_id == interrupted.info.run_id
+    assert after["tiny-baseline-seed0"].info.status == after["tiny-baseline-seed1"].info.status == "FINISHED"
+    for name in ("tiny-s-lr-grid-n4-r16-seed0", "tiny-s-lr-grid-n4-r16-seed1"):  # the others were not touched
+        assert after[name].info.end_time == runs[name].info.end_time
+    again = run_cli(["sweep", "sweep.yaml", "--tracking_uri", uri], folder, **env)
+    assert "4 finished (skipped), 0 to run" in again.stdout, again.stdout + again.stderr
 
 
 def test_emit_commands_and_slurm_array(data_dir, tmp_path, monkeypatch):
@@ -228,16 +246,6 @@ def test_variant_runs_carry_their_flags_and_get_their_own_rows(data_dir, tmp_pat
 
 
 # ---- two sweeps of one experiment at once ----------------------------------------------------------------
-def _copy_with_failed(finished_sweep: Path, folder: Path, *names: str) -> tuple[str, dict]:
-    """A copy of the finished sweep whose runs `names` ended FAILED (the sweep resumes them)."""
-    shutil.copytree(finished_sweep, folder, ignore=shutil.ignore_patterns("report"))
-    uri = f"sqlite:///{folder}/mlflow.db"
-    runs = {r.info.run_name: r for r in sweep_runs(uri)}
-    for name in names:
-        MlflowClient(uri).set_terminated(runs[name].info.run_id, "FAILED")
-    return uri, {r.info.run_name: r for r in sweep_runs(uri)}
-
-
 @pytest.mark.parametrize("lock", [".lock", ".sweep.lock"])  # a plain `lrattn fit` / another sweep
 def test_a_run_held_by_a_live_process_is_skipped(finished_sweep, tmp_path, monkeypatch, capsys, lock):
     folder = tmp_path / "copy"
@@ -264,25 +272,6 @@ def test_a_run_held_by_a_live_process_is_skipped(finished_sweep, tmp_path, monke
     assert after["tiny-baseline-seed1"].info.end_time == runs["tiny-baseline-seed1"].info.end_time
     after = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir() if p.name != lock}
     assert after == before and sorted(before) == ["checkpoints", "fit.log"]  # the sweep left nothing of its own
-
-
-def test_a_run_finished_meanwhile_is_skipped(finished_sweep, tmp_path):
-    """MLflow is asked again right before each run: one another process finished after the plan is skipped. The
-    other process is the first run's fit, which finishes the second run as it starts training
-    (sweep_hooks.FinishRun in the recipe); the sweep runs in this process, its fits are processes."""
-    folder = tmp_path / "copy"
-    uri, runs = _copy_with_failed(finished_sweep, folder, "tiny-baseline-seed0", "tiny-baseline-seed1")
-    recipe = yaml.safe_load((folder / "recipe.yaml").read_text())
-    recipe["trainer"]["callbacks"] = [{"class_path": "sweep_hooks.FinishRun", "init_args": {
-        "uri": uri, "run_id": runs["tiny-baseline-seed1"].info.run_id}}]
-    (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    done = run_cli(["sweep", "sweep.yaml", "--tracking_uri", uri], folder,
-                   PYTHONPATH=os.pathsep.join([str(HOOKS), cli_env()["PYTHONPATH"]]))
-    out = done.stdout
-    assert done.returncode == 0, out + done.stderr
-    assert "2 to run" in out and "(1/2) tiny-baseline-seed0" in out, out
-    assert "(2/2) tiny-baseline-seed1: skipped, finished meanwhile by another process" in out, out
-    assert "done: 1 ran, 0 failed, 3 skipped as finished" in out
 
 
 def test_two_sweeps_at_once_run_each_run_exactly_once(data_dir, tmp_path):
