@@ -9,15 +9,15 @@ count its calls."""
 from __future__ import annotations
 
 import collections
-from pathlib import Path
 
 import pytest
 import torch
+from helpers.paths import REGISTRY_PATH
 
 from lrattn_lightning.model import registry as registry_module
 from lrattn_lightning.model.config import ModelConfig
 
-REGISTRY = Path(__file__).resolve().parents[2] / "registry.yaml"
+REGISTRY = REGISTRY_PATH
 ABLATION = "s-lr-grid-n4-r16"  # AttnRes with routing parameters: the pair's budget counts them
 
 

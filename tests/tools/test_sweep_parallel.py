@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers.cli import cli_env, in_process
-from helpers.paths import REPO_ROOT
+from helpers.paths import REPO_ROOT, SWEEP_HOOKS
 from helpers.prepare import prepared_corpus
 from helpers.runs import sweep_runs, write_sweep
 from mlflow.tracking import MlflowClient
@@ -24,7 +24,6 @@ from lrattn_lightning.cli import main
 
 XARGS = "xargs -P 2 -d '\\n' -I{} sh -c '{}'"  # GNU xargs: each line to sh with its quotes (tools/sweep/sweep.py)
 
-HOOKS = Path(__file__).resolve().parent  # sweep_hooks.py: the probe callback the fits import
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +33,7 @@ def data_dir(tmp_path_factory) -> Path:
 
 def probed_sweep(folder: Path, data: Path, probe: Path, hold_step: int | None = None, **changes) -> Path:
     """write_sweep's sweep with sweep_hooks.SweepProbe in its recipe and no OMP_NUM_THREADS of its own."""
-    path = write_sweep(folder, data, env={"PYTHONPATH": str(HOOKS)}, **changes)
+    path = write_sweep(folder, data, env={"PYTHONPATH": str(SWEEP_HOOKS)}, **changes)
     probe.mkdir()
     recipe = yaml.safe_load((folder / "recipe.yaml").read_text())
     recipe["trainer"]["callbacks"] = [{"class_path": "sweep_hooks.SweepProbe",
@@ -53,7 +52,7 @@ def test_a_stop_signal_stops_every_running_fit_and_the_same_command_resumes_them
     names = [f"tiny-baseline-seed{seed}" for seed in range(3)]
     path = probed_sweep(tmp_path, data_dir, probe, hold_step=1, ablations=["baseline"], seeds=[0, 1, 2])
     env = cli_env()  # no store; and sweep_hooks importable: the sweep checks the recipe's callback itself
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HOOKS), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SWEEP_HOOKS), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "2"  # what the fits would inherit; the sweep's env does not set it
     command = [sys.executable, "-m", "lrattn_lightning.cli", "sweep", str(path), "--parallel", "2"]
     # real processes, as a user's: the sweep and the fits it starts

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers.paths import REPO_ROOT
+from helpers.paths import REPO_ROOT, ROUTING_TESTS
 
 from lrattn_lightning.model.registry import load_registry
 from lrattn_lightning.model.routing import kind as kind_module
@@ -134,7 +134,7 @@ def test_the_places_check_would_catch_a_stray_table_and_a_comparison(tmp_path):
 def test_every_kind_has_its_module_its_entries_and_its_tests():
     registry = load_registry()
     used = {a.routing for a in registry.ablations.values()}
-    tests = Path(__file__).parent
+    tests = ROUTING_TESTS
     for name, kind in KINDS.items():
         module = Path(importlib.import_module(type(kind).__module__).__file__)
         assert module.parent in (ROUTING, ROUTING / name), name
