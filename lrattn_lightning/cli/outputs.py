@@ -64,7 +64,7 @@ class RunOutputs:
             if last is not None:
                 last.drop_previous(trainer)
             return
-        signum = agreed(trainer, stop.NOTED_SIGNAL)
+        signum = stop.agreed_signal(trainer, stop.NOTED_SIGNAL)
         if signum:
             saved = last is not None and last.holds_step(trainer)
             how = stop.Stop(signum, trainer.global_step, last.path) if saved else stop.Stop(signum)
@@ -119,16 +119,6 @@ class RunOutputs:
         if self.subcommand == "fit" and self.resume_run_id and lock.launched_as_rank_zero():
             logger.resume_run()
         return logger
-
-
-def agreed(trainer, signum: int) -> int:
-    """The highest stop signal any rank noted (every rank calls this at the same point)."""
-    if trainer.world_size == 1:
-        return signum
-    import torch
-
-    flag = torch.tensor(float(signum), device=trainer.strategy.root_device)
-    return int(trainer.strategy.reduce(flag, reduce_op="max"))
 
 
 def as_list(value: Any) -> list:

@@ -95,13 +95,14 @@ def test_with_gradient_accumulation_the_logged_loss_is_the_global_batchs(data, t
 
 
 DDP = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
+DDP_STEPS = 5  # validations at 2 and 4 in the fit, the final one at 5 after it (LRAttnCLI.after_fit)
 
 
 @pytest.fixture(scope="module")
 def ddp_uninterrupted(data, seeded_folder) -> list[tuple[int, float]]:
     """The losses of the uninterrupted 2-rank run both stops are compared with (run once)."""
     folder = seeded_folder("ddp-full")
-    full = run_process(fit_args(data, *DDP, "--experiment", "full", steps=6, every=4), folder, timeout=400)
+    full = run_process(fit_args(data, *DDP, "--experiment", "full", steps=DDP_STEPS, every=4), folder, timeout=400)
     assert full.returncode == 0, full.stderr[-3000:]
     client, run = the_run(folder, "full")
     return metric_history(client, run.info.run_id)
@@ -116,25 +117,36 @@ def test_ddp_ranks_stop_together_on_a_signal_to_one_or_all_of_them(data, tmp_pat
     the end of the step in progress, save it, exit 128 + the signal's number with one line naming it (not one per
     rank), and the run ends KILLED (Lightning's handler broadcast from inside the signal handler and could hang the
     ranks). Rank 0 ends 6 s after rank 1 (SlowRankZeroOnStop): Lightning's watch over the ranks it launched (a 5-s
-    poll) would see rank 1's exit first and SIGKILL rank 0 (exit -9). The checkpoint of the stop on one rank resumes
-    to the uninterrupted run's losses. (SIGTERM to one rank: the FSDP stop in test_fsdp.py; each signal in one
+    poll) would see rank 1's exit first and SIGKILL rank 0 (exit -9). Each stop's checkpoint resumes to the
+    uninterrupted run's losses: SIGHUP's to its end; SIGINT's is stopped again by SIGTERM to rank 1 in the final
+    validation, which the ranks agree on at each batch as in the fit (there Lightning's handler, broadcasting from
+    inside itself on rank 1 alone, hung both ranks for good): exit 143, the run KILLED, last.ckpt the last step,
+    no final val/loss logged. (SIGTERM to one rank in training: the FSDP stop in test_fsdp.py; each signal in one
     process: test_signals.py.)"""
     stopped = run_process(fit_args(data, *DDP, "--experiment", "stopped", "--config",
                                    hooks(tmp_path, "stop.yaml", ("SignalAt", {"step": 3, "signal": name, "rank": rank}),
                                          ("SlowRankZeroOnStop", {"seconds": 6})),
-                                   steps=6, every=4), tmp_path, timeout=400)
+                                   steps=DDP_STEPS, every=4), tmp_path, timeout=400)
     assert stopped.returncode == 128 + signal.Signals[name], stopped.stderr[-3000:]
     last = ckpt_dir(tmp_path, "stopped") / "last.ckpt"
     assert stop_line(stopped.stderr) == (f"lrattn: stopped by {name} at step 4; checkpoint {last} holds it, "
                                          "continue with --ckpt_path last")
     assert step_of(last) == 4
     assert the_run(tmp_path, "stopped")[1].info.status == "KILLED"
-    if rank is None:  # the same checkpoint as a stop on one rank writes: resumed once, there
-        return
-    resumed = run_process(fit_args(data, *DDP, "--experiment", "stopped", "--ckpt_path", "last", steps=6, every=4),
-                          tmp_path, timeout=400)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # the same command resumes it: SIGHUP's resume finishes, SIGINT's is stopped again in its final validation
+    again = () if rank else ("--config", hooks(tmp_path, "final.yaml", ("SignalAt", {
+        "step": 0, "signal": "SIGTERM", "during": "final_validation", "batch": 0, "rank": 1})))
+    resumed = run_process(fit_args(data, *DDP, "--experiment", "stopped", "--ckpt_path", "last", *again,
+                                   steps=DDP_STEPS, every=4), tmp_path, timeout=400)
     client, r1 = the_run(tmp_path, "stopped")
+    if rank:
+        assert resumed.returncode == 0 and r1.info.status == "FINISHED", resumed.stderr[-3000:]
+    else:
+        assert resumed.returncode == 143, resumed.stderr[-3000:]
+        assert stop_line(resumed.stderr) == (f"lrattn: stopped by SIGTERM at step {DDP_STEPS}; checkpoint {last} "
+                                             "holds it, continue with --ckpt_path last")
+        assert step_of(last) == DDP_STEPS and r1.info.status == "KILLED"
+        assert [s for s, _ in metric_history(client, r1.info.run_id, "val/loss")] == [2, 4]  # not the final one
     assert_same_losses(metric_history(client, r1.info.run_id), ddp_uninterrupted)
 
 

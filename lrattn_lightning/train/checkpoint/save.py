@@ -227,12 +227,17 @@ class LastCheckpoint(ModelCheckpoint):
     # background job of a script) stays ignored.
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
-        if threading.current_thread() is threading.main_thread():  # (Lightning registered its handler just now)
+        self._take_signals(trainer)  # (Lightning registered its handler just now)
+
+    def _take_signals(self, trainer) -> None:
+        """This process's stop signals go to _note_signal from here on (Lightning's teardown restores the original
+        handlers); one that came while the run was starting stops it at the first point the ranks agree."""
+        if threading.current_thread() is threading.main_thread():
             self._launcher = trainer.strategy.launcher
-            for signum in stop.STOP_SIGNALS:  # Lightning's teardown restores the original handlers
+            for signum in stop.STOP_SIGNALS:
                 if signum == signal.SIGTERM or signal.getsignal(signum) is not signal.SIG_IGN:
                     signal.signal(signum, self._note_signal)
-        self._signum = max(self._signum, stop.NOTED_SIGNAL)  # one that came while the run was starting: stop at once
+        self._signum = max(self._signum, stop.NOTED_SIGNAL)
 
     def _note_signal(self, signum: int, _frame: Any) -> None:
         if not self._signum and self._launcher is not None:
@@ -240,16 +245,9 @@ class LastCheckpoint(ModelCheckpoint):
         stop.note_stop_signal(signum)  # (after training, `lrattn fit` still sees it)
         self._signum = max(self._signum, signum)
 
-    def _agreed_signal(self, trainer) -> int:
-        """The stop signal any rank received, 0 if none (a collective: every rank calls it at the same point)."""
-        if trainer.world_size == 1:
-            return self._signum
-        flag = torch.tensor(float(self._signum), device=trainer.strategy.root_device)
-        return int(trainer.strategy.reduce(flag, reduce_op="max"))
-
     def _stop_on_signal(self, trainer) -> None:
         """Agree on a signal; if there is one, Lightning raises SIGTERMException on every rank after this batch."""
-        self._stopped_by = self._agreed_signal(trainer)
+        self._stopped_by = stop.agreed_signal(trainer, self._signum)
         if self._stopped_by:
             trainer._signal_connector.received_sigterm = True
             stop.adopt_ranks(self._launcher)  # (every rank is still here: none has exited yet)
@@ -273,16 +271,16 @@ class LastCheckpoint(ModelCheckpoint):
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self._validating = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
+        if trainer.state.fn == TrainerFn.VALIDATING:  # the final validation `lrattn fit` runs after training: its
+            self._take_signals(trainer)  # own trainer.validate registered Lightning's handler again
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
         # (a validation between the micro-batches of a step stops at the end of that step instead)
         if self._validating and not self._mid_step and not trainer.received_sigterm:
             self._stop_on_signal(trainer)  # Lightning stops the validation; on_exception saves the step it validates
-        elif trainer.state.fn == TrainerFn.VALIDATING and stop.NOTED_SIGNAL and not trainer.received_sigterm:
-            # the final validation `lrattn fit` runs after training: SIGINT and SIGHUP stop it as SIGTERM does
-            self._stopped_by = stop.NOTED_SIGNAL
-            trainer._signal_connector.received_sigterm = True
+        elif trainer.state.fn == TrainerFn.VALIDATING and not trainer.received_sigterm:
+            self._stop_on_signal(trainer)  # the final validation: the ranks agree at each batch, as in the fit
 
     def on_validation_end(self, trainer, pl_module) -> None:
         self._validating = False  # it finished: its results are logged

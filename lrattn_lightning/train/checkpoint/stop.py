@@ -3,6 +3,8 @@
     stop_signals_noted  inside it SIGTERM, SIGINT and SIGHUP are noted (NOTED_SIGNAL), not fatal: `lrattn fit`
                         decides where it stops (after a step's save, before its final validation) and exits
                         128 + the signal's number; LastCheckpoint (save.py) notes those that come during training
+                        and the final validation
+    agreed_signal       the highest signal any rank noted (one all-reduce at the same point on every rank)
     Stop, LAST_STOP     how the last fit of this process stopped on a signal, and the checkpoint saved then
     NonFiniteLossError, Divergence, LAST_DIVERGENCE   a non-finite loss, and which checkpoint is the last finite one
     stop_signals_raise  for a command with nothing to save (`lrattn eval`): inside, a stop signal raises StopSignal
@@ -165,6 +167,16 @@ def held() -> Iterator[None]:
 # exited 143 while rank 0 still worked (a slow store, a large checkpoint): rank 0 died by SIGKILL (-9) wherever
 # it was (before its line, or before it closed the MLflow run), and no 143 reached a scheduler's requeue.
 ADOPTED: list[subprocess.Popen] = []  # the ranks this process launched, out of Lightning's watch; awaited
+
+
+def agreed_signal(trainer: Any, signum: int) -> int:
+    """The highest stop signal any rank noted, 0 if none: a collective, which every rank calls at the same point."""
+    if trainer.world_size == 1:
+        return signum
+    import torch
+
+    flag = torch.tensor(float(signum), device=trainer.strategy.root_device)
+    return int(trainer.strategy.reduce(flag, reduce_op="max"))
 
 
 def adopt_ranks(launcher: Any) -> None:
