@@ -94,8 +94,8 @@ class SignalAt(Callback):
     optimizer step `step` is about to run, or (`during: validation`) at the end of batch `batch` of the
     validation that follows step `step` (the validation logged at step `step`), or (`during: train_end`) when
     training has ended (after the last step's save, before `lrattn fit`'s final validation), or (`during:
-    final_validation`) at the end of batch `batch` of that final validation; with `rank`, only that rank's
-    process gets it."""
+    final_validation`) at the end of batch `batch` of that final validation, or (`during: sanity`) at the end of
+    batch `batch` of Lightning's sanity check before training; with `rank`, only that rank's process gets it."""
 
     def __init__(self, step: int, signal: str = "SIGTERM", during: str = "train", batch: int = 0,
                  rank: int | None = None):
@@ -116,6 +116,8 @@ class SignalAt(Callback):
                 and trainer.global_step == self.step and batch_idx == self.batch):
             self._send(trainer)
         if self.during == "final_validation" and trainer.state.fn == "validate" and batch_idx == self.batch:
+            self._send(trainer)
+        if self.during == "sanity" and trainer.sanity_checking and batch_idx == self.batch:
             self._send(trainer)
 
     def on_train_end(self, trainer, pl_module):

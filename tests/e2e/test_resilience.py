@@ -119,10 +119,9 @@ def test_ddp_ranks_stop_together_on_a_signal_to_one_or_all_of_them(data, tmp_pat
     ranks). Rank 0 ends 6 s after rank 1 (SlowRankZeroOnStop): Lightning's watch over the ranks it launched (a 5-s
     poll) would see rank 1's exit first and SIGKILL rank 0 (exit -9). Each stop's checkpoint resumes to the
     uninterrupted run's losses: SIGHUP's to its end; SIGINT's is stopped again by SIGTERM to rank 1 in the final
-    validation, which the ranks agree on at each batch as in the fit (there Lightning's handler, broadcasting from
-    inside itself on rank 1 alone, hung both ranks for good): exit 143, the run KILLED, last.ckpt the last step,
-    no final val/loss logged. (SIGTERM to one rank in training: the FSDP stop in test_fsdp.py; each signal in one
-    process: test_signals.py.)"""
+    validation, which the ranks agree on at each batch as in the fit's validations: exit 143, the run KILLED,
+    last.ckpt the last step, no final val/loss logged. (SIGTERM to one rank in training: the FSDP stop in
+    test_fsdp.py; in the sanity check: below; each signal in one process: test_signals.py.)"""
     stopped = run_process(fit_args(data, *DDP, "--experiment", "stopped", "--config",
                                    hooks(tmp_path, "stop.yaml", ("SignalAt", {"step": 3, "signal": name, "rank": rank}),
                                          ("SlowRankZeroOnStop", {"seconds": 6})),
@@ -133,7 +132,8 @@ def test_ddp_ranks_stop_together_on_a_signal_to_one_or_all_of_them(data, tmp_pat
                                          "continue with --ckpt_path last")
     assert step_of(last) == 4
     assert the_run(tmp_path, "stopped")[1].info.status == "KILLED"
-    # the same command resumes it: SIGHUP's resume finishes, SIGINT's is stopped again in its final validation
+    # the same command resumes it: SIGHUP's resume finishes; SIGINT's is stopped again by SIGTERM to rank 1 alone in
+    # its final validation, where Lightning's handler, broadcasting from inside itself on rank 1, hung both ranks
     again = () if rank else ("--config", hooks(tmp_path, "final.yaml", ("SignalAt", {
         "step": 0, "signal": "SIGTERM", "during": "final_validation", "batch": 0, "rank": 1})))
     resumed = run_process(fit_args(data, *DDP, "--experiment", "stopped", "--ckpt_path", "last", *again,
@@ -148,6 +148,23 @@ def test_ddp_ranks_stop_together_on_a_signal_to_one_or_all_of_them(data, tmp_pat
         assert step_of(last) == DDP_STEPS and r1.info.status == "KILLED"
         assert [s for s, _ in metric_history(client, r1.info.run_id, "val/loss")] == [2, 4]  # not the final one
     assert_same_losses(metric_history(client, r1.info.run_id), ddp_uninterrupted)
+
+
+@pytest.mark.usefixtures("mlflow_store")
+@pytest.mark.slow
+def test_a_signal_to_one_rank_in_the_sanity_check_stops_both_after_the_first_step(data, tmp_path):
+    """SIGTERM to rank 1 alone during Lightning's sanity check (the validation batches it runs before training, as a
+    user's fit does): Lightning's own handler, broadcasting from inside itself on rank 1, hung both ranks for good.
+    The ranks agree on it at the end of the first step: both save it, exit 143 with one line, the run KILLED."""
+    stop = hooks(tmp_path, "sanity.yaml", ("SignalAt", {"step": 0, "signal": "SIGTERM", "during": "sanity",
+                                                         "batch": 0, "rank": 1}))
+    stopped = run_process(fit_args(data, *DDP, "--config", stop, "--trainer.num_sanity_val_steps", "2",
+                                   steps=DDP_STEPS), tmp_path, timeout=400)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    last = ckpt_dir(tmp_path) / "last.ckpt"
+    assert stop_line(stopped.stderr) == (f"lrattn: stopped by SIGTERM at step 1; checkpoint {last} holds it, "
+                                         "continue with --ckpt_path last")
+    assert step_of(last) == 1 and the_run(tmp_path)[1].info.status == "KILLED"
 
 
 # ---- items 2 and 6: one last.ckpt, always the newest; no step logged twice ------------------------

@@ -225,9 +225,13 @@ class LastCheckpoint(ModelCheckpoint):
     # one all-reduce, the same collective at the same point on every rank, and then hand it to Lightning,
     # which stops them together. A SIGINT or SIGHUP that was ignored when the run started (nohup, a
     # background job of a script) stays ignored.
+    def on_sanity_check_start(self, trainer, pl_module) -> None:
+        super().on_sanity_check_start(trainer, pl_module)
+        self._take_signals(trainer)  # (Lightning registered its handler just now; the first step agrees on it)
+
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
-        self._take_signals(trainer)  # (Lightning registered its handler just now)
+        self._take_signals(trainer)  # (Lightning registered its handler just now, or before the sanity check)
 
     def _take_signals(self, trainer) -> None:
         """This process's stop signals go to _note_signal from here on (Lightning's teardown restores the original
