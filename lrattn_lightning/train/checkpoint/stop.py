@@ -2,8 +2,8 @@
 
     stop_signals_noted  inside it SIGTERM, SIGINT and SIGHUP are noted (NOTED_SIGNAL), not fatal: `lrattn fit`
                         decides where it stops (after a step's save, before its final validation) and exits
-                        128 + the signal's number; LastCheckpoint (save.py) notes those that come during training
-                        and the final validation
+                        128 + the signal's number; LastCheckpoint (save.py) notes those that come during the
+                        sanity check, training and the final validation
     agreed_signal       the highest signal any rank noted (one all-reduce at the same point on every rank)
     Stop, LAST_STOP     how the last fit of this process stopped on a signal, and the checkpoint saved then
     NonFiniteLossError, Divergence, LAST_DIVERGENCE   a non-finite loss, and which checkpoint is the last finite one
