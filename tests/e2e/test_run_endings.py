@@ -21,6 +21,7 @@ from helpers.runs import (
     fit_args,
     histories,
     hooks,
+    metric_history,
     run_cli,
     run_process,
     step_of,
@@ -123,31 +124,23 @@ def test_a_kill_after_a_save_loses_no_metric_and_each_late_stop_ends_as_the_run_
                      ("SignalAt", {"step": 0, "during": during, "batch": batch}))
         stopped = run_process(args(data, "--ckpt_path", "last", "--config", stop), tmp_path)
         assert stopped.returncode == code, (during, batch, stopped.stderr[-3000:])
-        _, run = the_run(tmp_path, "run")
+        client, run = the_run(tmp_path, "run")
         assert step_of(last) == STEPS
         if code:
             assert stop_line(stopped.stderr) == (f"lrattn: stopped by SIGTERM at step {STEPS}; checkpoint {last} "
                                                  "holds it, continue with --ckpt_path last")
             assert run.info.status == "KILLED"
-            assert [m.step for m in MlflowHistory(tmp_path).of("val/loss")] == [2, 4]
+            assert [step for step, _ in metric_history(client, run.info.run_id, "val/loss")] == [2, 4]
         else:
             assert "[lrattn] SIGTERM came after the run finished; nothing was lost" in stopped.stderr
     assert run.info.status == "FINISHED"
     assert_same_run(tmp_path, uninterrupted)
 
 
-class MlflowHistory:
-    def __init__(self, folder: Path):
-        self.client, self.run = the_run(folder, "run")
-
-    def of(self, key: str):
-        return sorted(self.client.get_metric_history(self.run.info.run_id, key), key=lambda m: m.step)
-
-
 def test_a_resume_whose_first_loss_is_non_finite_sets_the_file_it_resumed_from_apart(data, tmp_path):
-    """last.ckpt of a finished run planted with weights whose loss overflows (as a run killed between a save and the
-    next step could leave it, at a learning rate too high), trained on from it: the loss of the step it resumed at is
-    non-finite. Those weights are the file it resumed from, so that file is set apart, as one this process had saved
+    """last.ckpt of a finished run planted with its weights times infinity (inf or NaN: weights a learning rate too
+    high could leave in a run killed between a save and the next step), trained on from it: the loss of the step it
+    resumed at is non-finite. Those weights are the file it resumed from, so that file is set apart, as one this process had saved
     would be; the finished run kept no previous state, so none is left, and the line says so."""
     assert run_cli(args(data), tmp_path).returncode == 0
     last = checkpoints(tmp_path) / "last.ckpt"

@@ -224,8 +224,8 @@ def test_bad_input_fails_with_one_line_before_any_work(tmp_path, monkeypatch, ca
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)  # (main sets it for the GPU)
     try:
         code = gpu_check.main([*flags, "--out", str(tmp_path)])
-    except SystemExit as exit:  # argparse's error
-        code = exit.code
+    except SystemExit as stop:  # argparse's error
+        code = stop.code
     err = capsys.readouterr().err
     assert code == 2, err[-2000:]
     assert says in err.strip().splitlines()[-1], err  # one line (argparse's usage above it), no traceback

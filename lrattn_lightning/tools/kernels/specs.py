@@ -11,9 +11,8 @@ launches are those of a real run.
 `launches(sizes)` drives every AttnRes registry entry's router at a size's widths (the vocabulary, the MLP
 and the token attention are not needed: no kernel sees them; a stand-in sublayer writes each output in the
 dtype and layout the decoder's output projection gives: [B, T, D + extra], new and contiguous, from one column
-of the read scaled by a vector): training (forward
-and backward), validation with the routing weights recorded (forward), and decoding one token (forward),
-each in float32 and under bfloat16 autocast. The sequence is cut to `tokens` (16: a multiple of 16 like
+of the read scaled by a vector): training (forward and backward), validation with the routing weights
+recorded (forward), and decoding one token (forward), each in float32 and under bfloat16 autocast. The sequence is cut to `tokens` (16: a multiple of 16 like
 B * T in training, and at least every BLOCK_N at these widths, so the launch geometry is the real one).
 
 Autocast on CPU casts what CUDA autocast casts for these ops with torch <= 2.11 (the GPU machine's; rms_norm
